@@ -1,0 +1,187 @@
+"""Config: what the user wants, validated up front with messages that say what to change."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tierwise.units import parse_bytes
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+PLACEMENTS = ("auto", "device", "host", "nvme")
+ACTIVATION_OFFLOADS = ("none", "host", "nvme", "auto")
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class ConfigError(ValueError):
+    """A Config field has a value tierwise cannot use; the message says what to change."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """User intent for one training run. Every field can be given to ``tierwise.setup``."""
+
+    precision: str = "bf16"
+    """Compute precision of parameters and gradients: "bf16" (default), "fp16" (with dynamic
+    loss scaling) or "fp32". Master weights and Adam states are always fp32."""
+
+    device: str = field(default_factory=_default_device)
+    """The compute device ("cuda", "cuda:1", "cpu"). Default: cuda if available, else cpu."""
+
+    chunk_size: int | str = "auto"
+    """Elements per chunk, or "auto" (the planner chooses)."""
+
+    cache_blocks: int | str = "auto"
+    """Number of rCache blocks on the device for chunks whose home is a lower tier, or "auto"."""
+
+    param_placement: str = "auto"
+    """Home tier of parameter chunks: "auto" | "device" | "host" | "nvme"."""
+
+    optimizer_placement: str = "auto"
+    """Tier holding fp32 master weights and Adam states: "auto" | "device" | "host" | "nvme"."""
+
+    device_memory: int | str | None = None
+    """Byte budget for model data on the compute device (int or "8GiB"); None = what it has."""
+
+    host_memory: int | str | None = None
+    """Byte budget for model data in host RAM (int or "64GiB"); None = what the machine has."""
+
+    nvme_path: str | None = None
+    """Directory on a fast disk for the NVMe tier (needs the tierwise-nvme plugin)."""
+
+    prefetch: int = 2
+    """How many chunks to fetch ahead of use, following the recorded access order."""
+
+    activation_checkpointing: bool = False
+    """Recompute activations of each transformer block in backward (HF models: enabled via
+    ``gradient_checkpointing_enable``)."""
+
+    activation_offload: str = "none"
+    """Where saved activations go: "none" | "host" | "nvme" | "auto" (planner decides)."""
+
+    shard: bool = True
+    """Shard chunks across data-parallel ranks (ZeRO). False keeps full replicas (DDP-like)."""
+
+    parallel: dict[str, int] | None = None
+    """Model-parallel sizes by pattern name, e.g. {"expert": 2} or {"tensor": 2}."""
+
+    alloc_fraction: float = 0.95
+    """F_alloc: fraction of free device memory the planner may use for model data."""
+
+    frag_factor: float = 1.25
+    """F_frag: activation memory is multiplied by this to account for fragmentation."""
+
+    def __post_init__(self) -> None:
+        def fail(name: str, message: str) -> None:
+            raise ConfigError(f"Config.{name}={getattr(self, name)!r}: {message}")
+
+        if self.precision not in PRECISIONS:
+            fail("precision", f"choose one of {', '.join(PRECISIONS)}")
+        try:
+            import torch
+
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
+            fail("device", "not a torch device; use e.g. 'cuda', 'cuda:0' or 'cpu'")
+        if self.chunk_size != "auto" and (
+            isinstance(self.chunk_size, bool)
+            or not isinstance(self.chunk_size, int)
+            or self.chunk_size <= 0
+        ):
+            fail("chunk_size", 'give a positive number of elements or "auto"')
+        if self.cache_blocks != "auto" and (
+            isinstance(self.cache_blocks, bool)
+            or not isinstance(self.cache_blocks, int)
+            or self.cache_blocks < 0
+        ):
+            fail("cache_blocks", 'give a number of blocks ≥ 0 or "auto"')
+        for name in ("param_placement", "optimizer_placement"):
+            if getattr(self, name) not in PLACEMENTS:
+                fail(name, f"choose one of {', '.join(PLACEMENTS)}")
+        for name in ("device_memory", "host_memory"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    object.__setattr__(self, name, parse_bytes(value, what=name))
+                except ValueError as err:
+                    raise ConfigError(f"Config.{err}") from None
+        if "nvme" in (self.param_placement, self.optimizer_placement, self.activation_offload):
+            if not self.nvme_path:
+                fail(
+                    "nvme_path" if self.nvme_path is not None else "param_placement",
+                    "an NVMe placement needs nvme_path set to a directory on a fast disk",
+                )
+        if self.nvme_path is not None:
+            object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            fail("prefetch", "give a number of chunks ≥ 0")
+        if self.activation_offload not in ACTIVATION_OFFLOADS:
+            fail("activation_offload", f"choose one of {', '.join(ACTIVATION_OFFLOADS)}")
+        if self.parallel is not None:
+            if not isinstance(self.parallel, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) and v >= 1
+                for k, v in self.parallel.items()
+            ):
+                fail("parallel", 'give a dict of pattern name to size, e.g. {"expert": 2}')
+        if not 0 < self.alloc_fraction <= 1:
+            fail("alloc_fraction", "must be in (0, 1]")
+        if self.frag_factor < 1:
+            fail("frag_factor", "must be ≥ 1")
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_any(cls, config: Config | dict | str | os.PathLike | None, **overrides) -> Config:
+        """Build from a Config, a dict, a .toml/.json path or None, then apply overrides."""
+        if config is None:
+            base: dict[str, Any] = {}
+        elif isinstance(config, Config):
+            base = config.to_dict()
+        elif isinstance(config, dict):
+            base = dict(config)
+        elif isinstance(config, (str, os.PathLike)):
+            base = _read_file(Path(config))
+        else:
+            raise ConfigError(
+                f"config must be a tierwise.Config, a dict or a path to .toml/.json, "
+                f"got {type(config).__name__}"
+            )
+        base.update(overrides)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(base) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown Config field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}"
+            )
+        return cls(**base)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> Config:
+        return dataclasses.replace(self, **changes)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    if path.suffix == ".json":
+        data = json.loads(path.read_text())
+    elif path.suffix == ".toml":
+        import tomllib
+
+        data = tomllib.loads(path.read_text())
+        data = data.get("tierwise", data)
+    else:
+        raise ConfigError(f"config file {path}: use a .toml or .json file")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a table/object of Config fields")
+    return data

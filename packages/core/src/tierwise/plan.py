@@ -1,0 +1,114 @@
+"""Plan: where model data lives and how it moves. It never changes the arithmetic (Invariant 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tierwise.jsonable import JsonDataclass
+from tierwise.units import format_bytes
+
+TIER_NAMES = ("device", "host", "nvme")
+ACTIVATION_ACTIONS = ("keep", "recompute", "host", "nvme")
+
+
+class PlanError(ValueError):
+    """The requested plan cannot fit or is inconsistent; the message says the limit."""
+
+
+@dataclass(kw_only=True)
+class Plan(JsonDataclass):
+    """A training plan. Chunk groups are named by ``ChunkGroup.name``; per-chunk tier lists are
+    indexed like the group's chunks (missing entries take the defaults)."""
+
+    chunk_size: int
+    """Elements per chunk (a parameter larger than this gets a chunk of its own)."""
+    cache_blocks: int
+    """rCache blocks on the device for chunks whose home is a lower tier."""
+    prefetch: int = 2
+    """Chunks fetched ahead of use."""
+    param_tier: str = "device"
+    """Default home tier of parameter chunks."""
+    optim_tier: str = "device"
+    """Default tier of fp32 master and Adam states."""
+    param_tiers: dict[str, list[str]] = field(default_factory=dict)
+    """Per chunk group, the home tier of each parameter chunk (overrides ``param_tier``)."""
+    optim_tiers: dict[str, list[str]] = field(default_factory=dict)
+    """Per chunk group, the tier of each chunk's optimizer states (overrides ``optim_tier``)."""
+    shard: bool = True
+    """Shard chunks across data-parallel ranks (False: replicate, all-reduce gradients)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward."""
+    activation_policy: dict[str, str] = field(default_factory=dict)
+    """Per layer: "keep", "recompute", "host" or "nvme" (swap target)."""
+    predicted_step_s: dict[str, float] = field(default_factory=dict)
+    """Predicted step-time breakdown in seconds (compute, h2d, d2h, nvme_read, nvme_write,
+    optimizer, comm, total)."""
+    device_allowance: int | None = None
+    """Bytes of model data the compute tier may hold (Invariant 4)."""
+    planner: str = "core"
+    """Which planner made it."""
+    reasons: list[str] = field(default_factory=list)
+    """Why the planner chose this, one line each."""
+    alternatives: list[dict] = field(default_factory=list)
+    """Runner-up plans the planner rejected: {"summary": ..., "predicted_s": ..., "why": ...}."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_size <= 0:
+            raise PlanError(f"Plan.chunk_size={self.chunk_size}: must be positive")
+        if self.cache_blocks < 0:
+            raise PlanError(f"Plan.cache_blocks={self.cache_blocks}: must be ≥ 0")
+        for tier in (self.param_tier, self.optim_tier):
+            if tier not in TIER_NAMES:
+                raise PlanError(f"Plan tier {tier!r}: choose one of {', '.join(TIER_NAMES)}")
+        for action in self.activation_policy.values():
+            if action not in ACTIVATION_ACTIONS:
+                raise PlanError(
+                    f"activation action {action!r}: choose one of {', '.join(ACTIVATION_ACTIONS)}"
+                )
+
+    def param_tier_of(self, group: str, index: int) -> str:
+        tiers = self.param_tiers.get(group, ())
+        return tiers[index] if index < len(tiers) else self.param_tier
+
+    def optim_tier_of(self, group: str, index: int) -> str:
+        tiers = self.optim_tiers.get(group, ())
+        return tiers[index] if index < len(tiers) else self.optim_tier
+
+    def table(self) -> str:
+        """A human-readable table of the plan."""
+        rows = [
+            ("planner", self.planner),
+            ("chunk size", f"{self.chunk_size:,} elements"),
+            ("rCache blocks", str(self.cache_blocks)),
+            ("prefetch", str(self.prefetch)),
+            ("params home (default)", self.param_tier),
+            ("optimizer states (default)", self.optim_tier),
+            ("shard across ranks", str(self.shard)),
+            ("activation checkpointing", str(self.activation_checkpointing)),
+        ]
+        if self.device_allowance is not None:
+            rows.append(("device allowance", format_bytes(self.device_allowance)))
+        for group in sorted(set(self.param_tiers) | set(self.optim_tiers)):
+            p = self.param_tiers.get(group, [])
+            o = self.optim_tiers.get(group, [])
+            rows.append((f"group {group}", f"params {_count(p)} | optimizer {_count(o)}"))
+        if self.activation_policy:
+            rows.append(("activations", _count(list(self.activation_policy.values()))))
+        for key, value in self.predicted_step_s.items():
+            rows.append((f"predicted {key}", f"{value * 1e3:.1f} ms"))
+        width = max(len(k) for k, _ in rows)
+        lines = [f"{k:<{width}}  {v}" for k, v in rows]
+        lines += [f"  why: {r}" for r in self.reasons]
+        for alt in self.alternatives:
+            lines.append(f"  rejected: {alt.get('summary', '?')} — {alt.get('why', '')}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _count(tiers: list[str]) -> str:
+    counts: dict[str, int] = {}
+    for tier in tiers:
+        counts[tier] = counts.get(tier, 0) + 1
+    return ", ".join(f"{n}×{t}" for t, n in counts.items()) or "-"

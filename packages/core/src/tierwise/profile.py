@@ -1,0 +1,71 @@
+"""Profile: what a model does in one training step (the planner's input).
+
+Produced before runtime by a profiler plugin (tierwise-profiler, meta device) or, without one,
+by core's warm-up trace of the first step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tierwise.jsonable import JsonDataclass
+
+
+@dataclass(kw_only=True)
+class ParamInfo(JsonDataclass):
+    """One parameter (tied parameters appear once, under their first name)."""
+
+    name: str
+    """Qualified name of the parameter's first occurrence in ``model.named_parameters()``."""
+    shape: tuple[int, ...]
+    """Parameter shape."""
+    numel: int
+    """Number of elements."""
+    requires_grad: bool = True
+    """False for frozen parameters (no gradient, no optimizer state)."""
+    aliases: tuple[str, ...] = ()
+    """Other names under which the same tensor is registered (tied weights)."""
+
+
+@dataclass(kw_only=True)
+class Profile(JsonDataclass):
+    """Call order, memory and compute of one training step."""
+
+    params: list[ParamInfo] = field(default_factory=list)
+    """Every distinct parameter, in ``named_parameters()`` order."""
+    forward_order: list[str] = field(default_factory=list)
+    """Parameter names in the order forward touches them (a parameter used twice appears twice)."""
+    backward_order: list[str] = field(default_factory=list)
+    """Parameter names in the order backward touches them (including checkpoint re-forward)."""
+    module_params: dict[str, list[str]] = field(default_factory=dict)
+    """Module name -> parameters it touches directly."""
+    checkpoint_blocks: list[list[str]] = field(default_factory=list)
+    """Parameters touched by each activation-checkpoint block (one coarse operator each)."""
+    multi_use: list[str] = field(default_factory=list)
+    """Parameters touched more than once per forward (tied or reused)."""
+    layer_activation_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes of activations saved for backward, per layer (module name)."""
+    layer_flops: dict[str, float] = field(default_factory=dict)
+    """Forward FLOPs per layer (module name)."""
+    peak_activation_bytes: int = 0
+    """Peak non-model (activation + temporaries) memory over the step, bytes."""
+    buffer_bytes: int = 0
+    """Bytes of module buffers (not managed in chunks)."""
+    batch_size: int | None = None
+    """Batch size the profile was taken at."""
+    seq_len: int | None = None
+    """Sequence length the profile was taken at."""
+    source: str = "unknown"
+    """Who made it: "meta" (pre-runtime profiler) or "runtime" (core warm-up trace)."""
+    seconds: float = 0.0
+    """Time the profiling took."""
+
+    @property
+    def total_numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def param(self, name: str) -> ParamInfo:
+        for info in self.params:
+            if info.name == name or name in info.aliases:
+                return info
+        raise KeyError(name)

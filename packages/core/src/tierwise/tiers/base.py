@@ -1,0 +1,105 @@
+"""The Tier interface: a place chunk payloads live (device, host, nvme, ...)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from tierwise.units import format_bytes
+
+if TYPE_CHECKING:
+    from tierwise.config import Config
+
+
+class TierBudgetError(MemoryError):
+    """An allocation would exceed a tier's byte budget."""
+
+
+@dataclass(eq=False)
+class Slab:
+    """One allocation in a tier: a flat run of ``numel`` elements of ``dtype``."""
+
+    tier: Tier
+    numel: int
+    dtype: torch.dtype
+    what: str
+    tensor: torch.Tensor | None = None
+    """The memory itself for addressable tiers (device, host); None for storage tiers."""
+    offset: int = 0
+    """Byte offset in the tier's backing store (storage tiers)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+class IOHandle:
+    """A transfer in flight; ``wait()`` blocks until it is complete (and re-raises its error)."""
+
+    def wait(self) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+
+DONE = IOHandle()
+
+
+class Tier(ABC):
+    """A memory or storage level with a byte budget.
+
+    Subclasses set ``PLUGIN_NAME`` (the tier's name in plans: "device", "host", "nvme") and
+    ``ADDRESSABLE`` (True when slabs are tensors compute or the optimizer can use in place).
+    """
+
+    PLUGIN_NAME: ClassVar[str]
+    ADDRESSABLE: ClassVar[bool] = True
+
+    def __init__(self, *, device: torch.device, budget: int | None, config: Config):
+        self.device = device
+        self.budget = budget
+        self.config = config
+        self.used_bytes = 0
+        self.peak_bytes = 0
+
+    @property
+    def name(self) -> str:
+        return self.PLUGIN_NAME
+
+    def _account(self, nbytes: int, what: str) -> None:
+        if self.budget is not None and self.used_bytes + nbytes > self.budget:
+            raise TierBudgetError(
+                f"{self.name} tier: allocating {format_bytes(nbytes)} for {what} would use "
+                f"{format_bytes(self.used_bytes + nbytes)}, over its budget of "
+                f"{format_bytes(self.budget)}; raise the budget, or move more chunks to a lower "
+                "tier (param_placement / optimizer_placement)"
+            )
+        self.used_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.used_bytes
+
+    @abstractmethod
+    def allocate(self, numel: int, dtype: torch.dtype, *, what: str) -> Slab:
+        """Reserve room for ``numel`` elements (contents undefined)."""
+
+    @abstractmethod
+    def release(self, slab: Slab) -> None:
+        """Give a slab's room back."""
+
+    @abstractmethod
+    def read(self, slab: Slab, out: torch.Tensor, *, offset: int = 0) -> IOHandle:
+        """Copy ``slab[offset : offset + out.numel()]`` into ``out`` (any device)."""
+
+    @abstractmethod
+    def write(self, slab: Slab, src: torch.Tensor, *, offset: int = 0) -> IOHandle:
+        """Copy ``src`` into ``slab[offset : offset + src.numel()]``."""
+
+    def close(self) -> None:
+        """Release backing resources (files, pools)."""

@@ -1,0 +1,79 @@
+"""Packing parameters into chunks (PatrickStar layout), shared by the engine and planners.
+
+Parameters are placed in first-use order; a parameter that does not fit in the current chunk's
+remaining room starts a new chunk (a parameter is never split); a parameter larger than the chunk
+size gets a chunk of its own, exactly its size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """Where one parameter lives: ``chunk`` index, element ``offset`` and ``numel``."""
+
+    name: str
+    chunk: int
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One chunk: its capacity in elements and the parameters packed in it."""
+
+    index: int
+    capacity: int
+    slots: tuple[SlotSpec, ...]
+
+    @property
+    def used(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+
+def first_use_order(order: Iterable[str], all_names: Sequence[str]) -> list[str]:
+    """Deduplicate ``order`` keeping first uses; append never-used names in ``all_names`` order."""
+    seen: dict[str, None] = {}
+    known = set(all_names)
+    for name in order:
+        if name in known:
+            seen.setdefault(name, None)
+    for name in all_names:
+        seen.setdefault(name, None)
+    return list(seen)
+
+
+def pack(names: Sequence[str], numels: dict[str, int], chunk_size: int) -> list[ChunkSpec]:
+    """Pack ``names`` (already in the wanted order) into chunks of ``chunk_size`` elements."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    chunks: list[ChunkSpec] = []
+    current: list[SlotSpec] = []
+    filled = 0
+
+    def close(capacity: int) -> None:
+        nonlocal current, filled
+        if current:
+            chunks.append(ChunkSpec(len(chunks), capacity, tuple(current)))
+        current, filled = [], 0
+
+    for name in names:
+        numel = numels[name]
+        if numel > chunk_size:  # oversize: a chunk of its own
+            close(chunk_size)
+            chunks.append(ChunkSpec(len(chunks), numel, (SlotSpec(name, len(chunks), 0, numel),)))
+            continue
+        if filled + numel > chunk_size:
+            close(chunk_size)
+        current.append(SlotSpec(name, len(chunks), filled, numel))
+        filled += numel
+    close(chunk_size)
+    return chunks
+
+
+def padding(chunks: Sequence[ChunkSpec]) -> int:
+    """Elements allocated but not used by any parameter."""
+    return sum(c.capacity - c.used for c in chunks)

@@ -25,6 +25,8 @@ class ParamInfo(JsonDataclass):
     """False for frozen parameters (no gradient, no optimizer state)."""
     aliases: tuple[str, ...] = ()
     """Other names under which the same tensor is registered (tied weights)."""
+    group: str = ""
+    """Chunk group name (pattern/param group/trainable), filled by the engine before planning."""
 
 
 @dataclass(kw_only=True)

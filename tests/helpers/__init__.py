@@ -1,0 +1,1 @@
+"""Shared test helpers: tiny HF models built offline and a multi-process (gloo) spawner."""

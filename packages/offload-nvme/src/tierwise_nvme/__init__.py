@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from tierwise.hookspecs import hookimpl
-from tierwise.plugins import not_implemented
-from tierwise.tiers import Tier
 
 from tierwise_nvme._version import __version__
+from tierwise_nvme.errors import NVMeIOError, NVMeSpaceError
+from tierwise_nvme.options import NVMeOptions
+from tierwise_nvme.staging import StagingPool
+from tierwise_nvme.tier import NVMeTier
 
-
-class NVMeTier(Tier):
-    """Placeholder: chunk payloads in one preallocated file per rank on an NVMe disk."""
-
-    PLUGIN_NAME = "nvme"
-    ADDRESSABLE = False
-
-    def __init__(self, **kwargs):
-        raise not_implemented("the NVMe tier", "tierwise-nvme")
-
-    allocate = release = read = write = __init__
+if TYPE_CHECKING:
+    from tierwise.config import Config
 
 
 @hookimpl
@@ -26,4 +21,22 @@ def tierwise_register_tiers() -> list[type]:
     return [NVMeTier]
 
 
-__all__ = ["NVMeTier", "__version__", "tierwise_register_tiers"]
+@hookimpl
+def tierwise_probe_hardware(config: Config) -> dict[str, Any] | None:
+    if not config.nvme_path:
+        return None
+    from tierwise_nvme.probe import probe_nvme
+
+    return probe_nvme(config.nvme_path)
+
+
+__all__ = [
+    "NVMeIOError",
+    "NVMeOptions",
+    "NVMeSpaceError",
+    "NVMeTier",
+    "StagingPool",
+    "__version__",
+    "tierwise_probe_hardware",
+    "tierwise_register_tiers",
+]

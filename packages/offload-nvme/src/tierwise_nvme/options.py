@@ -1,0 +1,86 @@
+"""NVMeOptions: how the NVMe tier does I/O (backend, block size, queue depth)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from tierwise.units import parse_bytes
+
+BACKENDS = ("auto", "libaio", "threads", "buffered")
+ALIGNMENT = 4096
+"""File offsets, transfer sizes and buffer addresses of O_DIRECT I/O are multiples of this."""
+
+
+class NVMeOptionsError(ValueError):
+    """An NVMe option has a value the tier cannot use; the message says what to change."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NVMeOptions:
+    """I/O settings of the NVMe tier. ``from_env()`` reads the ``TIERWISE_NVME_*`` variables."""
+
+    backend: str = "auto"
+    """"auto" (libaio with O_DIRECT; thread pool without libaio.so.1; buffered I/O where the
+    file system refuses O_DIRECT), or force one: "libaio", "threads" (os.preadv/pwritev on
+    O_DIRECT files in a thread pool), "buffered" (thread pool through the page cache).
+    Env: TIERWISE_NVME_BACKEND."""
+
+    block_size: int = 1 << 20
+    """Bytes per I/O request; larger transfers are split. A multiple of 4096.
+    Env: TIERWISE_NVME_BLOCK_SIZE (e.g. "4MiB")."""
+
+    queue_depth: int = 32
+    """Requests in flight at once (libaio queue depth, or thread-pool size).
+    Env: TIERWISE_NVME_QUEUE_DEPTH."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise NVMeOptionsError(
+                f"NVMeOptions.backend={self.backend!r}: choose one of {', '.join(BACKENDS)}"
+            )
+        if (
+            isinstance(self.block_size, bool)
+            or not isinstance(self.block_size, int)
+            or self.block_size <= 0
+            or self.block_size % ALIGNMENT
+        ):
+            raise NVMeOptionsError(
+                f"NVMeOptions.block_size={self.block_size!r}: give a positive multiple of "
+                f"{ALIGNMENT} bytes, e.g. 1MiB"
+            )
+        if (
+            isinstance(self.queue_depth, bool)
+            or not isinstance(self.queue_depth, int)
+            or not 1 <= self.queue_depth <= 1024
+        ):
+            raise NVMeOptionsError(
+                f"NVMeOptions.queue_depth={self.queue_depth!r}: give a number of requests "
+                "between 1 and 1024"
+            )
+
+    @classmethod
+    def from_env(cls) -> NVMeOptions:
+        """Defaults, overridden by TIERWISE_NVME_BACKEND / _BLOCK_SIZE / _QUEUE_DEPTH."""
+        values: dict = {}
+        if "TIERWISE_NVME_BACKEND" in os.environ:
+            values["backend"] = os.environ["TIERWISE_NVME_BACKEND"].strip().lower()
+        if "TIERWISE_NVME_BLOCK_SIZE" in os.environ:
+            try:
+                values["block_size"] = parse_bytes(
+                    os.environ["TIERWISE_NVME_BLOCK_SIZE"], what="TIERWISE_NVME_BLOCK_SIZE"
+                )
+            except ValueError as err:
+                raise NVMeOptionsError(str(err)) from None
+        if "TIERWISE_NVME_QUEUE_DEPTH" in os.environ:
+            raw = os.environ["TIERWISE_NVME_QUEUE_DEPTH"]
+            try:
+                values["queue_depth"] = int(raw)
+            except ValueError:
+                raise NVMeOptionsError(
+                    f"TIERWISE_NVME_QUEUE_DEPTH={raw!r}: give a whole number, e.g. 32"
+                ) from None
+        return cls(**values)
+
+
+__all__ = ["ALIGNMENT", "BACKENDS", "NVMeOptions", "NVMeOptionsError"]

@@ -1,0 +1,179 @@
+"""NVMeTier: chunk payloads in preallocated files on a fast disk, moved by asynchronous I/O."""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import re
+import threading
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from tierwise.tiers import DONE, IOHandle, Slab, Tier
+
+from tierwise_nvme.backends import IOBackend, open_backend
+from tierwise_nvme.options import NVMeOptions
+from tierwise_nvme.swapfile import SwapFile, align_up, remove_stale_files, swap_file_name
+from tierwise_nvme.transfer import Transfers
+
+if TYPE_CHECKING:
+    from tierwise.config import Config
+
+_instances = itertools.count()
+_open_tiers: weakref.WeakSet[NVMeTier] = weakref.WeakSet()
+
+
+def current_rank() -> int:
+    """This process's rank in the default process group (0 when not distributed)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+def kind_of(what: str) -> str:
+    """The file a slab goes to: the leading word of ``what`` ("param_chunk", "optim_chunk")."""
+    match = re.match(r"[A-Za-z0-9_]+", what)
+    return match.group(0).lower()[:40] if match else "data"
+
+
+class NVMeTier(Tier):
+    """Chunk payloads on disk under ``config.nvme_path``: one preallocated file per kind of data
+    (the leading word of ``allocate(what=...)``) for this process and rank.
+
+    ``budget`` caps the bytes allocated on disk (None: what the file system has). Transfers are
+    asynchronous (see tierwise_nvme.transfer); files are deleted by ``close()``, at interpreter
+    exit, and — if the process crashed — by the next NVMeTier created in the same directory.
+    """
+
+    PLUGIN_NAME = "nvme"
+    ADDRESSABLE = False
+
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        budget: int | None,
+        config: Config,
+        options: NVMeOptions | None = None,
+        backend: IOBackend | None = None,
+    ) -> None:
+        super().__init__(device=device, budget=budget, config=config)
+        if not config.nvme_path:
+            raise ValueError(
+                "the nvme tier needs Config.nvme_path: set it to a directory on a fast local disk"
+            )
+        self.directory = Path(config.nvme_path).expanduser().resolve()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        remove_stale_files(self.directory)
+        self.options = options or NVMeOptions.from_env()
+        self.backend = backend or open_backend(self.options, self.directory)
+        self.rank = current_rank()
+        self.instance = next(_instances)
+        self.moved_bytes = {"nvme->host": 0, "host->nvme": 0}
+        """Bytes read from and written to disk by this tier so far."""
+        self._transfers = Transfers(self.backend, pin=self.device.type == "cuda")
+        self._files: dict[str, SwapFile] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        _open_tiers.add(self)
+
+    # -- files ------------------------------------------------------------------------------
+    def _file(self, kind: str) -> SwapFile:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the nvme tier in {self.directory} is closed")
+            if kind not in self._files:
+                name = swap_file_name(pid=os.getpid(), instance=self.instance, rank=self.rank, kind=kind)
+                self._files[kind] = SwapFile(self.directory / name, direct=self.backend.direct, kind=kind)
+            return self._files[kind]
+
+    @property
+    def paths(self) -> list[Path]:
+        """The swap files this tier has open."""
+        return [file.path for file in self._files.values()]
+
+    def reserve(self, nbytes: int, *, what: str) -> None:
+        """Preallocate room for ``nbytes`` of ``what`` now (one free-space check up front, naming
+        the whole amount), so later ``allocate`` calls of that kind never grow the file."""
+        self._file(kind_of(what)).reserve(nbytes)
+
+    # -- Tier interface ---------------------------------------------------------------------
+    def allocate(self, numel: int, dtype: torch.dtype, *, what: str) -> Slab:
+        slab = Slab(self, numel, dtype, what)
+        file = self._file(kind_of(what))
+        self._account(slab.nbytes, what)
+        try:
+            slab.offset = file.allocate(max(slab.nbytes, 1))
+        except BaseException:
+            self.used_bytes -= slab.nbytes
+            raise
+        slab.extra["file"] = file
+        return slab
+
+    def release(self, slab: Slab) -> None:
+        file = slab.extra.pop("file", None)
+        if file is not None:
+            file.free(slab.offset, max(slab.nbytes, 1))
+            self.used_bytes -= slab.nbytes
+
+    def read(self, slab: Slab, out: torch.Tensor, *, offset: int = 0) -> IOHandle:
+        file = self._check(slab, out, offset, "read into")
+        if out.numel() == 0:
+            return DONE
+        start = slab.offset + offset * out.element_size()
+        handle = self._transfers.read(file, start, out)
+        self.moved_bytes["nvme->host"] += out.nbytes
+        return handle
+
+    def write(self, slab: Slab, src: torch.Tensor, *, offset: int = 0) -> IOHandle:
+        file = self._check(slab, src, offset, "write from")
+        if src.numel() == 0:
+            return DONE
+        start = slab.offset + offset * src.element_size()
+        handle = self._transfers.write(file, start, src, limit=slab.offset + slab.nbytes)
+        self.moved_bytes["host->nvme"] += src.nbytes
+        return handle
+
+    def _check(self, slab: Slab, tensor: torch.Tensor, offset: int, verb: str) -> SwapFile:
+        file = slab.extra.get("file")
+        if file is None or slab.tier is not self:
+            raise ValueError(f"nvme tier: cannot {verb} {slab.what}: the slab was released or is not this tier's")
+        if tensor.dtype != slab.dtype:
+            raise TypeError(
+                f"nvme tier: cannot {verb} a {tensor.dtype} tensor for {slab.what}, which holds "
+                f"{slab.dtype}: convert the tensor first"
+            )
+        if offset < 0 or offset + tensor.numel() > slab.numel:
+            raise IndexError(
+                f"nvme tier: elements [{offset}, {offset + tensor.numel()}) are outside "
+                f"{slab.what} ({slab.numel} elements)"
+            )
+        return file
+
+    def close(self) -> None:
+        """Finish transfers in flight, then close and delete the swap files (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.backend.close()
+        for file in self._files.values():
+            self._transfers.forget(file)
+            file.close()
+        _open_tiers.discard(self)
+
+    def file_bytes(self) -> int:
+        """Bytes preallocated on disk by this tier (all kinds)."""
+        return sum(align_up(file.size) for file in self._files.values())
+
+
+@atexit.register
+def _close_open_tiers() -> None:
+    for tier in list(_open_tiers):
+        tier.close()
+
+
+__all__ = ["NVMeTier", "current_rank", "kind_of"]

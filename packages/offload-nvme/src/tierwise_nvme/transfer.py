@@ -1,0 +1,240 @@
+"""Unaligned tensor <-> file transfers on top of aligned backend requests.
+
+[Note: unaligned transfers]
+A tier read/write names any element range of a slab, and any tensor. With an O_DIRECT backend
+the file range is widened to whole pages, [floor(start), ceil(end)). When the tensor's address
+has the same misalignment as ``start`` (always true for the page-aligned staging buffers and
+whole-slab transfers), the whole pages in the middle move straight between the tensor and the
+file and only the partial first/last page go through a one-page bounce buffer; otherwise the
+whole widened range goes through a page-aligned bounce buffer. A write whose partial pages hold
+other data of the slab reads those pages first (read-modify-write); bytes past the slab's end
+are padding and are zero-filled instead. Buffered backends transfer the exact range in place.
+
+[Note: ordering of transfers]
+Transfers on overlapping pages of one file run in the order they were issued: a new transfer
+first waits for every transfer in flight on those pages where either one is a write (so the
+read-modify-write of a shared page never loses an update, and a read issued after a write sees
+it). Non-conflicting transfers all run concurrently. A write's source tensor must stay
+unchanged until its handle's ``wait()`` returns (as with ``copy_(non_blocking=True)``).
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tierwise.tiers import IOHandle
+
+from tierwise_nvme.backends.base import IOBackend, IORequest
+from tierwise_nvme.backends.threads import transfer as blocking_transfer
+from tierwise_nvme.buffers import aligned_empty, byte_view, memoryview_of
+from tierwise_nvme.errors import NVMeIOError, io_error
+from tierwise_nvme.options import ALIGNMENT
+from tierwise_nvme.swapfile import SwapFile
+
+
+class NVMeHandle(IOHandle):
+    """A tier transfer of one or more backend requests; ``wait()`` re-raises the first error."""
+
+    def __init__(self, parts: int, *, finalize: Callable[[], None] | None, keep: tuple) -> None:
+        self._remaining = parts
+        self._finalize = finalize
+        self._keep = keep  # buffers the kernel uses until the transfer is complete
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._on_complete: list[Callable[[], None]] = []
+
+    def part_done(self, error: NVMeIOError | None) -> None:
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            self._remaining -= 1
+            if self._remaining:
+                return
+        if self._error is None and self._finalize is not None:
+            try:
+                self._finalize()
+            except Exception as err:  # never let a copy error hang the waiter
+                self._error = err
+        self._keep = self._finalize = None
+        for callback in self._on_complete:
+            callback()
+        self._event.set()
+
+    def wait(self) -> None:
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait_quietly(self) -> None:
+        """Block until complete without raising (for ordering, not for results)."""
+        self._event.wait()
+
+
+class InFlight:
+    """Page ranges of one file with transfers in flight. See [Note: ordering of transfers]."""
+
+    def __init__(self) -> None:
+        self.issuing = threading.Lock()
+        """Held from the conflict check until the transfer is registered (one issuer at a time)."""
+        self._lock = threading.Lock()
+        self._ops: dict[int, tuple[int, int, bool, NVMeHandle]] = {}
+
+    def wait_for_conflicts(self, lo: int, hi: int, is_write: bool) -> None:
+        while True:
+            with self._lock:
+                blocker = next(
+                    (
+                        handle
+                        for op_lo, op_hi, op_write, handle in self._ops.values()
+                        if op_lo < hi and lo < op_hi and (is_write or op_write)
+                    ),
+                    None,
+                )
+            if blocker is None:
+                return
+            blocker.wait_quietly()
+
+    def add(self, lo: int, hi: int, is_write: bool, handle: NVMeHandle) -> None:
+        key = id(handle)
+        with self._lock:
+            self._ops[key] = (lo, hi, is_write, handle)
+
+        def remove() -> None:
+            with self._lock:
+                self._ops.pop(key, None)
+
+        handle._on_complete.append(remove)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """File range ``[lo, hi)`` moved either in place (``bounce`` False) or via a bounce page."""
+
+    lo: int
+    hi: int
+    bounce: bool
+
+
+def plan_segments(start: int, end: int, address: int, direct: bool) -> list[Segment]:
+    """How to move file bytes ``[start, end)`` to/from memory at ``address``.
+
+    See [Note: unaligned transfers].
+    """
+    if not direct:
+        return [Segment(start, end, False)]
+    first, last = start // ALIGNMENT * ALIGNMENT, -(-end // ALIGNMENT) * ALIGNMENT
+    middle_lo, middle_hi = -(-start // ALIGNMENT) * ALIGNMENT, end // ALIGNMENT * ALIGNMENT
+    if (address - start) % ALIGNMENT or middle_lo >= middle_hi:
+        return [Segment(first, last, True)]
+    segments = [Segment(middle_lo, middle_hi, False)]
+    if first < middle_lo:
+        segments.insert(0, Segment(first, middle_lo, True))
+    if middle_hi < last:
+        segments.append(Segment(middle_hi, last, True))
+    return segments
+
+
+class Transfers:
+    """Starts reads and writes of tensors at byte offsets of swap files through a backend."""
+
+    def __init__(self, backend: IOBackend, *, pin: bool) -> None:
+        self.backend = backend
+        self.pin = pin
+        self._inflight: dict[int, InFlight] = {}
+        self._lock = threading.Lock()
+
+    def _inflight_of(self, file: SwapFile) -> InFlight:
+        with self._lock:
+            return self._inflight.setdefault(id(file), InFlight())
+
+    def forget(self, file: SwapFile) -> None:
+        with self._lock:
+            self._inflight.pop(id(file), None)
+
+    def read(self, file: SwapFile, start: int, out: torch.Tensor) -> NVMeHandle:
+        """Fill ``out`` with file bytes ``[start, start + out.nbytes)``."""
+        in_place = out.device.type == "cpu" and out.is_contiguous()
+        host = byte_view(out) if in_place else aligned_empty(out.nbytes, pin=self.pin)
+        end = start + host.numel()
+        segments = plan_segments(start, end, host.data_ptr(), self.backend.direct)
+        bounces = [aligned_empty(s.hi - s.lo) if s.bounce else None for s in segments]
+
+        def finalize() -> None:
+            for segment, bounce in zip(segments, bounces):
+                if bounce is not None:
+                    lo, hi = max(segment.lo, start), min(segment.hi, end)
+                    host[lo - start : hi - start].copy_(bounce[lo - segment.lo : hi - segment.lo])
+            if not in_place:
+                out.copy_(host.view(out.dtype).view(out.shape))
+
+        handle = NVMeHandle(len(segments), finalize=finalize, keep=(host, bounces, out))
+        inflight = self._inflight_of(file)
+        with inflight.issuing:
+            inflight.wait_for_conflicts(segments[0].lo, segments[-1].hi, False)
+            self._issue(file, "read", segments, bounces, host, start, handle)
+        return handle
+
+    def write(self, file: SwapFile, start: int, src: torch.Tensor, *, limit: int) -> NVMeHandle:
+        """Write ``src``'s bytes at file offset ``start``; bytes from ``limit`` on are padding."""
+        if src.device.type == "cpu" and src.is_contiguous():
+            host = byte_view(src)
+        else:
+            host = aligned_empty(src.nbytes, pin=self.pin)
+            host.copy_(byte_view(src.contiguous()))
+        end = start + host.numel()
+        segments = plan_segments(start, end, host.data_ptr(), self.backend.direct)
+        inflight = self._inflight_of(file)
+        with inflight.issuing:
+            inflight.wait_for_conflicts(segments[0].lo, segments[-1].hi, True)
+            bounces = [self._bounce_for_write(file, segment, host, start, limit) for segment in segments]
+            handle = NVMeHandle(len(segments), finalize=None, keep=(host, bounces, src))
+            self._issue(file, "write", segments, bounces, host, start, handle)
+        return handle
+
+    @staticmethod
+    def _bounce_for_write(
+        file: SwapFile, segment: Segment, host: torch.Tensor, start: int, limit: int
+    ) -> torch.Tensor | None:
+        """The page(s) to write for a bounce segment: old bytes, new bytes, zero padding."""
+        if not segment.bounce:
+            return None
+        end = start + host.numel()
+        bounce = aligned_empty(segment.hi - segment.lo)
+        if segment.lo < start or end < min(segment.hi, limit):  # other slab data shares a page
+            blocking_transfer("read", file.fd, str(file.path), segment.lo, memoryview_of(bounce))
+        lo, hi = max(segment.lo, start), min(segment.hi, end)
+        bounce[lo - segment.lo : hi - segment.lo].copy_(host[lo - start : hi - start])
+        if limit < segment.hi:
+            bounce[max(limit, end) - segment.lo :].zero_()
+        return bounce
+
+    def _issue(self, file, op, segments, bounces, host, start, handle) -> None:
+        """Register ``handle`` as in flight and submit one request per segment."""
+        inflight = self._inflight_of(file)
+        inflight.add(segments[0].lo, segments[-1].hi, op == "write", handle)
+        for segment, bounce in zip(segments, bounces):
+            buffer = bounce if bounce is not None else host[segment.lo - start : segment.hi - start]
+            request = IORequest(
+                op=op,
+                fd=file.fd,
+                path=str(file.path),
+                offset=segment.lo,
+                buffer=memoryview_of(buffer),
+                on_done=handle.part_done,
+            )
+            try:
+                self.backend.submit(request)
+            except Exception as err:
+                code = getattr(err, "errno", None) or errno.EIO
+                handle.part_done(io_error(op, str(file.path), segment.lo, segment.hi - segment.lo, code, repr(err)))
+
+
+__all__ = ["InFlight", "NVMeHandle", "Segment", "Transfers", "plan_segments"]

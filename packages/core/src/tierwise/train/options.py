@@ -1,0 +1,156 @@
+"""TrainOptions: what `tierwise train` was asked to do (beyond the engine's Config), validated."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+from tierwise.train.errors import TrainError
+from tierwise.train.presets import FAMILIES, SIZES
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainOptions:
+    """One `tierwise train` run. The engine's own settings are a ``tierwise.Config`` beside it."""
+
+    # -- model ------------------------------------------------------------------------------
+    model: str = "gpt2"
+    """Preset family: gpt2, opt, llama or mixtral (random init)."""
+    size: str = "small"
+    """Preset size: tiny, small, 125m, 350m, 1b, 3b, 7b, 13b."""
+    model_config: str | None = None
+    """A Hugging Face config.json to build the model from (random init) instead of a preset."""
+    from_pretrained: str | None = None
+    """A local Hugging Face checkpoint directory to fine-tune (uses its tokenizer when it has one)."""
+
+    # -- data -------------------------------------------------------------------------------
+    data: tuple[str, ...] = ()
+    """Text files, quoted globs, .jsonl files (field 'text') or a datasets save_to_disk directory;
+    none: the Python standard library's own source."""
+    tokenizer: str | None = None
+    """A local Hugging Face tokenizer directory; default: UTF-8 bytes (no download)."""
+
+    # -- training ---------------------------------------------------------------------------
+    steps: int = 150
+    """Optimizer steps of the whole run (the learning-rate schedule spans them)."""
+    stop_after: int | None = None
+    """Stop after this many steps (a checkpoint is written); --resume finishes the run."""
+    batch: int = 8
+    """Sequences per micro-batch on each rank."""
+    seq: int = 128
+    """Tokens per sequence."""
+    grad_accum: int = 1
+    """Micro-batches accumulated into each optimizer step."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    warmup: int | None = None
+    """Warmup steps before the cosine decay; default: 10% of --steps."""
+    lr_floor: float = 0.1
+    """The cosine ends at this fraction of --lr."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    clip: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+    seed: int = 0
+    """Seed of the model init, the batch order and sampling."""
+
+    # -- outputs ----------------------------------------------------------------------------
+    out: str | None = None
+    """Run directory for plan, metrics, checkpoints and plot; default: runs/train-<time>."""
+    resume: str | None = None
+    """Continue the run in this directory from its latest checkpoint, exactly."""
+    save_every: int | None = None
+    """Write a checkpoint every this many steps (always at the end)."""
+    eval_every: int | None = None
+    """Held-out loss every this many steps (and at the start and end); default: --steps/4."""
+    eval_batches: int = 4
+    """Micro-batches in each eval."""
+    sample_tokens: int = 200
+    """Tokens generated at the end (0: no sample)."""
+    temperature: float = 0.8
+    """Sampling temperature of the final sample (0: greedy)."""
+    prompt: str = "def "
+    """Text the final sample starts from."""
+    config: str | None = None
+    """A .toml or .json file of tierwise.Config fields (flags override it)."""
+    json: bool = False
+    """Print one JSON object per line instead of the progress bar and tables."""
+
+    def __post_init__(self) -> None:
+        def fail(flag: str, message: str) -> None:
+            raise TrainError(f"--{flag} {getattr(self, flag.replace('-', '_'))!r}: {message}")
+
+        object.__setattr__(self, "data", tuple(self.data))
+        if self.model_config and self.from_pretrained:
+            raise TrainError("give either --model-config or --from-pretrained, not both")
+        if self.model not in FAMILIES:
+            raise TrainError(
+                f"unknown --model {self.model!r}: choose one of {', '.join(FAMILIES)}, "
+                "or give --model-config path/to/config.json"
+            )
+        if self.size not in SIZES:
+            raise TrainError(f"unknown --size {self.size!r}: choose one of {', '.join(SIZES)}")
+        for flag in ("steps", "batch", "grad-accum", "eval-batches"):
+            if getattr(self, flag.replace("-", "_")) < 1:
+                fail(flag, "must be at least 1")
+        if self.seq < 2:
+            fail("seq", "must be at least 2 tokens")
+        if self.lr <= 0:
+            fail("lr", "must be positive")
+        if not 0 <= self.lr_floor <= 1:
+            fail("lr-floor", "must be a fraction of --lr between 0 and 1")
+        if self.weight_decay < 0:
+            fail("weight-decay", "must be ≥ 0")
+        if self.clip < 0:
+            fail("clip", "must be ≥ 0 (0 turns clipping off)")
+        if self.warmup is not None and not 0 <= self.warmup < self.steps:
+            fail("warmup", f"must be between 0 and --steps - 1 ({self.steps - 1})")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            fail("stop-after", f"must be between 1 and --steps ({self.steps})")
+        for flag in ("save-every", "eval-every"):
+            value = getattr(self, flag.replace("-", "_"))
+            if value is not None and value < 1:
+                fail(flag, "must be at least 1")
+        if self.sample_tokens < 0:
+            fail("sample-tokens", "must be ≥ 0")
+        if self.temperature < 0:
+            fail("temperature", "must be ≥ 0 (0 is greedy)")
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup if self.warmup is not None else self.steps // 10
+
+    @property
+    def eval_interval(self) -> int:
+        return self.eval_every if self.eval_every is not None else max(1, self.steps // 4)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+RUN_IDENTITY = (
+    "model", "size", "model_config", "from_pretrained", "data", "tokenizer", "steps", "batch",
+    "seq", "grad_accum", "lr", "warmup", "lr_floor", "weight_decay", "clip", "seed",
+)
+"""Options a resumed run must keep: changing them would not continue the same run."""
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, one line (for --help)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs

@@ -1,0 +1,178 @@
+"""Models for `tierwise train`: presets built from HF configs, a config file, or a local checkpoint.
+
+Presets are random-init causal LMs of four families at named sizes, with dropout off. The vocabulary
+always matches the tokenizer. ``--from-pretrained DIR`` builds the model with its parameters on the
+meta device and streams the safetensors weights in one tensor at a time (transformers does it), so
+host RAM holds the fp32 model once and never a second full copy.
+
+[Note: what the engine could add] ``tierwise.setup`` accepts meta models, but a meta model has no
+values to put in its chunks. Loading straight into chunks (never holding the whole fp32 model in
+host RAM) needs the engine to take a weight source, e.g. ``setup(..., weights=callable(name) ->
+tensor)`` called while it fills each chunk; until then the model is materialised on the CPU here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tierwise.train.errors import TrainError
+
+if TYPE_CHECKING:
+    from tierwise.train.data import Tokenizer
+
+FAMILIES = ("gpt2", "opt", "llama", "mixtral")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    """The dimensions of one preset size (shared by all families)."""
+
+    hidden: int
+    """Model width."""
+    layers: int
+    """Transformer blocks."""
+    heads: int
+    """Attention heads."""
+    kv_heads: int
+    """Key/value heads (llama, mixtral: grouped-query attention)."""
+    ffn: int
+    """Feed-forward inner width (gpt2 and opt use 4 × hidden regardless)."""
+    experts: int = 4
+    """Experts per MoE layer (mixtral); each token goes to 2. Each expert's FFN width is
+    ``2 × ffn / experts``, so all experts together hold twice a dense FFN."""
+
+
+SIZES: dict[str, Shape] = {
+    "tiny": Shape(hidden=64, layers=2, heads=4, kv_heads=2, ffn=176),
+    "small": Shape(hidden=128, layers=4, heads=4, kv_heads=2, ffn=352),
+    "125m": Shape(hidden=768, layers=12, heads=12, kv_heads=4, ffn=2048, experts=8),
+    "350m": Shape(hidden=1024, layers=24, heads=16, kv_heads=8, ffn=2816, experts=8),
+    "1b": Shape(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=5632, experts=8),
+    "3b": Shape(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192, experts=8),
+    "7b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=11008, experts=8),
+    "13b": Shape(hidden=5120, layers=40, heads=40, kv_heads=8, ffn=13824, experts=8),
+}
+"""Named sizes, roughly the parameter count of a llama with a 32k vocabulary. With the byte
+tokenizer the embeddings are tiny, so counts come out lower; gpt2/opt use a 4 × hidden FFN. The
+parameter count `tierwise train` prints is the truth."""
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise TrainError(
+            "tierwise train builds Hugging Face models and needs transformers: "
+            "pip install 'tierwise[hf]'"
+        ) from None
+    return transformers
+
+
+def preset_config(family: str, size: str, *, vocab_size: int, eos_id: int, max_positions: int):
+    """The HF config of a preset (dropout off, vocabulary of the tokenizer)."""
+    if family not in FAMILIES:
+        raise TrainError(
+            f"unknown --model {family!r}: choose one of {', '.join(FAMILIES)}, "
+            "or give --model-config path/to/config.json"
+        )
+    if size not in SIZES:
+        raise TrainError(f"unknown --size {size!r}: choose one of {', '.join(SIZES)}")
+    tf = _transformers()
+    s = SIZES[size]
+    ids = dict(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+    if family == "gpt2":
+        return tf.GPT2Config(
+            n_embd=s.hidden, n_layer=s.layers, n_head=s.heads, n_positions=max_positions,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids,
+        )
+    if family == "opt":
+        return tf.OPTConfig(
+            hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+            ffn_dim=4 * s.hidden, max_position_embeddings=max_positions,
+            word_embed_proj_dim=s.hidden, dropout=0.0, attention_dropout=0.0,
+            activation_dropout=0.0, **ids,
+        )
+    common = dict(
+        hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads, max_position_embeddings=max_positions,
+        attention_dropout=0.0, tie_word_embeddings=False, **ids,
+    )
+    if family == "llama":
+        return tf.LlamaConfig(intermediate_size=s.ffn, **common)
+    return tf.MixtralConfig(
+        intermediate_size=2 * s.ffn // s.experts, num_local_experts=s.experts, num_experts_per_tok=2,
+        router_jitter_noise=0.0, **common,
+    )
+
+
+def config_from_file(path: str):
+    """An HF config from a ``config.json`` (its ``model_type`` picks the class)."""
+    tf = _transformers()
+    file = Path(path)
+    if not file.is_file():
+        raise TrainError(f"--model-config {path}: no such file; give an HF config.json")
+    try:
+        data: dict[str, Any] = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise TrainError(f"--model-config {path}: not valid JSON ({err.msg})") from None
+    model_type = data.pop("model_type", None)
+    if not model_type:
+        raise TrainError(f"--model-config {path}: needs a 'model_type' (e.g. \"llama\")")
+    try:
+        return tf.AutoConfig.for_model(model_type, **data)
+    except ValueError as err:
+        raise TrainError(f"--model-config {path}: {err}") from None
+
+
+def config_from_pretrained(path: str):
+    tf = _transformers()
+    if not (Path(path) / "config.json").is_file():
+        raise TrainError(
+            f"--from-pretrained {path}: no config.json there; give a local Hugging Face "
+            "checkpoint directory (save_pretrained output)"
+        )
+    return tf.AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def check_vocab(config, tokenizer: Tokenizer, where: str) -> None:
+    if config.vocab_size < tokenizer.vocab_size:
+        raise TrainError(
+            f"{where}: vocab_size {config.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size} ({tokenizer.name}); use a matching --tokenizer"
+        )
+
+
+def build_random(config, *, seed: int) -> torch.nn.Module:
+    """A random-init causal LM on the CPU (fp32), deterministic in ``seed``."""
+    tf = _transformers()
+    torch.manual_seed(seed)
+    return tf.AutoModelForCausalLM.from_config(config).train()
+
+
+def load_pretrained(path: str) -> torch.nn.Module:
+    """The checkpoint in ``path`` as an fp32 CPU model.
+
+    transformers builds it on the meta device and streams the safetensors weights in one tensor
+    at a time (converting legacy layouts, e.g. per-expert MoE weights), so host RAM holds the
+    model once, never a second full copy.
+    """
+    tf = _transformers()
+    config_from_pretrained(path)  # a clear error when it is not a checkpoint directory
+    if not any(Path(path).glob("*.safetensors")):
+        raise TrainError(
+            f"--from-pretrained {path}: no *.safetensors files; save the model with "
+            "save_pretrained (safetensors is its default)"
+        )
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=torch.float32
+    )
+    return model.train()
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

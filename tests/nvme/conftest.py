@@ -1,0 +1,71 @@
+"""Fixtures for the NVMe tier tests: a tier factory on a real on-disk temp dir, per backend."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+BACKENDS = ("libaio", "threads", "buffered")
+
+
+def is_tmpfs(path: Path) -> bool:
+    """Whether ``path`` is on tmpfs (its O_DIRECT results would not be the direct path)."""
+    best = ""
+    fstype = ""
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            _, mount_point, kind, *_ = line.split()
+            if str(path).startswith(mount_point) and len(mount_point) > len(best):
+                best, fstype = mount_point, kind
+    return fstype == "tmpfs"
+
+
+@pytest.fixture
+def nvme_dir(tmp_path: Path) -> Path:
+    if is_tmpfs(tmp_path):
+        pytest.skip(f"{tmp_path} is on tmpfs; the NVMe tests need a directory on a disk")
+    return tmp_path
+
+
+@pytest.fixture
+def make_tier(nvme_dir):
+    """``make_tier(backend="libaio"|"threads"|"buffered", **options)`` -> a closed-after-test tier."""
+    from tierwise.config import Config
+    from tierwise_nvme import NVMeOptions, NVMeTier
+
+    tiers = []
+
+    def make(backend: str = "libaio", *, directory: Path | None = None, budget=None, io=None, **options):
+        if backend == "libaio":
+            require_libaio()
+        tier = NVMeTier(
+            device=torch.device("cpu"),
+            budget=budget,
+            config=Config(nvme_path=str(directory or nvme_dir), device="cpu"),
+            options=NVMeOptions(backend=backend, **options),
+            backend=io,
+        )
+        if backend == "libaio" and io is None:
+            assert tier.backend.name == "libaio", "libaio.so.1 is missing (Debian: apt-get install libaio1)"
+        tiers.append(tier)
+        return tier
+
+    yield make
+    for tier in tiers:
+        tier.close()
+
+
+def require_libaio() -> None:
+    from tierwise_nvme.backends.libaio_backend import load_libaio
+
+    try:
+        load_libaio()
+    except (OSError, ImportError) as err:
+        pytest.skip(f"Linux AIO unavailable ({err}); Debian: apt-get install libaio1")
+
+
+def swap_files(directory: Path) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if name.endswith(".swap"))

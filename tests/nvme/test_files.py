@@ -1,0 +1,159 @@
+"""Swap files: one per kind, removed on close, at exit and after a crash; fallbacks warn."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("tierwise_nvme")
+
+from conftest import require_libaio, swap_files  # noqa: E402
+from tierwise_nvme.backends import NVMeFallbackWarning  # noqa: E402
+
+CHILD = textwrap.dedent(
+    """
+    import os, sys, torch
+    from tierwise.config import Config
+    from tierwise_nvme import NVMeTier
+    tier = NVMeTier(device=torch.device("cpu"), budget=None,
+                    config=Config(nvme_path=sys.argv[1], device="cpu"))
+    slab = tier.allocate(10_000, torch.float32, what="optim_chunk")
+    tier.write(slab, torch.ones(10_000)).wait()
+    print(*tier.paths, flush=True)
+    mode = sys.argv[2]
+    if mode == "crash":
+        os._exit(0)          # no atexit, no close: the file stays behind
+    if mode == "wait":
+        sys.stdin.read()     # alive until the parent closes our stdin
+    # "exit": normal interpreter exit without close(); atexit removes the file
+    """
+)
+
+
+def run_child(directory: Path, mode: str) -> list[str]:
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, str(directory), mode], capture_output=True, text=True, check=True
+    )
+    return result.stdout.split()
+
+
+def new_tier(directory: Path):
+    from tierwise.config import Config
+    from tierwise_nvme import NVMeTier
+
+    return NVMeTier(device=torch.device("cpu"), budget=None, config=Config(nvme_path=str(directory), device="cpu"))
+
+
+def test_one_file_per_kind_removed_on_close(make_tier, nvme_dir):
+    tier = make_tier("threads")
+    tier.allocate(10, torch.float32, what="param_chunk data/g0/train#0")
+    tier.allocate(10, torch.float32, what="param_chunk data/g0/train#1")
+    tier.allocate(10, torch.float32, what="optim_chunk data/g0/train#0")
+    names = swap_files(nvme_dir)
+    assert len(names) == 2
+    assert any("-r0-param_chunk@" in name for name in names)
+    assert any("-r0-optim_chunk@" in name for name in names)
+    tier.close()
+    assert swap_files(nvme_dir) == []
+    tier.close()  # idempotent
+
+
+def test_files_removed_at_interpreter_exit_without_close(nvme_dir):
+    (path,) = run_child(nvme_dir, "exit")
+    assert Path(path).parent == nvme_dir.resolve()
+    assert not Path(path).exists()
+    assert swap_files(nvme_dir) == []
+
+
+def test_crashed_run_files_removed_by_next_start(nvme_dir):
+    (path,) = run_child(nvme_dir, "crash")
+    assert Path(path).exists() and os.path.getsize(path) >= 40_000
+    unrelated = nvme_dir / "keep-me.swap"
+    unrelated.write_text("not ours")
+    tier = new_tier(nvme_dir)
+    assert not Path(path).exists()
+    assert unrelated.exists()
+    tier.close()
+
+
+def test_live_run_files_are_kept(nvme_dir):
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(nvme_dir), "wait"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    path = Path(child.stdout.readline().strip())
+    try:
+        tier = new_tier(nvme_dir)
+        assert path.exists()  # its owner is alive
+        tier.close()
+    finally:
+        child.stdin.close()
+        assert child.wait() == 0
+    assert not path.exists()
+
+
+def test_file_system_refusing_o_direct_falls_back_to_buffered_io_with_a_warning(nvme_dir, monkeypatch):
+    # tmpfs before Linux 6.6 and many FUSE file systems refuse O_DIRECT opens with EINVAL
+    real_open = os.open
+
+    def refusing_open(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    with pytest.warns(NVMeFallbackWarning, match="refuses O_DIRECT"):
+        tier = new_tier(nvme_dir)
+    try:
+        assert (tier.backend.name, tier.backend.direct) == ("buffered", False)
+        slab = tier.allocate(12_345, torch.float16, what="param_chunk")
+        ref = torch.randn(12_345).half()
+        tier.write(slab, ref).wait()
+        out = torch.empty(12_000, dtype=torch.float16)
+        tier.read(slab, out, offset=345).wait()
+        assert torch.equal(out, ref[345:])
+    finally:
+        tier.close()
+    assert swap_files(nvme_dir) == []
+
+
+def test_missing_libaio_falls_back_to_thread_pool_with_a_warning(nvme_dir, monkeypatch):
+    import tierwise_nvme.backends.libaio_backend as libaio_backend
+
+    def missing():
+        raise OSError("libaio.so.1: cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(libaio_backend, "load_libaio", missing)
+    with pytest.warns(NVMeFallbackWarning, match=r"libaio\.so\.1: cannot open.*apt-get install libaio1"):
+        tier = new_tier(nvme_dir)
+    try:
+        assert (tier.backend.name, tier.backend.direct) == ("threads", True)
+        slab = tier.allocate(5000, torch.float32, what="param_chunk")
+        tier.write(slab, torch.arange(5000.0)).wait()
+        out = torch.empty(5000)
+        tier.read(slab, out).wait()
+        assert torch.equal(out, torch.arange(5000.0))
+    finally:
+        tier.close()
+
+
+def test_auto_backend_is_libaio_on_disk(nvme_dir):
+    require_libaio()
+    tier = new_tier(nvme_dir)
+    assert (tier.backend.name, tier.backend.direct) == ("libaio", True)
+    tier.close()
+
+
+def test_registered_through_the_tier_hook():
+    from tierwise.plugins import get_plugin_host
+    from tierwise_nvme import NVMeTier
+
+    assert get_plugin_host().tier_classes()["nvme"] is NVMeTier
+    assert NVMeTier.ADDRESSABLE is False

@@ -1,5 +1,19 @@
-"""Chunks: flat buffers holding many parameters, and the layout that packs them."""
+"""Chunks: flat buffers holding many parameters, their states, and the layout that packs them."""
 
+from tierwise.chunks.chunk import Chunk, ChunkGroup, OptimSlabs, ParamSlot
 from tierwise.chunks.layout import ChunkSpec, SlotSpec, first_use_order, pack, padding
+from tierwise.chunks.state import IllegalTransition, TensorState
 
-__all__ = ["ChunkSpec", "SlotSpec", "first_use_order", "pack", "padding"]
+__all__ = [
+    "Chunk",
+    "ChunkGroup",
+    "ChunkSpec",
+    "IllegalTransition",
+    "OptimSlabs",
+    "ParamSlot",
+    "SlotSpec",
+    "TensorState",
+    "first_use_order",
+    "pack",
+    "padding",
+]

@@ -1,0 +1,211 @@
+"""The public entry points: setup, engine_of, clip_grad_norm_, no_sync."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tierwise.config import Config, ConfigError
+from tierwise.hardware import Hardware
+from tierwise.optim import TierwiseOptimizer, check_optimizer
+from tierwise.plugins import get_plugin_host
+from tierwise.runtime import Engine, RCache
+from tierwise.runtime.build import (
+    allocate_payloads,
+    check_chunk_size,
+    collect_params,
+    fill_payloads,
+    layout_groups,
+    static_profile,
+)
+from tierwise.runtime.engine import _PRECISION_DTYPES
+from tierwise.runtime.hooks import install_hooks
+
+_ENGINE_ATTR = "_tierwise_engine"
+
+
+def _world_group(process_group) -> dist.ProcessGroup | None:
+    if process_group is not None:
+        return process_group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def _patterns(config: Config, host, world) -> list:
+    classes = host.pattern_classes()
+    patterns = []
+    for name, size in (config.parallel or {}).items():
+        if name not in classes:
+            raise ConfigError(
+                f"Config.parallel names pattern {name!r}, which no installed plugin provides; "
+                f"available: {', '.join(sorted(classes))} (tierwise-moe adds 'expert' and 'tensor')"
+            )
+        patterns.append(classes[name](size=size, config=config, process_group=world))
+    patterns.append(classes["data"](size=1, config=config, process_group=world))
+    return patterns
+
+
+def _dp_world(pattern) -> tuple[Any, int, int]:
+    pg = pattern.dp_group()
+    if pg is None or not dist.is_initialized():
+        return None, 1, 0
+    return pg, dist.get_world_size(pg), dist.get_rank(pg)
+
+
+def _make_tiers(host, config: Config, plan, needed: set[str]) -> dict:
+    classes = host.tier_classes()
+    device = torch.device(config.device)
+    budgets = {
+        "device": plan.device_allowance if plan.device_allowance is not None else config.device_memory,
+        "host": config.host_memory,
+    }
+    tiers = {}
+    for name in sorted(needed | {"device", "host"}):
+        if name not in classes:
+            raise ConfigError(
+                f"the plan puts data on the {name!r} tier, which no installed plugin provides"
+                + (": install tierwise-nvme" if name == "nvme" else "")
+            )
+        tiers[name] = classes[name](device=device, budget=budgets.get(name), config=config)
+    return tiers
+
+
+def setup(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: Config | dict | str | os.PathLike | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    example_batch: Any = None,
+    **overrides,
+) -> tuple[torch.nn.Module, TierwiseOptimizer]:
+    """Move ``model``'s data into chunks across tiers; return it and a chunked optimizer.
+
+    The model is the same object (its parameters become views into chunks). The optimizer keeps
+    your ``param_groups``. Nothing is changed on the model if setup raises.
+    """
+    if getattr(model, _ENGINE_ATTR, None) is not None:
+        raise ValueError(
+            "tierwise.setup: this model is already managed by tierwise; call setup once per model"
+        )
+    config = Config.from_any(config, **overrides)
+    decoupled = check_optimizer(optimizer)
+    host = get_plugin_host()
+    world = _world_group(process_group)
+    patterns = _patterns(config, host, world)
+    params = collect_params(model, optimizer, patterns)
+    profile = host.profile_model(model=model, example_batch=example_batch, config=config)
+    if profile is None:
+        profile = static_profile(params)
+    group_of = {m.name: m.group_name for m in params.values()}
+    for info in profile.params:
+        info.group = group_of.get(info.name, info.group)
+    profile.module_params = profile.module_params or _module_params(model, params)
+    hardware = Hardware(**host.probe_hardware(config=config))
+    plan = host.make_plan(profile=profile, hardware=hardware, config=config)
+    check_chunk_size(plan)
+    for pattern in patterns:
+        pattern.prepare(model)
+    dtype = _PRECISION_DTYPES[config.precision]
+    world_rank = {p.key: _dp_world(p) for p in patterns}
+    groups = layout_groups(params, profile, plan, dtype, world_rank=world_rank)
+    needed = {plan.param_tier_of(g.name, c.index) for g in groups for c in g.chunks}
+    needed |= {plan.optim_tier_of(g.name, c.index) for g in groups if g.trainable for c in g.chunks}
+    tiers = _make_tiers(host, config, plan, needed)
+    allocated = allocate_payloads(groups, plan, tiers, fp32_alias=config.precision == "fp32")
+    try:
+        cached = [c for g in groups for c in g.chunks if not _always_resident(c)]
+        block_numel = max((c.capacity for c in cached), default=0)
+        block_numel = max(block_numel, max(c.capacity for g in groups for c in g.chunks))
+        cache = RCache(tiers["device"], plan.cache_blocks if cached else 0, block_numel, dtype)
+        if cached and len(cache) == 0:
+            raise ConfigError(
+                "the plan keeps parameters off the device but has cache_blocks=0: set "
+                "cache_blocks ≥ 1 (or 'auto')"
+            )
+    except BaseException:
+        for slab in allocated:
+            slab.tier.release(slab)
+        raise
+    # --- from here on the model is changed -----------------------------------------------
+    fill_payloads(groups, dtype, model)
+    slot_chunk = {}
+    for group in groups:
+        for chunk in group.chunks:
+            chunk.pending = len(chunk.slots) if chunk.trainable else 0
+            for slot in chunk.slots:
+                slot_chunk[id(slot.param)] = chunk
+                slot.param._tierwise_managed = True
+            if _always_resident(chunk):
+                chunk.block = chunk.home.tensor
+                chunk.point_params_at(chunk.block)
+            else:
+                chunk.detach_params()
+    slots_by_param = {id(s.param): s for g in groups for c in g.chunks for s in c.slots}
+    modules = {}
+    for module in model.modules():
+        own = [slots_by_param[id(p)] for p in module.parameters(recurse=False) if id(p) in slots_by_param]
+        if own:
+            modules[module] = own
+    engine = Engine(
+        model=model, config=config, plan=plan, groups=groups, tiers=tiers, cache=cache,
+        modules=modules, slot_chunk=slot_chunk, decoupled=decoupled,
+        optimizer_groups=optimizer.param_groups, world_group=world,
+        staging_limit=2,
+    )
+    engine.profile = profile
+    engine.hardware = hardware
+    engine.hook_handles = install_hooks(engine, model, list(modules))
+    for group in groups:
+        if group.trainable:
+            for chunk in group.chunks:
+                for slot in chunk.slots:
+                    engine.hook_handles.append(
+                        slot.param.register_post_accumulate_grad_hook(engine.on_grad)
+                    )
+    if config.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    setattr(model, _ENGINE_ATTR, engine)
+    from tierwise.checkpoint import install_state_dict_hooks
+
+    install_state_dict_hooks(engine, model)
+    return model, TierwiseOptimizer(engine, optimizer)
+
+
+def _always_resident(chunk) -> bool:
+    return chunk.home.tier.name == "device" and not chunk.group.sharded and chunk.home.tensor is not None
+
+
+def _module_params(model: torch.nn.Module, params) -> dict[str, list[str]]:
+    name_of = {id(m.param): m.name for m in params.values()}
+    out = {}
+    for mod_name, module in model.named_modules():
+        names = [name_of[id(p)] for p in module.parameters(recurse=False) if id(p) in name_of]
+        if names:
+            out[mod_name] = names
+    return out
+
+
+def engine_of(model: torch.nn.Module) -> Engine:
+    """The engine managing ``model`` (``.plan``, ``.stats()``)."""
+    engine = getattr(model, _ENGINE_ATTR, None)
+    if engine is None:
+        raise ValueError("this model is not managed by tierwise: call tierwise.setup first")
+    return engine
+
+
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the global gradient norm over all chunks (and ranks); return the total norm."""
+    return engine_of(model).clip_grad_norm(float(max_norm), norm_type)
+
+
+@contextmanager
+def no_sync(model: torch.nn.Module):
+    """Accumulate gradients without communication (like DDP's ``no_sync``)."""
+    with engine_of(model).no_sync():
+        yield

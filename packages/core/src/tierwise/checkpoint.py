@@ -1,0 +1,235 @@
+"""Checkpoints (one file per rank, written atomically) and full state dicts under original names."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import types
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from tierwise.chunks import Chunk
+
+if TYPE_CHECKING:
+    from tierwise.runtime.engine import Engine
+
+FORMAT_VERSION = 1
+
+
+def _read(slab, numel: int | None = None) -> torch.Tensor:
+    """A CPU copy of a slab's contents."""
+    if slab.tensor is not None:
+        return slab.tensor.detach().to("cpu", copy=True)
+    out = torch.empty(slab.numel, dtype=slab.dtype)
+    slab.tier.read(slab, out).wait()
+    return out
+
+
+def _write(slab, values: torch.Tensor) -> None:
+    slab.tier.write(slab, values.to(slab.dtype)).wait()
+
+
+def _full_chunk(chunk: Chunk, shard: torch.Tensor) -> torch.Tensor:
+    """All-gather a chunk's shards (identity when not sharded)."""
+    group = chunk.group
+    if not group.sharded:
+        return shard
+    full = torch.empty(chunk.capacity, dtype=shard.dtype)
+    dist.all_gather_into_tensor(full, shard.contiguous(), group=group.process_group)
+    return full
+
+
+def full_state(engine: Engine) -> dict[str, torch.Tensor]:
+    """Every parameter (all names, tied ones too) as full fp32 tensors from the master copy."""
+    out: dict[str, torch.Tensor] = {}
+    aliases = {info.name: info.aliases for info in engine.profile.params}
+    for chunk in engine.chunks():
+        source = chunk.optim.master if chunk.optim is not None else chunk.home
+        full = _full_chunk(chunk, _read(source).float())
+        for slot in chunk.slots:
+            value = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+            for name in (slot.name, *aliases.get(slot.name, ())):
+                out[name] = value
+    return out
+
+
+def load_full_state(engine: Engine, state: dict[str, torch.Tensor]) -> None:
+    """Write full parameter values (original names) into the master and home payloads."""
+    for chunk in engine.chunks():
+        start, end = chunk.shard_range()
+        source = chunk.optim.master if chunk.optim is not None else chunk.home
+        full = _full_chunk(chunk, _read(source).float())
+        for slot in chunk.slots:
+            if slot.name not in state:
+                raise KeyError(f"load_state_dict: missing parameter {slot.name}")
+            full[slot.offset : slot.offset + slot.numel] = state[slot.name].reshape(-1).float()
+        shard = full[start:end]
+        if chunk.optim is not None:
+            _write(chunk.optim.master, shard)
+        if chunk.optim is None or chunk.home is not chunk.optim.master:
+            _write(chunk.home, shard)
+    engine.invalidate_cache()
+    _refresh_resident(engine)
+
+
+def _refresh_resident(engine: Engine) -> None:
+    for chunk in engine.chunks():
+        if chunk.block is not None and chunk.block_id is None:
+            chunk.point_params_at(chunk.block)
+
+
+def install_state_dict_hooks(engine: Engine, model: torch.nn.Module) -> None:
+    """``model.state_dict()`` returns full fp32 masters; ``load_state_dict`` writes them back."""
+
+    def hook(module, state_dict, prefix, local_metadata):
+        for name, value in full_state(engine).items():
+            state_dict[prefix + name] = value
+        return state_dict
+
+    model._register_state_dict_hook(hook)
+    original_load = model.load_state_dict
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        param_names = set(full_state_names(engine))
+        params = {k: v for k, v in state_dict.items() if k in param_names}
+        rest = {k: v for k, v in state_dict.items() if k not in param_names}
+        missing = sorted(n for n in param_names if n not in params)
+        if strict and missing:
+            raise RuntimeError(f"load_state_dict: missing parameters {missing[:5]}...")
+        load_full_state(engine, {**full_state(engine), **params})
+        result = original_load(rest, strict=False)
+        if strict and (result.unexpected_keys or [k for k in result.missing_keys if k not in param_names]):
+            raise RuntimeError(f"load_state_dict: unexpected {result.unexpected_keys}")
+        return result
+
+    model.load_state_dict = types.MethodType(load_state_dict, model)
+
+
+def full_state_names(engine: Engine) -> list[str]:
+    names = []
+    for info in engine.profile.params:
+        names += [info.name, *info.aliases]
+    return names
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def rank_state(engine: Engine) -> dict:
+    """This rank's shards of everything needed to resume bitwise."""
+    chunks = {}
+    for chunk in engine.chunks():
+        key = f"{chunk.group.name}#{chunk.index}"
+        entry = {"capacity": chunk.capacity, "names": [s.name for s in chunk.slots]}
+        if chunk.optim is not None:
+            entry["master"] = _read(chunk.optim.master)
+            entry["exp_avg"] = _read(chunk.optim.exp_avg)
+            entry["exp_avg_sq"] = _read(chunk.optim.exp_avg_sq)
+            entry["step"] = engine._steps[chunk.key].detach().cpu().clone()
+        else:
+            entry["home"] = _read(chunk.home)
+        chunks[key] = entry
+    return {
+        "format": FORMAT_VERSION,
+        "world": [g.world for g in engine.groups],
+        "chunks": chunks,
+        "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+        "steps_taken": engine.steps_taken,
+        "param_groups": [
+            {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer_groups
+        ],
+    }
+
+
+def load_rank_state(engine: Engine, state: dict) -> None:
+    worlds = [g.world for g in engine.groups]
+    if state["world"] != worlds:
+        raise ValueError(
+            f"checkpoint was written with data-parallel sizes {state['world']}, this run has "
+            f"{worlds}: resume with the same world size (resharding is not supported yet)"
+        )
+    for chunk in engine.chunks():
+        key = f"{chunk.group.name}#{chunk.index}"
+        entry = state["chunks"].get(key)
+        if entry is None or entry["names"] != [s.name for s in chunk.slots]:
+            raise ValueError(
+                f"checkpoint chunk {key} does not match this model's layout (different model, "
+                "chunk_size or plan): resume with the same model and chunk_size"
+            )
+        if chunk.optim is not None:
+            _write(chunk.optim.master, entry["master"])
+            _write(chunk.optim.exp_avg, entry["exp_avg"])
+            _write(chunk.optim.exp_avg_sq, entry["exp_avg_sq"])
+            engine._steps[chunk.key].copy_(entry["step"])
+            if chunk.home is not chunk.optim.master:
+                _write(chunk.home, entry["master"].to(engine.dtype))
+            chunk.optim.grad_filled = False
+        else:
+            _write(chunk.home, entry["home"])
+    if engine.scaler is not None and state["scaler"] is not None:
+        engine.scaler.load_state_dict(state["scaler"])
+    engine.steps_taken = state["steps_taken"]
+    for group, saved in zip(engine.optimizer_groups, state["param_groups"], strict=False):
+        group.update(saved)
+    engine.invalidate_cache()
+    _refresh_resident(engine)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Path:
+    """Write a resumable checkpoint directory: one file per rank, replaced atomically.
+
+    Files go to ``<path>.tmp`` first; rank 0 swaps it in only after every rank has written, so
+    a crash mid-write leaves the previous checkpoint intact.
+    """
+    from tierwise.api import engine_of
+
+    engine = engine_of(model)
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    rank, world = _rank_and_world()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    file = tmp / f"rank{rank:05d}-of-{world:05d}.pt"
+    torch.save(rank_state(engine), file)
+    with open(file, "rb") as handle:
+        os.fsync(handle.fileno())
+    _barrier()
+    if rank == 0:
+        old = target.with_name(target.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():
+            target.rename(old)
+        tmp.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return target
+
+
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> None:
+    """Restore what ``save_checkpoint`` wrote (same model, chunk size and world size)."""
+    from tierwise.api import engine_of
+
+    engine = engine_of(model)
+    rank, world = _rank_and_world()
+    file = Path(path) / f"rank{rank:05d}-of-{world:05d}.pt"
+    if not file.is_file():
+        found = sorted(p.name for p in Path(path).glob("rank*.pt")) if Path(path).is_dir() else []
+        raise FileNotFoundError(
+            f"checkpoint {path}: no file {file.name} for rank {rank} of {world} (found: "
+            f"{', '.join(found) or 'nothing'}); resume with the world size it was saved with"
+        )
+    load_rank_state(engine, torch.load(file, weights_only=False))

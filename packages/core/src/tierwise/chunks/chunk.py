@@ -1,0 +1,131 @@
+"""Chunk and ChunkGroup: flat buffers holding many parameters, and their payloads per tier."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierwise.chunks.state import TensorState, check_transition
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from tierwise.tiers.base import Slab, Tier
+
+_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def empty_like_nothing(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A shared 0-element tensor: what a non-resident parameter's ``.data`` points to, so any
+    use outside tierwise's hooks fails loudly instead of reading stale memory."""
+    key = (dtype, device)
+    if key not in _EMPTY:
+        _EMPTY[key] = torch.empty(0, dtype=dtype, device=device)
+    return _EMPTY[key]
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """One parameter inside a chunk."""
+
+    name: str
+    param: torch.nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+    state: TensorState = TensorState.FREE
+    compute_refs: int = 0
+    got_grad: bool = False
+    """Its gradient for the current backward has arrived."""
+
+    def set_state(self, new: TensorState) -> None:
+        check_transition(self.name, self.state, new)
+        self.state = new
+
+
+@dataclass(eq=False)
+class OptimSlabs:
+    """fp32 master and Adam states of a chunk's shard, plus its gradient shard."""
+
+    master: Slab
+    exp_avg: Slab
+    exp_avg_sq: Slab
+    grad: Slab
+    tier: Tier
+    grad_filled: bool = False
+    """The gradient shard holds data since the last zero_grad (accumulate by adding)."""
+
+
+@dataclass(eq=False)
+class Chunk:
+    """``capacity`` elements of parameters; each data-parallel rank owns ``shard_size`` of them."""
+
+    group: ChunkGroup
+    index: int
+    capacity: int
+    shard_size: int
+    slots: list[ParamSlot]
+    home: Slab | None = None
+    """This rank's low-precision parameter payload (the whole chunk when not sharded)."""
+    optim: OptimSlabs | None = None
+    block: torch.Tensor | None = None
+    """The full chunk on the compute device while resident."""
+    block_id: int | None = None
+    """rCache block holding it, or None when ``block`` is the home payload itself."""
+    compute_refs: int = 0
+    """How many parameters of this chunk are in COMPUTE (resident while > 0)."""
+    staging: torch.Tensor | None = None
+    """Full-chunk gradient buffer on the device while this backward fills it."""
+    pending: int = 0
+    """Trainable parameters whose gradient this backward has not delivered yet."""
+    grads_done: bool = False
+    """This backward's gradients were reduced into the gradient shard already."""
+    local_grad: torch.Tensor | None = None
+    """Full-chunk gradients accumulated locally under no_sync (not yet reduced)."""
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.group.name, self.index)
+
+    @property
+    def trainable(self) -> bool:
+        return self.group.trainable
+
+    @property
+    def always_resident(self) -> bool:
+        """Home on the device and not sharded: the home payload is the compute buffer."""
+        return self.block_id is None and self.block is not None
+
+    def point_params_at(self, block: torch.Tensor) -> None:
+        for slot in self.slots:
+            slot.param.data = block[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def detach_params(self) -> None:
+        for slot in self.slots:
+            slot.param.data = empty_like_nothing(slot.param.dtype, slot.param.device)
+
+    def shard_range(self) -> tuple[int, int]:
+        start = self.group.rank * self.shard_size if self.group.sharded else 0
+        return start, start + (self.shard_size if self.group.sharded else self.capacity)
+
+
+@dataclass(eq=False)
+class ChunkGroup:
+    """Chunks of one parallel pattern × optimizer param group × trainable-or-frozen."""
+
+    name: str
+    pattern_key: str
+    param_group: int
+    trainable: bool
+    dtype: torch.dtype
+    process_group: dist.ProcessGroup | None
+    world: int
+    rank: int
+    sharded: bool
+    chunks: list[Chunk] = field(default_factory=list)
+
+    @staticmethod
+    def make_name(pattern_key: str, param_group: int, trainable: bool) -> str:
+        return f"{pattern_key}/g{param_group}/{'train' if trainable else 'frozen'}"

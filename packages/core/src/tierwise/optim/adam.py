@@ -1,0 +1,84 @@
+"""Chunked Adam/AdamW: torch's fused kernels on flat fp32 shards (device or host).
+
+torch's fused AdamW is elementwise, so one call on a flat chunk is bitwise identical to the
+per-parameter fused optimizer on the same values (Invariant 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamHyper:
+    """Hyper-parameters of one param group, read at every step (LR schedulers change them)."""
+
+    lr: float
+    """Learning rate."""
+    beta1: float
+    """First-moment decay."""
+    beta2: float
+    """Second-moment decay."""
+    eps: float
+    """Denominator epsilon."""
+    weight_decay: float
+    """Decoupled (AdamW) or L2 (Adam) weight decay."""
+    decoupled: bool
+    """True for AdamW."""
+
+    @classmethod
+    def from_group(cls, group: dict, *, decoupled: bool) -> AdamHyper:
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            lr = float(lr)
+        beta1, beta2 = group["betas"]
+        return cls(
+            lr=lr, beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
+            weight_decay=group["weight_decay"], decoupled=decoupled,
+        )
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """Validate a user optimizer; return True for AdamW (decoupled weight decay)."""
+    if type(optimizer) not in SUPPORTED:
+        raise TypeError(
+            f"tierwise.setup: optimizer {type(optimizer).__name__} is not supported; tierwise "
+            "replaces it with its chunked Adam/AdamW: pass torch.optim.AdamW or torch.optim.Adam "
+            "over model.parameters() (param groups are honoured)"
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if group.get(flag):
+                raise ValueError(
+                    f"tierwise.setup: param group {i} sets {flag}=True, which tierwise's chunked "
+                    f"{type(optimizer).__name__} does not support; remove it"
+                )
+    if optimizer.state:
+        raise ValueError(
+            "tierwise.setup: the optimizer has already stepped (it has state); pass a fresh "
+            "optimizer, or load its state with tierwise.load_checkpoint after setup"
+        )
+    return type(optimizer) is torch.optim.AdamW
+
+
+def adam_update(
+    *,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyper: AdamHyper,
+) -> None:
+    """One fused Adam(W) update of flat fp32 tensors in place; ``step`` is incremented first."""
+    step.add_(1)
+    kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
+    kernel(
+        [master], [grad], [exp_avg], [exp_avg_sq], [], [step],
+        lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
+        eps=hyper.eps, amsgrad=False, maximize=False,
+    )

@@ -1,0 +1,151 @@
+"""Core's default planner (used when no planner plugin answers).
+
+Everything on the device when model data fits the device budget; otherwise parameters (and, if
+still needed, optimizer states) go to host, with the smallest rCache that holds what one module
+touches plus ``prefetch`` blocks, grown while the budget allows.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from tierwise.chunks import first_use_order, pack
+from tierwise.config import Config
+from tierwise.hardware import Hardware
+from tierwise.plan import Plan, PlanError
+from tierwise.profile import Profile
+from tierwise.units import format_bytes
+
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+OPTIM_BYTES = 12
+"""fp32 master + exp_avg + exp_avg_sq per trainable element."""
+AUTO_CHUNKS = 16
+"""'auto' chunk size aims at about this many chunks (never below the largest parameter)."""
+
+
+def auto_chunk_size(profile: Profile) -> int:
+    largest = max(p.numel for p in profile.params)
+    target = -(-profile.total_numel // AUTO_CHUNKS)
+    return max(largest, -(-target // 1024) * 1024, 1024)
+
+
+def _layout(profile: Profile, chunk_size: int) -> dict[str, list[tuple[int, bool, set[str]]]]:
+    """Per group: (capacity, trainable, names) of each chunk."""
+    names_by_group: dict[str, list[str]] = defaultdict(list)
+    info = {p.name: p for p in profile.params}
+    for p in profile.params:
+        names_by_group[p.group or "data/g0/train"].append(p.name)
+    out = {}
+    for group, names in names_by_group.items():
+        specs = pack(first_use_order(profile.forward_order, names), {n: info[n].numel for n in names}, chunk_size)
+        out[group] = [(s.capacity, info[names[0]].requires_grad, {x.name for x in s.slots}) for s in specs]
+    return out
+
+
+def _min_blocks(profile: Profile, layout) -> int:
+    """Most chunks one module (or checkpoint block) touches at once."""
+    chunk_of = {}
+    for group, chunks in layout.items():
+        for i, (_, _, names) in enumerate(chunks):
+            for name in names:
+                chunk_of[name] = (group, i)
+    alias = {a: p.name for p in profile.params for a in p.aliases}
+    sets = list(profile.module_params.values()) + list(profile.checkpoint_blocks)
+    most = 1
+    for names in sets:
+        touched = {chunk_of.get(alias.get(n, n)) for n in names} - {None}
+        most = max(most, len(touched))
+    return most
+
+
+def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Plan:
+    lc = BYTES[config.precision]
+    chunk_size = config.chunk_size if isinstance(config.chunk_size, int) else auto_chunk_size(profile)
+    layout = _layout(profile, chunk_size)
+    world = hardware.world_size if config.shard else 1
+    caps = [(cap, trainable) for chunks in layout.values() for cap, trainable, _ in chunks]
+    block_bytes = max(cap for cap, _ in caps) * lc
+    n_chunks = len(caps)
+    n_trainable = sum(1 for _, t in caps if t)
+    param_bytes = sum(-(-cap // world) for cap, _ in caps) * lc
+    optim_bytes = sum(-(-cap // world) for cap, t in caps if t) * (OPTIM_BYTES + lc)
+    staging_blocks = 0 if hardware.world_size == 1 else n_trainable  # see [Note: gradient path]
+    min_blocks = _min_blocks(profile, layout)
+
+    budget = config.device_memory
+    if budget is None and hardware.device_type == "cuda" and hardware.device_memory is not None:
+        budget = int(config.alloc_fraction * (hardware.device_memory - profile.buffer_bytes
+                                              - config.frag_factor * profile.peak_activation_bytes))
+    reasons = []
+
+    def device_need(param_tier: str, optim_tier: str, blocks: int) -> int:
+        need = (blocks + staging_blocks) * block_bytes
+        if param_tier == "device":
+            need += param_bytes
+        if optim_tier == "device":
+            need += optim_bytes
+        return need
+
+    def blocks_for(param_tier: str) -> int:
+        if param_tier == "device" and world == 1:
+            return 0
+        if param_tier == "device":  # sharded: keep every gathered chunk (ZeRO-2-like)
+            return n_chunks
+        return min(n_chunks, min_blocks + config.prefetch)
+
+    fits = lambda p, o, b: budget is None or device_need(p, o, b) <= budget  # noqa: E731
+    forced_p = None if config.param_placement == "auto" else config.param_placement
+    forced_o = None if config.optimizer_placement == "auto" else config.optimizer_placement
+    if forced_p and forced_o:
+        param_tier, optim_tier = forced_p, forced_o
+    else:
+        for p_tier, o_tier in (("device", "device"), ("host", "device"), ("host", "host")):
+            p_tier, o_tier = forced_p or p_tier, forced_o or o_tier
+            if fits(p_tier, o_tier, blocks_for(p_tier)):
+                break
+        param_tier, optim_tier = p_tier, o_tier
+        reasons.append(
+            f"model data {format_bytes(param_bytes + optim_bytes)} vs device budget "
+            f"{format_bytes(budget) if budget is not None else 'unlimited'}: params on {param_tier}, "
+            f"optimizer states on {optim_tier}"
+        )
+    if isinstance(config.cache_blocks, int):
+        cache_blocks = config.cache_blocks
+    else:
+        cache_blocks = blocks_for(param_tier)
+        if param_tier == "device" and world > 1 and not fits(param_tier, optim_tier, cache_blocks):
+            cache_blocks = min(n_chunks, min_blocks + config.prefetch)
+        while cache_blocks > 0 and not fits(param_tier, optim_tier, cache_blocks):
+            cache_blocks -= 1
+        if param_tier != "device" or world > 1:
+            cache_blocks = max(cache_blocks, min_blocks)
+            if budget is not None and cache_blocks < n_chunks:
+                spare = budget - device_need(param_tier, optim_tier, cache_blocks)
+                cache_blocks = min(n_chunks, cache_blocks + max(0, spare // block_bytes))
+    need = device_need(param_tier, optim_tier, cache_blocks)
+    if budget is not None and need > budget:
+        minimum = device_need("host", "host", min_blocks)
+        raise PlanError(
+            f"device_memory {format_bytes(budget)} is too small for this plan: it needs "
+            f"{format_bytes(need)} (params on {param_tier}, optimizer on {optim_tier}, "
+            f"{cache_blocks} rCache blocks + {staging_blocks} gradient staging blocks of "
+            f"{format_bytes(block_bytes)}). The smallest plan (everything on host, {min_blocks} "
+            f"blocks) needs {format_bytes(minimum)}: raise device_memory to at least that, or "
+            "use a smaller chunk_size"
+        )
+    reasons.append(
+        f"{cache_blocks} rCache blocks of {chunk_size:,} elements (one module touches at most "
+        f"{min_blocks} chunks; prefetch {config.prefetch})"
+    )
+    return Plan(
+        chunk_size=chunk_size,
+        cache_blocks=cache_blocks,
+        prefetch=config.prefetch,
+        param_tier=param_tier,
+        optim_tier=optim_tier,
+        shard=config.shard,
+        activation_checkpointing=config.activation_checkpointing,
+        device_allowance=need,
+        planner="core",
+        reasons=reasons,
+    )

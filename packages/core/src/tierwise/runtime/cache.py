@@ -1,0 +1,139 @@
+"""rCache: fixed device blocks for chunks whose home is a lower tier, replaced by Belady.
+
+[Note: rCache replacement]
+Blocks are allocated once at setup. The first training step records the sequence of chunk
+accesses (forward, backward and checkpoint re-forward). From then on the victim is the unpinned
+resident chunk whose next use in that recorded sequence is farthest away (Belady's optimal
+policy); before a trace exists, the least recently used one. A chunk is pinned while any of its
+parameters is in COMPUTE, and is never evicted then. Evicting writes nothing back: a block holds
+an unchanged copy of the chunk's home payload (gradients live in separate staging buffers and
+the optimizer writes new values to the home payload, after which all blocks are invalidated).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tierwise.tiers.base import Slab, Tier
+
+NEVER = float("inf")
+
+
+class AccessTrace:
+    """Records chunk keys in access order during warm-up; answers "when is it used next"."""
+
+    def __init__(self) -> None:
+        self.recording = True
+        self.keys: list[Hashable] = []
+        self._positions: dict[Hashable, list[int]] = {}
+        self.cursor = 0
+
+    def touch(self, key: Hashable) -> None:
+        if self.recording:
+            if not self.keys or self.keys[-1] != key:
+                self.keys.append(key)
+            return
+        positions = self._positions.get(key)
+        if not positions:
+            return
+        # advance to this key's next recorded occurrence (wrapping to the next iteration)
+        i = bisect.bisect_left(positions, self.cursor)
+        self.cursor = (positions[i] if i < len(positions) else positions[0]) + 1
+
+    def freeze(self) -> None:
+        """End of warm-up: the recorded order drives replacement and prefetch from now on."""
+        if not self.recording:
+            return
+        self.recording = False
+        for pos, key in enumerate(self.keys):
+            self._positions.setdefault(key, []).append(pos)
+        self.cursor = 0
+
+    def restart(self) -> None:
+        """A new iteration begins (its first access matches the trace start)."""
+        self.cursor = 0
+
+    def next_use(self, key: Hashable) -> float:
+        positions = self._positions.get(key)
+        if self.recording or not positions:
+            return NEVER
+        i = bisect.bisect_left(positions, self.cursor)
+        if i < len(positions):
+            return positions[i] - self.cursor
+        return positions[0] + len(self.keys) - self.cursor  # next iteration
+
+    def upcoming(self, count: int) -> list[Hashable]:
+        """The next ``count`` distinct keys after the cursor."""
+        if self.recording or count <= 0:
+            return []
+        out: list[Hashable] = []
+        pos = self.cursor
+        for _ in range(len(self.keys)):
+            if pos >= len(self.keys):
+                break
+            key = self.keys[pos]
+            if key not in out:
+                out.append(key)
+                if len(out) == count:
+                    break
+            pos += 1
+        return out
+
+
+class RCache:
+    """``n_blocks`` device blocks of ``block_numel`` elements; chunk ownership by key."""
+
+    def __init__(self, tier: Tier, n_blocks: int, block_numel: int, dtype: torch.dtype):
+        self.tier = tier
+        self.block_numel = block_numel
+        self.slabs: list[Slab] = [
+            tier.allocate(block_numel, dtype, what=f"rCache block {i}") for i in range(n_blocks)
+        ]
+        self.owner: list[Hashable | None] = [None] * n_blocks
+        self.last_used: list[int] = [0] * n_blocks
+        self._clock = 0
+
+    def __len__(self) -> int:
+        return len(self.slabs)
+
+    def block(self, block_id: int) -> torch.Tensor:
+        return self.slabs[block_id].tensor
+
+    def touch(self, block_id: int) -> None:
+        self._clock += 1
+        self.last_used[block_id] = self._clock
+
+    def free_block(self) -> int | None:
+        for block_id, owner in enumerate(self.owner):
+            if owner is None:
+                return block_id
+        return None
+
+    def choose_victim(self, evictable: set[Hashable], trace: AccessTrace) -> int | None:
+        """The evictable block used farthest in the future (LRU before a trace exists)."""
+        best, best_score = None, None
+        for block_id, owner in enumerate(self.owner):
+            if owner is None or owner not in evictable:
+                continue
+            score = (trace.next_use(owner), -self.last_used[block_id])
+            if best_score is None or score > best_score:
+                best, best_score = block_id, score
+        return best
+
+    def assign(self, block_id: int, key: Hashable) -> None:
+        self.owner[block_id] = key
+        self.touch(block_id)
+
+    def vacate(self, block_id: int) -> None:
+        self.owner[block_id] = None
+
+    def close(self) -> None:
+        for slab in self.slabs:
+            self.tier.release(slab)
+        self.slabs.clear()
+        self.owner.clear()

@@ -1,0 +1,61 @@
+"""torchrun support: a process group from the environment, rank 0 prints and writes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True)
+class World:
+    """Where this process stands in the run."""
+
+    rank: int
+    """This process's rank (0 when not under torchrun)."""
+    size: int
+    """Number of processes."""
+    device: str
+    """The compute device of this rank (cuda:LOCAL_RANK under torchrun on CUDA)."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_world(device: str) -> World:
+    """Join the torchrun process group (nccl on CUDA, gloo otherwise) when launched by torchrun."""
+    if not launched_by_torchrun():
+        return World(rank=0, size=1, device=device)
+    if torch.device(device).type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return World(rank=dist.get_rank(), size=dist.get_world_size(), device=device)
+
+
+def barrier(world: World) -> None:
+    if world.size > 1:
+        dist.barrier()
+
+
+def mean_over_ranks(value: float, world: World) -> float:
+    """The mean of ``value`` over all ranks (the value itself on one rank)."""
+    if world.size == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=world.device)
+    dist.all_reduce(tensor)
+    return float(tensor.item()) / world.size
+
+
+def close_world(world: World) -> None:
+    if world.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,114 @@
+"""memory.png: where model data and activations live over one step, and what moves.
+
+Three panels: (1) model data per tier and activations over the traced step, with the device
+budget; (2) bytes moved so far in that step, per direction; (3) bytes moved per step over the
+whole run, per direction. matplotlib is optional (``pip install 'tierwise[plot]'``); without it
+:func:`plot_memory` returns a note instead of a file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from tierwise.train.trace import StepTrace
+
+MIB = 1024 * 1024
+PHASE_COLOURS = {"forward": "#e8f1fb", "backward": "#fdf0e6", "optimizer": "#ecf7ec"}
+TIER_COLOURS = {"device": "tab:blue", "host": "tab:orange", "nvme": "tab:green"}
+
+
+def plot_memory(
+    path: Path, trace: StepTrace, train_lines: Sequence[Mapping[str, Any]], *, title: str
+) -> str | None:
+    """Write the figure to ``path``; return None, or a note saying why it was skipped."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "memory.png skipped: matplotlib is not installed (pip install 'tierwise[plot]')"
+    if not trace.samples:
+        return "memory.png skipped: no step was traced"
+
+    fig, (memory_ax, step_moved_ax, run_moved_ax) = plt.subplots(
+        3, 1, figsize=(10, 11), gridspec_kw={"height_ratios": [3, 2, 2]}
+    )
+    fig.suptitle(title, fontsize=11)
+    times_ms = [s.t * 1e3 for s in trace.samples]
+
+    # (1) memory over the step
+    _shade_phases(memory_ax, trace)
+    tiers = sorted({t for s in trace.samples for t in s.bytes_by_tier}, key=_tier_key)
+    for tier in tiers:
+        values = [s.bytes_by_tier.get(tier, 0) / MIB for s in trace.samples]
+        memory_ax.step(times_ms, values, where="post", label=f"model data on {tier}",
+                       color=TIER_COLOURS.get(tier), linewidth=2)
+    memory_ax.step(times_ms, [s.activation_bytes / MIB for s in trace.samples], where="post",
+                   label="activations (saved for backward)", color="tab:purple", linestyle="-.")
+    for tier, budget in trace.budgets.items():
+        if budget:
+            memory_ax.axhline(budget / MIB, color=TIER_COLOURS.get(tier, "grey"), linestyle=":",
+                              label=f"{tier} budget ({budget / MIB:.1f} MiB)")
+    memory_ax.set_title(f"Memory over one training step (step {trace.step})", fontsize=10)
+    memory_ax.set_xlabel("time since the step started (ms)")
+    memory_ax.set_ylabel("MiB")
+    memory_ax.set_ylim(bottom=0)
+    memory_ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+    memory_ax.grid(alpha=0.3)
+
+    # (2) moved within the step
+    _shade_phases(step_moved_ax, trace)
+    directions = sorted({d for s in trace.samples for d in s.moved_bytes})
+    for direction in directions:
+        values = [s.moved_bytes.get(direction, 0) / MIB for s in trace.samples]
+        step_moved_ax.step(times_ms, values, where="post", label=direction, linewidth=2)
+    step_moved_ax.set_title(f"Bytes moved so far in step {trace.step}, per direction", fontsize=10)
+    step_moved_ax.set_xlabel("time since the step started (ms)")
+    step_moved_ax.set_ylabel("MiB (cumulative)")
+    step_moved_ax.set_ylim(bottom=0)
+    if directions:
+        step_moved_ax.legend(loc="upper left", fontsize=8)
+    else:
+        step_moved_ax.text(0.5, 0.5, "nothing moved in this step", ha="center",
+                           transform=step_moved_ax.transAxes)
+    step_moved_ax.grid(alpha=0.3)
+
+    # (3) moved per step over the run
+    steps = [line["step"] for line in train_lines]
+    directions = sorted({d for line in train_lines for d in line.get("moved_bytes", {})})
+    for direction in directions:
+        values = [line.get("moved_bytes", {}).get(direction, 0) / MIB for line in train_lines]
+        run_moved_ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=direction)
+    run_moved_ax.set_title("Bytes moved per training step over the run, per direction", fontsize=10)
+    run_moved_ax.set_xlabel("optimizer step")
+    run_moved_ax.set_ylabel("MiB per step")
+    run_moved_ax.set_ylim(bottom=0)
+    if directions:
+        run_moved_ax.legend(loc="upper right", fontsize=8)
+    run_moved_ax.grid(alpha=0.3)
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def _tier_key(tier: str) -> tuple[int, str]:
+    order = list(TIER_COLOURS)
+    return (order.index(tier) if tier in order else len(order), tier)
+
+
+def _shade_phases(ax, trace: StepTrace) -> None:
+    """Light background bands for forward, backward and optimizer, labelled once."""
+    samples = trace.samples
+    start = 0.0
+    for i, sample in enumerate(samples):
+        is_last = i + 1 == len(samples) or samples[i + 1].phase != sample.phase
+        if is_last:
+            end = sample.t * 1e3
+            ax.axvspan(start, end, color=PHASE_COLOURS.get(sample.phase, "white"), zorder=0)
+            ax.text((start + end) / 2, 1.0, sample.phase, ha="center", va="bottom",
+                    fontsize=8, color="dimgrey", transform=ax.get_xaxis_transform())
+            start = end

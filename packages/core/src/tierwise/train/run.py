@@ -1,0 +1,443 @@
+"""`tierwise train`: validate, build, plan, train in a plain PyTorch loop, report.
+
+Nothing is written before every input has been checked and the engine has accepted the plan;
+then the run directory gets options.json, config.json, plan.json, metrics.jsonl, checkpoints/
+and memory.png.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import tierwise
+from tierwise.config import Config, ConfigError
+from tierwise.plan import PlanError
+from tierwise.plugins import get_plugin_host
+from tierwise.tiers import TierBudgetError
+from tierwise.train import checkpoints, data, presets
+from tierwise.train.distributed import World, close_world, init_world, mean_over_ranks
+from tierwise.train.errors import TrainError
+from tierwise.train.metrics import MetricsLog, read_metrics, step_record
+from tierwise.train.options import RUN_IDENTITY, TrainOptions
+from tierwise.train.plot import plot_memory
+from tierwise.train.report import Console, summary_rows, table
+from tierwise.train.sample import generate
+from tierwise.train.schedule import warmup_cosine
+from tierwise.train.trace import StepTracer
+from tierwise.units import format_bytes
+
+OPTIONS_FILE = "options.json"
+CONFIG_FILE = "config.json"
+PLAN_FILE = "plan.json"
+PLOT_FILE = "memory.png"
+NOT_PERSISTED = ("resume", "out", "stop_after", "json")
+"""Options that belong to one invocation, not to the run."""
+PLUGIN_ROLES = {
+    "profiler": "pre-runtime profile (without it: core's warm-up trace of the first step)",
+    "search": "plan search (without it: core's default planner)",
+    "nvme": "NVMe tier (without it: device and host only)",
+    "moe": "expert- and tensor-parallel patterns",
+}
+
+
+def main(train_given: dict[str, Any], config_given: dict[str, Any]) -> int:
+    """Run `tierwise train` with the flags the user gave; return the exit code."""
+    try:
+        return train(train_given, config_given)
+    except (TrainError, ConfigError) as err:
+        print(f"tierwise train: error: {err}", file=sys.stderr)
+        return 2
+
+
+# -- inputs -----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """The validated inputs of one invocation."""
+
+    options: TrainOptions
+    """What to train and how."""
+    config: Config
+    """The engine's Config (device budget still None when the default applies)."""
+    device_memory_given: bool
+    """Whether --device-memory (or a config file, or the resumed run) set the device budget."""
+    run_dir: Path
+    """Where outputs go (not created yet)."""
+    resuming: bool
+    """Continue the run in run_dir."""
+
+
+def resolve(train_given: dict[str, Any], config_given: dict[str, Any]) -> Request:
+    """Check every flag and file; raise TrainError/ConfigError with one line for people."""
+    resume = train_given.get("resume")
+    if resume is None:
+        options = TrainOptions(**train_given)
+        config = Config.from_any(options.config, **config_given)
+        run_dir = Path(options.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
+        if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+            raise TrainError(
+                f"--out {run_dir} already exists and is not empty; pass --resume {run_dir} to "
+                "continue that run, or choose another --out"
+            )
+        given_budget = "device_memory" in config_given or config.device_memory is not None
+        return Request(
+            options=options, config=config, device_memory_given=given_budget,
+            run_dir=run_dir, resuming=False,
+        )
+    run_dir = Path(resume)
+    if not (run_dir / OPTIONS_FILE).is_file():
+        raise TrainError(
+            f"--resume {run_dir}: not a tierwise train run directory (no {OPTIONS_FILE}); give "
+            "the --out directory of an earlier run"
+        )
+    saved = json.loads((run_dir / OPTIONS_FILE).read_text())
+    saved_config = json.loads((run_dir / CONFIG_FILE).read_text())
+    for name in RUN_IDENTITY:
+        if name in train_given and _plain(train_given[name]) != saved.get(name):
+            flag = "--" + name.replace("_", "-")
+            raise TrainError(
+                f"--resume {run_dir} continues the run as it was started with {flag} "
+                f"{saved.get(name)!r}; it cannot change it to {train_given[name]!r}: start a new "
+                "run with another --out instead"
+            )
+    if config_given.get("precision", saved_config["precision"]) != saved_config["precision"]:
+        raise TrainError(
+            f"--resume {run_dir} continues a --precision {saved_config['precision']} run; start a "
+            "new run with another --out to change the precision"
+        )
+    merged = {k: v for k, v in saved.items() if k not in NOT_PERSISTED}
+    merged.update(train_given)
+    merged["out"] = str(run_dir)
+    options = TrainOptions(**merged)
+    config = Config.from_any(saved_config, **config_given)
+    return Request(
+        options=options, config=config, device_memory_given=True, run_dir=run_dir, resuming=True
+    )
+
+
+def _plain(value: Any) -> Any:
+    """A value as it reads back from JSON (tuples become lists)."""
+    return json.loads(json.dumps(value))
+
+
+def check_plugins(config: Config) -> None:
+    """An NVMe placement needs the NVMe tier and an existing directory."""
+    wants_nvme = config.nvme_path is not None or "nvme" in (
+        config.param_placement, config.optimizer_placement, config.activation_offload
+    )
+    if not wants_nvme:
+        return
+    if "nvme" not in get_plugin_host().tier_classes():
+        raise TrainError(
+            "--nvme-path needs the NVMe tier from the tierwise-nvme plugin, which is not installed "
+            "(or is blocked by TIERWISE_DISABLE_PLUGINS): pip install tierwise-nvme "
+            "(in this repo: pip install -e packages/offload-nvme)"
+        )
+    if not Path(config.nvme_path).is_dir():
+        raise TrainError(
+            f"--nvme-path {config.nvme_path}: no such directory; create it on a fast local disk"
+        )
+
+
+def model_data_bytes(n_params: int, precision: str) -> int:
+    """Params in the compute precision plus fp32 master weights and two Adam states (≈)."""
+    param_bytes = 4 if precision == "fp32" else 2
+    return n_params * (param_bytes + 12)
+
+
+# -- the run ------------------------------------------------------------------------------------
+def train(train_given: dict[str, Any], config_given: dict[str, Any]) -> int:
+    request = resolve(train_given, config_given)
+    options = request.options
+    check_plugins(request.config)
+    world = init_world(request.config.device)
+    try:
+        return _train(request, world)
+    finally:
+        close_world(world)
+
+
+def _train(request: Request, world: World) -> int:
+    options = request.options
+    console = Console(enabled=world.is_main, json_mode=options.json)
+    run_dir = _same_on_all_ranks(request.run_dir, world)
+    device = torch.device(world.device)
+    _quiet_transformers()
+
+    # data and model (every input checked before anything is written)
+    tokenizer_dir = options.tokenizer
+    if tokenizer_dir is None and options.from_pretrained and _has_tokenizer(options.from_pretrained):
+        tokenizer_dir = options.from_pretrained
+    tokenizer = data.load_tokenizer(tokenizer_dir)
+    documents = data.read_documents(options.data)
+    corpus = data.build_corpus(
+        documents, tokenizer, seq=options.seq, min_train_blocks=options.batch * world.size,
+        max_eval_blocks=options.eval_batches * options.batch * world.size,
+    )
+    model, model_name = _build_model(options, tokenizer)
+    n_params = presets.count_parameters(model)
+    config = request.config.replace(device=world.device)
+    data_bytes = model_data_bytes(n_params, config.precision)
+    budget_note = ""
+    if not request.device_memory_given:
+        config = config.replace(device_memory=data_bytes // 2)
+        budget_note = (
+            " (default: half the model data, so the model does not fit and host offload is "
+            "exercised; --device-memory all uses the whole device)"
+        )
+    console.note(
+        f"model: {model_name}, {n_params:,} parameters, model data ≈ {format_bytes(data_bytes)} "
+        f"({config.precision} params + fp32 master weights and Adam states)",
+        parameters=n_params, model_data_bytes=data_bytes,
+    )
+    console.note(
+        f"data: {_data_name(options)}: {corpus.n_documents:,} documents, {corpus.n_tokens:,} "
+        f"tokens ({tokenizer.name} tokenizer, vocabulary {tokenizer.vocab_size:,}); "
+        f"{len(corpus.train_blocks):,} training blocks of {options.seq}, "
+        f"{len(corpus.eval_blocks)} held out",
+    )
+    budget_text = format_bytes(config.device_memory) if config.device_memory else "all it has"
+    console.note(
+        f"device: {world.device}, model data budget {budget_text}{budget_note}; host budget "
+        f"{format_bytes(config.host_memory) if config.host_memory else 'all it has'}"
+        + (f"; {world.size} ranks" if world.size > 1 else ""),
+        device_memory=config.device_memory, host_memory=config.host_memory,
+    )
+    console.note("plugins: " + _plugin_line())
+
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=options.weight_decay
+    )
+    try:
+        model, optimizer = tierwise.setup(model, optimizer, config)
+    except (PlanError, TierBudgetError) as err:
+        raise TrainError(f"the plan does not fit: {err}") from None
+    engine = tierwise.engine_of(model)
+    scheduler = warmup_cosine(
+        optimizer, warmup=options.warmup_steps, total=options.steps, floor=options.lr_floor
+    )
+
+    # from here on, the run directory is ours
+    if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(run_dir / OPTIONS_FILE, options.to_dict())
+        _write_json(run_dir / CONFIG_FILE, config.to_dict())
+        engine.plan.to_json(run_dir / PLAN_FILE)
+    console.block("plan", engine.plan.table(), plan=engine.plan.to_dict())
+
+    step, micro_step = 0, 0
+    if request.resuming:
+        loaded = checkpoints.latest(run_dir)
+        state = checkpoints.load(loaded, model=model, optimizer=optimizer, world=world)
+        scheduler.load_state_dict(state["scheduler"])
+        step, micro_step = state["step"], state["micro_step"]
+        console.note(f"resumed {run_dir} at step {step} from {loaded.name}", step=step)
+    last_step = options.stop_after if options.stop_after is not None else options.steps
+    if step >= last_step:
+        console.note(f"nothing to do: the run is at step {step} of {last_step}")
+        return 0
+
+    sampler = data.BlockSampler(
+        n_blocks=len(corpus.train_blocks), batch=options.batch, world=world.size,
+        rank=world.rank, seed=options.seed,
+    )
+    metrics = MetricsLog(run_dir, keep_through=step) if world.is_main else None
+    budgets = {"device": config.device_memory, "host": config.host_memory}
+    trace_step = min(step + 2, last_step)  # after the engine's warm-up step
+    tracer = None
+    first_step = step
+    tokens_per_step = options.batch * options.seq * options.grad_accum * world.size
+    step_seconds = []
+    console.start_progress(start=step, total=last_step)
+    started = time.perf_counter()
+    model.train()
+    while step < last_step:
+        if world.is_main and step + 1 == trace_step:
+            tracer = StepTracer(model, engine.stats, step=step + 1, budgets=budgets)
+            tracer.mark("forward", "step starts")
+        stats_before = engine.stats()
+        times = {"data": 0.0, "forward": 0.0, "backward": 0.0}
+        step_start = time.perf_counter()
+        loss_sum = 0.0
+        for _ in range(options.grad_accum):
+            t0 = time.perf_counter()
+            batch = data.batch_of(corpus.train_blocks[sampler.indices(micro_step)], device)
+            micro_step += 1
+            t1 = time.perf_counter()
+            with tracer.forward() if tracer else contextlib.nullcontext():
+                loss = model(**batch).loss
+            t2 = time.perf_counter()
+            (loss / options.grad_accum).backward()
+            t3 = time.perf_counter()
+            loss_sum += loss.item()
+            times["data"] += t1 - t0
+            times["forward"] += t2 - t1
+            times["backward"] += t3 - t2
+        if tracer:
+            tracer.backward_finished()
+        t4 = time.perf_counter()
+        grad_norm = None
+        if options.clip > 0:
+            grad_norm = float(tierwise.clip_grad_norm_(model, options.clip))
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        times["optimizer"] = time.perf_counter() - t4
+        times["total"] = time.perf_counter() - step_start
+        step += 1
+        if tracer:
+            tracer.mark("optimizer", "optimizer step done")
+        loss_value = mean_over_ranks(loss_sum / options.grad_accum, world)
+        record = step_record(
+            step=step, loss=loss_value, lr=lr, grad_norm=grad_norm, tokens=tokens_per_step,
+            times=times, stats=engine.stats(), stats_before=stats_before,
+        )
+        step_seconds.append(times["total"])
+        if metrics:
+            metrics.write(record)
+        console.progress(record, last=step == last_step)
+        if tracer:
+            trace, tracer = tracer.trace, None
+        if step % options.eval_interval == 0 or step == last_step:
+            eval_loss = evaluate(model, corpus.eval_blocks, options.batch, world, device)
+            if metrics:
+                metrics.write({"kind": "eval", "step": step, "eval_loss": eval_loss})
+            console.note(f"step {step}: held-out loss {eval_loss:.4f}", step=step, eval_loss=eval_loss)
+        if (options.save_every and step % options.save_every == 0) or step == last_step:
+            checkpoints.save(
+                run_dir, step=step, model=model, optimizer=optimizer, world=world,
+                loop_state={"micro_step": micro_step, "scheduler": scheduler.state_dict()},
+            )
+    console.stop_progress()
+    elapsed = time.perf_counter() - started
+    if metrics:
+        metrics.close()
+
+    # the end: sample, plot, summary
+    if options.sample_tokens:
+        ids = generate(
+            model, list(tokenizer.encode(options.prompt)), new_tokens=options.sample_tokens,
+            temperature=options.temperature, context=options.seq, seed=options.seed, device=device,
+        )
+        text = tokenizer.decode(ids)
+        console.block("sample", text, text=text, temperature=options.temperature)
+    if not world.is_main:
+        return 0
+    lines = [line for line in read_metrics(run_dir / "metrics.jsonl") if line["kind"] == "train"]
+    note = plot_memory(
+        run_dir / PLOT_FILE, trace, lines,
+        title=f"tierwise train: {model_name}, {n_params:,} parameters, device {world.device}",
+    )
+    console.note(note or f"wrote {run_dir / PLOT_FILE}")
+    stats = engine.stats()
+    this_run = lines[-(step - first_step):]
+    steady = step_seconds[1:] or step_seconds
+    rows = [
+        ("", "value", ""),
+        ("steps", f"{first_step} → {step} of {options.steps}", ""),
+        ("loss", f"{this_run[0]['loss']:.4f} → {this_run[-1]['loss']:.4f}", "train, this process"),
+        ("throughput", f"{tokens_per_step / statistics.median(steady):,.0f} tokens/s",
+         "median step after the first"),
+        ("wall time", f"{elapsed:.1f} s", f"{step - first_step} steps"),
+        ("plan", f"{engine.plan.planner}: chunk {engine.plan.chunk_size:,} elements, "
+         f"{engine.plan.cache_blocks} rCache blocks", ""),
+    ]
+    memory_rows = summary_rows(
+        peak_bytes_by_tier=stats.get("peak_bytes_by_tier", {}), budgets=budgets,
+        moved_bytes=stats.get("moved_bytes", {}),
+    )
+    console.block(
+        "summary",
+        table(rows) + "\n\n" + table(memory_rows) + f"\n\noutputs in {run_dir}/: {OPTIONS_FILE}, "
+        f"{CONFIG_FILE}, {PLAN_FILE}, metrics.jsonl, checkpoints/, {PLOT_FILE}",
+        steps=step, first_step=first_step, tokens_per_s=tokens_per_step / statistics.median(steady),
+        wall_s=elapsed, peak_bytes_by_tier=stats.get("peak_bytes_by_tier", {}), budgets=budgets,
+        moved_bytes=stats.get("moved_bytes", {}), run_dir=str(run_dir),
+    )
+    return 0
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, blocks: torch.Tensor, batch: int, world: World, device: torch.device
+) -> float:
+    """Mean loss over the held-out blocks; every rank runs the same number of forwards."""
+    per_rank = len(blocks) // world.size
+    mine = blocks[world.rank * per_rank : (world.rank + 1) * per_rank]
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for start in range(0, len(mine), batch):
+            part = mine[start : start + batch]
+            total += model(**data.batch_of(part, device)).loss.item() * len(part)
+            count += len(part)
+    finally:
+        model.train()
+    return mean_over_ranks(total / count, world)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _build_model(options: TrainOptions, tokenizer) -> tuple[torch.nn.Module, str]:
+    if options.from_pretrained:
+        model = presets.load_pretrained(options.from_pretrained)
+        presets.check_vocab(model.config, tokenizer, f"--from-pretrained {options.from_pretrained}")
+        return model, f"{options.from_pretrained} ({model.config.model_type})"
+    if options.model_config:
+        config = presets.config_from_file(options.model_config)
+        presets.check_vocab(config, tokenizer, f"--model-config {options.model_config}")
+        name = f"{options.model_config} ({config.model_type}, random init)"
+    else:
+        config = presets.preset_config(
+            options.model, options.size, vocab_size=tokenizer.vocab_size,
+            eos_id=tokenizer.eos_id, max_positions=max(options.seq, 256),
+        )
+        name = f"{options.model} {options.size} (random init)"
+    return presets.build_random(config, seed=options.seed), name
+
+
+def _has_tokenizer(path: str) -> bool:
+    return any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def _data_name(options: TrainOptions) -> str:
+    if options.data:
+        return ", ".join(options.data)
+    return f"Python {sys.version_info.major}.{sys.version_info.minor} standard library source"
+
+
+def _plugin_line() -> str:
+    installed = {info.name for info in get_plugin_host().infos()}
+    parts = []
+    for name, role in PLUGIN_ROLES.items():
+        parts.append(f"{name} {'✓' if name in installed else 'not installed'} ({role})")
+    return "; ".join(parts)
+
+
+def _quiet_transformers() -> None:
+    with contextlib.suppress(ImportError):
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+
+
+def _same_on_all_ranks(run_dir: Path, world: World) -> Path:
+    """Rank 0's run directory name (a default name holds the time, which ranks may disagree on)."""
+    if world.size == 1:
+        return run_dir
+    names = [str(run_dir)]
+    torch.distributed.broadcast_object_list(names, src=0)
+    return Path(names[0])
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=1) + "\n")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from tierwise_nvme.options import ALIGNMENT
@@ -33,4 +35,40 @@ def memoryview_of(byte_tensor: torch.Tensor) -> memoryview:
     return memoryview(byte_tensor.numpy()).cast("B")
 
 
-__all__ = ["aligned_empty", "byte_view", "is_aligned", "memoryview_of"]
+
+
+class BounceCache:
+    """Reuses aligned buffers between transfers (fresh large buffers cost page faults).
+
+    ``take(nbytes)`` returns an aligned buffer of exactly ``nbytes``: a view of a cached one of
+    at most twice that size, or a new one. ``give`` returns it; at most ``limit`` bytes stay
+    cached (the largest are dropped first).
+    """
+
+    def __init__(self, *, limit: int, pin: bool = False) -> None:
+        self.limit = limit
+        self.pin = pin
+        self._free: list[torch.Tensor] = []
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> whole buffer
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= 2 * nbytes]
+            best = min(fits, key=lambda i: self._free[i].numel()) if fits else None
+            whole = self._free.pop(best) if best is not None else None
+        if whole is None:
+            whole = aligned_empty(nbytes, pin=self.pin)
+        with self._lock:
+            self._lent[whole.data_ptr()] = whole
+        return whole[:nbytes]
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(self._lent.pop(buffer.data_ptr()))
+            self._free.sort(key=torch.Tensor.numel)
+            while sum(b.numel() for b in self._free) > self.limit:
+                self._free.pop()  # the largest
+
+
+__all__ = ["BounceCache", "aligned_empty", "byte_view", "is_aligned", "memoryview_of"]

@@ -30,7 +30,7 @@ from tierwise.tiers import IOHandle
 
 from tierwise_nvme.backends.base import IOBackend, IORequest
 from tierwise_nvme.backends.threads import transfer as blocking_transfer
-from tierwise_nvme.buffers import aligned_empty, byte_view, memoryview_of
+from tierwise_nvme.buffers import BounceCache, byte_view, memoryview_of
 from tierwise_nvme.errors import NVMeIOError, io_error
 from tierwise_nvme.options import ALIGNMENT
 from tierwise_nvme.swapfile import SwapFile
@@ -142,12 +142,19 @@ def plan_segments(start: int, end: int, address: int, direct: bool) -> list[Segm
     return segments
 
 
+BOUNCE_CACHE_BYTES = 256 << 20
+"""Bounce buffers kept for reuse between transfers, bytes (per cache)."""
+
+
 class Transfers:
     """Starts reads and writes of tensors at byte offsets of swap files through a backend."""
 
-    def __init__(self, backend: IOBackend, *, pin: bool) -> None:
+    def __init__(self, backend: IOBackend, *, pin: bool, cache_bytes: int = BOUNCE_CACHE_BYTES) -> None:
         self.backend = backend
-        self.pin = pin
+        self.bounces = BounceCache(limit=cache_bytes)
+        """Page-aligned buffers for partial pages and misaligned tensors."""
+        self.staging = BounceCache(limit=cache_bytes, pin=pin) if pin else self.bounces
+        """Host copies of non-CPU or non-contiguous tensors (pinned on CUDA)."""
         self._inflight: dict[int, InFlight] = {}
         self._lock = threading.Lock()
 
@@ -162,10 +169,10 @@ class Transfers:
     def read(self, file: SwapFile, start: int, out: torch.Tensor) -> NVMeHandle:
         """Fill ``out`` with file bytes ``[start, start + out.nbytes)``."""
         in_place = out.device.type == "cpu" and out.is_contiguous()
-        host = byte_view(out) if in_place else aligned_empty(out.nbytes, pin=self.pin)
+        host = byte_view(out) if in_place else self.staging.take(out.nbytes)
         end = start + host.numel()
         segments = plan_segments(start, end, host.data_ptr(), self.backend.direct)
-        bounces = [aligned_empty(s.hi - s.lo) if s.bounce else None for s in segments]
+        bounces = [self.bounces.take(s.hi - s.lo) if s.bounce else None for s in segments]
 
         def finalize() -> None:
             for segment, bounce in zip(segments, bounces):
@@ -176,6 +183,7 @@ class Transfers:
                 out.copy_(host.view(out.dtype).view(out.shape))
 
         handle = NVMeHandle(len(segments), finalize=finalize, keep=(host, bounces, out))
+        self._give_back_when_done(handle, bounces, None if in_place else host)
         inflight = self._inflight_of(file)
         with inflight.issuing:
             inflight.wait_for_conflicts(segments[0].lo, segments[-1].hi, False)
@@ -184,30 +192,51 @@ class Transfers:
 
     def write(self, file: SwapFile, start: int, src: torch.Tensor, *, limit: int) -> NVMeHandle:
         """Write ``src``'s bytes at file offset ``start``; bytes from ``limit`` on are padding."""
-        if src.device.type == "cpu" and src.is_contiguous():
+        in_place = src.device.type == "cpu" and src.is_contiguous()
+        if in_place:
             host = byte_view(src)
         else:
-            host = aligned_empty(src.nbytes, pin=self.pin)
+            host = self.staging.take(src.nbytes)
             host.copy_(byte_view(src.contiguous()))
         end = start + host.numel()
         segments = plan_segments(start, end, host.data_ptr(), self.backend.direct)
         inflight = self._inflight_of(file)
         with inflight.issuing:
             inflight.wait_for_conflicts(segments[0].lo, segments[-1].hi, True)
-            bounces = [self._bounce_for_write(file, segment, host, start, limit) for segment in segments]
+            bounces: list[torch.Tensor | None] = []
+            try:
+                for segment in segments:
+                    bounces.append(self._bounce_for_write(file, segment, host, start, limit))
+            except BaseException:  # a failed read-modify-write: nothing was submitted
+                for bounce in bounces:
+                    if bounce is not None:
+                        self.bounces.give(bounce)
+                if not in_place:
+                    self.staging.give(host)
+                raise
             handle = NVMeHandle(len(segments), finalize=None, keep=(host, bounces, src))
+            self._give_back_when_done(handle, bounces, None if in_place else host)
             self._issue(file, "write", segments, bounces, host, start, handle)
         return handle
 
-    @staticmethod
+    def _give_back_when_done(self, handle: NVMeHandle, bounces: list, staging: torch.Tensor | None) -> None:
+        def give_back() -> None:
+            for bounce in bounces:
+                if bounce is not None:
+                    self.bounces.give(bounce)
+            if staging is not None:
+                self.staging.give(staging)
+
+        handle._on_complete.append(give_back)
+
     def _bounce_for_write(
-        file: SwapFile, segment: Segment, host: torch.Tensor, start: int, limit: int
+        self, file: SwapFile, segment: Segment, host: torch.Tensor, start: int, limit: int
     ) -> torch.Tensor | None:
         """The page(s) to write for a bounce segment: old bytes, new bytes, zero padding."""
         if not segment.bounce:
             return None
         end = start + host.numel()
-        bounce = aligned_empty(segment.hi - segment.lo)
+        bounce = self.bounces.take(segment.hi - segment.lo)
         if segment.lo < start or end < min(segment.hi, limit):  # other slab data shares a page
             blocking_transfer("read", file.fd, str(file.path), segment.lo, memoryview_of(bounce))
         lo, hi = max(segment.lo, start), min(segment.hi, end)

@@ -1,0 +1,246 @@
+"""The cost model: bytes each tier holds and the predicted time of one training step.
+
+Model data per element: parameters ``L_c`` bytes (2 for bf16/fp16, 4 for fp32); gradients are
+written into the parameter chunks in backward (no extra memory); optimizer states of trainable
+chunks are fp32 master + exp_avg + exp_avg_sq = 12 bytes; frozen chunks have none. With ZeRO
+sharding over N ranks each rank's home tiers hold 1/N of every chunk, rCache blocks hold whole
+(gathered) chunks.
+
+[Note: step time model] One step is a forward/backward phase followed by an optimizer phase.
+- forward/backward: compute = (3 x forward FLOPs + recomputed FLOPs) / device FLOP/s. Parameter
+  fetches (rCache misses), gradient offload, activation swaps and collectives use their own
+  links. On CUDA, prefetch on side streams overlaps them with compute, so the phase takes the
+  maximum of compute and each link's time (LoHan's model); that needs a spare rCache block to
+  prefetch into (and prefetch > 0), otherwise transfers wait for compute and the phase is the sum.
+  On CPU the "device" is host RAM: copies and collectives run on the same cores as compute, so
+  they add; only NVMe I/O (asynchronous AIO) overlaps.
+- optimizer: host Adam is pipelined with its NVMe reads/writes and with uploading updated
+  parameters to the device (LoHan / ZeRO-Offload), so that part takes the maximum of the three;
+  device Adam runs on the compute stream after it and adds.
+total = forward/backward + optimizer. ``sum`` (all components added) is kept as a tie-breaker:
+when a change does not move the binding term it still prefers less traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from tierwise_search.belady import AccessTrace, simulate
+from tierwise_search.layout import ChunkTable
+from tierwise_search.rates import Rates
+
+DEVICE, HOST, NVME = 0, 1, 2
+TIERS = ("device", "host", "nvme")
+OPTIM_BYTES = 12
+"""fp32 master + exp_avg + exp_avg_sq per trainable element."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationTraffic:
+    """What the activation policy adds to a step."""
+
+    recompute_flops: float = 0.0
+    d2h: float = 0.0
+    h2d: float = 0.0
+    nvme_read: float = 0.0
+    nvme_write: float = 0.0
+    host_bytes: int = 0
+    """Host memory holding swapped activations."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """Everything fixed while placement is searched for one chunk size."""
+
+    table: ChunkTable
+    trace: AccessTrace
+    rates: Rates
+    param_bytes: int
+    """L_c: bytes per parameter element."""
+    forward_flops: float
+    shard: int
+    """Ranks a chunk is sharded over (1 = whole chunks on every rank)."""
+    prefetch: int
+    min_blocks: int
+    """rCache blocks the widest step needs (the minimum plan)."""
+    activations: ActivationTraffic = field(default_factory=ActivationTraffic)
+
+    @property
+    def world(self) -> int:
+        return self.rates.world_size
+
+    def uses_rcache(self, param_tier: np.ndarray) -> np.ndarray:
+        """Chunks that pass through rCache blocks: offloaded ones, and with sharding every chunk
+        (a device-resident shard is still all-gathered into a block)."""
+        if self.shard > 1:
+            return np.ones(self.table.n_chunks, bool)
+        return param_tier != DEVICE
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """One candidate plan at a fixed chunk size."""
+
+    n_blocks: int
+    param_tier: np.ndarray
+    """Per global chunk: DEVICE, HOST or NVME."""
+    optim_tier: np.ndarray
+    """Per global chunk; ignored for frozen chunks."""
+
+    def with_blocks(self, n_blocks: int) -> Placement:
+        return replace(self, n_blocks=n_blocks)
+
+    def with_chunk(self, chunk: int, *, param: int | None = None, optim: int | None = None):
+        param_tier, optim_tier = self.param_tier.copy(), self.optim_tier.copy()
+        if param is not None:
+            param_tier[chunk] = param
+        if optim is not None:
+            optim_tier[chunk] = optim
+        return replace(self, param_tier=param_tier, optim_tier=optim_tier)
+
+
+@dataclass(frozen=True)
+class Memory:
+    device: int
+    host: int
+    nvme: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    seconds: dict[str, float]
+    """compute, h2d, d2h, nvme_read, nvme_write, optimizer, comm, total."""
+    fetches: np.ndarray
+    """Per chunk rCache fetches in one step."""
+
+    @property
+    def total(self) -> float:
+        return self.seconds["total"]
+
+    @property
+    def sum(self) -> float:
+        return sum(v for k, v in self.seconds.items() if k != "total")
+
+
+class CostModel:
+    """Memory and step time of placements, memoising rCache simulations."""
+
+    def __init__(self, setting: Setting):
+        self.setting = setting
+        self._sims: dict[tuple[int, bytes], np.ndarray] = {}
+
+    def fetches(self, placement: Placement) -> np.ndarray:
+        cached = self.setting.uses_rcache(placement.param_tier)
+        key = (placement.n_blocks, np.packbits(cached).tobytes())
+        if key not in self._sims:
+            self._sims[key] = simulate(self.setting.trace, placement.n_blocks, cached).fetches
+        return self._sims[key]
+
+    def memory(self, placement: Placement) -> Memory:
+        s = self.setting
+        cap = s.table.capacity
+        home_param = cap * s.param_bytes / s.shard
+        home_optim = np.where(s.table.trainable, cap * OPTIM_BYTES / s.shard, 0)
+        p, o = placement.param_tier, placement.optim_tier
+        cached = s.uses_rcache(p)
+        block = s.table.chunk_size * s.param_bytes
+        oversize = int(cap[cached].max(initial=s.table.chunk_size)) - s.table.chunk_size
+        rcache = placement.n_blocks * block + (oversize * s.param_bytes if placement.n_blocks else 0)
+        device = rcache + home_param[p == DEVICE].sum() + home_optim[o == DEVICE].sum()
+        host = home_param[p == HOST].sum() + home_optim[o == HOST].sum()
+        nvme = home_param[p == NVME].sum() + home_optim[o == NVME].sum()
+        if (p == NVME).any() or ((o == NVME) & s.table.trainable).any():
+            # staging: read next, update current, write previous (LoHan's pipeline)
+            host += 3 * s.table.chunk_size * (s.param_bytes + OPTIM_BYTES) / s.shard
+        host += s.activations.host_bytes
+        return Memory(int(device), int(host), int(nvme))
+
+    def predict(self, placement: Placement) -> Prediction:
+        s, r = self.setting, self.setting.rates
+        fetches = self.fetches(placement)
+        cap = s.table.capacity.astype(np.float64)
+        chunk_bytes = cap * s.param_bytes  # a whole chunk
+        shard_bytes = chunk_bytes / s.shard  # this rank's part
+        p, o, train = placement.param_tier, placement.optim_tier, s.table.trainable
+        act = s.activations
+
+        # forward/backward phase
+        h2d_fb = (fetches * shard_bytes)[p != DEVICE].sum() + act.h2d
+        nvme_read_fb = (fetches * shard_bytes)[p == NVME].sum() + act.nvme_read
+        offload_grad = train & (o != DEVICE)
+        d2h_fb = shard_bytes[offload_grad].sum() + act.d2h
+        nvme_write_fb = act.nvme_write
+        comm = 0.0
+        if s.world > 1:
+            part = (s.world - 1) / s.world
+            if s.shard > 1:  # all-gather every fetch, reduce-scatter every gradient chunk
+                comm = part * ((fetches * chunk_bytes).sum() + chunk_bytes[train].sum())
+            else:  # replicas: all-reduce gradients
+                comm = 2 * part * chunk_bytes[train].sum()
+        compute = (3 * s.forward_flops + act.recompute_flops) / r.flops
+
+        # optimizer phase
+        elems = cap / s.shard
+        host_opt = elems[offload_grad].sum() / r.host_adam
+        device_opt = elems[train & (o == DEVICE)].sum() / r.device_adam
+        optim_nvme = train & (o == NVME)
+        nvme_read_opt = elems[optim_nvme].sum() * OPTIM_BYTES
+        nvme_write_opt = elems[optim_nvme].sum() * OPTIM_BYTES
+        # updated parameters go home: uploaded from a host optimizer, written back from a device one
+        h2d_opt = shard_bytes[offload_grad & (p == DEVICE)].sum()
+        d2h_opt = shard_bytes[train & (o == DEVICE) & (p != DEVICE)].sum()
+        nvme_write_opt += shard_bytes[train & (p == NVME)].sum()
+
+        t = {
+            "h2d_fb": h2d_fb / r.h2d,
+            "d2h_fb": d2h_fb / r.d2h,
+            "nvme_read_fb": nvme_read_fb / r.nvme_read,
+            "nvme_write_fb": nvme_write_fb / r.nvme_write,
+            "comm": comm / r.interconnect,
+            "h2d_opt": h2d_opt / r.h2d,
+            "d2h_opt": d2h_opt / r.d2h,
+            "nvme_read_opt": nvme_read_opt / r.nvme_read,
+            "nvme_write_opt": nvme_write_opt / r.nvme_write,
+        }
+        links = [t["h2d_fb"], t["d2h_fb"], t["comm"]]
+        nvme_fb = max(t["nvme_read_fb"], t["nvme_write_fb"])
+        spare = placement.n_blocks - s.min_blocks
+        can_prefetch = s.prefetch > 0 and (spare >= 1 or not fetches.any())
+        if r.overlap and can_prefetch:
+            phase_fb = max(compute, nvme_fb, *links)
+        else:
+            phase_fb = max(compute + sum(links), nvme_fb)
+        if r.overlap:
+            phase_opt = max(host_opt, t["nvme_read_opt"], t["nvme_write_opt"], t["h2d_opt"])
+            phase_opt += device_opt + t["d2h_opt"]
+        else:
+            phase_opt = max(host_opt + t["h2d_opt"], t["nvme_read_opt"], t["nvme_write_opt"])
+            phase_opt += device_opt + t["d2h_opt"]
+        seconds = {
+            "compute": compute,
+            "h2d": t["h2d_fb"] + t["h2d_opt"],
+            "d2h": t["d2h_fb"] + t["d2h_opt"],
+            "nvme_read": t["nvme_read_fb"] + t["nvme_read_opt"],
+            "nvme_write": t["nvme_write_fb"] + t["nvme_write_opt"],
+            "optimizer": host_opt + device_opt,
+            "comm": t["comm"],
+            "total": phase_fb + phase_opt,
+        }
+        return Prediction({k: float(v) for k, v in seconds.items()}, fetches)
+
+
+__all__ = [
+    "DEVICE",
+    "HOST",
+    "NVME",
+    "OPTIM_BYTES",
+    "TIERS",
+    "ActivationTraffic",
+    "CostModel",
+    "Memory",
+    "Placement",
+    "Prediction",
+    "Setting",
+]

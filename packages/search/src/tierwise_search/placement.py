@@ -1,0 +1,162 @@
+"""Greedy placement at one chunk size: rCache blocks and the home tier of every chunk.
+
+Start from the minimum plan (the rCache holds what the widest step touches; every chunk in the
+lowest tier the host budget needs), then repeatedly take the move with the largest benefit per
+byte (Elixir section 5, extended to three tiers with PatrickStar's margin placement):
+- one more rCache block (Elixir's I(n): each block saves fetches, C/B_h2d each);
+- one chunk and its optimizer states from host up to the device (Elixir's J(n): no fetches, no
+  gradient offload, device instead of host optimizer velocity);
+- one chunk's optimizer states from NVMe up to host, or its parameters from NVMe up to host.
+Benefits are exact differences of the predicted step time (``CostModel.predict``, which reruns
+the Belady simulation when the cached set changes), never an estimate.
+
+[Note: monotone in device memory] The moves are first chosen as if device memory were
+unlimited; device bytes only grow along that sequence and each move never makes the predicted
+step slower, so the longest prefix that fits a budget is never slower for a larger budget. Only
+when the next move of that sequence does not fit do we continue with the best moves that do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierwise_search.cost import DEVICE, HOST, NVME, CostModel, Memory, Placement, Prediction
+
+TIE_WEIGHT = 1e-3
+"""Weight of the summed components next to the total (see [Note: step time model])."""
+
+
+@dataclass(frozen=True)
+class Budgets:
+    device: int
+    """Allowed device bytes for model data (U)."""
+    host: int | None
+    """Host bytes for model data (None: unlimited)."""
+    nvme: int | None
+    """Free NVMe bytes (None: unknown, unlimited)."""
+    nvme_allowed: bool
+
+
+@dataclass(frozen=True)
+class Forced:
+    param_tier: int | None = None
+    optim_tier: int | None = None
+    n_blocks: int | None = None
+
+
+@dataclass
+class Step:
+    placement: Placement
+    memory: Memory
+    prediction: Prediction
+    move: str
+
+
+class PlacementError(ValueError):
+    """The minimum placement does not fit; the message says by how much."""
+
+
+def _fits_host(memory: Memory, budgets: Budgets) -> bool:
+    if budgets.host is not None and memory.host > budgets.host:
+        return False
+    return budgets.nvme is None or memory.nvme <= budgets.nvme
+
+
+def minimum_placement(model: CostModel, budgets: Budgets, forced: Forced) -> Placement:
+    """The least device memory plan; lowest tiers only where the host budget needs them."""
+    s = model.setting
+    n = s.table.n_chunks
+    frozen = ~s.table.trainable
+
+    def placement(param: int, optim: int) -> Placement:
+        param_tier = np.full(n, forced.param_tier if forced.param_tier is not None else param)
+        optim_tier = np.full(n, forced.optim_tier if forced.optim_tier is not None else optim)
+        optim_tier[frozen] = param_tier[frozen]
+        cached = s.uses_rcache(param_tier)
+        blocks = forced.n_blocks if forced.n_blocks is not None else (s.min_blocks if cached.any() else 0)
+        return Placement(n_blocks=blocks, param_tier=param_tier, optim_tier=optim_tier)
+
+    options = [(HOST, HOST)]
+    if budgets.nvme_allowed:
+        options += [(HOST, NVME), (NVME, NVME)]
+    tried = []
+    for param, optim in options:
+        candidate = placement(param, optim)
+        memory = model.memory(candidate)
+        if _fits_host(memory, budgets):
+            return candidate
+        tried.append(memory.host)
+    need = min(tried)
+    hint = "" if budgets.nvme_allowed else " or set nvme_path to keep model data on NVMe"
+    raise PlacementError(
+        f"host_memory {budgets.host} bytes is too small: the smallest plan needs {need} bytes of "
+        f"host memory for model data; raise host_memory{hint}"
+    )
+
+
+def _moves(model: CostModel, current: Step, forced: Forced) -> Iterator[tuple[str, Placement]]:
+    s = model.setting
+    placement = current.placement
+    p, o = placement.param_tier, placement.optim_tier
+    fetches = current.prediction.fetches
+    cached = s.uses_rcache(p)
+    if forced.n_blocks is None and placement.n_blocks < int(cached.sum()):
+        yield "rcache+1", placement.with_blocks(placement.n_blocks + 1)
+    by_use = np.argsort(-fetches, kind="stable")
+    if forced.param_tier is None:
+        ups = [int(k) for k in by_use if p[k] == HOST][:2]
+        for k in ups:
+            optim = DEVICE if forced.optim_tier is None and s.table.trainable[k] else None
+            yield f"chunk {k} -> device", placement.with_chunk(k, param=DEVICE, optim=optim)
+        for k in [int(k) for k in by_use if p[k] == NVME][:1]:
+            yield f"chunk {k} params nvme -> host", placement.with_chunk(k, param=HOST)
+    if forced.optim_tier is None:
+        lows = np.flatnonzero((o == NVME) & s.table.trainable)
+        if lows.size:
+            k = int(lows[np.argmax(s.table.capacity[lows])])
+            yield f"chunk {k} optimizer nvme -> host", placement.with_chunk(k, optim=HOST)
+
+
+def _benefit(old: Prediction, new: Prediction) -> float | None:
+    if new.total > old.total * (1 + 1e-12):
+        return None
+    gain = (old.total - new.total) + TIE_WEIGHT * (old.sum - new.sum)
+    return gain if gain > 0 else None
+
+
+def greedy(model: CostModel, start: Placement, budgets: Budgets, forced: Forced) -> list[Step]:
+    """The sequence of moves from ``start``; the last step is the chosen placement."""
+    current = Step(start, model.memory(start), model.predict(start), "minimum")
+    if current.memory.device > budgets.device:
+        raise PlacementError(f"minimum needs {current.memory.device} device bytes")
+    steps = [current]
+    unlimited = True  # see [Note: monotone in device memory]
+    while True:
+        best: tuple[float, Step] | None = None
+        for name, candidate in _moves(model, current, forced):
+            memory = model.memory(candidate)
+            if not _fits_host(memory, budgets):
+                continue
+            if not unlimited and memory.device > budgets.device:
+                continue
+            prediction = model.predict(candidate)
+            gain = _benefit(current.prediction, prediction)
+            if gain is None:
+                continue
+            spent = max(memory.device - current.memory.device, memory.host - current.memory.host, 1)
+            ratio = gain / spent
+            if best is None or ratio > best[0]:
+                best = (ratio, Step(candidate, memory, prediction, name))
+        if best is None:
+            return steps
+        if best[1].memory.device > budgets.device:
+            unlimited = False
+            continue
+        current = best[1]
+        steps.append(current)
+
+
+__all__ = ["Budgets", "Forced", "PlacementError", "Step", "greedy", "minimum_placement"]

@@ -1,0 +1,98 @@
+"""Bandwidths, velocities and capacities the cost model uses, taken from ``Hardware``.
+
+Every figure comes from the hardware probe. Where the probe left one unknown (None), a
+conservative fallback below is used and a line saying so goes into ``Plan.reasons``; these are
+the only hard-coded numbers in the search. All rates are per data-parallel rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tierwise.hardware import Hardware
+
+GB = 1e9
+
+# Conservative fallbacks (deliberately low: a plan made with them over-estimates transfer time).
+FALLBACKS: dict[str, dict[str, float]] = {
+    "cuda": {
+        "h2d_bandwidth": 6 * GB,  # bytes/s: PCIe 3 x16, pageable
+        "d2h_bandwidth": 6 * GB,
+        "device_adam_velocity": 5e9,  # elements/s
+        "host_adam_velocity": 2e8,
+        "device_flops": 20e12,  # FLOP/s
+        "nvme_read_bandwidth": 1 * GB,
+        "nvme_write_bandwidth": 0.5 * GB,
+        "interconnect_bandwidth": 5 * GB,
+    },
+    "cpu": {
+        "h2d_bandwidth": 2 * GB,  # the "device" is host RAM: a single-threaded memcpy
+        "d2h_bandwidth": 2 * GB,
+        "device_adam_velocity": 2e8,
+        "host_adam_velocity": 2e8,
+        "device_flops": 2e10,
+        "nvme_read_bandwidth": 0.5 * GB,
+        "nvme_write_bandwidth": 0.25 * GB,
+        "interconnect_bandwidth": 1 * GB,
+    },
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rates:
+    """Resolved figures; every one is known (probed or fallback)."""
+
+    h2d: float
+    """Host -> device bytes/s."""
+    d2h: float
+    """Device -> host bytes/s."""
+    nvme_read: float
+    """NVMe -> host bytes/s."""
+    nvme_write: float
+    """Host -> NVMe bytes/s."""
+    device_adam: float
+    """Device optimizer elements/s."""
+    host_adam: float
+    """Host optimizer elements/s."""
+    flops: float
+    """Device FLOP/s in the compute precision."""
+    interconnect: float
+    """Collective bytes/s between ranks."""
+    overlap: bool
+    """Transfers overlap compute (CUDA side streams); on CPU they share the cores."""
+    world_size: int
+    """Data-parallel ranks."""
+    fallbacks: dict[str, str] = field(default_factory=dict)
+    """Hardware field -> reason line, for figures that were not probed."""
+
+
+def resolve_rates(hardware: Hardware) -> Rates:
+    kind = "cuda" if hardware.device_type == "cuda" else "cpu"
+    table = FALLBACKS[kind]
+    fallbacks: dict[str, str] = {}
+
+    def pick(name: str) -> float:
+        value = getattr(hardware, name)
+        if value is None or value <= 0:
+            value = table[name]
+            fallbacks[name] = (
+                f"hardware.{name} unknown: assumed {value:.3g} (conservative {kind} fallback)"
+            )
+        return float(value)
+
+    return Rates(
+        h2d=pick("h2d_bandwidth"),
+        d2h=pick("d2h_bandwidth"),
+        nvme_read=pick("nvme_read_bandwidth"),
+        nvme_write=pick("nvme_write_bandwidth"),
+        device_adam=pick("device_adam_velocity"),
+        host_adam=pick("host_adam_velocity"),
+        flops=pick("device_flops"),
+        interconnect=pick("interconnect_bandwidth"),
+        overlap=kind == "cuda",
+        world_size=max(1, int(hardware.world_size or 1)),
+        fallbacks=fallbacks,
+    )
+
+
+__all__ = ["FALLBACKS", "Rates", "resolve_rates"]

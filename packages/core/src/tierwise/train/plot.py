@@ -109,6 +109,6 @@ def _shade_phases(ax, trace: StepTrace) -> None:
         if is_last:
             end = sample.t * 1e3
             ax.axvspan(start, end, color=PHASE_COLOURS.get(sample.phase, "white"), zorder=0)
-            ax.text((start + end) / 2, 1.0, sample.phase, ha="center", va="bottom",
+            ax.text((start + end) / 2, 0.98, sample.phase, ha="center", va="top",
                     fontsize=8, color="dimgrey", transform=ax.get_xaxis_transform())
             start = end

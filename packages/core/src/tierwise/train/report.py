@@ -55,12 +55,12 @@ class Console:
         else:
             print(text, file=self.stream, flush=True)
 
-    def event(self, kind: str, **data: Any) -> None:
-        """A machine-readable line (--json mode only)."""
+    def event(self, name: str, /, **data: Any) -> None:
+        """A machine-readable line {"event": name, ...} (--json mode only)."""
         if self.enabled and self.json_mode:
-            print(json.dumps({"event": kind, **data}), file=self.stream, flush=True)
+            print(json.dumps({"event": name, **data}), file=self.stream, flush=True)
 
-    def note(self, text: str, **data: Any) -> None:
+    def note(self, text: str, /, **data: Any) -> None:
         """A line for people; in --json mode a {"event": "note"} line."""
         if not self.enabled:
             return
@@ -69,7 +69,7 @@ class Console:
         else:
             self._print(text)
 
-    def block(self, title: str, body: str, **data: Any) -> None:
+    def block(self, title: str, body: str, /, **data: Any) -> None:
         """A titled multi-line block (plan, summary, sample)."""
         if not self.enabled:
             return

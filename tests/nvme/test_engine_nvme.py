@@ -1,0 +1,47 @@
+"""Invariant 1 with the NVMe tier: training is bitwise identical to the all-host plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("tierwise_nvme")
+
+import tierwise  # noqa: E402
+from conftest import swap_files  # noqa: E402
+from helpers.train import run_tierwise  # noqa: E402
+
+COMMON = dict(device="cpu", chunk_size=5000, cache_blocks=3)
+NVME_PLANS = {
+    "params-on-nvme": dict(param_placement="nvme", optimizer_placement="host"),
+    "optimizer-on-nvme": dict(param_placement="host", optimizer_placement="nvme"),
+    "all-on-nvme": dict(param_placement="nvme", optimizer_placement="nvme"),
+}
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_nvme_plans_train_bitwise_like_host(kind, precision, clip, nvme_dir):
+    train_kwargs = {"clip": clip}
+    base_losses, base_model = run_tierwise(
+        kind, 4, precision=precision, param_placement="host", optimizer_placement="host",
+        train_kwargs=train_kwargs, **COMMON,
+    )
+    base_params = base_model.state_dict()
+    for name, plan in NVME_PLANS.items():
+        losses, model = run_tierwise(
+            kind, 4, precision=precision, nvme_path=str(nvme_dir), train_kwargs=train_kwargs,
+            **plan, **COMMON,
+        )
+        assert losses == base_losses, f"{name}: losses differ from all-host"
+        params = model.state_dict()
+        for key, value in base_params.items():
+            assert torch.equal(params[key], value), f"{name}: {key} differs"
+        engine = tierwise.engine_of(model)
+        stats = engine.stats()
+        assert stats["bytes_by_tier"]["nvme"] > 0
+        nvme = engine.tiers["nvme"]
+        assert nvme.moved_bytes["nvme->host"] > 0 and nvme.moved_bytes["host->nvme"] > 0
+        nvme.close()
+    assert swap_files(nvme_dir) == []

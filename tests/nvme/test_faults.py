@@ -11,35 +11,9 @@ import torch
 
 pytest.importorskip("tierwise_nvme")
 
-from conftest import BACKENDS, require_libaio  # noqa: E402
+from conftest import BACKENDS, FailingBackend, require_libaio  # noqa: E402
 from tierwise_nvme import NVMeIOError, NVMeSpaceError  # noqa: E402
 from tierwise_nvme.backends import IOBackend, IORequest, LibaioBackend, ThreadPoolBackend  # noqa: E402
-from tierwise_nvme.errors import io_error  # noqa: E402
-
-
-class FailingBackend(IOBackend):
-    """Passes requests to ``inner`` except the ``fail_at``-th (1-based), which fails with
-    ``code`` without touching the disk, as a failing drive would report it."""
-
-    def __init__(self, inner: IOBackend, *, fail_at: int | None, code: int = errno.EIO) -> None:
-        self.inner = inner
-        self.name = f"failing-{inner.name}"
-        self.direct = inner.direct
-        self.fail_at = fail_at
-        self.code = code
-        self.submitted = 0
-        self.failed: IORequest | None = None
-
-    def submit(self, request: IORequest) -> None:
-        self.submitted += 1
-        if self.submitted == self.fail_at:
-            self.failed = request
-            request.on_done(io_error(request.op, request.path, request.offset, len(request.buffer), self.code))
-        else:
-            self.inner.submit(request)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def inner_backend(name: str) -> IOBackend:

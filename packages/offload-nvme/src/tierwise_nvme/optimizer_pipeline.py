@@ -1,0 +1,233 @@
+"""OptimizerPipeline: out-of-core optimizer over NVMe-resident states, overlapped.
+
+[Note: optimizer pipeline]
+Each chunk's optimizer states (fp32 master, exp_avg, exp_avg_sq: any list of slabs) go through
+read -> update -> write. A worker thread runs the updates in submission order while the reads
+of the next ``lookahead`` chunks and the writes of earlier chunks are in flight, so with
+steady state the read of chunk i+1, the update of chunk i and the write of chunk i-1 overlap
+(LoHan's active gradient offloading). ``submit`` never blocks the caller, so the engine may
+call it from backward hooks. ``prefetch`` only starts the reads (for when a global check —
+clipping, fp16 overflow — must see every gradient before any update): it takes staging
+buffers only when that leaves room for one more chunk, so the worker can always make progress.
+
+Staging buffers come from a StagingPool; a chunk's buffers return to the pool when its writes
+are complete. For full overlap the pool needs ``states * (lookahead + 2)`` buffers.
+Errors (NVMeIOError, NVMeSpaceError, or from ``update``) are re-raised by ``drain``; a chunk
+whose read failed is not updated, and no chunk is updated once a failure is known (a failed
+write is noticed when its buffers are recycled, so chunks updated meanwhile are written back).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tierwise.tiers import IOHandle, Slab, Tier
+
+from tierwise_nvme.staging import StagingPool
+
+Update = Callable[[list[torch.Tensor]], None]
+
+
+@dataclass(eq=False)
+class _Job:
+    key: Hashable
+    slabs: tuple[Slab, ...]
+    update: Update | None = None
+    buffers: list[torch.Tensor] | None = None
+    reads: list[IOHandle] = field(default_factory=list)
+    writes: list[IOHandle] = field(default_factory=list)
+
+
+class OptimizerPipeline:
+    """See [Note: optimizer pipeline]."""
+
+    def __init__(self, *, tier: Tier, pool: StagingPool, lookahead: int = 1) -> None:
+        self.tier = tier
+        self.pool = pool
+        self.lookahead = lookahead
+        self.timings = {"read_wait_s": 0.0, "update_s": 0.0, "write_wait_s": 0.0}
+        """Worker time spent waiting for reads, updating, and waiting for writes."""
+        self.updated = 0
+        """Chunks updated so far."""
+        self._cond = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._prefetched: dict[Hashable, _Job] = {}
+        self._writing: deque[_Job] = deque()
+        self._busy = False
+        self._error: BaseException | None = None
+        self._closing = False
+        self._worker: threading.Thread | None = None
+
+    # -- caller side ------------------------------------------------------------------------
+    def prefetch(self, key: Hashable, slabs: Sequence[Slab]) -> bool:
+        """Start reading ``slabs`` now if staging buffers can be spared; True if started."""
+        with self._cond:
+            if key in self._prefetched or self._error is not None:
+                return key in self._prefetched
+            job = _Job(key, tuple(slabs))
+            spare = self.pool.count - self.pool.lent - len(job.slabs)
+            if spare < len(job.slabs) or not self._take_buffers(job):
+                return False
+            self._prefetched[key] = job
+        self._start_reads(job)
+        return True
+
+    def submit(self, key: Hashable, slabs: Sequence[Slab], update: Update) -> None:
+        """Queue the chunk ``key``: read ``slabs`` (unless prefetched), ``update(states)`` on the
+        worker thread, write them back. Returns at once."""
+        with self._cond:
+            job = self._prefetched.pop(key, None) or _Job(key, tuple(slabs))
+            job.update = update
+            self._queue.append(job)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="tierwise-nvme-optimizer", daemon=True)
+                self._worker.start()
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every submitted chunk is updated and written; re-raise the first error."""
+        with self._cond:
+            while self._queue or self._busy:
+                self._cond.wait()
+            error, self._error = self._error, None
+        while self._finish_oldest_write():
+            pass
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Finish everything, stop the worker and return unused prefetched buffers."""
+        try:
+            self.drain()
+        finally:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+                prefetched, self._prefetched = list(self._prefetched.values()), {}
+            for job in prefetched:
+                for handle in job.reads:
+                    _wait_quietly(handle)
+                self._give_back(job)
+            if self._worker is not None:
+                self._worker.join()
+
+    # -- worker side ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                self._busy = True
+                failed = self._error is not None
+                upcoming = list(self._queue)[: self.lookahead]
+            try:
+                if failed:  # never update after a failure: the states may be inconsistent
+                    self._discard(job)
+                else:
+                    self._process(job, upcoming)
+            except BaseException as err:
+                self._discard(job)
+                with self._cond:
+                    self._error = self._error or err
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _process(self, job: _Job, upcoming: list[_Job]) -> None:
+        if job.buffers is None:
+            self._wait_for_buffers(job)
+            self._start_reads(job)
+        for later in upcoming:  # read ahead while this chunk updates
+            with self._cond:
+                started = later.buffers is None and self._take_buffers(later)
+            if started:
+                self._start_reads(later)
+        begin = time.perf_counter()
+        for handle in job.reads:
+            handle.wait()
+        self.timings["read_wait_s"] += time.perf_counter() - begin
+        begin = time.perf_counter()
+        job.update(job.buffers)
+        self.timings["update_s"] += time.perf_counter() - begin
+        job.writes = [self.tier.write(slab, buf) for slab, buf in zip(job.slabs, job.buffers)]
+        self.updated += 1
+        self._writing.append(job)
+        while self._writing and all(h.done() for h in self._writing[0].writes):
+            self._finish_oldest_write()
+
+    def _wait_for_buffers(self, job: _Job) -> None:
+        while True:
+            with self._cond:
+                if self._take_buffers(job):
+                    return
+            if not self._finish_oldest_write():
+                raise RuntimeError(
+                    f"nvme optimizer pipeline: the staging pool ({self.pool.count} buffers) cannot "
+                    f"hold the {len(job.slabs)} states of one chunk; give it at least "
+                    f"{len(job.slabs) * (self.lookahead + 2)} buffers"
+                )
+
+    def _finish_oldest_write(self) -> bool:
+        """Wait for the oldest chunk's writes and free its buffers; False if none is writing."""
+        try:
+            job = self._writing.popleft()
+        except IndexError:
+            return False
+        begin = time.perf_counter()
+        try:
+            for handle in job.writes:
+                handle.wait()
+        except BaseException as err:
+            with self._cond:
+                self._error = self._error or err
+        finally:
+            self.timings["write_wait_s"] += time.perf_counter() - begin
+            self._give_back(job)
+        return True
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _take_buffers(self, job: _Job) -> bool:
+        """All of a job's buffers or none (never blocks)."""
+        taken = []
+        for slab in job.slabs:
+            buffer = self.pool.acquire(slab.numel, slab.dtype, block=False)
+            if buffer is None:
+                for tensor in taken:
+                    self.pool.release(tensor)
+                return False
+            taken.append(buffer)
+        job.buffers = taken
+        return True
+
+    def _start_reads(self, job: _Job) -> None:
+        job.reads = [self.tier.read(slab, buf) for slab, buf in zip(job.slabs, job.buffers)]
+
+    def _discard(self, job: _Job) -> None:
+        for handle in job.reads:
+            _wait_quietly(handle)
+        self._give_back(job)
+
+    def _give_back(self, job: _Job) -> None:
+        if job.buffers is not None:
+            for buffer in job.buffers:
+                self.pool.release(buffer)
+            job.buffers = None
+
+
+def _wait_quietly(handle: IOHandle) -> None:
+    try:
+        handle.wait()
+    except Exception:  # its error was (or will be) reported through the job that owns it
+        pass
+
+
+__all__ = ["OptimizerPipeline"]

@@ -1,0 +1,135 @@
+"""OptimizerPipeline: read -> update -> write of NVMe-resident states equals doing it in memory."""
+
+from __future__ import annotations
+
+import errno
+import threading
+
+import pytest
+import torch
+
+pytest.importorskip("tierwise_nvme")
+
+from conftest import FailingBackend  # noqa: E402
+from tierwise_nvme import NVMeIOError, StagingPool  # noqa: E402
+from tierwise_nvme.backends import ThreadPoolBackend  # noqa: E402
+from tierwise_nvme.optimizer_pipeline import OptimizerPipeline  # noqa: E402
+
+SIZES = [1000, 4097, 30_001, 7, 65_536, 12_345]
+
+
+def adamw(grad: torch.Tensor, step: torch.Tensor):
+    """The chunked update the engine would run: fused AdamW on (master, exp_avg, exp_avg_sq)."""
+
+    def update(states: list[torch.Tensor]) -> None:
+        master, exp_avg, exp_avg_sq = states
+        step.add_(1)
+        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=1e-2,
+                            beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False,
+                            maximize=False)
+
+    return update
+
+
+def setup_states(tier, generator):
+    chunks = []
+    for index, numel in enumerate(SIZES):
+        slabs = [tier.allocate(numel, torch.float32, what=f"optim_chunk {index} {k}") for k in range(3)]
+        states = [torch.randn(numel, generator=generator), torch.zeros(numel), torch.zeros(numel)]
+        for slab, state in zip(slabs, states):
+            tier.write(slab, state).wait()
+        grads = [torch.randn(numel, generator=generator) for _ in range(2)]
+        chunks.append((slabs, states, grads))
+    return chunks
+
+
+def read_states(tier, slabs):
+    outs = [torch.empty(slab.numel) for slab in slabs]
+    for slab, out in zip(slabs, outs):
+        tier.read(slab, out).wait()
+    return outs
+
+
+@pytest.mark.parametrize("pool_buffers,prefetch", [(9, False), (9, True), (3, True), (4, False)])
+def test_pipelined_updates_equal_in_memory_updates(make_tier, pool_buffers, prefetch):
+    tier = make_tier("libaio")
+    chunks = setup_states(tier, torch.Generator().manual_seed(0))
+    pool = StagingPool(buffer_bytes=max(SIZES) * 4, count=pool_buffers)
+    pipeline = OptimizerPipeline(tier=tier, pool=pool, lookahead=1)
+    steps_ref = [torch.zeros(()) for _ in chunks]
+    steps = [torch.zeros(()) for _ in chunks]
+    for step in range(2):  # two optimizer steps; chunks submitted in backward order
+        order = list(reversed(range(len(chunks))))
+        if prefetch:  # a global check needs all gradients first: reads start during "backward"
+            started = [pipeline.prefetch(i, chunks[i][0]) for i in order]
+            # buffers are lent only while room for one more chunk remains
+            assert started == ([True, True] + [False] * 4 if pool_buffers == 9 else [False] * 6)
+        for i in order:
+            slabs, states, grads = chunks[i]
+            adamw(grads[step], steps_ref[i])(states)  # the reference, in memory
+            pipeline.submit(i, slabs, adamw(grads[step], steps[i]))
+        pipeline.drain()
+        for slabs, states, _ in chunks:
+            for got, want in zip(read_states(tier, slabs), states):
+                assert torch.equal(got, want)
+    assert pipeline.updated == 2 * len(chunks)
+    assert pool.lent == 0
+    pipeline.close()
+
+
+def test_updates_run_on_the_worker_while_the_caller_continues(make_tier):
+    tier = make_tier("threads")
+    chunks = setup_states(tier, torch.Generator().manual_seed(1))
+    pipeline = OptimizerPipeline(tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=9))
+    gate = threading.Event()
+    threads = []
+
+    def gated(states):
+        gate.wait()  # blocks the worker, never the caller
+        threads.append(threading.current_thread().name)
+
+    for i, (slabs, _, _) in enumerate(chunks):
+        pipeline.submit(i, slabs, gated)  # returns although no update can finish yet
+    gate.set()
+    pipeline.drain()
+    assert threads == ["tierwise-nvme-optimizer"] * len(chunks)
+    pipeline.close()
+
+
+def test_too_small_pool_is_a_clear_error(make_tier):
+    tier = make_tier("threads")
+    chunks = setup_states(tier, torch.Generator().manual_seed(2))
+    pipeline = OptimizerPipeline(tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=2))
+    pipeline.submit(0, chunks[0][0], lambda states: None)
+    with pytest.raises(RuntimeError, match="cannot hold the 3 states of one chunk; give it at least 9"):
+        pipeline.drain()
+    pipeline.close()
+
+
+def test_failed_read_stops_updates_and_is_reported(make_tier):
+    io = FailingBackend(ThreadPoolBackend(direct=True, block_size=1 << 20, queue_depth=8), fail_at=None)
+    tier = make_tier("threads", io=io)
+    chunks = setup_states(tier, torch.Generator().manual_seed(3))
+    pipeline = OptimizerPipeline(tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=3), lookahead=0)
+    before = [read_states(tier, slabs) for slabs, _, _ in chunks]
+    updated = []
+    target = chunks[1][0][0]  # the first state slab of the second chunk
+    io.fail_if = lambda request: request.op == "read" and request.offset == target.offset and (
+        request.path == str(target.extra["file"].path))
+    for i, (slabs, _, grads) in enumerate(chunks):
+        step = torch.zeros(())
+
+        def update(states, i=i, grad=grads[0], step=step):
+            adamw(grad, step)(states)
+            updated.append(i)
+
+        pipeline.submit(i, slabs, update)
+    with pytest.raises(NVMeIOError) as info:
+        pipeline.drain()
+    assert info.value.errno == errno.EIO and str(chunks[1][0][0].extra["file"].path) in str(info.value)
+    assert updated == [0]  # neither the failed chunk nor any later one was updated
+    for index, (slabs, _, _) in enumerate(chunks[1:], start=1):
+        for got, want in zip(read_states(tier, slabs), before[index]):
+            assert torch.equal(got, want)
+    assert pipeline.pool.lent == 0
+    pipeline.close()

@@ -1,32 +1,43 @@
-"""tierwise-moe: expert-parallel and tensor-parallel patterns for fine-grained plans."""
+"""tierwise-moe: expert-parallel and tensor-parallel patterns for fine-grained plans.
+
+Registered through ``tierwise_register_parallel_patterns`` as "expert" and "tensor"; used by
+``tierwise.setup(model, optimizer, parallel={"expert": 2})``. Importing this module stays light
+(the entry point is loaded whenever tierwise builds its plugin host): the patterns and their
+torch code load on first use.
+"""
 
 from __future__ import annotations
 
+from importlib import import_module
+from typing import Any
+
 from tierwise.hookspecs import hookimpl
-from tierwise.parallel import ParallelPattern
-from tierwise.plugins import not_implemented
 
 from tierwise_moe._version import __version__
 
+_LAZY = {
+    "ExpertParallel": "tierwise_moe.expert_parallel",
+    "TensorParallel": "tierwise_moe.tensor_parallel",
+    "ShardedExperts": "tierwise_moe.experts",
+    "ColumnParallelLinear": "tierwise_moe.tensor_parallel",
+    "RowParallelLinear": "tierwise_moe.tensor_parallel",
+    "full_state_dict": "tierwise_moe.shards",
+    "load_full_state_dict": "tierwise_moe.shards",
+}
 
-class _Placeholder(ParallelPattern):
-    def __init__(self, **kwargs):
-        raise not_implemented(f"the {self.PLUGIN_NAME!r} parallel pattern", "tierwise-moe")
 
-    claims = dp_group = __init__
-
-
-class ExpertParallel(_Placeholder):
-    PLUGIN_NAME = "expert"
-
-
-class TensorParallel(_Placeholder):
-    PLUGIN_NAME = "tensor"
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tierwise_moe' has no attribute {name!r}")
 
 
 @hookimpl
 def tierwise_register_parallel_patterns() -> list[type]:
+    from tierwise_moe.expert_parallel import ExpertParallel
+    from tierwise_moe.tensor_parallel import TensorParallel
+
     return [ExpertParallel, TensorParallel]
 
 
-__all__ = ["ExpertParallel", "TensorParallel", "__version__", "tierwise_register_parallel_patterns"]
+__all__ = [*_LAZY, "__version__", "tierwise_register_parallel_patterns"]

@@ -1,0 +1,171 @@
+"""Expert-parallel experts: this rank's slice of a fused HF experts module.
+
+transformers 5.x stores the experts of a MoE layer (Mixtral, Qwen2-MoE, ...) as two fused 3-D
+parameters, ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], and calls the experts module
+as ``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])``. With
+expert-parallel size P, :class:`ShardedExperts` keeps experts ``[rank*E/P, (rank+1)*E/P)`` of
+both parameters (same names, dim 0 sliced) and runs one forward as:
+
+1. sort the T*k (token, expert) pairs by expert; optionally drop pairs over capacity;
+2. all-to-all the per-expert counts, then the token rows, to the ranks owning the experts;
+3. run each local expert on its rows (every local expert runs, even on zero rows);
+4. all-to-all the results back, weight them by the router and sum the k results per token.
+
+The router and everything outside the experts stay data-parallel.
+
+[Note: expert gradient scale]
+Every rank computes its loss on its own tokens, and data-parallel averaging divides gradients by
+the size of a parameter's data-parallel group. An expert on rank r receives gradient from the
+tokens of all P ranks of its expert-parallel group, so its gradient would be P times too large
+after averaging over only the world/P ranks that hold the same experts. The experts' gradients
+are therefore scaled by 1/P in backward: after backward, every parameter's ``.grad`` is "this
+rank's share", to be averaged over the parameter's data-parallel group, exactly as for dense
+parameters under DistributedDataParallel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tierwise_moe.collectives import all_to_all, exchange_counts, scale_grad
+from tierwise_moe.shards import SPECS_ATTR, ShardSpec
+
+FUSED_PARAMS = ("gate_up_proj", "down_proj")
+
+
+class UnsupportedExperts(TypeError):
+    """An experts module whose layout expert parallelism does not handle."""
+
+
+def is_fused_experts(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds fused 3-D expert weights the HF 5.x way."""
+    return all(
+        isinstance(getattr(module, name, None), torch.nn.Parameter)
+        and getattr(module, name).dim() == 3
+        for name in FUSED_PARAMS
+    ) and isinstance(getattr(module, "num_experts", None), int)
+
+
+def check_supported(module: torch.nn.Module, name: str) -> None:
+    """Raise UnsupportedExperts naming what differs from the layout ShardedExperts computes."""
+    expected = {
+        "has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+        "has_post_expert_norm": False,
+    }
+    for attr, value in expected.items():
+        if getattr(module, attr, value) != value:
+            raise UnsupportedExperts(
+                f"{name} ({type(module).__name__}) has {attr}={getattr(module, attr)!r}; expert "
+                f"parallelism supports fused experts with {attr}={value!r} (Mixtral, Qwen2-MoE "
+                "layout): leave this model out of expert parallelism"
+            )
+    gate = getattr(type(module), "_apply_gate", None)
+    if gate is not None and gate.__name__ != "_default_apply_gate":
+        raise UnsupportedExperts(
+            f"{name} ({type(module).__name__}) overrides _apply_gate; expert parallelism "
+            "computes act(gate) * up only"
+        )
+
+
+def capacity(capacity_factor: float, pairs: int, num_experts: int) -> int:
+    """Rows one expert accepts from one rank: ceil(factor * pairs / experts)."""
+    return math.ceil(capacity_factor * pairs / num_experts)
+
+
+class ShardedExperts(torch.nn.Module):
+    """This rank's E/P experts of a fused experts module; tokens travel to their expert's rank."""
+
+    def __init__(
+        self,
+        experts: torch.nn.Module,
+        *,
+        rank: int,
+        size: int,
+        group: dist.ProcessGroup | None,
+        capacity_factor: float | None = None,
+    ):
+        super().__init__()
+        num_experts = experts.num_experts
+        if num_experts % size:
+            raise UnsupportedExperts(
+                f"{num_experts} experts do not split over expert-parallel size {size}: "
+                f"use a size that divides {num_experts}"
+            )
+        self.num_experts = num_experts
+        """Experts of the whole layer (E)."""
+        self.local_experts = num_experts // size
+        """Experts on this rank (E/P): global ids [rank*E/P, (rank+1)*E/P)."""
+        self.rank, self.size, self.group = rank, size, group
+        self.capacity_factor = capacity_factor
+        """None: exact (no token dropped). Else each rank sends each expert at most
+        ceil(factor * its pairs / E) rows; dropped pairs add nothing to the token's output."""
+        self.act_fn = experts.act_fn
+        spec = ShardSpec(dim=0, rank=rank, size=size, group=group)
+        for name in FUSED_PARAMS:
+            full = getattr(experts, name)
+            shard = spec.shard(full.detach()).clone()
+            setattr(self, name, torch.nn.Parameter(shard, requires_grad=full.requires_grad))
+        setattr(self, SPECS_ATTR, {name: spec for name in FUSED_PARAMS})
+        self.last_tokens_per_expert: torch.Tensor | None = None
+        """Rows each local expert computed in the latest forward (for tests and stats)."""
+
+    def extra_repr(self) -> str:
+        first = self.rank * self.local_experts
+        return (
+            f"experts {first}..{first + self.local_experts - 1} of {self.num_experts} "
+            f"(rank {self.rank} of {self.size}), capacity_factor={self.capacity_factor}"
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        num_tokens, top_k = top_k_index.shape
+        pair_expert = top_k_index.reshape(-1)
+        order = torch.argsort(pair_expert, stable=True)  # pairs grouped by expert, token order
+        counts = torch.bincount(pair_expert, minlength=self.num_experts)
+        if self.capacity_factor is not None:
+            order, counts = self._drop_over_capacity(order, pair_expert[order], counts)
+        send_rows = hidden_states[order // top_k]
+
+        # counts[e] for the experts of rank r form block r: after the exchange, block r holds
+        # what rank r sends to each of this rank's experts.
+        recv_counts = exchange_counts(counts, self.group).view(self.size, self.local_experts)
+        send_splits = counts.view(self.size, self.local_experts).sum(1).tolist()
+        recv_splits = recv_counts.sum(1).tolist()
+        recv_rows = all_to_all(send_rows, recv_splits, send_splits, self.group)
+
+        # received rows: source-major, expert-minor; regroup expert-major for the matmuls
+        local_expert = torch.arange(self.local_experts, device=recv_counts.device)
+        row_expert = local_expert.repeat(self.size).repeat_interleave(recv_counts.reshape(-1))
+        by_expert = torch.argsort(row_expert, stable=True)
+        rows_per_expert = recv_counts.sum(0)
+        self.last_tokens_per_expert = rows_per_expert.detach().cpu()
+        out_rows = self._run_local_experts(recv_rows[by_expert], rows_per_expert.tolist())
+        out_rows = out_rows[torch.argsort(by_expert)]  # back to source-major order
+
+        back_rows = all_to_all(out_rows, send_splits, recv_splits, self.group)
+        pair_out = hidden_states.new_zeros((num_tokens * top_k, hidden_states.shape[-1]))
+        pair_out = pair_out.index_copy(0, order, back_rows.to(pair_out.dtype))
+        weighted = pair_out * top_k_weights.reshape(-1, 1)
+        return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _drop_over_capacity(self, order, sorted_expert, counts):
+        limit = capacity(self.capacity_factor, sorted_expert.numel(), self.num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.arange(sorted_expert.numel(), device=order.device) - starts[sorted_expert]
+        keep = position < limit
+        return order[keep], counts.clamp(max=limit)
+
+    def _run_local_experts(self, rows: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
+        # [Note: expert gradient scale]
+        gate_up = scale_grad(self.gate_up_proj, 1.0 / self.size)
+        down = scale_grad(self.down_proj, 1.0 / self.size)
+        outputs = []
+        for expert, expert_rows in enumerate(rows.split(rows_per_expert)):
+            gate, up = F.linear(expert_rows, gate_up[expert]).chunk(2, dim=-1)
+            outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
+        return torch.cat(outputs)

@@ -1,0 +1,207 @@
+"""Shared pieces of the MoE / tensor-parallel tests: models with controllable routing, the
+single-process reference loop and the per-rank loop (plain PyTorch: AdamW per rank, gradients
+averaged over each parameter's data-parallel group by hand, no tierwise engine).
+
+Rank functions live here (a module importable by spawned ranks) and return plain tensors;
+comparisons happen in the test process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from helpers.models import tiny_batch, tiny_model
+
+LR = 1e-3
+WEIGHT_DECAY = 0.01
+ADAM_EPS = 1e-6
+"""Above the float noise of near-zero gradients: q/k gradients of a random tiny model are about
+1e-8, and with eps=1e-8 Adam would divide reduction-order noise by itself (both runs use it)."""
+STEPS = 5
+GLOBAL_BATCH = 4
+SEQ = 16
+CONSTANT_DIM_VALUE = 1.0
+"""Every token embedding gets this value in hidden dim 0, so router inputs have a positive
+component there that a router row can use to push its expert out of every top-k."""
+UNROUTED_FROM_STEP = {3: 2, 2: 3}
+"""Expert -> first step from which it receives no token (expert 3 from step 2; experts 2 and 3,
+i.e. every expert of expert-parallel rank 1, from step 3)."""
+
+
+def build_model(kind: str) -> torch.nn.Module:
+    """A tiny model (fp32) whose routers ignore hidden dim 0 until experts are pushed out."""
+    model = tiny_model(kind)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 0] = CONSTANT_DIM_VALUE
+        for router in routers(model):
+            router.weight[:, 0] = 0.0
+    return model
+
+
+def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+
+
+def push_out_unrouted_experts(model: torch.nn.Module, step: int) -> None:
+    """From their step on, the experts of UNROUTED_FROM_STEP get a router logit of about -40."""
+    with torch.no_grad():
+        for expert, first_step in UNROUTED_FROM_STEP.items():
+            if step == first_step:
+                for router in routers(model):
+                    router.weight[expert, 0] = -10.0
+
+
+def global_batch() -> dict:
+    return tiny_batch(batch=GLOBAL_BATCH, seq=SEQ, seed=1)
+
+
+def batch_slice(batch: dict, index: int, parts: int) -> dict:
+    rows = GLOBAL_BATCH // parts
+    return {key: value[index * rows : (index + 1) * rows] for key, value in batch.items()}
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS)
+
+
+def reference_run(kind: str, steps: int = STEPS, moe: bool = True) -> dict:
+    """Single process, the whole global batch: losses, final state dict, per-step routing."""
+    model = build_model(kind)
+    opt = make_optimizer(model)
+    batch = global_batch()
+    losses, routed = [], []
+    for step in range(steps):
+        if moe:
+            push_out_unrouted_experts(model, step)
+            routed.append(_experts_hit(model, batch))
+        loss = model(**batch).loss
+        loss.backward()
+        if step == 0:
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    return {"losses": losses, "state": state, "first_grads": first_grads, "routed": routed}
+
+
+def _experts_hit(model: torch.nn.Module, batch: dict) -> list[int]:
+    """Experts that receive at least one token in any layer for this batch (reference side)."""
+    hit: set[int] = set()
+
+    def record(module, args, output):
+        _, _, top_k_index = output
+        hit.update(top_k_index.unique().tolist())
+
+    handles = [router.register_forward_hook(record) for router in routers(model)]
+    with torch.no_grad():
+        model(**batch)
+    for handle in handles:
+        handle.remove()
+    return sorted(hit)
+
+
+def parallel_run(
+    rank: int, world: int, kind: str, pattern_name: str, size: int, steps: int = STEPS,
+    capacity_factor: float | None = None,
+) -> dict:
+    """One rank of a run with ``pattern_name`` of ``size``; plain AdamW per rank."""
+    from tierwise.config import Config
+    from tierwise_moe import ExpertParallel, TensorParallel, full_state_dict
+
+    cls = {"expert": ExpertParallel, "tensor": TensorParallel}[pattern_name]
+    extra = {"capacity_factor": capacity_factor} if capacity_factor is not None else {}
+    pattern = cls(size=size, config=Config(device="cpu"), process_group=dist.group.WORLD, **extra)
+    model = build_model(kind)
+    pattern.prepare(model)
+    opt = make_optimizer(model)
+    # tensor-parallel peers share a batch; expert-parallel ranks each take their own slice
+    data_rank, data_parts = (rank // size, world // size) if pattern_name == "tensor" else (rank, world)
+    batch = batch_slice(global_batch(), data_rank, data_parts)
+    moe = pattern_name == "expert"
+    losses, local_rows, zero_grad_experts = [], [], []
+    for step in range(steps):
+        if moe:
+            push_out_unrouted_experts(model, step)
+        loss = model(**batch).loss
+        loss.backward()
+        if moe:
+            local_rows.append(_local_rows(model))
+            zero_grad_experts.append(_experts_with_zero_grad(model))
+        average_gradients(model, pattern)
+        if step == 0:
+            first_grads = full_gradients(model)
+        opt.step()
+        opt.zero_grad()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        losses.append(mean_loss.item() / world)
+    return {  # numpy, not tensors: see portable()
+        "losses": losses,
+        "state": portable(full_state_dict(model)),
+        "first_grads": portable(first_grads),
+        "local_rows": local_rows,
+        "zero_grad_experts": zero_grad_experts,
+        "mp_rank": pattern.mesh.mp_rank,
+        "param_numel": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def average_gradients(model: torch.nn.Module, pattern) -> None:
+    """What DDP does, per parameter over its data-parallel group (the world if unclaimed)."""
+    for name, param in model.named_parameters():
+        group = pattern.dp_group() if pattern.claims(name, param) else dist.group.WORLD
+        if param.grad is None:
+            raise AssertionError(f"{name} has no gradient on rank {dist.get_rank()}")
+        dist.all_reduce(param.grad, group=group)
+        param.grad /= dist.get_world_size(group)
+
+
+def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's (averaged) gradient, shards gathered into the original shapes."""
+    from tierwise_moe.shards import shard_specs
+
+    specs = shard_specs(model)
+    return {
+        name: specs[name].gather(param.grad) if name in specs else param.grad.clone()
+        for name, param in model.named_parameters()
+    }
+
+
+def _sharded_experts(model):
+    from tierwise_moe import ShardedExperts
+
+    return [m for m in model.modules() if isinstance(m, ShardedExperts)]
+
+
+def _local_rows(model) -> list[list[int]]:
+    """Rows each local expert computed in the last forward, per MoE layer."""
+    return [m.last_tokens_per_expert.tolist() for m in _sharded_experts(model)]
+
+
+def _experts_with_zero_grad(model) -> list[int]:
+    """Global ids of this rank's experts whose gradient is exactly zero in every layer."""
+    zero = None
+    for m in _sharded_experts(model):
+        first = m.rank * m.local_experts
+        ids = {
+            first + e
+            for e in range(m.local_experts)
+            if not m.gate_up_proj.grad[e].any() and not m.down_proj.grad[e].any()
+        }
+        zero = ids if zero is None else zero & ids
+    return sorted(zero or ())
+
+
+def portable(tensors: dict[str, torch.Tensor]) -> dict:
+    """Tensors as numpy arrays for the trip back to the test process: torch tensors travel by
+    shared-memory file descriptor, which breaks when the rank exits before the parent reads."""
+    return {name: tensor.detach().numpy() for name, tensor in tensors.items()}
+
+
+def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| relative to the largest magnitude of ``expected``."""
+    actual, expected = torch.as_tensor(actual), torch.as_tensor(expected)
+    scale = expected.abs().max().clamp_min(1e-30)
+    return ((actual - expected).abs().max() / scale).item()

@@ -2,7 +2,9 @@
 
 Prints one JSON line per (operation, buffer kind): medians over interleaved repeats of the tier
 and of ``fio --ioengine=libaio --direct=1`` with the same block size and queue depth, the ratio,
-and the machine. The tier transfers whole chunks (``--chunk``) from page-aligned staging
+and the machine. A last line times one out-of-core AdamW pass over NVMe-resident optimizer
+states: transfers alone, updates alone, sequential (read, update, write per chunk) and through
+OptimizerPipeline, with pipelined / max(transfers, updates). The tier transfers whole chunks (``--chunk``) from page-aligned staging
 buffers ("aligned", the engine's path) or from ordinary torch tensors ("unaligned", through
 bounce buffers), with every chunk of the file in flight at once.
 
@@ -70,6 +72,61 @@ def tier_bandwidth(op: str, tier: NVMeTier, slabs, buffers) -> float:
     return sum(slab.nbytes for slab in slabs) / (time.perf_counter() - start)
 
 
+def adamw_update(grad: torch.Tensor, step: torch.Tensor):
+    def update(states: list[torch.Tensor]) -> None:
+        master, exp_avg, exp_avg_sq = states
+        step.add_(1)
+        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=1e-3,
+                            beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
+                            amsgrad=False, maximize=False)
+
+    return update
+
+
+def pipeline_times(tier: NVMeTier, n_chunks: int, numel: int) -> dict[str, float]:
+    """Seconds for one optimizer pass over ``n_chunks`` NVMe-resident chunks (3 fp32 states of
+    ``numel`` each): transfers alone, updates alone, sequential, and pipelined."""
+    from tierwise_nvme.optimizer_pipeline import OptimizerPipeline
+
+    slabs = [[tier.allocate(numel, torch.float32, what="optim_chunk") for _ in range(3)] for _ in range(n_chunks)]
+    grad = torch.randn(numel)
+    step = torch.zeros(())
+    pool = StagingPool(buffer_bytes=numel * 4, count=9)
+    times = {}
+
+    def run_pipeline(update) -> float:
+        pipeline = OptimizerPipeline(tier=tier, pool=pool, lookahead=1)
+        begin = time.perf_counter()
+        for index, chunk in enumerate(slabs):
+            pipeline.submit(index, chunk, update)
+        pipeline.drain()
+        pipeline.close()
+        return time.perf_counter() - begin
+
+    run_pipeline(lambda states: [s.zero_() for s in states])  # initialise the states
+    times["transfer_only_s"] = run_pipeline(lambda states: None)
+    states = [pool.acquire(numel, torch.float32) for _ in range(3)]
+    begin = time.perf_counter()
+    for _ in slabs:
+        adamw_update(grad, step)(states)
+    times["update_only_s"] = time.perf_counter() - begin
+    begin = time.perf_counter()
+    for chunk in slabs:  # the engine's current non-overlapped path
+        for slab, state in zip(chunk, states):
+            tier.read(slab, state).wait()
+        adamw_update(grad, step)(states)
+        for handle in [tier.write(slab, state) for slab, state in zip(chunk, states)]:
+            handle.wait()
+    times["sequential_s"] = time.perf_counter() - begin
+    for state in states:
+        pool.release(state)
+    times["pipelined_s"] = run_pipeline(adamw_update(grad, step))
+    for chunk in slabs:
+        for slab in chunk:
+            tier.release(slab)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", default="/work/nvme-bench", help="directory on the disk to test")
@@ -78,6 +135,8 @@ def main() -> None:
     parser.add_argument("--block-size", default=None, help="I/O request size (default: tier's)")
     parser.add_argument("--queue-depth", type=int, default=None, help="requests in flight")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--optim-chunks", type=int, default=16, help="chunks in the optimizer pass")
+    parser.add_argument("--optim-numel", type=int, default=8 << 20, help="elements per optimizer chunk")
     args = parser.parse_args()
 
     if shutil.which("fio") is None:
@@ -119,12 +178,17 @@ def main() -> None:
                 for kind, group in buffers.items():
                     results.setdefault((op, kind), []).append(tier_bandwidth(op, tier, slabs, group))
         ok = all(torch.equal(a, b) for a, b in zip(buffers["aligned"], buffers["unaligned"]))
+        for slab in slabs:
+            tier.release(slab)
+        del buffers
+        numel = args.optim_numel
+        passes = [pipeline_times(tier, args.optim_chunks, numel) for _ in range(args.repeats)]
     finally:
         tier.close()
         fio_file.unlink(missing_ok=True)
     for op in ("write", "read"):
         fio = statistics.median(results[(op, "fio")])
-        for kind in buffers:
+        for kind in ("aligned", "unaligned"):
             ours = statistics.median(results[(op, kind)])
             print(json.dumps({
                 "bench": "nvme_bw",
@@ -144,6 +208,21 @@ def main() -> None:
                 "machine": info,
             }))
 
+    median = {key: statistics.median(p[key] for p in passes) for key in passes[0]}
+    bound = max(median["transfer_only_s"], median["update_only_s"])
+    print(json.dumps({
+        "bench": "nvme_optimizer_pipeline",
+        "chunks": args.optim_chunks,
+        "numel_per_chunk": numel,
+        "state_bytes_each_way": args.optim_chunks * numel * 12,
+        "repeats": args.repeats,
+        **{key: round(value, 3) for key, value in median.items()},
+        "pipelined_over_max_transfer_update": round(median["pipelined_s"] / bound, 3),
+        "sequential_over_pipelined": round(median["sequential_s"] / median["pipelined_s"], 3),
+        "machine": info,
+    }))
+
 
 if __name__ == "__main__":
     main()
+

@@ -2,11 +2,13 @@
 
 Prints one JSON line per (operation, buffer kind): medians over interleaved repeats of the tier
 and of ``fio --ioengine=libaio --direct=1`` with the same block size and queue depth, the ratio,
-and the machine. A last line times one out-of-core AdamW pass over NVMe-resident optimizer
-states: transfers alone, updates alone, sequential (read, update, write per chunk) and through
-OptimizerPipeline, with pipelined / max(transfers, updates). The tier transfers whole chunks (``--chunk``) from page-aligned staging
+and the machine. The tier transfers whole chunks (``--chunk``) from page-aligned staging
 buffers ("aligned", the engine's path) or from ordinary torch tensors ("unaligned", through
 bounce buffers), with every chunk of the file in flight at once.
+
+A last line times one out-of-core AdamW pass over NVMe-resident optimizer states: transfers
+alone, updates alone, sequential (read, update, write per chunk) and through
+OptimizerPipeline, with the ratio pipelined / max(transfers, updates).
 
     python bench/nvme_bw.py --dir /work/nvme-bench --size 1GiB --block-size 1MiB --queue-depth 32
 """

@@ -119,9 +119,8 @@ def setup(
     tiers = _make_tiers(host, config, plan, needed)
     allocated = allocate_payloads(groups, plan, tiers, fp32_alias=config.precision == "fp32")
     try:
-        cached = [c for g in groups for c in g.chunks if not _always_resident(c)]
+        cached = [c for g in groups for c in g.chunks if not _home_is_compute_buffer(c)]
         block_numel = max((c.capacity for c in cached), default=0)
-        block_numel = max(block_numel, max(c.capacity for g in groups for c in g.chunks))
         cache = RCache(tiers["device"], plan.cache_blocks if cached else 0, block_numel, dtype)
         if cached and len(cache) == 0:
             raise ConfigError(
@@ -138,14 +137,16 @@ def setup(
     for group in groups:
         for chunk in group.chunks:
             chunk.pending = len(chunk.slots) if chunk.trainable else 0
+            if _home_is_compute_buffer(chunk):
+                chunk.flat, chunk.resident = chunk.home.tensor, True
+            else:  # [Note: chunk storage]
+                chunk.flat = torch.empty(chunk.capacity, dtype=dtype, device=tiers["device"].device)
+            chunk.bind_params()
+            if not chunk.resident:
+                chunk.free_storage()
             for slot in chunk.slots:
                 slot_chunk[id(slot.param)] = chunk
                 slot.param._tierwise_managed = True
-            if _always_resident(chunk):
-                chunk.block = chunk.home.tensor
-                chunk.point_params_at(chunk.block)
-            else:
-                chunk.detach_params()
     slots_by_param = {id(s.param): s for g in groups for c in g.chunks for s in c.slots}
     modules = {}
     for module in model.modules():
@@ -177,8 +178,9 @@ def setup(
     return model, TierwiseOptimizer(engine, optimizer)
 
 
-def _always_resident(chunk) -> bool:
-    return chunk.home.tier.name == "device" and not chunk.group.sharded and chunk.home.tensor is not None
+def _home_is_compute_buffer(chunk) -> bool:
+    """Home on the device and not sharded: compute uses the home payload in place."""
+    return chunk.home.tier.name == "device" and not chunk.group.sharded
 
 
 def _module_params(model: torch.nn.Module, params) -> dict[str, list[str]]:

@@ -72,13 +72,6 @@ def load_full_state(engine: Engine, state: dict[str, torch.Tensor]) -> None:
         if chunk.optim is None or chunk.home is not chunk.optim.master:
             _write(chunk.home, shard)
     engine.invalidate_cache()
-    _refresh_resident(engine)
-
-
-def _refresh_resident(engine: Engine) -> None:
-    for chunk in engine.chunks():
-        if chunk.block is not None and chunk.block_id is None:
-            chunk.point_params_at(chunk.block)
 
 
 def install_state_dict_hooks(engine: Engine, model: torch.nn.Module) -> None:
@@ -173,7 +166,6 @@ def load_rank_state(engine: Engine, state: dict) -> None:
     for group, saved in zip(engine.optimizer_groups, state["param_groups"], strict=False):
         group.update(saved)
     engine.invalidate_cache()
-    _refresh_resident(engine)
 
 
 def _rank_and_world() -> tuple[int, int]:

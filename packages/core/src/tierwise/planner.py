@@ -68,6 +68,7 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
     n_chunks = len(caps)
     n_trainable = sum(1 for _, t in caps if t)
     param_bytes = sum(-(-cap // world) for cap, _ in caps) * lc
+    frozen_param_bytes = sum(-(-cap // world) for cap, t in caps if not t) * lc
     optim_bytes = sum(-(-cap // world) for cap, t in caps if t) * (OPTIM_BYTES + lc)
     staging_blocks = 0 if hardware.world_size == 1 else n_trainable  # see [Note: gradient path]
     min_blocks = _min_blocks(profile, layout)
@@ -81,7 +82,9 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
     def device_need(param_tier: str, optim_tier: str, blocks: int) -> int:
         need = (blocks + staging_blocks) * block_bytes
         if param_tier == "device":
-            need += param_bytes
+            # fp32 with params and optimizer together: a trainable chunk's home is its master
+            aliased = config.precision == "fp32" and optim_tier == "device"
+            need += frozen_param_bytes if aliased else param_bytes
         if optim_tier == "device":
             need += optim_bytes
         return need

@@ -14,18 +14,6 @@ if TYPE_CHECKING:
 
     from tierwise.tiers.base import Slab, Tier
 
-_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def empty_like_nothing(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A shared 0-element tensor: what a non-resident parameter's ``.data`` points to, so any
-    use outside tierwise's hooks fails loudly instead of reading stale memory."""
-    key = (dtype, device)
-    if key not in _EMPTY:
-        _EMPTY[key] = torch.empty(0, dtype=dtype, device=device)
-    return _EMPTY[key]
-
-
 @dataclass(eq=False)
 class ParamSlot:
     """One parameter inside a chunk."""
@@ -70,10 +58,13 @@ class Chunk:
     home: Slab | None = None
     """This rank's low-precision parameter payload (the whole chunk when not sharded)."""
     optim: OptimSlabs | None = None
-    block: torch.Tensor | None = None
-    """The full chunk on the compute device while resident."""
+    flat: torch.Tensor | None = None
+    """The whole chunk on the compute device; parameters are permanent views of it. For a
+    cached chunk its storage is empty while not resident (see [Note: chunk storage])."""
+    resident: bool = False
+    """``flat`` holds valid values."""
     block_id: int | None = None
-    """rCache block holding it, or None when ``block`` is the home payload itself."""
+    """rCache block it occupies, or None (not resident, or its home is ``flat`` itself)."""
     compute_refs: int = 0
     """How many parameters of this chunk are in COMPUTE (resident while > 0)."""
     staging: torch.Tensor | None = None
@@ -96,15 +87,18 @@ class Chunk:
     @property
     def always_resident(self) -> bool:
         """Home on the device and not sharded: the home payload is the compute buffer."""
-        return self.block_id is None and self.block is not None
+        return self.home is not None and self.home.tensor is self.flat
 
-    def point_params_at(self, block: torch.Tensor) -> None:
+    def bind_params(self) -> None:
+        """Make every parameter a view of ``flat`` (once, at setup)."""
         for slot in self.slots:
-            slot.param.data = block[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            slot.param.data = self.flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
-    def detach_params(self) -> None:
-        for slot in self.slots:
-            slot.param.data = empty_like_nothing(slot.param.dtype, slot.param.device)
+    def allocate_storage(self) -> None:
+        self.flat.untyped_storage().resize_(self.capacity * self.flat.element_size())
+
+    def free_storage(self) -> None:
+        self.flat.untyped_storage().resize_(0)
 
     def shard_range(self) -> tuple[int, int]:
         start = self.group.rank * self.shard_size if self.group.sharded else 0

@@ -1,13 +1,22 @@
-"""rCache: fixed device blocks for chunks whose home is a lower tier, replaced by Belady.
+"""rCache: a fixed number of device blocks for chunks whose home is a lower tier, Belady replacement.
 
 [Note: rCache replacement]
-Blocks are allocated once at setup. The first training step records the sequence of chunk
-accesses (forward, backward and checkpoint re-forward). From then on the victim is the unpinned
-resident chunk whose next use in that recorded sequence is farthest away (Belady's optimal
-policy); before a trace exists, the least recently used one. A chunk is pinned while any of its
-parameters is in COMPUTE, and is never evicted then. Evicting writes nothing back: a block holds
-an unchanged copy of the chunk's home payload (gradients live in separate staging buffers and
-the optimizer writes new values to the home payload, after which all blocks are invalidated).
+The rCache's bytes are reserved in the device tier once, at setup (``n_blocks`` blocks of the
+largest chunk). The first training step records the sequence of chunk accesses (forward,
+backward and checkpoint re-forward). From then on the victim is the unpinned resident chunk whose
+next use in that recorded sequence is farthest away (Belady's optimal policy); before a trace
+exists, the least recently used one. A chunk is pinned while any of its parameters is in
+COMPUTE, and is never evicted then. Evicting writes nothing back: a resident chunk is an
+unchanged copy of its home payload (gradients go elsewhere, see [Note: gradient path], and the
+optimizer writes new values to the home payload, after which every cached copy is dropped).
+
+[Note: chunk storage]
+Each cached chunk owns one flat tensor whose storage is resized to the chunk's bytes when it
+becomes resident and to zero when it is evicted (the memory itself comes from the allocator,
+within the block reservation above). Parameters are permanent views of that storage. This is
+what keeps autograd correct: forward saves *views* of parameters (``linear`` saves
+``weight.t()``), and those views point at the chunk's storage object, which holds the right
+values again whenever backward re-fetches the chunk — whichever memory it lands in.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from tierwise.tiers.base import Slab, Tier
+    from tierwise.tiers.base import Tier
 
 NEVER = float("inf")
 
@@ -86,23 +95,20 @@ class AccessTrace:
 
 
 class RCache:
-    """``n_blocks`` device blocks of ``block_numel`` elements; chunk ownership by key."""
+    """``n_blocks`` logical device blocks of ``block_numel`` elements; ownership by chunk key."""
 
     def __init__(self, tier: Tier, n_blocks: int, block_numel: int, dtype: torch.dtype):
         self.tier = tier
         self.block_numel = block_numel
-        self.slabs: list[Slab] = [
-            tier.allocate(block_numel, dtype, what=f"rCache block {i}") for i in range(n_blocks)
-        ]
+        self.block_bytes = block_numel * torch.empty((), dtype=dtype).element_size()
+        tier.reserve(n_blocks * self.block_bytes, what=f"{n_blocks} rCache blocks")
+        self.reserved = n_blocks * self.block_bytes
         self.owner: list[Hashable | None] = [None] * n_blocks
         self.last_used: list[int] = [0] * n_blocks
         self._clock = 0
 
     def __len__(self) -> int:
-        return len(self.slabs)
-
-    def block(self, block_id: int) -> torch.Tensor:
-        return self.slabs[block_id].tensor
+        return len(self.owner)
 
     def touch(self, block_id: int) -> None:
         self._clock += 1
@@ -133,7 +139,6 @@ class RCache:
         self.owner[block_id] = None
 
     def close(self) -> None:
-        for slab in self.slabs:
-            self.tier.release(slab)
-        self.slabs.clear()
+        self.tier.unreserve(self.reserved)
+        self.reserved = 0
         self.owner.clear()

@@ -90,6 +90,7 @@ class Engine:
             for group in groups if group.trainable for chunk in group.chunks
         }
         self.hook_handles: list = []
+        self._by_key = {chunk.key: chunk for chunk in self.chunks()}
         self.multi_rank = any(g.world > 1 for g in groups)
 
     # ------------------------------------------------------------------ properties
@@ -103,50 +104,38 @@ class Engine:
 
     # ------------------------------------------------------------------ residency
     def _evictable(self) -> set:
-        return {
-            c.key for c in self.chunks()
-            if c.block_id is not None and c.compute_refs == 0
-        }
+        return {c.key for c in self.chunks() if c.block_id is not None and c.compute_refs == 0}
 
     def _chunk_by_key(self, key) -> Chunk:
-        name, index = key
-        for group in self.groups:
-            if group.name == name:
-                return group.chunks[index]
-        raise KeyError(key)
+        return self._by_key[key]
 
     def fetch(self, chunk: Chunk) -> None:
         """Make ``chunk`` resident on the device (all-gathering its shards when sharded)."""
         self.trace.touch(chunk.key)
-        if chunk.block is not None:
+        if chunk.resident:
             if chunk.block_id is not None:
                 self.cache.touch(chunk.block_id)
             return
-        block_id = self._take_block(chunk)
-        block = self.cache.block(block_id)[: chunk.capacity]
-        self._load(chunk, block)
-        chunk.block, chunk.block_id = block, block_id
-        self.cache.assign(block_id, chunk.key)
-        chunk.point_params_at(block)
-
-    def _take_block(self, chunk: Chunk) -> int:
         block_id = self.cache.free_block()
         if block_id is None:
-            victim = self.cache.choose_victim(self._evictable() - {chunk.key}, self.trace)
-            if victim is None:
+            block_id = self.cache.choose_victim(self._evictable() - {chunk.key}, self.trace)
+            if block_id is None:
                 raise RuntimeError(
                     f"tierwise: all {len(self.cache)} rCache blocks hold chunks in use while "
                     f"chunk {chunk.group.name}#{chunk.index} is needed: a module touches more "
-                    "chunks than the cache holds; raise cache_blocks (or chunk_size), or leave "
-                    "them on 'auto'"
+                    "chunks than the cache holds; raise cache_blocks (or leave it on 'auto')"
                 )
-            self.evict(self._chunk_by_key(self.cache.owner[victim]))
-            block_id = victim
-        return block_id
+            self.evict(self._chunk_by_key(self.cache.owner[block_id]))
+        self._bring_in(chunk, block_id)
+
+    def _bring_in(self, chunk: Chunk, block_id: int) -> None:
+        chunk.allocate_storage()
+        self._load(chunk, chunk.flat)
+        chunk.resident, chunk.block_id = True, block_id
+        self.cache.assign(block_id, chunk.key)
 
     def _load(self, chunk: Chunk, block: torch.Tensor) -> None:
         home = chunk.home
-        nbytes = chunk.capacity * block.element_size()
         src_tier = home.tier.name
         if chunk.group.sharded:
             if home.tier.ADDRESSABLE and home.tensor.device == block.device:
@@ -158,17 +147,18 @@ class Engine:
             nbytes = chunk.shard_size * block.element_size()
         else:
             home.tier.read(home, block).wait()
+            nbytes = chunk.capacity * block.element_size()
         if src_tier != "device":
             self.moved_bytes[f"{src_tier}->device"] += nbytes
             self.moves[f"{src_tier}->device"] += 1
 
     def evict(self, chunk: Chunk) -> None:
-        """Drop a cached chunk: its block copy is unchanged, so nothing is written back."""
+        """Drop a cached chunk: it is an unchanged copy, so nothing is written back."""
         if chunk.compute_refs:
             raise RuntimeError(f"tierwise bug: evicting chunk {chunk.key} while in use")
-        chunk.detach_params()
+        chunk.free_storage()
         self.cache.vacate(chunk.block_id)
-        chunk.block = chunk.block_id = None
+        chunk.resident, chunk.block_id = False, None
 
     def _prefetch(self) -> None:
         depth = self.plan.prefetch
@@ -176,23 +166,18 @@ class Engine:
             return
         for key in self.trace.upcoming(depth + 1):
             chunk = self._chunk_by_key(key)
-            if chunk.block is not None:
+            if chunk.resident:
                 continue
             block_id = self.cache.free_block()
             if block_id is None:
-                victim = self.cache.choose_victim(self._evictable(), self.trace)
-                if victim is None:
+                block_id = self.cache.choose_victim(self._evictable(), self.trace)
+                if block_id is None:
                     return
                 # only displace a chunk needed later than the one we would bring in
-                if self.trace.next_use(self.cache.owner[victim]) <= self.trace.next_use(key):
+                if self.trace.next_use(self.cache.owner[block_id]) <= self.trace.next_use(key):
                     return
-                self.evict(self._chunk_by_key(self.cache.owner[victim]))
-                block_id = victim
-            block = self.cache.block(block_id)[: chunk.capacity]
-            self._load(chunk, block)
-            chunk.block, chunk.block_id = block, block_id
-            self.cache.assign(block_id, chunk.key)
-            chunk.point_params_at(block)
+                self.evict(self._chunk_by_key(self.cache.owner[block_id]))
+            self._bring_in(chunk, block_id)
 
     def invalidate_cache(self) -> None:
         for chunk in self.chunks():

@@ -82,6 +82,13 @@ class Tier(ABC):
         self.used_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
+    def reserve(self, nbytes: int, *, what: str) -> None:
+        """Count ``nbytes`` as used without allocating (memory the caller allocates itself)."""
+        self._account(nbytes, what)
+
+    def unreserve(self, nbytes: int) -> None:
+        self.used_bytes -= nbytes
+
     def reset_peak(self) -> None:
         self.peak_bytes = self.used_bytes
 

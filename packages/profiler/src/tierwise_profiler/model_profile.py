@@ -1,0 +1,281 @@
+"""The pre-runtime model profile: one training step on fake tensors, no model memory allocated.
+
+Parameters and buffers are swapped, for the duration of the step, for ``FakeTensor``s of the
+same shapes (floating parameters in the compute precision), so a 175B-parameter model built on
+the meta device profiles in seconds and a few hundred MB of RAM. Fake rather than plain meta
+tensors because model code guards its value-dependent checks with "is this a fake tensor"
+(Hugging Face skips its padding check, for one) and because FakeTensorMode turns a value-dependent
+op (``.item()``, ``nonzero``) into an error that names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves, tree_map
+from tierwise.profile import ParamInfo, Profile
+
+from tierwise_profiler.recorder import StepRecorder
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+_OP_HINTS = {
+    "_local_scalar_dense": "Tensor.item() / .tolist() / bool() / int() needs a tensor's value",
+    "nonzero": "torch.nonzero / torch.where(cond) / boolean-mask indexing: the output shape "
+    "depends on values",
+    "masked_select": "boolean-mask indexing: the output shape depends on values",
+    "unique": "torch.unique: the output shape depends on values",
+    "repeat_interleave": "repeat_interleave with tensor repeats: the output shape depends on values",
+}
+
+
+class MetaProfileError(RuntimeError):
+    """The model's step cannot run without tensor values; the message names the op and where."""
+
+
+def profile_model(
+    model: torch.nn.Module,
+    example_batch: Any,
+    *,
+    precision: str = "bf16",
+    device: str | torch.device = "cpu",
+    activation_checkpointing: bool = False,
+) -> Profile:
+    """Profile one training step (forward, loss, backward) of ``model`` on ``example_batch``.
+
+    ``model`` may live on the meta device, the CPU or an accelerator; nothing of its size is
+    allocated and it is left as it was (parameters, buffers, train/eval modes, checkpointing).
+    ``example_batch`` is what the training loop passes: a dict (``model(**batch)``), a tuple or
+    list (``model(*batch)``) or one tensor. The loss is ``output.loss`` when the model returns
+    one, else the sum of its first tensor output; the output stays alive through backward, as in
+    ``out = model(**batch); out.loss.backward()``. ``precision`` picks the dtype of floating
+    parameters (and so of activations). ``activation_checkpointing`` turns on Hugging Face
+    activation checkpointing for the step when the model supports it and has it off.
+
+    Raises :class:`MetaProfileError` naming the op when the step needs tensor values.
+    """
+    if precision not in DTYPES:
+        raise ValueError(f"precision {precision!r}: choose one of {', '.join(DTYPES)}")
+    started = time.perf_counter()
+    infos, canonical = _param_infos(model)
+    buffers = _distinct(t for _, t in model.named_buffers(remove_duplicate=False))
+    fake_device = _fake_device(device)
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+        fakes = _fake_like(_distinct(p for _, p in model.named_parameters(remove_duplicate=False)),
+                           device=fake_device, float_dtype=DTYPES[precision])
+        fake_buffers = _fake_like(buffers, device=fake_device, float_dtype=None)
+        batch = tree_map(lambda x: _fake_tensor(x, fake_device, None), example_batch)
+        recorder = StepRecorder(
+            model,
+            params={name: fakes[id(p)] for name, p in canonical.items()},
+            direct_params=_direct_params(model, canonical),
+        )
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_swapped(model, {**fakes, **fake_buffers}))
+            stack.enter_context(_training(model))
+            if activation_checkpointing:
+                stack.enter_context(_hf_checkpointing(model))
+            try:
+                with recorder:
+                    output = _call(model, batch)  # kept through backward, as loops keep it
+                    loss = _loss_of(output)
+                    recorder.begin_backward()
+                    loss.backward()
+                    del loss, output
+            except Exception as err:
+                raise MetaProfileError(_explain(model, recorder.failed_op, err)) from err
+        record = recorder.result()
+    batch_size, seq_len = _batch_shape(example_batch)
+    forward_counts: dict[str, int] = {}
+    for name in record.forward_order:
+        forward_counts[name] = forward_counts.get(name, 0) + 1
+    return Profile(
+        params=infos,
+        forward_order=record.forward_order,
+        backward_order=record.backward_order,
+        module_params=record.module_params,
+        checkpoint_blocks=record.checkpoint_blocks,
+        multi_use=[name for name, count in forward_counts.items() if count > 1],
+        layer_activation_bytes=record.layer_activation_bytes,
+        layer_flops=record.layer_flops,
+        peak_activation_bytes=record.peak_bytes,
+        buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        source="meta",
+        seconds=time.perf_counter() - started,
+    )
+
+
+# -- parameters -------------------------------------------------------------------------------
+def _param_infos(model: torch.nn.Module) -> tuple[list[ParamInfo], dict[str, torch.Tensor]]:
+    """ParamInfo per distinct parameter (first name, aliases) and canonical name -> tensor."""
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        tensors[id(param)] = param
+    infos = [
+        ParamInfo(
+            name=all_names[0],
+            shape=tuple(tensors[key].shape),
+            numel=tensors[key].numel(),
+            requires_grad=tensors[key].requires_grad,
+            aliases=tuple(all_names[1:]),
+        )
+        for key, all_names in names.items()
+    ]
+    return infos, {all_names[0]: tensors[key] for key, all_names in names.items()}
+
+
+def _direct_params(model: torch.nn.Module, canonical: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Module name -> canonical names of the parameters registered on it (not its children)."""
+    name_of = {id(t): name for name, t in canonical.items()}
+    direct: dict[str, list[str]] = {}
+    for module_name, module in model.named_modules():
+        names = list(dict.fromkeys(name_of[id(p)] for p in module._parameters.values() if p is not None))
+        if names:
+            direct[module_name] = names
+    return direct
+
+
+def _distinct(tensors) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for tensor in tensors:
+        if tensor is not None:
+            seen.setdefault(id(tensor), tensor)
+    return list(seen.values())
+
+
+def _fake_device(device: str | torch.device) -> torch.device:
+    wanted = torch.device(device)
+    if wanted.type == "cuda" and torch.cuda.is_available():
+        return wanted
+    return torch.device("cpu")  # fake CPU tensors stand in for devices this machine lacks
+
+
+def _fake_tensor(x: Any, device: torch.device, float_dtype: torch.dtype | None) -> Any:
+    """A fake tensor shaped like ``x`` (call inside FakeTensorMode); non-tensors pass through."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    dtype = float_dtype if float_dtype is not None and x.is_floating_point() else x.dtype
+    return torch.empty(x.shape, dtype=dtype, device=device, requires_grad=x.requires_grad)
+
+
+def _fake_like(tensors, *, device, float_dtype) -> dict[int, torch.Tensor]:
+    return {id(t): _fake_tensor(t, device, float_dtype) for t in tensors}
+
+
+@contextlib.contextmanager
+def _swapped(model: torch.nn.Module, replacement: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Swap every parameter and buffer for its replacement (by id) and restore them after."""
+    originals: list[tuple[dict, str, torch.Tensor]] = []
+    try:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for key, tensor in table.items():
+                    if tensor is not None and id(tensor) in replacement:
+                        originals.append((table, key, tensor))
+                        table[key] = replacement[id(tensor)]
+        yield
+    finally:
+        for table, key, tensor in originals:
+            table[key] = tensor
+
+
+@contextlib.contextmanager
+def _training(model: torch.nn.Module) -> Iterator[None]:
+    modes = [(module, module.training) for module in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
+@contextlib.contextmanager
+def _hf_checkpointing(model: torch.nn.Module) -> Iterator[None]:
+    """Turn on Hugging Face activation checkpointing for the step when it is off."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+        model, "gradient_checkpointing_enable", None
+    )
+    already = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    if enable is None or already or not getattr(model, "supports_gradient_checkpointing", False):
+        yield
+        return
+    disable = getattr(model, "activation_checkpointing_disable", None) or getattr(
+        model, "gradient_checkpointing_disable"
+    )
+    enable()
+    try:
+        yield
+    finally:
+        disable()
+
+
+# -- the step ---------------------------------------------------------------------------------
+def _call(model: torch.nn.Module, batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    for leaf in tree_leaves(output if not hasattr(output, "to_tuple") else output.to_tuple()):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            return leaf if leaf.dim() == 0 else leaf.sum()
+    raise TypeError(
+        f"the model returned {type(output).__name__} with no tensor that requires grad; "
+        "profile needs a loss (pass labels) or an output to backpropagate from"
+    )
+
+
+def _batch_shape(batch: Any) -> tuple[int | None, int | None]:
+    """(batch size, sequence length) from the first 2-D integer tensor, else the first tensor."""
+    tensors = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() >= 1]
+    ids = [t for t in tensors if t.dim() == 2 and not t.is_floating_point()]
+    first = (ids or tensors or [None])[0]
+    if first is None:
+        return None, None
+    return first.shape[0], (first.shape[1] if first.dim() >= 2 else None)
+
+
+def _explain(model: torch.nn.Module, op: Any, err: Exception) -> str:
+    """A message naming the op that needed values and the model code that called it."""
+    what = type(model).__name__
+    if op is None:
+        op_text = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    else:
+        packet = getattr(op, "overloadpacket", op)
+        op_name = getattr(packet, "__name__", str(packet))
+        hint = _OP_HINTS.get(op_name.split(".")[0], f"{type(err).__name__}: {err}".splitlines()[0])
+        op_text = f"op aten.{op_name} ({hint})"
+    return (
+        f"cannot profile {what} without tensor values: {op_text}, called at {_user_frame(err)}. "
+        "Falling back to the engine's warm-up trace; to profile before runtime, avoid value-"
+        "dependent code in forward (or pass a batch the model can trace)"
+    )
+
+
+def _user_frame(err: Exception) -> str:
+    """The innermost traceback frame outside torch and this package."""
+    skip = (Path(torch.__file__).parent, Path(__file__).parent)
+    where = "an unknown place"
+    for frame in traceback.extract_tb(err.__traceback__):
+        path = Path(frame.filename)
+        if not any(path.is_relative_to(root) for root in skip):
+            where = f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return where

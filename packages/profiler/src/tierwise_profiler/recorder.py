@@ -1,0 +1,257 @@
+"""StepRecorder: watches one training step (forward + backward) op by op.
+
+Module hooks give the call structure; a ``TorchDispatchMode`` sees every aten op with its
+arguments and outputs. From those it records:
+
+- parameter call order at module granularity, the way a chunk runtime fetches them: when a
+  module starts (its forward pre-hook, also during a checkpoint re-forward in backward) its
+  direct parameters are appended, in registration order; a parameter an op uses outside every
+  module that owns it (a functional use) is appended on its own at that op;
+- in backward, where modules have no cheap "start" event, the first op that touches one of a
+  module's parameters (as an argument, or through its gradient being accumulated) appends that
+  module's parameters, as a module's pre-backward hook would (see [Note: backward order]);
+- forward FLOPs and saved activations per innermost module, and live non-parameter bytes over
+  the whole step (:mod:`tierwise_profiler.live_memory`).
+
+[Note: backward order] Touches of parameters already in the current module group are not
+appended again; a touch outside it starts a new group. So a Linear appends [weight, bias] once
+(its matmul and its bias gradient are one group), and a tied embedding used by two modules
+appears once per module, as in forward.
+
+[Note: checkpoint blocks] A module whose forward starts during backward with no module running
+is the outer module of a checkpoint re-forward (torch.utils.checkpoint, reentrant or not, and
+Hugging Face gradient checkpointing all re-run the block's forward). Its block is every
+parameter that module touched in the forward pass (so early-stopped re-forwards still count
+the whole block), plus anything its re-forward touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tierwise_profiler.fake_fixes import run_op
+from tierwise_profiler.flops import counts_flops, op_flops
+from tierwise_profiler.live_memory import LiveBytes, storage_keys
+
+ROOT = ""
+"""Owner name of ops run by the top-level module or outside every module."""
+
+
+@dataclass
+class _Frame:
+    """One running module call."""
+
+    name: str
+    touched: set[str] = field(default_factory=set)
+    inclusive: dict[str, None] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class StepRecord:
+    """What one recorded step produced."""
+
+    forward_order: list[str]
+    backward_order: list[str]
+    module_params: dict[str, list[str]]
+    checkpoint_blocks: list[list[str]]
+    layer_flops: dict[str, float]
+    layer_activation_bytes: dict[str, int]
+    peak_bytes: int
+    """Peak live non-parameter bytes over forward and backward."""
+    saved_bytes: int
+    """Live non-parameter bytes at the end of forward (what backward will consume)."""
+
+
+class StepRecorder(TorchDispatchMode):
+    """Record one step of ``model``. Use as a context manager around forward and backward and
+    call :meth:`begin_backward` in between.
+
+    ``params`` maps each distinct parameter's canonical name to the tensor the step uses;
+    ``direct_params`` maps a module name to the canonical names of its direct parameters.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        params: dict[str, torch.Tensor],
+        direct_params: dict[str, list[str]],
+        drop_grads: bool = True,
+    ) -> None:
+        super().__init__()
+        self._model = model
+        self._params_by_id = {id(t): name for name, t in params.items()}
+        self._params_by_storage = {id(t.untyped_storage()): name for name, t in params.items()}
+        self._direct = direct_params
+        self._first_owner: dict[str, str] = {}
+        for module_name, names in direct_params.items():
+            for name in names:
+                self._first_owner.setdefault(name, module_name)
+        self._module_names = {id(module): name for name, module in model.named_modules()}
+        self._params = list(params.values())
+        self._drop_grads = drop_grads
+        self.live = LiveBytes()
+        self.phase = "forward"
+        self.failed_op: Any = None
+        self._frames: list[_Frame] = []
+        self._forward_order: list[str] = []
+        self._backward_order: list[str] = []
+        self._module_params: dict[str, list[str]] = {}
+        self._inclusive: dict[str, dict[str, None]] = {}
+        self._blocks: list[dict[str, None]] = []
+        self._block: dict[str, None] | None = None  # the checkpoint block being re-run
+        self._group: set[str] = set()
+        self._flops: dict[str, float] = {}
+        self._saved: dict[str, int] = {}
+        self._saved_bytes = 0
+        self._handles: list[Any] = []
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def __enter__(self):
+        for module in self._model.modules():
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
+        for p in self._params:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        return super().__exit__(*exc)
+
+    def begin_backward(self) -> None:
+        """Mark the end of forward: snapshot what stays alive for backward."""
+        saved: dict[str, int] = {}
+        for entry in self.live.alive():
+            saved[entry.owner] = saved.get(entry.owner, 0) + entry.nbytes
+        self._saved = saved
+        self._saved_bytes = self.live.live_bytes
+        self._frames.clear()
+        self.phase = "backward"
+
+    def result(self) -> StepRecord:
+        record = StepRecord(
+            forward_order=self._forward_order,
+            backward_order=self._backward_order,
+            module_params=self._module_params,
+            checkpoint_blocks=[list(block) for block in self._blocks],
+            layer_flops=self._flops,
+            layer_activation_bytes=self._saved,
+            peak_bytes=self.live.peak_bytes,
+            saved_bytes=self._saved_bytes,
+        )
+        self.live.close()
+        return record
+
+    # -- module hooks -------------------------------------------------------------------------
+    def _order(self) -> list[str]:
+        return self._forward_order if self.phase == "forward" else self._backward_order
+
+    def _pre_forward(self, module: torch.nn.Module, _args: Any) -> None:
+        name = self._module_names.get(id(module), type(module).__name__)
+        if self.phase == "backward":
+            self._group = set()
+            if not self._frames:  # [Note: checkpoint blocks]
+                if self._block is None:
+                    self._block = {}
+                    self._blocks.append(self._block)
+                self._block.update(self._inclusive.get(name, {}))
+        frame = _Frame(name)
+        self._frames.append(frame)
+        direct = self._direct.get(name)
+        if direct:
+            self._touch_in_frames(direct, frame)
+
+    def _post_forward(self, module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        if not self._frames:
+            return
+        frame = self._frames.pop()
+        if self.phase == "forward":
+            self._inclusive.setdefault(frame.name, {}).update(frame.inclusive)
+            if self._frames:
+                self._frames[-1].inclusive.update(frame.inclusive)
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        name = self._params_by_id.get(id(param))
+        if name is not None and self.phase == "backward":
+            self._touch_in_backward(name)
+        if self._drop_grads:
+            param.grad = None  # the runtime moves it into its chunk; it is model data, not ours
+
+    # -- parameter touches --------------------------------------------------------------------
+    def _touch_in_frames(self, names: list[str], frame: _Frame) -> None:
+        self._order().extend(names)
+        frame.touched.update(names)
+        frame.inclusive.update(dict.fromkeys(names))
+        if self._block is not None:
+            self._block.update(dict.fromkeys(names))
+        if self.phase == "forward":
+            listed = self._module_params.setdefault(frame.name, [])
+            listed.extend(n for n in names if n not in listed)
+
+    def _touch_in_backward(self, name: str) -> None:
+        if name in self._group:  # [Note: backward order]
+            return
+        owner = self._first_owner.get(name)
+        group = self._direct[owner] if owner is not None else [name]
+        self._backward_order.extend(group)
+        self._group = set(group)
+
+    def _param_used(self, name: str) -> None:
+        if self._frames:
+            if any(name in frame.touched for frame in self._frames):
+                return
+            self._touch_in_frames([name], self._frames[-1])
+        elif self.phase == "forward":
+            self._forward_order.append(name)
+            listed = self._module_params.setdefault(ROOT, [])
+            if name not in listed:
+                listed.append(name)
+        else:
+            self._touch_in_backward(name)
+            if self._block is not None:
+                self._block[name] = None
+
+    # -- the dispatch mode ----------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA_OPS:  # fake tensors ask for their device through dispatch
+            return func(*args, **kwargs)
+        self.failed_op = func
+        out = run_op(func, args, kwargs)
+        self.failed_op = None
+        if self.phase == "backward" and not self._frames and not torch.is_grad_enabled():
+            self._block = None  # a backward op: any checkpoint re-forward is over
+        input_keys = storage_keys(_tensors(args, kwargs.values()))
+        for key in input_keys:
+            name = self._params_by_storage.get(key)
+            if name is not None:
+                self._param_used(name)
+        owner = self._frames[-1].name if self._frames else ROOT
+        if self.phase == "forward" and counts_flops(func):
+            self._flops[owner] = self._flops.get(owner, 0.0) + op_flops(func, args, kwargs, out)
+        self.live.add_outputs(input_keys, _tensors((out,)), owner=owner)
+        return out
+
+
+_METADATA_OPS = {torch.ops.prim.device.default}
+
+
+def _tensors(*groups) -> Iterator[torch.Tensor]:
+    """The tensors among op arguments or results (one level of list/tuple nesting, as aten has)."""
+    for group in groups:
+        for item in group:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, (list, tuple)):
+                for inner in item:
+                    if isinstance(inner, torch.Tensor):
+                        yield inner

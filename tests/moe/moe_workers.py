@@ -30,12 +30,13 @@ i.e. every expert of expert-parallel rank 1, from step 3)."""
 
 
 def build_model(kind: str) -> torch.nn.Module:
-    """A tiny model (fp32) whose routers ignore hidden dim 0 until experts are pushed out."""
+    """A tiny fp32 model; MoE routers ignore hidden dim 0 until experts are pushed out."""
     model = tiny_model(kind)
-    with torch.no_grad():
-        model.get_input_embeddings().weight[:, 0] = CONSTANT_DIM_VALUE
-        for router in routers(model):
-            router.weight[:, 0] = 0.0
+    if routers(model):
+        with torch.no_grad():
+            model.get_input_embeddings().weight[:, 0] = CONSTANT_DIM_VALUE
+            for router in routers(model):
+                router.weight[:, 0] = 0.0
     return model
 
 
@@ -103,16 +104,14 @@ def _experts_hit(model: torch.nn.Module, batch: dict) -> list[int]:
 
 
 def parallel_run(
-    rank: int, world: int, kind: str, pattern_name: str, size: int, steps: int = STEPS,
-    capacity_factor: float | None = None,
+    rank: int, world: int, kind: str, pattern_name: str, size: int, steps: int = STEPS
 ) -> dict:
     """One rank of a run with ``pattern_name`` of ``size``; plain AdamW per rank."""
     from tierwise.config import Config
     from tierwise_moe import ExpertParallel, TensorParallel, full_state_dict
 
     cls = {"expert": ExpertParallel, "tensor": TensorParallel}[pattern_name]
-    extra = {"capacity_factor": capacity_factor} if capacity_factor is not None else {}
-    pattern = cls(size=size, config=Config(device="cpu"), process_group=dist.group.WORLD, **extra)
+    pattern = cls(size=size, config=Config(device="cpu"), process_group=dist.group.WORLD)
     model = build_model(kind)
     pattern.prepare(model)
     opt = make_optimizer(model)
@@ -137,15 +136,38 @@ def parallel_run(
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / world)
+    full_state = full_state_dict(model)
     return {  # numpy, not tensors: see portable()
         "losses": losses,
-        "state": portable(full_state_dict(model)),
+        "state": portable(full_state),
         "first_grads": portable(first_grads),
         "local_rows": local_rows,
         "zero_grad_experts": zero_grad_experts,
         "mp_rank": pattern.mesh.mp_rank,
+        "mp_ranks": _ranks(pattern.mesh.mp_group),
+        "dp_ranks": _ranks(pattern.dp_group()),
         "param_numel": sum(p.numel() for p in model.parameters()),
+        "reload_matches": _reload_matches(kind, cls, pattern, model, full_state, batch),
     }
+
+
+def _ranks(group) -> list[int]:
+    return [dist.get_rank()] if group is None else dist.get_process_group_ranks(group)
+
+
+def _reload_matches(kind, cls, pattern, model, full_state, batch) -> bool:
+    """A fresh sharded model loaded from the full state dict gives back the same full state
+    dict and the same loss as the model it came from, bitwise."""
+    from tierwise_moe import full_state_dict, load_full_state_dict
+
+    fresh_pattern = cls(size=pattern.size, config=pattern.config, process_group=dist.group.WORLD)
+    fresh = build_model(kind)
+    fresh_pattern.prepare(fresh)
+    load_full_state_dict(fresh, full_state)
+    again = full_state_dict(fresh)
+    with torch.no_grad():
+        same_loss = torch.equal(fresh(**batch).loss, model(**batch).loss)
+    return same_loss and all(torch.equal(again[name], full_state[name]) for name in full_state)
 
 
 def average_gradients(model: torch.nn.Module, pattern) -> None:
@@ -205,3 +227,78 @@ def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = torch.as_tensor(actual), torch.as_tensor(expected)
     scale = expected.abs().max().clamp_min(1e-30)
     return ((actual - expected).abs().max() / scale).item()
+
+
+def capacity_run(rank: int, world: int, capacity_factor: float | None) -> dict:
+    """One Mixtral MoE block, expert-parallel over the world with ``capacity_factor``, against
+    a brute-force loop over (token, expert) pairs applying the same drop rule on this rank's
+    tokens. Returns the largest relative errors of the output and the input gradient."""
+    import copy
+
+    from tierwise.config import Config
+    from tierwise_moe import ExpertParallel
+
+    block = build_model("mixtral").model.layers[0].mlp
+    full_block = copy.deepcopy(block)
+    ExpertParallel(
+        size=world, config=Config(device="cpu"), process_group=dist.group.WORLD,
+        capacity_factor=capacity_factor,
+    ).prepare(block)
+    gen = torch.Generator().manual_seed(100 + rank)
+    hidden = torch.randn(1, 24, block.gate.hidden_dim, generator=gen)
+    x = hidden.clone().requires_grad_()
+    out = block(x)
+    out.square().sum().backward()
+    x_ref = hidden.clone().requires_grad_()
+    out_ref, dropped = brute_force_moe(full_block, x_ref, capacity_factor)
+    out_ref.square().sum().backward()
+    return {
+        "out_error": max_relative_error(out.detach(), out_ref.detach()),
+        "grad_error": max_relative_error(x.grad, x_ref.grad),
+        "dropped": dropped,
+    }
+
+
+def brute_force_moe(block, x: torch.Tensor, capacity_factor: float | None):
+    """Mixtral MoE block output, one (token, expert) pair at a time. With a capacity factor,
+    each expert takes the first ceil(factor * pairs / E) pairs in token order; the rest add
+    nothing. Returns (output, number of dropped pairs)."""
+    import math
+
+    hidden = x.reshape(-1, x.shape[-1])
+    _, weights, index = block.gate(hidden)
+    experts = block.experts
+    num_tokens, top_k = index.shape
+    limit = math.inf
+    if capacity_factor is not None:
+        limit = math.ceil(capacity_factor * num_tokens * top_k / experts.num_experts)
+    rows = [hidden.new_zeros(hidden.shape[-1]) for _ in range(num_tokens)]
+    dropped = 0
+    for expert in range(experts.num_experts):
+        taken = 0
+        for token in range(num_tokens):
+            for slot in range(top_k):
+                if index[token, slot] != expert:
+                    continue
+                if taken >= limit:
+                    dropped += 1
+                    continue
+                taken += 1
+                gate, up = (experts.gate_up_proj[expert] @ hidden[token]).chunk(2)
+                y = experts.down_proj[expert] @ (experts.act_fn(gate) * up)
+                rows[token] = rows[token] + weights[token, slot] * y
+    return torch.stack(rows).view_as(x), dropped
+
+
+def mesh_error_run(rank: int, world: int, kind: str, pattern_name: str, size: int, overrides: dict) -> str:
+    """The message of the error preparing ``kind`` (with config ``overrides``) raises."""
+    from tierwise.config import Config
+    from tierwise_moe import ExpertParallel, TensorParallel
+
+    cls = {"expert": ExpertParallel, "tensor": TensorParallel}[pattern_name]
+    pattern = cls(size=size, config=Config(device="cpu"), process_group=dist.group.WORLD)
+    try:
+        pattern.prepare(tiny_model(kind, **overrides))
+    except (TypeError, ValueError) as err:
+        return str(err)
+    return "no error"

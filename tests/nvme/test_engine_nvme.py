@@ -45,3 +45,30 @@ def test_nvme_plans_train_bitwise_like_host(kind, precision, clip, nvme_dir):
         assert nvme.moved_bytes["nvme->host"] > 0 and nvme.moved_bytes["host->nvme"] > 0
         nvme.close()
     assert swap_files(nvme_dir) == []
+
+
+def test_checkpoint_with_nvme_state_resumes_bitwise(nvme_dir, tmp_path):
+    from helpers.models import tiny_model
+    from helpers.train import train
+
+    def fresh():
+        model = tiny_model("gpt2")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        return tierwise.setup(
+            model, optimizer, precision="bf16", param_placement="nvme", optimizer_placement="nvme",
+            nvme_path=str(nvme_dir), **COMMON,
+        )
+
+    model, optimizer = fresh()
+    straight = train(model, optimizer, 6)
+    tierwise.engine_of(model).tiers["nvme"].close()
+
+    model, optimizer = fresh()
+    first = train(model, optimizer, 3)
+    tierwise.save_checkpoint(tmp_path / "ckpt", model, optimizer)
+    tierwise.engine_of(model).tiers["nvme"].close()
+    model, optimizer = fresh()
+    tierwise.load_checkpoint(tmp_path / "ckpt", model, optimizer)
+    second = train(model, optimizer, 3, first_seed=3)
+    assert first + second == straight
+    tierwise.engine_of(model).tiers["nvme"].close()

@@ -133,3 +133,15 @@ def test_failed_read_stops_updates_and_is_reported(make_tier):
             assert torch.equal(got, want)
     assert pipeline.pool.lent == 0
     pipeline.close()
+
+
+def test_tier_builds_a_pipeline_sized_for_three_stages(make_tier):
+    tier = make_tier("libaio")
+    pipeline = tier.optimizer_pipeline(buffer_bytes=max(SIZES) * 4)
+    assert pipeline.pool.count == 9 and pipeline.lookahead == 1 and pipeline.tier is tier
+    slabs, states, grads = setup_states(tier, torch.Generator().manual_seed(4))[0]
+    pipeline.submit("c", slabs, adamw(grads[0], torch.zeros(())))
+    adamw(grads[0], torch.zeros(()))(states)
+    pipeline.close()
+    for got, want in zip(read_states(tier, slabs), states):
+        assert torch.equal(got, want)

@@ -168,3 +168,16 @@ def test_slab_bounds_dtype_and_release_are_checked(make_tier):
     assert tier.used_bytes == 0
     with pytest.raises(ValueError, match="released"):
         tier.read(slab, torch.empty(10))
+
+
+def test_transfers_leave_tensor_storage_resizable(make_tier):
+    # the engine frees non-resident chunks by resizing their storage to 0 bytes
+    tier = make_tier("libaio")
+    slab = tier.allocate(5000, torch.bfloat16, what="param_chunk")
+    flat = torch.randn(5000).bfloat16()
+    tier.write(slab, flat).wait()
+    tier.read(slab, flat).wait()
+    flat.untyped_storage().resize_(0)
+    flat.untyped_storage().resize_(5000 * 2)
+    tier.read(slab, flat).wait()
+    assert flat.untyped_storage().nbytes() == 10_000

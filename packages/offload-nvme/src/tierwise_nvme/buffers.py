@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import torch
@@ -31,10 +32,14 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def memoryview_of(byte_tensor: torch.Tensor) -> memoryview:
-    """A writable memoryview of a flat uint8 CPU tensor (what the I/O backends take)."""
-    return memoryview(byte_tensor.numpy()).cast("B")
+    """A writable memoryview of a flat uint8 CPU tensor (what the I/O backends take).
 
-
+    Built from the address, not ``tensor.numpy()``: sharing with numpy would make the tensor's
+    storage non-resizable, and the engine frees cached chunks by resizing their storage. The
+    caller keeps the tensor alive (and its storage unresized) until the transfer completes.
+    """
+    array = (ctypes.c_char * byte_tensor.numel()).from_address(byte_tensor.data_ptr())
+    return memoryview(array).cast("B")
 
 
 class BounceCache:

@@ -165,6 +165,19 @@ class NVMeTier(Tier):
             file.close()
         _open_tiers.discard(self)
 
+    def optimizer_pipeline(self, *, buffer_bytes: int, states: int = 3, lookahead: int = 1):
+        """An OptimizerPipeline over this tier with its own staging pool of
+        ``states * (lookahead + 2)`` buffers of ``buffer_bytes`` (pinned on CUDA): enough for
+        the read of chunk i+1, the update of chunk i and the write of chunk i-1 at once.
+        See [Note: optimizer pipeline]."""
+        from tierwise_nvme.optimizer_pipeline import OptimizerPipeline
+        from tierwise_nvme.staging import StagingPool
+
+        pool = StagingPool(
+            buffer_bytes=buffer_bytes, count=states * (lookahead + 2), pin=self.device.type == "cuda"
+        )
+        return OptimizerPipeline(tier=self, pool=pool, lookahead=lookahead)
+
     def file_bytes(self) -> int:
         """Bytes preallocated on disk by this tier (all kinds)."""
         return sum(align_up(file.size) for file in self._files.values())

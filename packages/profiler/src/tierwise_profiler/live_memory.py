@@ -13,7 +13,7 @@ it.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -84,3 +84,15 @@ class LiveBytes:
 def storage_keys(tensors: Iterable[torch.Tensor]) -> dict[int, None]:
     """The ids of the storages of ``tensors``, in order, without repeats."""
     return dict.fromkeys(id(t.untyped_storage()) for t in tensors)
+
+
+def op_tensors(*groups) -> Iterator[torch.Tensor]:
+    """The tensors among op arguments or results (one level of list/tuple nesting, as aten has)."""
+    for group in groups:
+        for item in group:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, (list, tuple)):
+                for inner in item:
+                    if isinstance(inner, torch.Tensor):
+                        yield inner

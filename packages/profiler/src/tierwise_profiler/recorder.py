@@ -27,7 +27,6 @@ the whole block), plus anything its re-forward touched.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tierwise_profiler.fake_fixes import run_op
 from tierwise_profiler.flops import counts_flops, op_flops
-from tierwise_profiler.live_memory import LiveBytes, storage_keys
+from tierwise_profiler.live_memory import LiveBytes, op_tensors, storage_keys
 
 ROOT = ""
 """Owner name of ops run by the top-level module or outside every module."""
@@ -230,7 +229,7 @@ class StepRecorder(TorchDispatchMode):
         self.failed_op = None
         if self.phase == "backward" and not self._frames and not torch.is_grad_enabled():
             self._block = None  # a backward op: any checkpoint re-forward is over
-        input_keys = storage_keys(_tensors(args, kwargs.values()))
+        input_keys = storage_keys(op_tensors(args, kwargs.values()))
         for key in input_keys:
             name = self._params_by_storage.get(key)
             if name is not None:
@@ -238,20 +237,8 @@ class StepRecorder(TorchDispatchMode):
         owner = self._frames[-1].name if self._frames else ROOT
         if self.phase == "forward" and counts_flops(func):
             self._flops[owner] = self._flops.get(owner, 0.0) + op_flops(func, args, kwargs, out)
-        self.live.add_outputs(input_keys, _tensors((out,)), owner=owner)
+        self.live.add_outputs(input_keys, op_tensors((out,)), owner=owner)
         return out
 
 
 _METADATA_OPS = {torch.ops.prim.device.default}
-
-
-def _tensors(*groups) -> Iterator[torch.Tensor]:
-    """The tensors among op arguments or results (one level of list/tuple nesting, as aten has)."""
-    for group in groups:
-        for item in group:
-            if isinstance(item, torch.Tensor):
-                yield item
-            elif isinstance(item, (list, tuple)):
-                for inner in item:
-                    if isinstance(inner, torch.Tensor):
-                        yield inner

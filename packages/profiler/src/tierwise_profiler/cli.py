@@ -1,0 +1,183 @@
+"""``tierwise profile`` and ``tierwise probe``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from tierwise.units import format_bytes
+
+TOP = 5
+"""Rows in the "top layers" tables."""
+
+
+def add_commands(subparsers: Any) -> None:
+    from tierwise_profiler.presets import FAMILIES, SIZES
+
+    profile = subparsers.add_parser(
+        "profile",
+        help="profile a model before runtime (on fake tensors: no model memory)",
+        description="Profile one training step of a preset or HF-config model on the meta "
+        "device: parameters, model-data bytes, peak activation memory, top layers.",
+    )
+    profile.add_argument(
+        "--model", required=True,
+        help=f"a preset family ({', '.join(FAMILIES)}) or the path of an HF config.json",
+    )
+    profile.add_argument("--size", default="125m", choices=sorted(SIZES), help="preset size")
+    profile.add_argument("--seq", type=int, default=1024, help="sequence length")
+    profile.add_argument("--batch", type=int, default=1, help="batch size")
+    profile.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    profile.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing of each block"
+    )
+    profile.add_argument("--json", action="store_true", help="print the Profile as JSON")
+    profile.set_defaults(func=run_profile)
+
+    probe = subparsers.add_parser(
+        "probe",
+        help="measure this machine's bandwidths and velocities (cached)",
+        description="Host<->device bandwidth by size, AdamW velocity, matmul throughput, free "
+        "memory, plus what other plugins probe. Measured once per machine, then cached.",
+    )
+    probe.add_argument("--device", default=None, help="compute device (default: cuda if any)")
+    probe.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    probe.add_argument("--refresh", action="store_true", help="measure again, replace the cache")
+    probe.add_argument("--json", action="store_true", help="machine-readable output")
+    probe.set_defaults(func=run_probe)
+
+
+# -- profile ----------------------------------------------------------------------------------
+def run_profile(args: argparse.Namespace) -> int:
+    from tierwise.train.errors import TrainError
+
+    from tierwise_profiler.model_profile import MetaProfileError, profile_model
+    from tierwise_profiler.presets import meta_batch, meta_model, model_config
+
+    if args.seq < 1 or args.batch < 1:
+        print("tierwise profile: --seq and --batch must be ≥ 1")
+        return 2
+    started = time.perf_counter()
+    try:
+        config = model_config(args.model, size=args.size, seq=args.seq)
+    except TrainError as err:
+        print(f"tierwise profile: {err}")
+        return 2
+    model = meta_model(config)
+    build_seconds = time.perf_counter() - started
+    try:
+        profile = profile_model(
+            model, meta_batch(batch=args.batch, seq=args.seq), precision=args.precision,
+            activation_checkpointing=args.checkpointing,
+        )
+    except MetaProfileError as err:
+        print(f"tierwise profile: {err}")
+        return 1
+    if args.json:
+        print(profile.to_json())
+        return 0
+    name = args.model if args.model.endswith(".json") else f"{args.model}-{args.size}"
+    print(profile_table(profile, title=name, precision=args.precision, build_seconds=build_seconds))
+    return 0
+
+
+def model_data_bytes(numel: int, trainable: int, precision: str) -> list[tuple[str, int]]:
+    """Model-data bytes by kind: compute-precision parameters (gradients reuse their chunks)
+    and the fp32 optimizer states of the trainable ones (master copy unless fp32, Adam m and v)."""
+    low = precision != "fp32"
+    rows = [(f"parameters ({precision}, gradients reuse them)", numel * (2 if low else 4))]
+    if low:
+        rows.append(("fp32 master parameters", trainable * 4))
+    rows.append(("Adam m and v (fp32)", trainable * 8))
+    rows.append(("total", sum(n for _, n in rows)))
+    return rows
+
+
+def profile_table(profile, *, title: str, precision: str, build_seconds: float) -> str:
+    trainable = sum(p.numel for p in profile.params if p.requires_grad)
+    saved = sum(profile.layer_activation_bytes.values())
+    flops = sum(profile.layer_flops.values())
+    rows: list[tuple[str, str]] = [
+        ("model", title),
+        ("batch × sequence", f"{profile.batch_size} × {profile.seq_len}"),
+        ("parameters", f"{profile.total_numel:,} ({trainable:,} trainable, {len(profile.params)} tensors)"),
+    ]
+    rows += [(f"  {kind}", format_bytes(n)) for kind, n in model_data_bytes(profile.total_numel, trainable, precision)]
+    rows += [
+        ("tied / multiply used", ", ".join(profile.multi_use) or "-"),
+        ("buffers", format_bytes(profile.buffer_bytes)),
+        ("activations saved for backward", format_bytes(saved)),
+        ("peak activation memory", format_bytes(profile.peak_activation_bytes)),
+        ("checkpoint blocks", str(len(profile.checkpoint_blocks))),
+        ("forward FLOPs", f"{flops:.3e}"),
+        ("time", f"profile {profile.seconds:.2f} s, building the meta model {build_seconds:.2f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines += _top("top layers by saved activations", profile.layer_activation_bytes, format_bytes)
+    lines += _top("top layers by forward FLOPs", profile.layer_flops, lambda v: f"{v:.3e}")
+    return "\n".join(lines)
+
+
+def _top(title: str, values: dict[str, float], fmt) -> list[str]:
+    ranked = sorted(values.items(), key=lambda item: item[1], reverse=True)[:TOP]
+    if not ranked:
+        return []
+    width = max(len(name or "(root)") for name, _ in ranked)
+    return [title + ":"] + [f"  {name or '(root)':<{width}}  {fmt(value)}" for name, value in ranked]
+
+
+# -- probe ------------------------------------------------------------------------------------
+def run_probe(args: argparse.Namespace) -> int:
+    from tierwise.config import Config, ConfigError
+    from tierwise.hardware import Hardware
+    from tierwise.plugins import get_plugin_host
+
+    from tierwise_profiler.hardware_probe import probe
+
+    try:
+        config = Config(precision=args.precision, **({"device": args.device} if args.device else {}))
+    except ConfigError as err:
+        print(f"tierwise probe: {err}")
+        return 2
+    entry = probe(config.device, config.precision, refresh=args.refresh)  # fills the cache
+    hardware = Hardware(**get_plugin_host().probe_hardware(config=config))
+    if args.json:
+        print(json.dumps({"hardware": hardware.to_dict(), "curves": entry["curves"],
+                          "measured_at": entry["measured_at"], "key": entry["key"]}, indent=1))
+        return 0
+    print(hardware_table(hardware, entry))
+    return 0
+
+
+def hardware_table(hardware, entry: dict[str, Any]) -> str:
+    def rate(value, unit):
+        return "-" if value is None else f"{value:.3g} {unit}"
+
+    def size(value):
+        return "-" if value is None else format_bytes(value)
+
+    rows = [
+        ("device", hardware.device_type),
+        ("free device memory", size(hardware.device_memory)),
+        ("available host memory", size(hardware.host_memory)),
+        ("host->device", rate(hardware.h2d_bandwidth, "B/s")),
+        ("device->host", rate(hardware.d2h_bandwidth, "B/s")),
+        ("AdamW on device", rate(hardware.device_adam_velocity, "elements/s")),
+        ("AdamW on host", rate(hardware.host_adam_velocity, "elements/s")),
+        ("matmul", rate(hardware.device_flops, "FLOP/s")),
+        ("nvme read", rate(hardware.nvme_read_bandwidth, "B/s")),
+        ("nvme write", rate(hardware.nvme_write_bandwidth, "B/s")),
+        ("nvme free", size(hardware.nvme_free)),
+        ("world size", str(hardware.world_size)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    for name, curve in entry["curves"].items():
+        ordered = sorted(curve.items(), key=lambda item: int(item[0]))
+        points = ", ".join(f"{format_bytes(int(s))}: {bw:.3g}" for s, bw in ordered)
+        lines.append(f"{name} (B/s by size)  {points}")
+    lines.append(f"measured {entry['measured_at']} in {entry['seconds']:.2f} s; cached for {entry['key']}")
+    return "\n".join(lines)

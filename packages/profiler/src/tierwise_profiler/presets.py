@@ -1,0 +1,55 @@
+"""Models for ``tierwise profile``: the preset families and sizes of ``tierwise train`` (core's
+``tierwise.train.presets``) with each family's real vocabulary, or an HF ``config.json``.
+
+Models are built on the meta device: a preset of any size costs no memory to profile.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tierwise.train.errors import TrainError
+from tierwise.train.presets import FAMILIES, SIZES, config_from_file, preset_config
+
+VOCAB = {"gpt2": 50257, "opt": 50272, "llama": 32000, "mixtral": 32000}
+"""Vocabulary size of each family's released tokenizer."""
+
+
+def model_config(model: str, *, size: str = "125m", seq: int = 1024):
+    """The HF config for ``--model`` (a family name or a config.json path) and ``--size``.
+
+    Presets get room for at least 1024 positions (more when ``seq`` is longer) and eager
+    attention, which runs on fake tensors for every family.
+    """
+    if model not in FAMILIES:
+        if not Path(model).is_file():
+            raise TrainError(
+                f"--model {model!r}: not a family ({', '.join(FAMILIES)}) nor an existing file; "
+                "give a family or the path of an HF config.json"
+            )
+        config = config_from_file(model)
+    else:
+        config = preset_config(
+            model, size, vocab_size=VOCAB.get(model, 50257), eos_id=VOCAB.get(model, 50257) - 1,
+            max_positions=max(seq, 1024),
+        )
+        config._attn_implementation = "eager"
+    return config
+
+
+def meta_model(config) -> torch.nn.Module:
+    """A causal LM for ``config`` with every parameter on the meta device."""
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def meta_batch(*, batch: int, seq: int) -> dict[str, torch.Tensor]:
+    """Token ids and labels of shape (batch, seq) on the meta device (only shapes matter)."""
+    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    return {"input_ids": ids, "labels": ids}
+
+
+__all__ = ["FAMILIES", "SIZES", "VOCAB", "meta_batch", "meta_model", "model_config"]

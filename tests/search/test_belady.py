@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ def optimal_fetches(steps: list[frozenset[int]], n_blocks: int) -> int:
     At each step all its chunks must be resident; any other resident chunks may be dropped.
     """
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(index: int, resident: frozenset[int]) -> int:
         if index == len(steps):
             return 0

@@ -45,8 +45,8 @@ def add_plan_command(subparsers) -> None:
 def _profile(args, config: Config):
     """Ask a profiler plugin first; without one (or if it fails) use the analytic profile."""
     import torch
-
     from tierwise.plugins import get_plugin_host
+
     from tierwise_search.hf_profile import hf_config, meta_model, profile_hf_config
 
     cfg = hf_config(args.model, args.size, seq_len=args.seq)
@@ -67,7 +67,9 @@ def _profile(args, config: Config):
     return profile
 
 
-def _hardware(args, config: Config) -> Hardware:
+def _hardware(args, config: Config, device_capacity: int) -> Hardware:
+    """Probed (or --hardware) facts, with the device's capacity from --device-memory: the search
+    subtracts buffers and activations from it (U = F_alloc·(capacity − buffers − F_frag·act))."""
     from tierwise.plugins import get_plugin_host
 
     if args.hardware:
@@ -76,6 +78,7 @@ def _hardware(args, config: Config) -> Hardware:
         facts = get_plugin_host().probe_hardware(config=config)
     facts["device_type"] = config.device.split(":")[0]
     facts["world_size"] = args.gpus
+    facts["device_memory"] = device_capacity
     return Hardware.from_dict(facts)
 
 
@@ -86,14 +89,14 @@ def run_plan(args: argparse.Namespace) -> int:
         config = Config(
             device=args.device,
             precision=args.precision,
-            device_memory=parse_bytes(args.device_memory, what="--device-memory"),
             host_memory=args.host_memory,
             nvme_path=args.nvme,
             activation_checkpointing=args.checkpointing,
             activation_offload=args.activation_offload,
         )
         profile = _profile(args, config)
-        plan = search_plan(profile, _hardware(args, config), config)
+        capacity = parse_bytes(args.device_memory, what="--device-memory")
+        plan = search_plan(profile, _hardware(args, config, capacity), config)
     except (ConfigError, PlanError, ValueError) as err:
         print(f"tierwise plan: {err}", file=sys.stderr)
         return 2

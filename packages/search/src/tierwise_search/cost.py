@@ -6,6 +6,13 @@ chunks are fp32 master + exp_avg + exp_avg_sq = 12 bytes; frozen chunks have non
 sharding over N ranks each rank's home tiers hold 1/N of every chunk, rCache blocks hold whole
 (gathered) chunks.
 
+[Note: engine memory] The byte counts follow core's engine (``tierwise.runtime.build``) so that
+``Plan.device_allowance`` is exactly what the device tier will be asked for: every trainable
+chunk also has a gradient shard of L_c bytes/element in its optimizer tier (host when that tier
+is NVMe); with fp32 a chunk whose params and optimizer share a tier keeps only the master copy;
+every rCache block is as large as the largest chunk; with several ranks, full-chunk gradient
+staging buffers live on the device.
+
 [Note: step time model] One step is a forward/backward phase followed by an optimizer phase.
 - forward/backward: compute = (3 x forward FLOPs + recomputed FLOPs) / device FLOP/s. Parameter
   fetches (rCache misses), gradient offload, activation swaps and collectives use their own
@@ -65,11 +72,26 @@ class Setting:
     prefetch: int
     min_blocks: int
     """rCache blocks the widest step needs (the minimum plan)."""
+    fp32_alias: bool = False
+    """fp32 training: a chunk whose params and optimizer share a tier keeps one payload (the
+    master copy)."""
+    staging_blocks: int = 0
+    """Full-chunk gradient staging buffers on the device (multi-rank gradient path)."""
     activations: ActivationTraffic = field(default_factory=ActivationTraffic)
 
     @property
     def world(self) -> int:
         return self.rates.world_size
+
+    @property
+    def shard_sizes(self) -> np.ndarray:
+        """Elements of each chunk this rank holds (capacity rounded up to whole shards)."""
+        return -(-self.table.capacity // self.shard)
+
+    @property
+    def block_numel(self) -> int:
+        """Elements per rCache block: the largest chunk (core's engine sizes every block so)."""
+        return int(-(-self.table.capacity.max(initial=0) // self.shard) * self.shard)
 
     def uses_rcache(self, param_tier: np.ndarray) -> np.ndarray:
         """Chunks that pass through rCache blocks: offloaded ones, and with sharding every chunk
@@ -139,30 +161,34 @@ class CostModel:
         return self._sims[key]
 
     def memory(self, placement: Placement) -> Memory:
+        """Bytes per tier as core's engine allocates them (see [Note: engine memory])."""
         s = self.setting
-        cap = s.table.capacity
-        home_param = cap * s.param_bytes / s.shard
-        home_optim = np.where(s.table.trainable, cap * OPTIM_BYTES / s.shard, 0)
-        p, o = placement.param_tier, placement.optim_tier
-        cached = s.uses_rcache(p)
-        block = s.table.chunk_size * s.param_bytes
-        oversize = int(cap[cached].max(initial=s.table.chunk_size)) - s.table.chunk_size
-        rcache = placement.n_blocks * block + (oversize * s.param_bytes if placement.n_blocks else 0)
-        device = rcache + home_param[p == DEVICE].sum() + home_optim[o == DEVICE].sum()
-        host = home_param[p == HOST].sum() + home_optim[o == HOST].sum()
-        nvme = home_param[p == NVME].sum() + home_optim[o == NVME].sum()
-        if (p == NVME).any() or ((o == NVME) & s.table.trainable).any():
+        p, o, train = placement.param_tier, placement.optim_tier, s.table.trainable
+        shard = s.shard_sizes
+        totals = [0, 0, 0]
+        for tier in (DEVICE, HOST, NVME):
+            home = (p == tier) & ~(s.fp32_alias & train & (o == tier))
+            totals[tier] += int(shard[home].sum()) * s.param_bytes
+            totals[tier] += int(shard[train & (o == tier)].sum()) * OPTIM_BYTES
+        # gradient shards live in the optimizer tier, or in host memory when that is NVMe
+        totals[DEVICE] += int(shard[train & (o == DEVICE)].sum()) * s.param_bytes
+        totals[HOST] += int(shard[train & (o != DEVICE)].sum()) * s.param_bytes
+        block = s.block_numel * s.param_bytes
+        if s.uses_rcache(p).any():
+            totals[DEVICE] += placement.n_blocks * block
+        totals[DEVICE] += s.staging_blocks * block
+        if (p == NVME).any() or (train & (o == NVME)).any():
             # staging: read next, update current, write previous (LoHan's pipeline)
-            host += 3 * s.table.chunk_size * (s.param_bytes + OPTIM_BYTES) / s.shard
-        host += s.activations.host_bytes
-        return Memory(int(device), int(host), int(nvme))
+            totals[HOST] += 3 * s.table.chunk_size * (s.param_bytes + OPTIM_BYTES) // s.shard
+        totals[HOST] += s.activations.host_bytes
+        return Memory(*totals)
 
     def predict(self, placement: Placement) -> Prediction:
         s, r = self.setting, self.setting.rates
         fetches = self.fetches(placement)
-        cap = s.table.capacity.astype(np.float64)
-        chunk_bytes = cap * s.param_bytes  # a whole chunk
-        shard_bytes = chunk_bytes / s.shard  # this rank's part
+        elems = s.shard_sizes.astype(np.float64)  # this rank's part of each chunk
+        shard_bytes = elems * s.param_bytes
+        chunk_bytes = shard_bytes * s.shard  # a whole (gathered) chunk
         p, o, train = placement.param_tier, placement.optim_tier, s.table.trainable
         act = s.activations
 
@@ -182,7 +208,6 @@ class CostModel:
         compute = (3 * s.forward_flops + act.recompute_flops) / r.flops
 
         # optimizer phase
-        elems = cap / s.shard
         host_opt = elems[offload_grad].sum() / r.host_adam
         device_opt = elems[train & (o == DEVICE)].sum() / r.device_adam
         optim_nvme = train & (o == NVME)

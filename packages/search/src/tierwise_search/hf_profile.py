@@ -182,7 +182,6 @@ def profile_hf_config(
         index -= 1
 
     hidden = cfg.hidden_size
-    heads = cfg.num_attention_heads
     vocab = cfg.vocab_size
     ffn = getattr(cfg, "intermediate_size", None) or getattr(cfg, "ffn_dim", None) or getattr(cfg, "n_inner", None) or 4 * hidden
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)

@@ -58,6 +58,10 @@ class Step:
 class PlacementError(ValueError):
     """The minimum placement does not fit; the message says by how much."""
 
+    def __init__(self, message: str, host_need: int | None = None):
+        super().__init__(message)
+        self.host_need = host_need
+
 
 def _fits_host(memory: Memory, budgets: Budgets) -> bool:
     if budgets.host is not None and memory.host > budgets.host:
@@ -93,7 +97,8 @@ def minimum_placement(model: CostModel, budgets: Budgets, forced: Forced) -> Pla
     hint = "" if budgets.nvme_allowed else " or set nvme_path to keep model data on NVMe"
     raise PlacementError(
         f"host_memory {budgets.host} bytes is too small: the smallest plan needs {need} bytes of "
-        f"host memory for model data; raise host_memory{hint}"
+        f"host memory for model data; raise host_memory{hint}",
+        host_need=need,
     )
 
 

@@ -15,16 +15,19 @@ import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
-import numpy as np
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError
 from tierwise.profile import Profile
 from tierwise.units import format_bytes
 
-from tierwise_search.activations import ActivationChoice, activation_choices, best_split, traffic_for
-from tierwise_search.belady import simulate
-from tierwise_search.cost import TIERS, ActivationTraffic, CostModel, Placement, Prediction, Setting
+from tierwise_search.activations import (
+    ActivationChoice,
+    activation_choices,
+    best_split,
+    traffic_for,
+)
+from tierwise_search.cost import TIERS, ActivationTraffic, CostModel, Prediction, Setting
 from tierwise_search.layout import ChunkTable, build_chunks, build_trace, largest_param
 from tierwise_search.placement import (
     Budgets,
@@ -37,8 +40,16 @@ from tierwise_search.placement import (
 from tierwise_search.rates import Rates, resolve_rates
 
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+MIN_CHUNK_SIZE = 1024
+"""Core's engine refuses smaller chunks (``tierwise.runtime.build.MIN_CHUNK_SIZE``)."""
 MAX_CANDIDATES = 48
 """Chunk sizes tried between the largest parameter and the largest useful size."""
+# [Note: chunk size choice] Every chunk size that fits gets a full placement, and the fastest
+# prediction wins (ties: fewer moved bytes, then less padding). Moved bytes alone ignore what
+# padding costs the optimizer and gradient traffic, and the size moving the fewest bytes changes
+# with the budget; taking the best over a candidate set that only grows with the budget keeps a
+# bigger device from ever getting a slower plan. Moved bytes still order the candidates and
+# explain the choice.
 
 
 @dataclass(frozen=True)
@@ -60,7 +71,9 @@ class Outcome:
     policy: dict[str, str]
     allowed_device: int
     sizes: list[SizeScore]
-    runner_up: tuple[SizeScore, Prediction] | None
+    """Feasible chunk sizes, fewest moved bytes first; ``sizes[0]`` is the chosen one."""
+    rejected: list[tuple[SizeScore, Prediction]]
+    """Other shortlisted chunk sizes with their full-placement predictions."""
 
 
 def _tier_index(placement: str) -> int | None:
@@ -81,9 +94,10 @@ def _forward_flops(profile: Profile, reasons: list[str]) -> float:
 
 
 def chunk_size_candidates(profile: Profile, world: int) -> list[int]:
-    """From the largest parameter up to the largest group's size (one chunk per group)."""
-    align = world * (1024 if largest_param(profile) >= 1 << 20 else 1)
-    low = math.ceil(largest_param(profile) / align) * align
+    """From the largest parameter (at least core's minimum chunk) up to the largest group's
+    size (one chunk per group), multiples of 64 elements per rank (1024 for big models)."""
+    align = world * (1024 if largest_param(profile) >= 1 << 20 else 64)
+    low = math.ceil(max(largest_param(profile), MIN_CHUNK_SIZE) / align) * align
     totals: Counter[str] = Counter()
     for info in profile.params:
         totals[info.group or str(info.requires_grad)] += info.numel
@@ -103,21 +117,37 @@ def _allowed(capacity: int, profile: Profile, activation_bytes: int, config: Con
 
 def _capacity_for(allowed: int, profile: Profile, activation_bytes: int, config: Config) -> int:
     """Inverse of ``_allowed``: the device capacity giving ``allowed`` bytes."""
-    return math.ceil(allowed / config.alloc_fraction + profile.buffer_bytes + config.frag_factor * activation_bytes)
+    return math.ceil(
+        allowed / config.alloc_fraction + profile.buffer_bytes + config.frag_factor * activation_bytes
+    )
+
+
+GRADIENT_STAGING = ("engine", "streaming")
+"""How multi-rank gradients reach their shards: "engine" = core's current path (a full-chunk
+device staging buffer per trainable chunk until the end of backward, see core's [Note: gradient
+path]); "streaming" = reduce-scatter each chunk as soon as its gradients are complete (Elixir,
+PatrickStar), two staging buffers."""
 
 
 class _Search:
-    def __init__(self, profile: Profile, hardware: Hardware, config: Config):
+    def __init__(self, profile: Profile, hardware: Hardware, config: Config, gradient_staging: str):
+        if gradient_staging not in GRADIENT_STAGING:
+            raise ValueError(f"gradient_staging {gradient_staging!r}: choose one of {GRADIENT_STAGING}")
         self.profile, self.hardware, self.config = profile, hardware, config
+        self.gradient_staging = gradient_staging
         self.reasons: list[str] = []
         self.rates: Rates = resolve_rates(hardware)
         self.param_bytes = PARAM_BYTES[config.precision]
         world = self.rates.world_size
         self.shard = world if (config.shard and world > 1) else 1
         self.forward_flops = _forward_flops(profile, self.reasons)
-        self.device_capacity = config.device_memory if config.device_memory is not None else hardware.device_memory
         self.host_capacity = config.host_memory if config.host_memory is not None else hardware.host_memory
-        if self.device_capacity is None:
+        if config.device_memory is not None:
+            self.reasons.append(
+                f"device_memory {format_bytes(config.device_memory)} is the model-data budget "
+                "(activations are outside it)"
+            )
+        elif hardware.device_memory is None:
             self.reasons.append("device memory unknown: planning the minimum device footprint")
         if self.host_capacity is None:
             self.reasons.append("host memory unknown: assumed it holds all offloaded model data")
@@ -126,29 +156,44 @@ class _Search:
             optim_tier=_tier_index(config.optimizer_placement),
             n_blocks=config.cache_blocks if isinstance(config.cache_blocks, int) else None,
         )
-        self._traces: dict[int, tuple[ChunkTable, object]] = {}
+        self._layouts: dict[int, tuple[ChunkTable, object]] = {}
 
     # -- pieces ---------------------------------------------------------------------------
+    def allowed(self, choice: ActivationChoice) -> int | None:
+        """Device bytes for model data (U), or None when the device's memory is unknown."""
+        if self.config.device_memory is not None:
+            return self.config.device_memory
+        if self.hardware.device_memory is None:
+            return None
+        return _allowed(self.hardware.device_memory, self.profile, choice.device_bytes, self.config)
+
     def layout(self, chunk_size: int):
-        if chunk_size not in self._traces:
+        if chunk_size not in self._layouts:
             table = build_chunks(self.profile, chunk_size)
             trace = build_trace(self.profile, table, checkpointing=self.config.activation_checkpointing)
-            self._traces[chunk_size] = (table, trace)
-        return self._traces[chunk_size]
+            self._layouts[chunk_size] = (table, trace)
+        return self._layouts[chunk_size]
 
-    def budgets(self, allowed: int | None, choice: ActivationChoice) -> Budgets:
-        host = None if self.host_capacity is None else self.host_capacity
-        nvme_free = self.hardware.nvme_free if self.config.nvme_path else None
+    def budgets(self, allowed: int | None) -> Budgets:
         return Budgets(
             device=allowed if allowed is not None else 0,
-            host=host,
-            nvme=nvme_free,
+            host=self.host_capacity,
+            nvme=self.hardware.nvme_free if self.config.nvme_path else None,
             nvme_allowed=self.config.nvme_path is not None,
         )
 
-    def setting(self, chunk_size: int, traffic: ActivationTraffic) -> Setting:
+    def model(self, chunk_size: int, choice: ActivationChoice) -> CostModel:
+        """The cost model at one chunk size, every leaving layer recomputed (the swap/recompute
+        split comes after placement: it frees the same device memory either way)."""
         table, trace = self.layout(chunk_size)
-        return Setting(
+        if self.rates.world_size == 1:
+            staging = 0
+        elif self.gradient_staging == "engine":
+            staging = int(table.trainable.sum())
+        else:
+            staging = 2
+        traffic = replace(traffic_for(self.profile, (), choice.leaving, None), host_bytes=choice.host_reserve)
+        return CostModel(Setting(
             table=table,
             trace=trace,
             rates=self.rates,
@@ -156,57 +201,62 @@ class _Search:
             forward_flops=self.forward_flops,
             shard=self.shard,
             prefetch=self.config.prefetch,
-            min_blocks=max(trace.widest_step(), 0),
+            min_blocks=trace.widest_step(),
+            fp32_alias=self.config.precision == "fp32",
+            staging_blocks=staging,
             activations=traffic,
-        )
+        ))
 
-    def score_sizes(self, allowed: int | None) -> tuple[list[SizeScore], int]:
-        """Moved bytes per candidate chunk size; also the least rCache bytes any size needs."""
+    def score_sizes(self, choice: ActivationChoice, allowed: int | None):
+        """Moved bytes per feasible chunk size (best first), and the least device bytes any
+        candidate's minimum plan needs."""
         if isinstance(self.config.chunk_size, int):
             candidates = [self.config.chunk_size]
         else:
             candidates = chunk_size_candidates(self.profile, self.rates.world_size)
-        no_rcache = self.forced.param_tier == 0 and self.shard == 1
-        scores, least, widest_all = [], None, 0
+        budgets = self.budgets(allowed)
+        scores, least, too_few, host_errors = [], None, [], []
         for size in candidates:
-            table, trace = self.layout(size)
-            widest = 0 if no_rcache else trace.widest_step()
-            widest_all = max(widest_all, widest)
-            need = widest * size * self.param_bytes
+            model = self.model(size, choice)
+            try:
+                start = minimum_placement(model, budgets, self.forced)
+            except PlacementError as err:  # the host budget cannot hold this size's minimum
+                host_errors.append(err)
+                continue
+            s = model.setting
+            cached = s.uses_rcache(start.param_tier)
+            if cached.any() and start.n_blocks < s.trace.widest_step(cached):
+                too_few.append(s.trace.widest_step(cached))
+                continue
+            need = model.memory(start).device
             least = need if least is None else min(least, need)
-            if self.forced.n_blocks is not None:
-                blocks = self.forced.n_blocks
-            elif allowed is None:
-                blocks = widest
-            else:
-                blocks = min(allowed // (size * self.param_bytes), table.n_chunks)
-            if blocks < widest:
+            if allowed is not None and need > allowed:
                 continue
-            if no_rcache:
-                scores.append(SizeScore(size, 0.0, table.padding, 0))
-                continue
-            fetches = simulate(trace, blocks).fetches
-            moved = float((fetches * table.capacity).sum() * self.param_bytes)
-            scores.append(SizeScore(size, moved, table.padding, int(blocks)))
-        if not scores and self.forced.n_blocks is not None:
+            blocks = start.n_blocks
+            if cached.any() and self.forced.n_blocks is None and allowed is not None:
+                block_bytes = s.block_numel * s.param_bytes
+                blocks = min(blocks + (allowed - need) // block_bytes, int(cached.sum()))
+            fetches = model.fetches(start.with_blocks(blocks))
+            moved = float((fetches * s.table.capacity).sum() * s.param_bytes)
+            scores.append(SizeScore(size, moved, s.table.padding, int(blocks)))
+        if len(host_errors) == len(candidates):
+            raise min(host_errors, key=lambda err: err.host_need)
+        if too_few and len(too_few) + len(host_errors) == len(candidates):
             raise PlanError(
                 f"cache_blocks={self.forced.n_blocks} is too few: the widest module or checkpoint "
-                f"block needs {widest_all} chunks resident at once at chunk_size "
-                f"{candidates[-1]:,}; use cache_blocks >= {widest_all} or \"auto\""
+                f"block needs {min(too_few)} chunks resident at once; use cache_blocks >= "
+                f"{min(too_few)} or \"auto\""
             )
         scores.sort(key=lambda s: (s.moved_bytes, s.padding, s.chunk_size))
         return scores, least or 0
 
-    def place(self, size: int, choice: ActivationChoice, allowed: int | None):
-        # placement is searched with every leaving layer recomputed (the split comes after)
-        base = replace(traffic_for(self.profile, (), choice.leaving, None), host_bytes=choice.host_reserve)
-        model = CostModel(self.setting(size, base))
-        budgets = self.budgets(allowed, choice)
+    def place(self, size: int, choice: ActivationChoice, allowed: int | None) -> tuple[Step, dict]:
+        model = self.model(size, choice)
+        budgets = self.budgets(allowed)
         start = minimum_placement(model, budgets, self.forced)
         if allowed is None:
             budgets = replace(budgets, device=model.memory(start).device)
-        steps = greedy(model, start, budgets, self.forced)
-        final = steps[-1]
+        final = greedy(model, start, budgets, self.forced)[-1]
 
         def evaluate(traffic: ActivationTraffic) -> Prediction:
             model.setting = replace(model.setting, activations=traffic)
@@ -214,71 +264,64 @@ class _Search:
 
         policy, traffic, prediction = best_split(self.profile, choice, evaluate)
         model.setting = replace(model.setting, activations=traffic)
-        final = Step(final.placement, model.memory(final.placement), prediction, final.move)
-        return final, policy, steps
+        return Step(final.placement, model.memory(final.placement), prediction, final.move), policy
 
     # -- one activation choice --------------------------------------------------------------
     def outcome(self, choice: ActivationChoice) -> Outcome:
-        allowed = None
-        if self.device_capacity is not None:
-            allowed = _allowed(self.device_capacity, self.profile, choice.device_bytes, self.config)
-        scores, least = self.score_sizes(allowed)
+        allowed = self.allowed(choice)
+        try:
+            scores, least = self.score_sizes(choice, allowed)
+        except PlacementError as err:  # the host budget cannot hold even the minimum
+            raise PlanError(str(err)) from None
         if not scores:
             self._too_small(allowed, least, choice)
-        try:
-            step, policy, _ = self.place(scores[0].chunk_size, choice, allowed)
-        except PlacementError as err:
-            self._placement_failed(err, scores[0].chunk_size, allowed, choice)
-        runner_up = None
-        if len(scores) > 1:
-            try:
-                alt_step, _, _ = self.place(scores[1].chunk_size, choice, allowed)
-                runner_up = (scores[1], alt_step.prediction)
-            except PlacementError:
-                runner_up = None
-        table, _ = self.layout(scores[0].chunk_size)
-        return Outcome(choice, table, step, step.prediction, policy, allowed or 0, scores, runner_up)
+        tried = []
+        for score in scores:  # see [Note: chunk size choice]
+            step, policy = self.place(score.chunk_size, choice, allowed)
+            tried.append((step.prediction.total, score.moved_bytes, score, step, policy))
+        tried.sort(key=lambda t: (t[0], t[1]))
+        _, _, score, step, policy = tried[0]
+        ordered = [score] + [s for s in scores if s is not score]
+        rejected = [(t[2], t[3].prediction) for t in tried[1:]]
+        table, _ = self.layout(score.chunk_size)
+        return Outcome(choice, table, step, step.prediction, policy, allowed or 0, ordered, rejected)
 
-    def _too_small(self, allowed, least: int, choice: ActivationChoice):
-        need = _capacity_for(least, self.profile, choice.device_bytes, self.config)
-        raise PlanError(
-            f"device_memory {format_bytes(self.device_capacity)} leaves "
-            f"{format_bytes(max(allowed, 0))} for model data (U = {self.config.alloc_fraction} x "
-            f"(capacity - buffers {format_bytes(self.profile.buffer_bytes)} - "
-            f"{self.config.frag_factor} x activations {format_bytes(choice.device_bytes)})), but the "
-            f"minimum plan needs {format_bytes(least)} (rCache blocks for the widest module or "
-            f"checkpoint block); the minimum device_memory is {format_bytes(need)} ({need} bytes): "
-            "raise device_memory, or shrink activations (batch, sequence, activation_checkpointing)"
-        )
-
-    def _placement_failed(self, err: PlacementError, size: int, allowed, choice):
-        if "host_memory" in str(err):
-            raise PlanError(str(err)) from None
-        model = CostModel(self.setting(size, ActivationTraffic()))
-        budgets = replace(self.budgets(allowed, choice), device=1 << 62)
-        need = model.memory(minimum_placement(model, budgets, self.forced)).device
-        capacity = _capacity_for(need, self.profile, choice.device_bytes, self.config)
+    def _too_small(self, allowed: int, least: int, choice: ActivationChoice):
         forced = [
             f"{name}={getattr(self.config, name)!r}"
             for name in ("param_placement", "optimizer_placement", "cache_blocks", "chunk_size")
             if getattr(self.config, name) != "auto"
         ]
-        what = f" with {', '.join(forced)}" if forced else ""
+        plan = f"the minimum plan{' with ' + ', '.join(forced) if forced else ''}"
+        if self.config.device_memory is not None:
+            raise PlanError(
+                f"device_memory {format_bytes(allowed)} ({allowed} bytes) is too small: {plan} "
+                f"needs {format_bytes(least)} of model data on the device (rCache blocks for the "
+                f"widest module or checkpoint block, and whatever is forced onto the device); "
+                f"the minimum device_memory is {least} bytes: raise device_memory to at least that"
+                + (" or relax the forced settings" if forced else ", or use a smaller chunk_size")
+            )
+        capacity = _capacity_for(least, self.profile, choice.device_bytes, self.config)
         raise PlanError(
-            f"device_memory {format_bytes(self.device_capacity)} leaves "
-            f"{format_bytes(max(allowed or 0, 0))} for model data, but the minimum plan{what} "
-            f"needs {format_bytes(need)}; the minimum device_memory is {format_bytes(capacity)} "
-            f"({capacity} bytes): raise device_memory or relax the forced settings"
-        ) from None
+            f"the device's {format_bytes(self.hardware.device_memory)} leave "
+            f"{format_bytes(max(allowed, 0))} for model data (U = {self.config.alloc_fraction} x "
+            f"(capacity - buffers {format_bytes(self.profile.buffer_bytes)} - "
+            f"{self.config.frag_factor} x activations {format_bytes(choice.device_bytes)})), but "
+            f"{plan} needs {format_bytes(least)}; the minimum device memory is "
+            f"{format_bytes(capacity)} ({capacity} bytes): use a larger device or shrink "
+            "activations (batch, sequence length, activation_checkpointing, activation_offload)"
+        )
 
 
 def _counts(tiers: list[str]) -> str:
     return ", ".join(f"{n}x{t}" for t, n in Counter(tiers).items())
 
 
-def search_plan(profile: Profile, hardware: Hardware, config: Config) -> Plan:
+def search_plan(
+    profile: Profile, hardware: Hardware, config: Config, *, gradient_staging: str = "engine"
+) -> Plan:
     """The plan the search predicts fastest (see the module docstring)."""
-    search = _Search(profile, hardware, config)
+    search = _Search(profile, hardware, config, gradient_staging)
     choices = activation_choices(
         profile,
         offload=config.activation_offload,
@@ -317,7 +360,7 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
         f"{format_bytes(best.choice.device_bytes)}, buffers {format_bytes(search.profile.buffer_bytes)})",
         f"chunk size {table.chunk_size:,}: moves {format_bytes(size.moved_bytes)} per step through "
         f"{size.blocks} rCache blocks, padding {size.padding:,} elements "
-        f"({'forced' if isinstance(config.chunk_size, int) else f'best of {len(best.sizes)} sizes'})",
+        f"({'forced' if isinstance(config.chunk_size, int) else f'fastest of {len(best.sizes)} sizes that fit, each placed in full'})",
         f"{placement.n_blocks} rCache blocks, {n_device}/{table.n_chunks} chunks on the device; "
         f"params {_counts(all_params)}; optimizer {_counts(all_optims)}",
         f"model data: device {format_bytes(memory.device)}, host {format_bytes(memory.host)}, "
@@ -332,12 +375,12 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
     reasons += [line for name, line in search.rates.fallbacks.items() if name in used]
     reasons += search.reasons
     alternatives = []
-    if best.runner_up is not None:
-        score, prediction = best.runner_up
+    for score, prediction in best.rejected[:3]:
         alternatives.append({
-            "summary": f"chunk size {score.chunk_size:,}",
+            "summary": f"chunk size {score.chunk_size:,} ({score.blocks} rCache blocks possible)",
             "predicted_s": prediction.total,
-            "why": f"moves {format_bytes(score.moved_bytes)} per step vs "
+            "why": f"predicted {prediction.total:.4g} s vs {best.prediction.total:.4g} s; moves "
+            f"{format_bytes(score.moved_bytes)} per step through the rCache vs "
             f"{format_bytes(size.moved_bytes)}",
         })
     for outcome in other:
@@ -346,9 +389,10 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
             "predicted_s": outcome.prediction.total,
             "why": f"predicted {outcome.prediction.total:.4g} s vs {best.prediction.total:.4g} s",
         })
+    uses_rcache = search.shard > 1 or n_device < table.n_chunks
     return Plan(
         chunk_size=table.chunk_size,
-        cache_blocks=int(placement.n_blocks),
+        cache_blocks=int(placement.n_blocks) if uses_rcache else 0,
         prefetch=config.prefetch,
         param_tier=Counter(all_params).most_common(1)[0][0] if all_params else "device",
         optim_tier=Counter(all_optims).most_common(1)[0][0] if all_optims else "device",
@@ -365,4 +409,4 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
     )
 
 
-__all__ = ["chunk_size_candidates", "search_plan"]
+__all__ = ["GRADIENT_STAGING", "chunk_size_candidates", "search_plan"]

@@ -24,7 +24,7 @@ from tierwise.plan import PlanError
 from tierwise.plugins import get_plugin_host
 from tierwise.tiers import TierBudgetError
 from tierwise.train import checkpoints, data, presets
-from tierwise.train.distributed import World, close_world, init_world, mean_over_ranks
+from tierwise.train.distributed import World, barrier, close_world, init_world, mean_over_ranks
 from tierwise.train.errors import TrainError
 from tierwise.train.metrics import MetricsLog, read_metrics, step_record
 from tierwise.train.options import RUN_IDENTITY, TrainOptions
@@ -225,7 +225,8 @@ def _train(request: Request, world: World) -> int:
         optimizer, warmup=options.warmup_steps, total=options.steps, floor=options.lr_floor
     )
 
-    # from here on, the run directory is ours
+    # from here on, the run directory is ours (once every rank has checked its inputs)
+    barrier(world)
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_json(run_dir / OPTIONS_FILE, options.to_dict())

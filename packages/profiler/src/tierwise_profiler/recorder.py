@@ -7,16 +7,18 @@ arguments and outputs. From those it records:
   module starts (its forward pre-hook, also during a checkpoint re-forward in backward) its
   direct parameters are appended, in registration order; a parameter an op uses outside every
   module that owns it (a functional use) is appended on its own at that op;
-- in backward, where modules have no cheap "start" event, the first op that touches one of a
-  module's parameters (as an argument, or through its gradient being accumulated) appends that
-  module's parameters, as a module's pre-backward hook would (see [Note: backward order]);
+- in backward, a module's direct parameters are appended when a gradient reaches one of its
+  outputs (a tensor hook registered in forward: a pre-backward hook), and a parameter an op
+  touches outside that (as an argument, or through its gradient being accumulated) appends its
+  module's parameters (see [Note: backward order]);
 - forward FLOPs and saved activations per innermost module, and live non-parameter bytes over
   the whole step (:mod:`tierwise_profiler.live_memory`).
 
 [Note: backward order] Touches of parameters already in the current module group are not
 appended again; a touch outside it starts a new group. So a Linear appends [weight, bias] once
-(its matmul and its bias gradient are one group), and a tied embedding used by two modules
-appears once per module, as in forward.
+(its pre-backward hook, its matmul and its bias gradient are one group), and a tied embedding
+used by two modules appears once per module, as in forward. Under checkpointing a module's
+pre-backward hook fires before the re-forward its saved tensors trigger, as a runtime's would.
 
 [Note: checkpoint blocks] A module whose forward starts during backward with no module running
 is the outer module of a checkpoint re-forward (torch.utils.checkpoint, reentrant or not, and
@@ -27,7 +29,9 @@ the whole block), plus anything its re-forward touched.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -157,7 +161,6 @@ class StepRecorder(TorchDispatchMode):
     def _pre_forward(self, module: torch.nn.Module, _args: Any) -> None:
         name = self._module_names.get(id(module), type(module).__name__)
         if self.phase == "backward":
-            self._group = set()
             if not self._frames:  # [Note: checkpoint blocks]
                 if self._block is None:
                     self._block = {}
@@ -168,8 +171,10 @@ class StepRecorder(TorchDispatchMode):
         direct = self._direct.get(name)
         if direct:
             self._touch_in_frames(direct, frame)
+            if self.phase == "backward":
+                self._group = set(direct)  # a re-forward access is a group like any other
 
-    def _post_forward(self, module: torch.nn.Module, _args: Any, _out: Any) -> None:
+    def _post_forward(self, module: torch.nn.Module, _args: Any, output: Any) -> None:
         if not self._frames:
             return
         frame = self._frames.pop()
@@ -177,6 +182,15 @@ class StepRecorder(TorchDispatchMode):
             self._inclusive.setdefault(frame.name, {}).update(frame.inclusive)
             if self._frames:
                 self._frames[-1].inclusive.update(frame.inclusive)
+        direct = self._direct.get(frame.name)
+        if direct:  # its backward starts when a gradient reaches one of its outputs
+            for tensor in _output_tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(partial(self._backward_starts, direct))
+
+    def _backward_starts(self, group: list[str], _grad: torch.Tensor) -> None:
+        if self.phase == "backward":
+            self._emit_backward_group(group)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         name = self._params_by_id.get(id(param))
@@ -200,7 +214,11 @@ class StepRecorder(TorchDispatchMode):
         if name in self._group:  # [Note: backward order]
             return
         owner = self._first_owner.get(name)
-        group = self._direct[owner] if owner is not None else [name]
+        self._emit_backward_group(self._direct[owner] if owner is not None else [name])
+
+    def _emit_backward_group(self, group: list[str]) -> None:
+        if self._group == set(group):
+            return
         self._backward_order.extend(group)
         self._group = set(group)
 
@@ -242,3 +260,14 @@ class StepRecorder(TorchDispatchMode):
 
 
 _METADATA_OPS = {torch.ops.prim.device.default}
+
+
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    """Tensors a module returned: itself, or the tensors in its tuple, list or dict."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, Mapping):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [item for item in output if isinstance(item, torch.Tensor)]
+    return []

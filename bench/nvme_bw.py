@@ -10,7 +10,7 @@ A last line times one out-of-core AdamW pass over NVMe-resident optimizer states
 alone, updates alone, sequential (read, update, write per chunk) and through
 OptimizerPipeline, with the ratio pipelined / max(transfers, updates).
 
-    python bench/nvme_bw.py --dir /work/nvme-bench --size 1GiB --block-size 1MiB --queue-depth 32
+    python bench/nvme_bw.py --dir /work/nvme-bench --size 1GiB --block-size 4MiB --queue-depth 16
 """
 
 from __future__ import annotations

@@ -26,11 +26,11 @@ class NVMeOptions:
     O_DIRECT files in a thread pool), "buffered" (thread pool through the page cache).
     Env: TIERWISE_NVME_BACKEND."""
 
-    block_size: int = 1 << 20
+    block_size: int = 4 << 20
     """Bytes per I/O request; larger transfers are split. A multiple of 4096.
-    Env: TIERWISE_NVME_BLOCK_SIZE (e.g. "4MiB")."""
+    Env: TIERWISE_NVME_BLOCK_SIZE (e.g. "1MiB")."""
 
-    queue_depth: int = 32
+    queue_depth: int = 16
     """Requests in flight at once (libaio queue depth, or thread-pool size).
     Env: TIERWISE_NVME_QUEUE_DEPTH."""
 

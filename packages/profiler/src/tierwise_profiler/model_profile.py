@@ -255,19 +255,27 @@ def _batch_shape(batch: Any) -> tuple[int | None, int | None]:
 
 def _explain(model: torch.nn.Module, op: Any, err: Exception) -> str:
     """A message naming the op that needed values and the model code that called it."""
-    what = type(model).__name__
     if op is None:
-        op_text = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        first_line = (str(err).splitlines() or [""])[0]
+        op_text = f"{type(err).__name__}: {first_line}"
     else:
-        packet = getattr(op, "overloadpacket", op)
-        op_name = getattr(packet, "__name__", str(packet))
-        hint = _OP_HINTS.get(op_name.split(".")[0], f"{type(err).__name__}: {err}".splitlines()[0])
-        op_text = f"op aten.{op_name} ({hint})"
+        names = [_op_name(op)]
+        inner = getattr(err, "func", None)  # fake tensors name the op that needed values
+        if inner is not None and _op_name(inner) != names[0]:
+            names.append(_op_name(inner))
+        hint = next((_OP_HINTS[n] for n in reversed(names) if n in _OP_HINTS), None)
+        hint = hint or f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+        op_text = " -> ".join(f"aten.{n}" for n in names) + f" ({hint})"
     return (
-        f"cannot profile {what} without tensor values: {op_text}, called at {_user_frame(err)}. "
-        "Falling back to the engine's warm-up trace; to profile before runtime, avoid value-"
-        "dependent code in forward (or pass a batch the model can trace)"
+        f"cannot profile {type(model).__name__} without tensor values: op {op_text}, called at "
+        f"{_user_frame(err)}. Falling back to the engine's warm-up trace; to profile before "
+        "runtime, keep value-dependent code (.item(), .tolist(), boolean masks) out of forward"
     )
+
+
+def _op_name(op: Any) -> str:
+    packet = getattr(op, "overloadpacket", op)
+    return getattr(packet, "__name__", str(packet)).split(".")[0]
 
 
 def _user_frame(err: Exception) -> str:

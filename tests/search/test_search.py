@@ -73,7 +73,7 @@ def stack_profile(**kwargs):
 )
 def test_more_device_memory_never_predicts_a_slower_step(hardware_kwargs, config_kwargs):
     profile, hardware = stack_profile(), gpu_hardware(**hardware_kwargs)
-    totals, budgets = [], range(30_000, 1_600_000, 35_000)
+    totals, budgets = [], [int(30_000 * 1.25**i) for i in range(19)]  # 30 KB .. 1.7 MB
     for budget in budgets:
         config = Config(device="cpu", device_memory=budget, **config_kwargs)
         try:
@@ -83,7 +83,7 @@ def test_more_device_memory_never_predicts_a_slower_step(hardware_kwargs, config
             continue
         assert plan.device_allowance <= budget
         totals.append(plan.predicted_step_s["total"])
-    assert len(totals) > 20
+    assert len(totals) >= 8
     for smaller, larger in zip(totals, totals[1:]):
         assert larger <= smaller * (1 + 1e-9)
     assert totals[-1] < totals[0]

@@ -42,7 +42,7 @@ from tierwise_search.rates import Rates, resolve_rates
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MIN_CHUNK_SIZE = 1024
 """Core's engine refuses smaller chunks (``tierwise.runtime.build.MIN_CHUNK_SIZE``)."""
-MAX_CANDIDATES = 48
+MAX_CANDIDATES = 32
 """Chunk sizes tried between the largest parameter and the largest useful size."""
 # [Note: chunk size choice] Every chunk size that fits gets a full placement, and the fastest
 # prediction wins (ties: fewer moved bytes, then less padding). Moved bytes alone ignore what

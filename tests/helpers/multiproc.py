@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -28,7 +30,10 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) 
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        # plain bytes: tensors passed through shared memory die with the exiting child
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # report every failure, including asserts, to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -65,7 +70,7 @@ def run_ranks(fn: Callable, world: int = 2, *args: Any, timeout: float = 240.0) 
                 raise RankFailed(f"ranks {alive} did not finish within {timeout}s") from err
             if status == "error":
                 raise RankFailed(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for proc in procs:
             proc.join(timeout=5)

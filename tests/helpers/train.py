@@ -56,10 +56,14 @@ def run_reference(kind: str, steps: int, *, lr: float = 1e-2, opt_cls=torch.opti
     return losses, model
 
 
-def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+def max_rel_diff(state: dict[str, torch.Tensor], reference) -> float:
+    """Largest |a - b| / max|b| over the reference's parameters (a module or a name->tensor dict)."""
+    if isinstance(reference, torch.nn.Module):
+        reference = dict(reference.named_parameters(remove_duplicate=False))
     worst = 0.0
-    for name, x in a.items():
-        y = b[name].float()
+    for name, y in reference.items():
+        x = state[name].detach().float()
+        y = y.detach().float()
         denom = y.abs().max().clamp_min(1e-12)
-        worst = max(worst, float((x.float() - y).abs().max() / denom))
+        worst = max(worst, float((x - y).abs().max() / denom))
     return worst

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tierwise.chunks import Chunk
+from tierwise.parallel.collectives import _all_gather
 
 if TYPE_CHECKING:
     from tierwise.runtime.engine import Engine
@@ -38,7 +39,7 @@ def _full_chunk(chunk: Chunk, shard: torch.Tensor) -> torch.Tensor:
     if not group.sharded:
         return shard
     full = torch.empty(chunk.capacity, dtype=shard.dtype)
-    dist.all_gather_into_tensor(full, shard.contiguous(), group=group.process_group)
+    _all_gather(full, shard.contiguous(), group=group.process_group)
     return full
 
 

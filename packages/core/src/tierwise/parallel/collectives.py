@@ -8,11 +8,16 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renamed the tensor collectives; keep torch>=2.4 working with the old names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class Collectives:
     """Thin wrapper: each call does one torch.distributed collective and counts its payload.
 
-    Bytes are counted as the size of the full (gathered / pre-reduction) chunk per call, the
-    convention of Elixir's Table 1.
+    Bytes are counted as the size of the full (gathered / pre-reduction) chunk per call, and
+    twice that for all-reduce: the convention of Elixir's Table 1.
     """
 
     def __init__(self) -> None:
@@ -25,12 +30,14 @@ class Collectives:
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group) -> None:
         self._count("all_gather", out)
-        dist.all_gather_into_tensor(out, shard, group=group)
+        _all_gather(out, shard, group=group)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group) -> None:
         self._count("reduce_scatter", full)
-        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
+        _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group)
 
     def all_reduce(self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+        # a ring all-reduce moves the payload twice (reduce-scatter + all-gather): Table 1
         self._count("all_reduce", tensor)
+        self.bytes["all_reduce"] += tensor.numel() * tensor.element_size()
         dist.all_reduce(tensor, op=op, group=group)

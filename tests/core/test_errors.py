@@ -1,0 +1,71 @@
+"""Bad input: a clear error, and nothing half-initialised."""
+
+import pytest
+import torch
+
+import tierwise
+from helpers.models import tiny_batch, tiny_model
+
+
+def snapshot(model):
+    return {n: (p.dtype, p.detach().clone()) for n, p in model.named_parameters()}
+
+
+def assert_untouched(model, before):
+    for name, p in model.named_parameters():
+        dtype, value = before[name]
+        assert p.dtype == dtype and torch.equal(p.detach(), value), name
+        assert not getattr(p, "_tierwise_managed", False)
+    assert not hasattr(model, "_tierwise_engine") or model._tierwise_engine is None
+    model(**tiny_batch()).loss.backward()  # still a plain, working PyTorch model
+
+
+def test_unsupported_optimizer():
+    model = tiny_model("gpt2")
+    before = snapshot(model)
+    with pytest.raises(TypeError, match="SGD is not supported.*AdamW"):
+        tierwise.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert_untouched(model, before)
+
+
+def test_chunk_size_below_minimum():
+    model = tiny_model("gpt2")
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="chunk_size 64 is below the minimum"):
+        tierwise.setup(model, torch.optim.AdamW(model.parameters()), chunk_size=64)
+    assert_untouched(model, before)
+
+
+def test_budget_too_small_for_one_cache_block():
+    model = tiny_model("gpt2")
+    before = snapshot(model)
+    with pytest.raises(tierwise.PlanError, match="too small.*smallest plan"):
+        tierwise.setup(model, torch.optim.AdamW(model.parameters()), device_memory=1000)
+    assert_untouched(model, before)
+
+
+def test_bad_config_value_names_the_fix():
+    model = tiny_model("gpt2")
+    with pytest.raises(tierwise.ConfigError, match="precision.*bf16, fp16, fp32"):
+        tierwise.setup(model, torch.optim.AdamW(model.parameters()), precision="fp8")
+    with pytest.raises(tierwise.ConfigError, match="unknown Config field"):
+        tierwise.setup(model, torch.optim.AdamW(model.parameters()), chunksize=5)
+
+
+def test_parameter_already_managed():
+    model = tiny_model("gpt2")
+    model, _ = tierwise.setup(model, torch.optim.AdamW(model.parameters()), device="cpu")
+    with pytest.raises(ValueError, match="already managed"):
+        tierwise.setup(model, torch.optim.AdamW(model.parameters()))
+    other = torch.nn.Sequential(model.transformer.h[0].mlp.c_fc)
+    with pytest.raises(ValueError, match="already managed"):
+        tierwise.setup(other, torch.optim.AdamW(other.parameters()))
+
+
+def test_setup_works_after_a_failed_attempt():
+    model = tiny_model("gpt2")
+    with pytest.raises(tierwise.PlanError):
+        tierwise.setup(model, torch.optim.AdamW(model.parameters()), device_memory=1000)
+    model, opt = tierwise.setup(model, torch.optim.AdamW(model.parameters()), device="cpu")
+    model(**tiny_batch()).loss.backward()
+    opt.step()

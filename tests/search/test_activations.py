@@ -1,0 +1,71 @@
+"""LoHan-style activation policy: swap the layers with most FLOPs per byte, recompute the rest,
+at the split that minimises the predicted step."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("tierwise_search")
+
+from conftest import gpu_hardware, make_profile  # noqa: E402
+from tierwise import Config  # noqa: E402
+from tierwise_search.search import search_plan  # noqa: E402
+
+
+def profile_with_layers():
+    profile = make_profile([[4096, 4096] for _ in range(6)], layer_bytes=50_000_000, layer_flops=4e11)
+    return profile
+
+
+def config(**kwargs):
+    return Config(device="cpu", device_memory=10**8, **kwargs)
+
+
+def flops_per_byte(profile, layer):
+    return profile.layer_flops[layer] / profile.layer_activation_bytes[layer]
+
+
+def test_swapped_layers_have_more_flops_per_byte_than_recomputed_ones():
+    profile = profile_with_layers()
+    # 6 layers of 50 MB and 4e11..12e11 FLOPs, compute 144 ms: at 1 GB/s swapping all costs
+    # 300 ms of link time, so the best split swaps the three with most FLOPs per byte
+    plan = search_plan(profile, gpu_hardware(h2d_bandwidth=1e9, d2h_bandwidth=1e9), config(activation_offload="host"))
+    swapped = [layer for layer, action in plan.activation_policy.items() if action == "host"]
+    recomputed = [layer for layer, action in plan.activation_policy.items() if action == "recompute"]
+    assert len(swapped) == 3 and len(recomputed) == 3
+    assert min(flops_per_byte(profile, x) for x in swapped) >= max(flops_per_byte(profile, x) for x in recomputed)
+
+
+def test_split_follows_the_link_speed():
+    profile = profile_with_layers()
+    fast = search_plan(profile, gpu_hardware(h2d_bandwidth=1e13, d2h_bandwidth=1e13), config(activation_offload="host"))
+    assert set(fast.activation_policy.values()) == {"host"}
+    slow = search_plan(profile, gpu_hardware(h2d_bandwidth=1e6, d2h_bandwidth=1e6), config(activation_offload="host"))
+    assert set(slow.activation_policy.values()) == {"recompute"}
+    assert slow.predicted_step_s["compute"] > fast.predicted_step_s["compute"]
+
+
+def test_swap_to_nvme_moves_bytes_through_the_disk():
+    profile = profile_with_layers()
+    plan = search_plan(profile, gpu_hardware(h2d_bandwidth=1e13, d2h_bandwidth=1e13, nvme_read_bandwidth=1e13,
+                                             nvme_write_bandwidth=1e13), config(activation_offload="nvme", nvme_path="/tmp"))
+    assert set(plan.activation_policy.values()) == {"nvme"}
+    assert plan.predicted_step_s["nvme_write"] >= 6 * 50_000_000 / 1e13
+
+
+def test_checkpointing_without_offload_recomputes_blocks_only():
+    plan = search_plan(profile_with_layers(), gpu_hardware(), config(activation_checkpointing=True))
+    assert set(plan.activation_policy.values()) == {"recompute"}
+    plan = search_plan(profile_with_layers(), gpu_hardware(), config())
+    assert set(plan.activation_policy.values()) == {"keep"}
+
+
+def test_auto_frees_device_memory_for_model_data_when_activations_crowd_it():
+    profile = profile_with_layers()  # 300 MB of activations
+    capacity = int(profile.peak_activation_bytes * 1.25) + 300_000  # model data needs 786 KB
+    hardware = gpu_hardware(device_memory=capacity)
+    keep = search_plan(profile, hardware, Config(device="cpu"))
+    auto = search_plan(profile, hardware, Config(device="cpu", activation_offload="auto"))
+    assert auto.predicted_step_s["total"] <= keep.predicted_step_s["total"]
+    assert auto.device_allowance > keep.device_allowance
+    assert any(alt["summary"].startswith("activations:") for alt in auto.alternatives)

@@ -1,0 +1,56 @@
+"""``tierwise plan`` end to end on a tiny config.json (analytic profile, no download)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("tierwise_search")
+
+from helpers.models import _config  # noqa: E402
+from tierwise import Plan  # noqa: E402
+from tierwise.cli import main  # noqa: E402
+
+
+@pytest.fixture
+def run_plan(monkeypatch, capsys):
+    monkeypatch.setenv("TIERWISE_DISABLE_PLUGINS", "profiler")  # always the analytic profile
+
+    def run(*args: str) -> tuple[int, str, str]:
+        code = main(["plan", *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def config_json(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    path.write_text(_config("llama").to_json_string())
+    return path
+
+
+def test_plan_command_prints_a_json_plan(run_plan, config_json, tmp_path):
+    hardware = tmp_path / "hw.json"
+    hardware.write_text(json.dumps({"h2d_bandwidth": 1e9, "d2h_bandwidth": 1e9}))
+    code, out, err = run_plan(
+        "--model", str(config_json), "--seq", "16", "--batch", "2", "--device", "cpu",
+        "--device-memory", "1GiB", "--host-memory", "1GiB", "--hardware", str(hardware), "--json",
+    )
+    assert code == 0, err
+    plan = Plan.from_json(out)
+    assert plan.planner == "search"
+    assert plan.predicted_step_s["total"] > 0
+    fallbacks = [r for r in plan.reasons if "unknown" in r]
+    assert fallbacks and not any("h2d_bandwidth" in r for r in fallbacks)
+
+
+def test_plan_command_table_and_too_small_device(run_plan, config_json):
+    code, out, err = run_plan("--model", str(config_json), "--seq", "16", "--device", "cpu", "--device-memory", "1GiB")
+    assert code == 0, err
+    assert "predicted total" in out and "chunk size" in out
+    code, out, err = run_plan("--model", str(config_json), "--seq", "16", "--device", "cpu", "--device-memory", "4KiB")
+    assert code == 2
+    assert "minimum device memory is" in err

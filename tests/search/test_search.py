@@ -84,7 +84,7 @@ def test_more_device_memory_never_predicts_a_slower_step(hardware_kwargs, config
         assert plan.device_allowance <= budget
         totals.append(plan.predicted_step_s["total"])
     assert len(totals) >= 8
-    for smaller, larger in zip(totals, totals[1:]):
+    for smaller, larger in zip(totals, totals[1:], strict=False):
         assert larger <= smaller * (1 + 1e-9)
     assert totals[-1] < totals[0]
 

@@ -113,8 +113,8 @@ def parallel_run(
     cls = {"expert": ExpertParallel, "tensor": TensorParallel}[pattern_name]
     pattern = cls(size=size, config=Config(device="cpu"), process_group=dist.group.WORLD)
     model = build_model(kind)
+    opt = make_optimizer(model)  # before prepare, as for tierwise.setup: parameters stay the same objects
     pattern.prepare(model)
-    opt = make_optimizer(model)
     # tensor-parallel peers share a batch; expert-parallel ranks each take their own slice
     data_rank, data_parts = (rank // size, world // size) if pattern_name == "tensor" else (rank, world)
     batch = batch_slice(global_batch(), data_rank, data_parts)
@@ -206,7 +206,7 @@ def _experts_with_zero_grad(model) -> list[int]:
     """Global ids of this rank's experts whose gradient is exactly zero in every layer."""
     zero = None
     for m in _sharded_experts(model):
-        first = m.rank * m.local_experts
+        first = m.ep_rank * m.local_experts
         ids = {
             first + e
             for e in range(m.local_experts)

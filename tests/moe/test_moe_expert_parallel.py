@@ -123,16 +123,21 @@ def test_size_one_in_one_process_matches_hf_experts():
         assert w.max_relative_error(param.grad, grads[name].grad) <= TOLERANCE, name
 
 
-def test_claims_only_expert_parameters_after_prepare():
+def test_prepare_shards_in_place_and_claims_only_expert_parameters():
     from tierwise.config import Config
-    from tierwise_moe import ExpertParallel
+    from tierwise_moe import ExpertParallel, ShardedExperts
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
 
     model = tiny_model("qwen2_moe")
+    params_before = list(model.parameters())
     pattern = ExpertParallel(size=1, config=Config(device="cpu"), process_group=None)
     with pytest.raises(RuntimeError, match="before prepare"):
         pattern.claims("x", None)
     pattern.prepare(model)
     pattern.prepare(model)  # idempotent
+    assert list(model.parameters()) == params_before  # same objects: the optimizer keeps them
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, ShardedExperts) and isinstance(experts, Qwen2MoeExperts)
     claimed = sorted(n for n, p in model.named_parameters() if pattern.claims(n, p))
     assert claimed == [
         f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("down_proj", "gate_up_proj")
@@ -141,8 +146,8 @@ def test_claims_only_expert_parameters_after_prepare():
 
 def test_errors_say_what_to_change():
     from tierwise.config import Config
-    from tierwise_moe import ExpertParallel, ShardedExperts
-    from tierwise_moe.experts import UnsupportedExperts
+    from tierwise_moe import ExpertParallel
+    from tierwise_moe.experts import UnsupportedExperts, shard_experts_
     from tierwise_moe.mesh import MeshError
 
     cfg = Config(device="cpu")
@@ -154,7 +159,7 @@ def test_errors_say_what_to_change():
         ExpertParallel(size=1, config=cfg, process_group=None, capacity_factor=0)
     experts = tiny_model("mixtral").model.layers[0].mlp.experts
     with pytest.raises(UnsupportedExperts, match="4 experts do not split over expert-parallel size 3"):
-        ShardedExperts(experts, rank=0, size=3, group=None)
+        shard_experts_(experts, rank=0, size=3, group=None)
     experts.is_transposed = True
     with pytest.raises(UnsupportedExperts, match="is_transposed=True"):
         ExpertParallel(size=1, config=cfg, process_group=None).prepare(

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tierwise_moe.experts import ShardedExperts, check_supported, is_fused_experts
-from tierwise_moe.pattern import ModelParallelPattern, replace_module
+from tierwise_moe.experts import ShardedExperts, check_supported, is_fused_experts, shard_experts_
+from tierwise_moe.pattern import ModelParallelPattern
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -26,7 +26,6 @@ class ExpertParallel(ModelParallelPattern):
     """
 
     PLUGIN_NAME = "expert"
-    SHARDED_TYPES = (ShardedExperts,)
 
     def __init__(
         self,
@@ -61,11 +60,10 @@ class ExpertParallel(ModelParallelPattern):
             if isinstance(module, ShardedExperts):
                 continue
             check_supported(module, name)
-            sharded = ShardedExperts(
+            shard_experts_(
                 module,
                 rank=self.mesh.mp_rank,
                 size=self.mesh.mp_size,
                 group=self.mesh.mp_group,
                 capacity_factor=self.capacity_factor,
             )
-            replace_module(model, name, sharded)

@@ -3,8 +3,9 @@
 transformers 5.x stores the experts of a MoE layer (Mixtral, Qwen2-MoE, ...) as two fused 3-D
 parameters, ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], and calls the experts module
 as ``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])``. With
-expert-parallel size P, :class:`ShardedExperts` keeps experts ``[rank*E/P, (rank+1)*E/P)`` of
-both parameters (same names, dim 0 sliced) and runs one forward as:
+expert-parallel size P, :func:`shard_experts_` makes the module a :class:`ShardedExperts` that
+keeps experts ``[rank*E/P, (rank+1)*E/P)`` of both parameters (dim 0 sliced in place, see
+[Note: sharding in place]) and runs one forward as:
 
 1. sort the T*k (token, expert) pairs by expert; optionally drop pairs over capacity;
 2. all-to-all the per-expert counts, then the token rows, to the ranks owning the experts;
@@ -32,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tierwise_moe.collectives import all_to_all, exchange_counts, scale_grad
-from tierwise_moe.shards import SPECS_ATTR, ShardSpec
+from tierwise_moe.shards import ShardSpec, shard_param_, swap_class_
 
 FUSED_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -77,47 +78,30 @@ def capacity(capacity_factor: float, pairs: int, num_experts: int) -> int:
 
 
 class ShardedExperts(torch.nn.Module):
-    """This rank's E/P experts of a fused experts module; tokens travel to their expert's rank."""
+    """Mixin for a fused experts module holding this rank's E/P experts; tokens travel to
+    their expert's rank. Made with :func:`shard_experts_` (see [Note: sharding in place])."""
 
-    def __init__(
-        self,
-        experts: torch.nn.Module,
-        *,
-        rank: int,
-        size: int,
-        group: dist.ProcessGroup | None,
-        capacity_factor: float | None = None,
-    ):
-        super().__init__()
-        num_experts = experts.num_experts
-        if num_experts % size:
-            raise UnsupportedExperts(
-                f"{num_experts} experts do not split over expert-parallel size {size}: "
-                f"use a size that divides {num_experts}"
-            )
-        self.num_experts = num_experts
-        """Experts of the whole layer (E)."""
-        self.local_experts = num_experts // size
-        """Experts on this rank (E/P): global ids [rank*E/P, (rank+1)*E/P)."""
-        self.rank, self.size, self.group = rank, size, group
-        self.capacity_factor = capacity_factor
-        """None: exact (no token dropped). Else each rank sends each expert at most
-        ceil(factor * its pairs / E) rows; dropped pairs add nothing to the token's output."""
-        self.act_fn = experts.act_fn
-        spec = ShardSpec(dim=0, rank=rank, size=size, group=group)
-        for name in FUSED_PARAMS:
-            full = getattr(experts, name)
-            shard = spec.shard(full.detach()).clone()
-            setattr(self, name, torch.nn.Parameter(shard, requires_grad=full.requires_grad))
-        setattr(self, SPECS_ATTR, {name: spec for name in FUSED_PARAMS})
-        self.last_tokens_per_expert: torch.Tensor | None = None
-        """Rows each local expert computed in the latest forward (for tests and stats)."""
+    num_experts: int
+    """Experts of the whole layer (E); unchanged by sharding."""
+    local_experts: int
+    """Experts on this rank (E/P): global ids [rank*E/P, (rank+1)*E/P)."""
+    capacity_factor: float | None
+    """None: exact (no token dropped). Else each rank sends each expert at most
+    ceil(factor * its pairs / E) rows; dropped pairs add nothing to the token's output."""
+    ep_rank: int
+    """This rank's position in its expert-parallel group."""
+    ep_size: int
+    """Expert-parallel size (P)."""
+    ep_group: dist.ProcessGroup | None
+    """The P ranks that split this layer's experts (None: P = 1)."""
+    last_tokens_per_expert: torch.Tensor | None
+    """Rows each local expert computed in the latest forward (for tests and stats)."""
 
     def extra_repr(self) -> str:
-        first = self.rank * self.local_experts
+        first = self.ep_rank * self.local_experts
         return (
             f"experts {first}..{first + self.local_experts - 1} of {self.num_experts} "
-            f"(rank {self.rank} of {self.size}), capacity_factor={self.capacity_factor}"
+            f"(rank {self.ep_rank} of {self.ep_size}), capacity_factor={self.capacity_factor}"
         )
 
     def forward(
@@ -133,21 +117,21 @@ class ShardedExperts(torch.nn.Module):
 
         # counts[e] for the experts of rank r form block r: after the exchange, block r holds
         # what rank r sends to each of this rank's experts.
-        recv_counts = exchange_counts(counts, self.group).view(self.size, self.local_experts)
-        send_splits = counts.view(self.size, self.local_experts).sum(1).tolist()
+        recv_counts = exchange_counts(counts, self.ep_group).view(self.ep_size, self.local_experts)
+        send_splits = counts.view(self.ep_size, self.local_experts).sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
-        recv_rows = all_to_all(send_rows, recv_splits, send_splits, self.group)
+        recv_rows = all_to_all(send_rows, recv_splits, send_splits, self.ep_group)
 
         # received rows: source-major, expert-minor; regroup expert-major for the matmuls
         local_expert = torch.arange(self.local_experts, device=recv_counts.device)
-        row_expert = local_expert.repeat(self.size).repeat_interleave(recv_counts.reshape(-1))
+        row_expert = local_expert.repeat(self.ep_size).repeat_interleave(recv_counts.reshape(-1))
         by_expert = torch.argsort(row_expert, stable=True)
         rows_per_expert = recv_counts.sum(0)
         self.last_tokens_per_expert = rows_per_expert.detach().cpu()
         out_rows = self._run_local_experts(recv_rows[by_expert], rows_per_expert.tolist())
         out_rows = out_rows[torch.argsort(by_expert)]  # back to source-major order
 
-        back_rows = all_to_all(out_rows, send_splits, recv_splits, self.group)
+        back_rows = all_to_all(out_rows, send_splits, recv_splits, self.ep_group)
         pair_out = hidden_states.new_zeros((num_tokens * top_k, hidden_states.shape[-1]))
         pair_out = pair_out.index_copy(0, order, back_rows.to(pair_out.dtype))
         weighted = pair_out * top_k_weights.reshape(-1, 1)
@@ -162,10 +146,36 @@ class ShardedExperts(torch.nn.Module):
 
     def _run_local_experts(self, rows: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
         # [Note: expert gradient scale]
-        gate_up = scale_grad(self.gate_up_proj, 1.0 / self.size)
-        down = scale_grad(self.down_proj, 1.0 / self.size)
+        gate_up = scale_grad(self.gate_up_proj, 1.0 / self.ep_size)
+        down = scale_grad(self.down_proj, 1.0 / self.ep_size)
         outputs = []
         for expert, expert_rows in enumerate(rows.split(rows_per_expert)):
             gate, up = F.linear(expert_rows, gate_up[expert]).chunk(2, dim=-1)
             outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
         return torch.cat(outputs)
+
+
+def shard_experts_(
+    experts: torch.nn.Module,
+    *,
+    rank: int,
+    size: int,
+    group: dist.ProcessGroup | None,
+    capacity_factor: float | None = None,
+) -> None:
+    """Turn a fused experts module into a :class:`ShardedExperts` holding experts
+    [rank*E/P, (rank+1)*E/P) (dim 0 of both fused parameters), in place."""
+    num_experts = experts.num_experts
+    if num_experts % size:
+        raise UnsupportedExperts(
+            f"{num_experts} experts do not split over expert-parallel size {size}: "
+            f"use a size that divides {num_experts}"
+        )
+    spec = ShardSpec(pattern="expert", dim=0, rank=rank, size=size, group=group)
+    for name in FUSED_PARAMS:
+        shard_param_(getattr(experts, name), spec)
+    swap_class_(experts, ShardedExperts)
+    experts.local_experts = num_experts // size
+    experts.ep_rank, experts.ep_size, experts.ep_group = rank, size, group
+    experts.capacity_factor = capacity_factor
+    experts.last_tokens_per_expert = None

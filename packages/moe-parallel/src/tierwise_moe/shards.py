@@ -1,8 +1,12 @@
 """How a sharded parameter maps to the original one, and full state dicts from shards.
 
-Sharded modules (experts, column/row linears) keep the original parameter names and record, per
-parameter, a :class:`ShardSpec`: the full tensor is cut along ``dim`` into ``size`` equal
-contiguous blocks and this rank holds block ``rank``. That is enough to rebuild the original
+[Note: sharding in place]
+Patterns shard modules in place, the way FSDP2 does: each sharded parameter stays the same
+``nn.Parameter`` object (so an optimizer built over the unsharded model still holds it) with
+``.data`` replaced by this rank's block, and is tagged with a :class:`ShardSpec`; the module's
+class is swapped for a generated subclass of its own class whose forward computes across the
+model-parallel group (so ``isinstance`` checks, e.g. HF weight initialisation of a model built on
+the meta device, still see the original class). The tags are enough to rebuild the original
 (HF-loadable) state dict from the shards and to cut a full state dict into this rank's shards.
 """
 
@@ -13,14 +17,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-SPECS_ATTR = "tierwise_shard_specs"
-"""Attribute of a sharded module: dict of its parameter attribute name -> ShardSpec."""
+SPEC_ATTR = "tierwise_shard"
+"""Attribute of a sharded ``nn.Parameter`` holding its ShardSpec."""
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class ShardSpec:
-    """This rank's block of one parameter."""
+    """This rank's block of one parameter: the full tensor cut along ``dim`` into ``size``
+    equal contiguous blocks, of which this rank holds block ``rank``."""
 
+    pattern: str
+    """PLUGIN_NAME of the pattern that sharded it ("expert", "tensor")."""
     dim: int
     """Dimension along which the full tensor is cut."""
     rank: int
@@ -52,19 +59,47 @@ class ShardSpec:
         return torch.cat(blocks, dim=self.dim)
 
 
+def shard_param_(param: torch.nn.Parameter, spec: ShardSpec) -> None:
+    """Keep only this rank's block of ``param`` (same Parameter object) and tag it."""
+    if getattr(param, SPEC_ATTR, None) is not None:
+        raise ValueError(f"parameter of shape {tuple(param.shape)} is already sharded")
+    param.data = spec.shard(param.data).clone()
+    setattr(param, SPEC_ATTR, spec)
+
+
+def spec_of(param: torch.Tensor) -> ShardSpec | None:
+    """The ShardSpec a pattern tagged ``param`` with (None: not sharded)."""
+    return getattr(param, SPEC_ATTR, None)
+
+
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def swap_class_(module: torch.nn.Module, mixin: type) -> None:
+    """Make ``module`` an instance of ``mixin`` + its own class (see [Note: sharding in place])."""
+    cls = type(module)
+    if isinstance(module, mixin):
+        return
+    key = (mixin, cls)
+    if key not in _SUBCLASSES:
+        _SUBCLASSES[key] = type(f"{mixin.__name__}[{cls.__name__}]", (mixin, cls), {})
+    module.__class__ = _SUBCLASSES[key]
+
+
 def shard_specs(model: torch.nn.Module) -> dict[str, ShardSpec]:
-    """Every sharded parameter of ``model`` by its full name."""
-    specs = {}
-    for module_name, module in model.named_modules():
-        for attr, spec in getattr(module, SPECS_ATTR, {}).items():
-            specs[f"{module_name}.{attr}" if module_name else attr] = spec
-    return specs
+    """Every sharded parameter of ``model`` by its full name (tied names included)."""
+    return {
+        name: spec_of(param)
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if spec_of(param) is not None
+    }
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The state dict of the unsharded model (original names and shapes) on every rank.
 
-    Collective: every rank of the run must call it (shards are all-gathered in name order).
+    Works on a plain sharded model and on one managed by ``tierwise.setup`` (whose
+    ``state_dict()`` holds this rank's blocks). Collective: every rank must call it.
     """
     specs = shard_specs(model)
     full = {}

@@ -9,71 +9,57 @@ column-parallel input in backward. Ranks of a tensor-parallel group must get the
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from tierwise_moe.collectives import copy_to_group, reduce_from_group
-from tierwise_moe.pattern import ModelParallelPattern, replace_module
-from tierwise_moe.shards import SPECS_ATTR, ShardSpec
+from tierwise_moe.pattern import ModelParallelPattern
+from tierwise_moe.shards import ShardSpec, shard_param_, swap_class_
 
 ATTENTION_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
-class _ShardedLinear(torch.nn.Module):
-    """A block of an nn.Linear (``weight`` and ``bias`` keep their names)."""
+class ColumnParallelLinear(torch.nn.Module):
+    """Mixin for an nn.Linear whose output features are split: rank r computes features
+    [r*out/P, (r+1)*out/P) from all of x. Made with :func:`shard_linear_`."""
 
-    def __init__(self, linear: torch.nn.Linear, weight_spec: ShardSpec, bias_spec: ShardSpec | None):
-        super().__init__()
-        self.group = weight_spec.group
-        self.weight = torch.nn.Parameter(
-            weight_spec.shard(linear.weight.detach()).clone(),
-            requires_grad=linear.weight.requires_grad,
-        )
-        specs = {"weight": weight_spec}
-        if linear.bias is None:
-            self.bias = None
-        else:
-            bias = linear.bias.detach()
-            self.bias = torch.nn.Parameter(
-                (bias if bias_spec is None else bias_spec.shard(bias)).clone(),
-                requires_grad=linear.bias.requires_grad,
-            )
-            if bias_spec is not None:
-                specs["bias"] = bias_spec
-        setattr(self, SPECS_ATTR, specs)
-
-    def extra_repr(self) -> str:
-        spec = getattr(self, SPECS_ATTR)["weight"]
-        return f"weight={tuple(self.weight.shape)}, shard {spec.rank} of {spec.size} along dim {spec.dim}"
-
-
-class ColumnParallelLinear(_ShardedLinear):
-    """Output features split: rank r computes features [r*out/P, (r+1)*out/P) from all of x."""
-
-    def __init__(self, linear: torch.nn.Linear, *, rank: int, size: int, group):
-        spec = ShardSpec(dim=0, rank=rank, size=size, group=group)
-        super().__init__(linear, spec, spec)
+    tp_group: dist.ProcessGroup | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_group(x, self.group), self.weight, self.bias)
+        return F.linear(copy_to_group(x, self.tp_group), self.weight, self.bias)
 
 
-class RowParallelLinear(_ShardedLinear):
-    """Input features split: rank r multiplies its slice of x; partial sums are all-reduced.
-    The bias is whole on every rank and added once, after the reduction."""
+class RowParallelLinear(torch.nn.Module):
+    """Mixin for an nn.Linear whose input features are split: rank r multiplies its slice of x
+    and the partial sums are all-reduced. The bias stays whole on every rank (not sharded, so
+    data parallelism owns it) and is added once, after the reduction."""
 
-    def __init__(self, linear: torch.nn.Linear, *, rank: int, size: int, group):
-        super().__init__(linear, ShardSpec(dim=1, rank=rank, size=size, group=group), None)
+    tp_group: dist.ProcessGroup | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = reduce_from_group(F.linear(x, self.weight), self.group)
+        out = reduce_from_group(F.linear(x, self.weight), self.tp_group)
         return out if self.bias is None else out + self.bias
 
 
+def shard_linear_(linear: torch.nn.Linear, kind: type, *, rank: int, size: int, group) -> None:
+    """Make ``linear`` a ColumnParallelLinear or RowParallelLinear holding block ``rank``."""
+    column = kind is ColumnParallelLinear
+    spec = ShardSpec(pattern="tensor", dim=0 if column else 1, rank=rank, size=size, group=group)
+    shard_param_(linear.weight, spec)
+    if column and linear.bias is not None:
+        shard_param_(linear.bias, spec)
+    linear.out_features, linear.in_features = linear.weight.shape
+    swap_class_(linear, kind)
+    linear.tp_group = group
+
+
 def _has_linears(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
-    return all(
-        isinstance(getattr(module, name, None), (torch.nn.Linear, _ShardedLinear)) for name in names
-    )
+    return all(isinstance(getattr(module, name, None), torch.nn.Linear) for name in names)
+
+
+def _is_sharded(linear: torch.nn.Module) -> bool:
+    return isinstance(linear, (ColumnParallelLinear, RowParallelLinear))
 
 
 class TensorParallel(ModelParallelPattern):
@@ -87,7 +73,6 @@ class TensorParallel(ModelParallelPattern):
     """
 
     PLUGIN_NAME = "tensor"
-    SHARDED_TYPES = (ColumnParallelLinear, RowParallelLinear)
 
     def _shard_modules(self, model: torch.nn.Module) -> None:
         attention = [
@@ -106,22 +91,22 @@ class TensorParallel(ModelParallelPattern):
                 f"(gate/up/down_proj) in {type(model).__name__}; drop 'tensor' from parallel"
             )
         for name, module in attention:
-            if not isinstance(module.q_proj, _ShardedLinear):  # prepare() is idempotent
+            if not _is_sharded(module.q_proj):  # prepare() is idempotent
                 head_dim = module.head_dim
                 self._check_divides(name, "num_attention_heads", module.q_proj.out_features // head_dim)
                 self._check_divides(name, "num_key_value_heads", module.k_proj.out_features // head_dim)
-                self._split(model, name, module, column=("q_proj", "k_proj", "v_proj"), row="o_proj")
+                self._split(module, column=("q_proj", "k_proj", "v_proj"), row="o_proj")
         for name, module in mlps:
-            if not isinstance(module.gate_proj, _ShardedLinear):
+            if not _is_sharded(module.gate_proj):
                 self._check_divides(name, "intermediate size", module.gate_proj.out_features)
-                self._split(model, name, module, column=("gate_proj", "up_proj"), row="down_proj")
+                self._split(module, column=("gate_proj", "up_proj"), row="down_proj")
 
-    def _split(self, model, name, module, *, column: tuple[str, ...], row: str) -> None:
+    def _split(self, module, *, column: tuple[str, ...], row: str) -> None:
         mesh = self.mesh
         where = dict(rank=mesh.mp_rank, size=mesh.mp_size, group=mesh.mp_group)
         for attr in column:
-            replace_module(model, f"{name}.{attr}", ColumnParallelLinear(getattr(module, attr), **where))
-        replace_module(model, f"{name}.{row}", RowParallelLinear(getattr(module, row), **where))
+            shard_linear_(getattr(module, attr), ColumnParallelLinear, **where)
+        shard_linear_(getattr(module, row), RowParallelLinear, **where)
 
     def _check_divides(self, name: str, what: str, count: int) -> None:
         size = self.mesh.mp_size

@@ -35,7 +35,7 @@ class TrainOptions:
     """A local Hugging Face tokenizer directory; default: UTF-8 bytes (no download)."""
 
     # -- training ---------------------------------------------------------------------------
-    steps: int = 150
+    steps: int = 200
     """Optimizer steps of the whole run (the learning-rate schedule spans them)."""
     stop_after: int | None = None
     """Stop after this many steps (a checkpoint is written); --resume finishes the run."""

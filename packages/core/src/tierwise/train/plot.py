@@ -15,11 +15,13 @@ from tierwise.train.trace import StepTrace
 
 MIB = 1024 * 1024
 PHASE_COLOURS = {"forward": "#e8f1fb", "backward": "#fdf0e6", "optimizer": "#ecf7ec"}
+LEGEND = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0)
+"""Legends sit right of the axes, where they hide no data."""
 TIER_COLOURS = {"device": "tab:blue", "host": "tab:orange", "nvme": "tab:green"}
 
 
 def plot_memory(
-    path: Path, trace: StepTrace, train_lines: Sequence[Mapping[str, Any]], *, title: str
+    path: Path, trace: StepTrace | None, train_lines: Sequence[Mapping[str, Any]], *, title: str
 ) -> str | None:
     """Write the figure to ``path``; return None, or a note saying why it was skipped."""
     try:
@@ -29,11 +31,11 @@ def plot_memory(
         import matplotlib.pyplot as plt
     except ImportError:
         return "memory.png skipped: matplotlib is not installed (pip install 'tierwise[plot]')"
-    if not trace.samples:
+    if trace is None or not trace.samples:
         return "memory.png skipped: no step was traced"
 
     fig, (memory_ax, step_moved_ax, run_moved_ax) = plt.subplots(
-        3, 1, figsize=(10, 11), gridspec_kw={"height_ratios": [3, 2, 2]}
+        3, 1, figsize=(13, 11), gridspec_kw={"height_ratios": [3, 2, 2]}
     )
     fig.suptitle(title, fontsize=11)
     times_ms = [s.t * 1e3 for s in trace.samples]
@@ -50,12 +52,12 @@ def plot_memory(
     for tier, budget in trace.budgets.items():
         if budget:
             memory_ax.axhline(budget / MIB, color=TIER_COLOURS.get(tier, "grey"), linestyle=":",
-                              label=f"{tier} budget ({budget / MIB:.1f} MiB)")
+                              label=f"{tier} budget for model data ({budget / MIB:.1f} MiB)")
     memory_ax.set_title(f"Memory over one training step (step {trace.step})", fontsize=10)
     memory_ax.set_xlabel("time since the step started (ms)")
     memory_ax.set_ylabel("MiB")
     memory_ax.set_ylim(bottom=0)
-    memory_ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+    memory_ax.legend(**LEGEND)
     memory_ax.grid(alpha=0.3)
 
     # (2) moved within the step
@@ -69,7 +71,7 @@ def plot_memory(
     step_moved_ax.set_ylabel("MiB (cumulative)")
     step_moved_ax.set_ylim(bottom=0)
     if directions:
-        step_moved_ax.legend(loc="upper left", fontsize=8)
+        step_moved_ax.legend(**LEGEND)
     else:
         step_moved_ax.text(0.5, 0.5, "nothing moved in this step", ha="center",
                            transform=step_moved_ax.transAxes)
@@ -86,7 +88,7 @@ def plot_memory(
     run_moved_ax.set_ylabel("MiB per step")
     run_moved_ax.set_ylim(bottom=0)
     if directions:
-        run_moved_ax.legend(loc="upper right", fontsize=8)
+        run_moved_ax.legend(**LEGEND)
     run_moved_ax.grid(alpha=0.3)
 
     fig.tight_layout()

@@ -21,6 +21,8 @@ import torch
 import tierwise
 from tierwise.config import Config, ConfigError
 from tierwise.plan import PlanError
+from tierwise.planner import BYTES as PRECISION_BYTES
+from tierwise.planner import OPTIM_BYTES
 from tierwise.plugins import get_plugin_host
 from tierwise.tiers import TierBudgetError
 from tierwise.train import checkpoints, data, presets
@@ -148,9 +150,9 @@ def check_plugins(config: Config) -> None:
 
 
 def model_data_bytes(n_params: int, precision: str) -> int:
-    """Params in the compute precision plus fp32 master weights and two Adam states (≈)."""
-    param_bytes = 4 if precision == "fp32" else 2
-    return n_params * (param_bytes + 12)
+    """Model data before chunk padding, counted as core's planner counts it: params and grads in
+    the compute precision, fp32 master weights and two Adam states."""
+    return n_params * (2 * PRECISION_BYTES[precision] + OPTIM_BYTES)
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -195,7 +197,7 @@ def _train(request: Request, world: World) -> int:
         )
     console.note(
         f"model: {model_name}, {n_params:,} parameters, model data ≈ {format_bytes(data_bytes)} "
-        f"({config.precision} params + fp32 master weights and Adam states)",
+        f"({config.precision} params and grads, fp32 master weights and Adam states)",
         parameters=n_params, model_data_bytes=data_bytes,
     )
     console.note(
@@ -253,7 +255,7 @@ def _train(request: Request, world: World) -> int:
     metrics = MetricsLog(run_dir, keep_through=step) if world.is_main else None
     budgets = {"device": config.device_memory, "host": config.host_memory}
     trace_step = min(step + 2, last_step)  # after the engine's warm-up step
-    tracer = None
+    tracer, trace = None, None
     first_step = step
     tokens_per_step = options.batch * options.seq * options.grad_accum * world.size
     step_seconds = []
@@ -333,7 +335,9 @@ def _train(request: Request, world: World) -> int:
         console.block("sample", text, text=text, temperature=options.temperature)
     if not world.is_main:
         return 0
-    lines = [line for line in read_metrics(run_dir / "metrics.jsonl") if line["kind"] == "train"]
+    all_lines = read_metrics(run_dir / "metrics.jsonl")
+    lines = [line for line in all_lines if line["kind"] == "train"]
+    evals = [line["eval_loss"] for line in all_lines if line["kind"] == "eval"]
     note = plot_memory(
         run_dir / PLOT_FILE, trace, lines,
         title=f"tierwise train: {model_name}, {n_params:,} parameters, device {world.device}",
@@ -346,6 +350,8 @@ def _train(request: Request, world: World) -> int:
         ("", "value", ""),
         ("steps", f"{first_step} → {step} of {options.steps}", ""),
         ("loss", f"{this_run[0]['loss']:.4f} → {this_run[-1]['loss']:.4f}", "train, this process"),
+        ("held-out loss", f"{evals[0]:.4f} → {evals[-1]:.4f}" if evals else "-",
+         f"{len(evals)} evals of {len(corpus.eval_blocks)} blocks"),
         ("throughput", f"{tokens_per_step / statistics.median(steady):,.0f} tokens/s",
          "median step after the first"),
         ("wall time", f"{elapsed:.1f} s", f"{step - first_step} steps"),

@@ -95,11 +95,10 @@ class StepTracer:
         self._seen: set[int] = set()
         self._block = OUTSIDE
         self._handles: list[Any] = []
-        self._phase = "forward"
+        self._grad_events: dict[int, tuple[torch.Tensor, list[tuple[int, int]]]] = {}
 
     # -- samples ----------------------------------------------------------------------------
     def mark(self, phase: str, label: str) -> None:
-        self._phase = phase
         stats = self.stats()
         self.trace.samples.append(
             Sample(
@@ -136,8 +135,7 @@ class StepTracer:
         def hook(module, args, kwargs):
             self._block = index
             hidden = _first_tensor(args) if args else kwargs.get("hidden_states")
-            if hidden is not None and hidden.requires_grad:
-                hidden.register_hook(self._backward_done(index))
+            self._on_grad(hidden, (0, index))  # grad of a block's input: its backward is done
 
         return hook
 
@@ -145,24 +143,32 @@ class StepTracer:
         def hook(module, args, output):
             self._block = OUTSIDE
             self.mark("forward", f"block {index} forward")
-            hidden = _first_tensor(output)
-            if hidden is not None and hidden.requires_grad:
-                hidden.register_hook(self._backward_start(index))
+            self._on_grad(_first_tensor(output), (1, index))  # grad of its output: it starts
 
         return hook
 
-    def _backward_start(self, index: int):
-        def hook(grad):
-            self.mark("backward", f"block {index} backward starts")
+    def _on_grad(self, tensor: torch.Tensor | None, event: tuple[int, int]) -> None:
+        """Run ``event`` when the gradient of ``tensor`` is computed.
 
-        return hook
+        One block's output is the next one's input; one hook per tensor fires its events in
+        time order: the later block's backward ends, then the earlier one's starts.
+        """
+        if tensor is None or not tensor.requires_grad:
+            return
+        entry = self._grad_events.get(id(tensor))
+        if entry is None:
+            events: list[tuple[int, int]] = []
+            entry = self._grad_events[id(tensor)] = (tensor, events)  # keeps the id unique
+            tensor.register_hook(lambda grad: self._fire(events))
+        entry[1].append(event)
 
-    def _backward_done(self, index: int):
-        def hook(grad):
-            self._charged.pop(index, None)
-            self.mark("backward", f"block {index} backward done")
-
-        return hook
+    def _fire(self, events: list[tuple[int, int]]) -> None:
+        for kind, index in sorted(events):
+            if kind == 0:
+                self._charged.pop(index, None)
+                self.mark("backward", f"block {index} backward done")
+            else:
+                self.mark("backward", f"block {index} backward starts")
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -179,4 +185,5 @@ class StepTracer:
     def backward_finished(self) -> None:
         """Activations saved outside the blocks are freed once backward is over."""
         self._charged.clear()
+        self._grad_events.clear()
         self.mark("backward", "backward done")

@@ -74,6 +74,12 @@ class Config:
     parallel: dict[str, int] | None = None
     """Model-parallel sizes by pattern name, e.g. {"expert": 2} or {"tensor": 2}."""
 
+    optimizer_overlap: str = "auto"
+    """When optimizer states live on a storage tier (NVMe): "in-backward" updates each chunk as
+    soon as its gradients are final (LoHan), "after-backward" only prefetches its states during
+    backward and updates at ``step``; "auto" updates in backward when the previous step had one
+    backward pass, no clipping and no fp16 scaling (anything else needs every gradient first)."""
+
     alloc_fraction: float = 0.95
     """F_alloc: fraction of free device memory the planner may use for model data."""
 
@@ -132,6 +138,10 @@ class Config:
                 for k, v in self.parallel.items()
             ):
                 fail("parallel", 'give a dict of pattern name to size, e.g. {"expert": 2}')
+        if self.optimizer_overlap not in ("auto", "in-backward", "after-backward"):
+            fail("optimizer_overlap", "choose one of auto, in-backward, after-backward")
+        if self.optimizer_overlap == "in-backward" and self.precision == "fp16":
+            fail("optimizer_overlap", "fp16 loss scaling needs every gradient before any update: use 'auto' or 'after-backward'")
         if not 0 < self.alloc_fraction <= 1:
             fail("alloc_fraction", "must be in (0, 1]")
         if self.frag_factor < 1:

@@ -91,6 +91,14 @@ class Engine:
         }
         self.hook_handles: list = []
         self._by_key = {chunk.key: chunk for chunk in self.chunks()}
+        self.pipelines = self._make_pipelines()
+        self.optimizer_mode = "after-backward"
+        """How storage-tier optimizer states are updated next (see Config.optimizer_overlap)."""
+        self._backwards_this_step = 0
+        self._early_hyper: dict = {}
+        self._backward_pins: set[torch.nn.Module] = set()
+        self._reforward_pins: list[torch.nn.Module] = []
+        self._scaled_this_backward = False
         self.multi_rank = any(g.world > 1 for g in groups)
 
     # ------------------------------------------------------------------ properties
@@ -213,17 +221,41 @@ class Engine:
 
     def pre_forward(self, module: torch.nn.Module) -> None:
         self._acquire(module)
+        if self._in_backward:  # a checkpoint re-forward
+            self._reforward_pins.append(module)
 
     def post_forward(self, module: torch.nn.Module) -> None:
+        if self._in_backward and module in self._reforward_pins:
+            self._reforward_pins.remove(module)
         recorded = torch.is_grad_enabled()
         self._release(module, TensorState.HOLD_AFTER_FWD if recorded else TensorState.HOLD)
 
     def pre_backward(self, module: torch.nn.Module) -> None:
+        """Before ``module``'s backward (once per backward pass through it)."""
         self._enter_backward()
-        self._acquire(module)
+        # a re-forward that torch stopped early (non-reentrant checkpoint) never ran its
+        # post-hooks: release its pins now; the modules' own backward re-pins what it needs
+        while self._reforward_pins:
+            self._release(self._reforward_pins.pop(), TensorState.HOLD_AFTER_FWD)
+        if module not in self._backward_pins:
+            self._backward_pins.add(module)
+            self._acquire(module)
 
     def post_backward(self, module: torch.nn.Module) -> None:
-        self._release(module, TensorState.HOLD_AFTER_BWD)
+        """After ``module``'s backward produced the gradients of its inputs."""
+        if module in self._backward_pins:
+            self._backward_pins.discard(module)
+            self._release(module, TensorState.HOLD_AFTER_BWD)
+
+    def scale_root_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """fp16: multiply the gradient entering the model by the loss scale, once per backward
+        (the first model output backward reaches is the one the loss came from; the gradient
+        then flowing into other outputs, e.g. logits under the loss, is scaled already)."""
+        if self._scaled_this_backward:
+            return None
+        self._enter_backward()
+        self._scaled_this_backward = True
+        return grad * self.loss_scale
 
     def _enter_backward(self) -> None:
         if not self._callback_queued:
@@ -260,6 +292,10 @@ class Engine:
         """Runs when autograd finishes a backward: finalise every chunk, release everything."""
         self._callback_queued = False
         self._in_backward = False
+        self._backwards_this_step += 1
+        self._backward_pins.clear()
+        self._reforward_pins.clear()
+        self._scaled_this_backward = False
         for chunk in self.chunks():
             if chunk.trainable and chunk.group.world == 1:
                 if not chunk.optim.grad_filled:  # no gradient at all since zero_grad: zeros
@@ -303,12 +339,23 @@ class Engine:
         if not optim.grad_filled:  # first gradient since zero_grad: 0 + g == g
             target.zero_()
             optim.grad_filled = True
+        if chunk.key in self._early_hyper:
+            raise RuntimeError(
+                "tierwise: a gradient arrived for a chunk whose optimizer update already ran "
+                "during backward (optimizer_overlap saw one backward pass per step so far); "
+                "with gradient accumulation or re-entrant checkpoint reuse set "
+                "optimizer_overlap='after-backward'"
+            )
         target[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1).to(target.device))
         tier = optim.grad.tier.name
         if tier != "device":
             self.moved_bytes[f"device->{tier}"] += grad.numel() * grad.element_size()
             self.moves[f"device->{tier}"] += 1
-        slot.got_grad = True
+        if not slot.got_grad:
+            slot.got_grad = True
+            chunk.pending -= 1
+            if chunk.pending == 0:
+                self._grads_final(chunk)
         if slot.state is not TensorState.COMPUTE:
             slot.set_state(TensorState.HOLD_AFTER_BWD)
 
@@ -359,6 +406,7 @@ class Engine:
         chunk.local_grad = None
         self._give_back_staging(chunk)
         chunk.grads_done = True
+        self._grads_final(chunk)
 
     def _accumulate_grad_shard(self, chunk: Chunk, shard: torch.Tensor) -> None:
         optim = chunk.optim
@@ -393,26 +441,36 @@ class Engine:
                 self.collectives.all_reduce(value, self.world_group, op=op)
         return value
 
-    def _sharded_sum_sq(self) -> torch.Tensor:
-        """Sum of squares of all gradients (unscaled), each element counted once globally."""
+    def _total_norm(self) -> torch.Tensor:
+        """2-norm of all gradients as stored (still loss-scaled in fp16).
+
+        One process: per-parameter norms, then the norm of those, exactly as
+        ``torch.nn.utils.clip_grad_norm_`` computes it. Several ranks: sums of squares of each
+        rank's shards (replicated chunks counted once), all-reduced.
+        """
+        if not self.multi_rank:
+            norms = [
+                torch.linalg.vector_norm(grad[s.offset : s.offset + s.numel], 2.0)
+                for chunk, grad in self._grad_shards()
+                for s in chunk.slots
+            ]
+            if not norms:
+                return torch.zeros((), dtype=torch.float32)
+            return torch.linalg.vector_norm(torch.stack(norms), 2.0).float().cpu()
         total = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
         for chunk, grad in self._grad_shards():
-            sq = grad.float().pow(2).sum().double().cpu()
-            if chunk.group.sharded or chunk.group.world == 1:
-                total += sq
-            else:
-                replicated += sq / chunk.group.world  # every rank holds it: count once in the sum
-        total += replicated
-        return self._all_reduce_scalar(total, dist.ReduceOp.SUM)
+            sq = grad.double().pow(2).sum().cpu()
+            total += sq if chunk.group.sharded else sq / chunk.group.world
+        return self._all_reduce_scalar(total, dist.ReduceOp.SUM).sqrt().float()
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         if norm_type != 2.0:
             raise ValueError("tierwise.clip_grad_norm_ supports norm_type=2.0 only")
-        norm = self._sharded_sum_sq().sqrt() / self.loss_scale
-        total = norm.to(torch.float32)
-        coef = max_norm / (float(total) + 1e-6)
-        self._clip_coef = min(coef, 1.0)
+        total = self._total_norm()
+        if self.scaler is not None:
+            total = total / self.loss_scale
+        coef = max_norm / (total + 1e-6)
+        self._clip_coef = torch.clamp(coef, max=1.0)
         return total
 
     def _found_overflow(self) -> bool:
@@ -423,9 +481,55 @@ class Engine:
                 break
         return bool(self._all_reduce_scalar(flag, dist.ReduceOp.MAX) > 0)
 
+    def _make_pipelines(self) -> dict:
+        """One optimizer pipeline per storage tier holding optimizer states (e.g. nvme)."""
+        pipelines = {}
+        shard = max((c.shard_size for c in self.chunks()), default=0)
+        for chunk in self.chunks():
+            tier = chunk.optim.tier if chunk.optim is not None else None
+            if tier is not None and not tier.ADDRESSABLE and tier.name not in pipelines:
+                pipeline = tier.optimizer_pipeline(buffer_bytes=shard * 4)
+                if pipeline is not None:
+                    pipelines[tier.name] = pipeline
+        return pipelines
+
+    def _hyper(self, chunk: Chunk) -> AdamHyper:
+        group = self.optimizer_groups[chunk.group.param_group]
+        return AdamHyper.from_group(group, decoupled=self.decoupled)
+
+    def _update_in_backward(self) -> bool:
+        """Whether storage-tier updates run as soon as a chunk's gradients are final."""
+        if not self.pipelines or self.multi_rank or self.scaler is not None:
+            return False
+        if self.config.optimizer_overlap == "in-backward":
+            return True
+        return self.config.optimizer_overlap == "auto" and self.optimizer_mode == "in-backward"
+
+    def _grads_final(self, chunk: Chunk) -> None:
+        """A chunk's gradients for this backward are in its gradient shard: start its update
+        (LoHan's active gradient offloading) or at least the read of its optimizer states."""
+        pipeline = self.pipelines.get(chunk.optim.tier.name) if chunk.optim else None
+        if pipeline is None:
+            return
+        slabs = (chunk.optim.master, chunk.optim.exp_avg, chunk.optim.exp_avg_sq)
+        if self._update_in_backward() and self._backwards_this_step == 0:
+            hyper = self._hyper(chunk)
+            self._early_hyper[chunk.key] = hyper
+            if chunk.block_id is not None:
+                self.evict(chunk)  # its cached copy is about to be stale
+            pipeline.submit(chunk.key, slabs, self._chunk_update(chunk, hyper, None))
+        else:
+            pipeline.prefetch(chunk.key, slabs)
+
     def step(self) -> None:
         if self._in_backward:
             raise RuntimeError("tierwise: optimizer.step() called during backward")
+        try:
+            self._step()
+        finally:
+            self._early_hyper.clear()
+
+    def _step(self) -> None:
         if self.scaler is not None:
             overflow = self._found_overflow()
             self.scaler.update(overflow=overflow)
@@ -433,37 +537,81 @@ class Engine:
                 self._clip_coef = None
                 self._finish_step()
                 return
-        multiplier = (1.0 / self.loss_scale) * (self._clip_coef if self._clip_coef is not None else 1.0)
-        hypers = [
-            AdamHyper.from_group(g, decoupled=self.decoupled) for g in self.optimizer_groups
-        ]
+        multiplier = self._grad_multiplier()
+        if self._early_hyper and multiplier is not None:
+            raise RuntimeError(
+                "tierwise: clip_grad_norm_ was called after the optimizer already updated chunks "
+                "during backward (the previous step did not clip); set "
+                "optimizer_overlap='after-backward' when clipping only some steps"
+            )
         for chunk, _grad in list(self._grad_shards()):
-            self._update_chunk(chunk, hypers[chunk.group.param_group], multiplier)
+            hyper = self._hyper(chunk)
+            if chunk.key in self._early_hyper:
+                if self._early_hyper[chunk.key] != hyper:
+                    raise RuntimeError(
+                        "tierwise: hyper-parameters changed between backward and step after an "
+                        "in-backward update; change them before backward, or set "
+                        "optimizer_overlap='after-backward'"
+                    )
+                continue
+            self._update_chunk(chunk, hyper, multiplier)
+        for pipeline in self.pipelines.values():
+            pipeline.drain()
+        ran_in_backward = bool(self._early_hyper)
+        next_in_backward = (
+            self._backwards_this_step == 1 and self._clip_coef is None and self.scaler is None
+        )
+        if self.config.optimizer_overlap == "auto":
+            self.optimizer_mode = "in-backward" if next_in_backward else "after-backward"
+        else:
+            self.optimizer_mode = self.config.optimizer_overlap
+        self.last_update_mode = "in-backward" if ran_in_backward else "after-backward"
         self._clip_coef = None
         self.invalidate_cache()
         self._finish_step()
 
-    def _update_chunk(self, chunk: Chunk, hyper: AdamHyper, multiplier: float) -> None:
+    def _grad_multiplier(self) -> list | None:
+        """Factors applied to fp32 gradients before the update: 1/loss scale (fp16), then the
+        clip coefficient — in that order, as GradScaler.unscale_ + clip_grad_norm_ do."""
+        factors = []
+        if self.scaler is not None:
+            factors.append(torch.tensor(1.0 / self.loss_scale, dtype=torch.float32))
+        if self._clip_coef is not None:
+            factors.append(self._clip_coef)
+        return factors or None
+
+    def _chunk_update(self, chunk: Chunk, hyper: AdamHyper, multiplier: list | None):
+        """The update of one chunk, given its fp32 (master, exp_avg, exp_avg_sq) tensors."""
         optim = chunk.optim
-        tier = optim.tier
-        if tier.ADDRESSABLE:
-            master, m, v = optim.master.tensor, optim.exp_avg.tensor, optim.exp_avg_sq.tensor
-        else:
-            master, m, v = (torch.empty(chunk.shard_size, dtype=torch.float32) for _ in range(3))
-            for slab, out in ((optim.master, master), (optim.exp_avg, m), (optim.exp_avg_sq, v)):
-                tier.read(slab, out).wait()
-        grad = optim.grad.tensor.to(device=master.device, dtype=torch.float32)
-        if multiplier != 1.0:
-            grad.mul_(multiplier)
-        adam_update(master=master, grad=grad, exp_avg=m, exp_avg_sq=v,
-                    step=self._steps[chunk.key], hyper=hyper)
-        if not tier.ADDRESSABLE:
-            handles = [tier.write(slab, t) for slab, t in
-                       ((optim.master, master), (optim.exp_avg, m), (optim.exp_avg_sq, v))]
-            for handle in handles:
+
+        def update(states: list[torch.Tensor]) -> None:
+            master, m, v = states
+            grad = optim.grad.tensor.to(device=master.device, dtype=torch.float32)
+            for factor in multiplier or ():
+                grad = grad * factor.to(grad.device)
+            adam_update(master=master, grad=grad, exp_avg=m, exp_avg_sq=v,
+                        step=self._steps[chunk.key], hyper=hyper)
+            if chunk.home is not optim.master:
+                chunk.home.tier.write(chunk.home, master.to(self.dtype)).wait()
+
+        return update
+
+    def _update_chunk(self, chunk: Chunk, hyper: AdamHyper, multiplier: list | None) -> None:
+        optim = chunk.optim
+        update = self._chunk_update(chunk, hyper, multiplier)
+        slabs = (optim.master, optim.exp_avg, optim.exp_avg_sq)
+        pipeline = self.pipelines.get(optim.tier.name)
+        if pipeline is not None:
+            pipeline.submit(chunk.key, slabs, update)
+        elif optim.tier.ADDRESSABLE:
+            update([slab.tensor for slab in slabs])
+        else:  # a storage tier without a pipeline: read, update, write in turn
+            states = [torch.empty(chunk.shard_size, dtype=torch.float32) for _ in slabs]
+            for slab, out in zip(slabs, states, strict=True):
+                optim.tier.read(slab, out).wait()
+            update(states)
+            for handle in [optim.tier.write(s, t) for s, t in zip(slabs, states, strict=True)]:
                 handle.wait()
-        if chunk.home is not optim.master:
-            chunk.home.tier.write(chunk.home, master.to(self.dtype)).wait()
 
     def _finish_step(self) -> None:
         for chunk in self.chunks():
@@ -471,9 +619,17 @@ class Engine:
                 if slot.state is not TensorState.HOLD and slot.compute_refs == 0:
                     slot.set_state(TensorState.HOLD)
         self.steps_taken += 1
+        self._backwards_this_step = 0
         if self._step_started is not None:
             self.step_time_s = time.perf_counter() - self._step_started
             self._step_started = None
+
+    def close(self) -> None:
+        """Stop pipelines and release tier resources (files of storage tiers)."""
+        for pipeline in self.pipelines.values():
+            pipeline.close()
+        for tier in self.tiers.values():
+            tier.close()
 
     def zero_grad(self) -> None:
         for chunk in self.chunks():
@@ -511,6 +667,6 @@ class Engine:
             "steps": self.steps_taken,
             "loss_scale": self.loss_scale,
             "skipped_steps": self.scaler.skipped_steps if self.scaler else 0,
-            "optimizer_mode": "after-backward",
+            "optimizer_mode": getattr(self, "last_update_mode", "after-backward"),
         }
 

@@ -45,7 +45,12 @@ def install_hooks(engine: Engine, model: torch.nn.Module, modules: list[torch.nn
         engine.post_forward(module)
         if torch.is_grad_enabled():
             for tensor in _grad_tensors(output):
-                tensor.register_hook(lambda grad, m=module: engine.pre_backward(m))
+                # a node pre-hook runs after the tensor hooks on the same gradient, so the
+                # consumer's release (an input hook) happens before this module's fetch
+                if tensor.grad_fn is not None:
+                    tensor.grad_fn.register_prehook(lambda grads, m=module: engine.pre_backward(m))
+                else:
+                    tensor.register_hook(lambda grad, m=module: engine.pre_backward(m))
 
     for module in modules:
         handles.append(module.register_forward_pre_hook(pre_forward, with_kwargs=True))
@@ -57,7 +62,7 @@ def install_hooks(engine: Engine, model: torch.nn.Module, modules: list[torch.nn
     def root_post_forward(module, args, kwargs, output):
         if torch.is_grad_enabled() and engine.scaler is not None:
             for tensor in _grad_tensors(output):  # fp16: scale the loss's gradient
-                tensor.register_hook(lambda grad: grad * engine.loss_scale)
+                tensor.register_hook(engine.scale_root_grad)
 
     handles.append(model.register_forward_pre_hook(root_pre_forward, with_kwargs=True, prepend=True))
     handles.append(model.register_forward_hook(root_post_forward, with_kwargs=True))

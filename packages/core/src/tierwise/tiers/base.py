@@ -108,5 +108,12 @@ class Tier(ABC):
     def write(self, slab: Slab, src: torch.Tensor, *, offset: int = 0) -> IOHandle:
         """Copy ``src`` into ``slab[offset : offset + src.numel()]``."""
 
-    def close(self) -> None:
+    def optimizer_pipeline(self, *, buffer_bytes: int, states: int = 3, lookahead: int = 1):
+        """For storage tiers: an object with ``prefetch(key, slabs)``, ``submit(key, slabs,
+        update)``, ``drain()`` and ``close()`` that overlaps reading, updating and writing the
+        optimizer states of successive chunks; None (the default) means the engine reads,
+        updates and writes each chunk in turn."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook
         """Release backing resources (files, pools)."""

@@ -1,0 +1,55 @@
+"""Shared benchmark helpers: machine description, JSON lines, medians, a GPT-2 style model."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+
+def machine() -> dict:
+    return {
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "device": "cuda:" + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "python": platform.python_version(),
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+def emit(**fields) -> None:
+    print(json.dumps({**fields, "machine": machine()}), flush=True)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def gpt2_model(*, n_embd: int, n_layer: int, n_head: int, vocab: int = 50257, positions: int = 1024):
+    import transformers as tf
+
+    config = tf.GPT2Config(
+        n_embd=n_embd, n_layer=n_layer, n_head=n_head, vocab_size=vocab, n_positions=positions,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config).train()
+
+
+def batch(batch: int, seq: int, vocab: int, seed: int) -> dict:
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids}
+
+
+class Timer:
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.start

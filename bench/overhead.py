@@ -1,0 +1,86 @@
+"""Per-step overhead of tierwise vs plain PyTorch on one device (issue 3).
+
+GPT-2 style model (~50M params, seq 256, batch 4). For fp32 and bf16: plain PyTorch (fused
+AdamW; bf16 = autocast with fp32 params), tierwise with everything on the device, and tierwise
+with parameters on host behind a 2-block rCache. Runs alternate; we report median step times,
+ratios to plain PyTorch, and moved bytes per step against 2 × parameter bytes.
+
+    python bench/overhead.py [--steps 3] [--rounds 3] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+
+import tierwise
+from _common import Timer, batch, emit, gpt2_model, median
+
+VOCAB = 50257
+
+
+def make(kind: str, precision: str, dims: dict):
+    model = gpt2_model(**dims)
+    if kind == "pytorch":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        return model, opt
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    plan = {"device": dict(param_placement="device", optimizer_placement="device"),
+            "host-2blocks": dict(param_placement="host", optimizer_placement="host", cache_blocks=2, prefetch=1)}[kind]
+    return tierwise.setup(model, opt, precision=precision, device="cpu", **plan)
+
+
+def step(model, opt, data, *, autocast: bool) -> float:
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with Timer() as t:
+        with ctx:
+            loss = model(**data).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return t.seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--small", action="store_true", help="a 10M-param model (quick check)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    args = parser.parse_args()
+    dims = dict(n_embd=256, n_layer=4, n_head=4) if args.small else dict(n_embd=512, n_layer=8, n_head=8)
+    for precision in ("fp32", "bf16"):
+        kinds = ("pytorch", "device", "host-2blocks")
+        runs = {k: make(k, precision, dims) for k in kinds}
+        n_params = sum(p.numel() for p in gpt2_model(**dims).parameters())
+        times = {k: [] for k in kinds}
+        moved = {}
+        for round_ in range(args.rounds):
+            for kind in kinds:  # alternate kinds so machine noise hits all of them alike
+                model, opt = runs[kind]
+                autocast = kind == "pytorch" and precision == "bf16"
+                step(model, opt, batch(args.batch, args.seq, VOCAB, round_), autocast=autocast)  # warm
+                for s in range(args.steps):
+                    before = tierwise.engine_of(model).stats()["moved_bytes"] if kind != "pytorch" else {}
+                    times[kind].append(step(model, opt, batch(args.batch, args.seq, VOCAB, s), autocast=autocast))
+                    if kind != "pytorch":
+                        after = tierwise.engine_of(model).stats()["moved_bytes"]
+                        moved[kind] = {d: after.get(d, 0) - before.get(d, 0) for d in after}
+        base = median(times["pytorch"])
+        elem = 4 if precision == "fp32" else 2
+        for kind in kinds:
+            fields = dict(bench="overhead", precision=precision, config=kind, params=n_params,
+                          batch=args.batch, seq=args.seq, median_step_s=round(median(times[kind]), 4),
+                          ratio_vs_pytorch=round(median(times[kind]) / base, 3), samples=len(times[kind]))
+            if kind in moved:
+                h2d = moved[kind].get("host->device", 0)
+                fields.update(moved_bytes_per_step=moved[kind],
+                              h2d_over_2x_param_bytes=round(h2d / (2 * n_params * elem), 3))
+            emit(**fields)
+
+
+if __name__ == "__main__":
+    main()

@@ -91,7 +91,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.table:
-        print(f"\n| model | GPUs | GPU mem | chunk size | rCache blocks | chunks on device | predicted step s |")
+        print("\n| model | GPUs | GPU mem | chunk size | rCache blocks | chunks on device | predicted step s |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:
             if "error" in r:

@@ -23,10 +23,9 @@ import statistics
 import tempfile
 import time
 
+import tierwise
 import torch
 import transformers as tf
-
-import tierwise
 from tierwise import PlanError
 
 VOCAB, HIDDEN, LAYERS, SEQ, BATCH = 4096, 256, 4, 128, 8

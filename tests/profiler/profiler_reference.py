@@ -16,10 +16,11 @@ def drop_grads(model: torch.nn.Module) -> list:
     ]
 
 
-def recorded_order(model: torch.nn.Module, batch: dict) -> tuple[list[str], list[str]]:
+def recorded_order(model: torch.nn.Module, batch) -> tuple[list[str], list[str]]:
     """Parameter order of one real step, as a runtime's module hooks fetch them: a module's
     forward pre-hook (also during a checkpoint re-forward) and its full backward pre-hook append
-    its direct parameters (first name of tied ones)."""
+    its direct parameters (first name of tied ones). ``batch`` is a dict for HF models (the loss
+    is ``output.loss``) or one tensor for a model returning its loss."""
     first_name: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         first_name.setdefault(id(param), name)
@@ -40,9 +41,9 @@ def recorded_order(model: torch.nn.Module, batch: dict) -> tuple[list[str], list
     try:
         with warnings.catch_warnings():  # embeddings' inputs (ids) never require grad
             warnings.filterwarnings("ignore", "Full backward hook is firing")
-            output = model(**batch)
+            loss = model(**batch).loss if isinstance(batch, dict) else model(batch)
             in_backward[0] = True
-            output.loss.backward()
+            loss.backward()
     finally:
         for handle in handles:
             handle.remove()

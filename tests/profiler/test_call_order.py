@@ -6,6 +6,9 @@ import pytest
 
 pytest.importorskip("tierwise_profiler")
 
+import torch  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
 from helpers.models import TINY_KINDS, tiny_batch, tiny_model  # noqa: E402
 from profiler_reference import recorded_order  # noqa: E402
 from tierwise_profiler.model_profile import profile_model  # noqa: E402
@@ -64,3 +67,38 @@ def test_model_is_left_as_it_was():
     assert not model.training
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     assert all(p.grad is None for p in model.parameters())
+
+
+class CheckpointedMLP(torch.nn.Module):
+    """Plain torch.utils.checkpoint around each block (reentrant or not)."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
+            for _ in range(3)
+        )
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=self.reentrant)
+        return self.out(h).sum()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_torch_checkpoint_blocks_and_order(reentrant):
+    torch.manual_seed(0)
+    model = CheckpointedMLP(reentrant)
+    x = torch.randn(4, 8)
+    profile = profile_model(model, x, precision="fp32")
+    assert [sorted(block) for block in profile.checkpoint_blocks] == [
+        sorted(f"blocks.{i}.{p}" for p in ("0.weight", "0.bias", "2.weight", "2.bias"))
+        for i in (2, 1, 0)
+    ]
+    forward, backward = recorded_order(model, x)
+    assert profile.forward_order == forward
+    assert profile.backward_order == backward

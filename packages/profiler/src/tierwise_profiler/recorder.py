@@ -17,14 +17,19 @@ arguments and outputs. From those it records:
 [Note: backward order] Touches of parameters already in the current module group are not
 appended again; a touch outside it starts a new group. So a Linear appends [weight, bias] once
 (its pre-backward hook, its matmul and its bias gradient are one group), and a tied embedding
-used by two modules appears once per module, as in forward. Under checkpointing a module's
-pre-backward hook fires before the re-forward its saved tensors trigger, as a runtime's would.
+used by two modules appears once per module, as in forward. Checkpoint re-forwards append
+like forward and leave the current group alone, so the order matches what a runtime's module
+hooks see with either kind of checkpoint (non-reentrant: a module's pre-backward hook fires
+before the re-forward its saved tensors trigger; reentrant: after it).
 
 [Note: checkpoint blocks] A module whose forward starts during backward with no module running
-is the outer module of a checkpoint re-forward (torch.utils.checkpoint, reentrant or not, and
-Hugging Face gradient checkpointing all re-run the block's forward). Its block is every
-parameter that module touched in the forward pass (so early-stopped re-forwards still count
-the whole block), plus anything its re-forward touched.
+is an outer module of a checkpoint re-forward (torch.utils.checkpoint, reentrant or not, and
+Hugging Face checkpointing all re-run the block's function; Hugging Face re-runs the layer's
+``forward``, not ``__call__``, so the outer modules are the layer's children). Outer modules
+re-run one after another belong to one block until a backward op runs (an op in backward with
+grad mode off; re-forwards run with it on). A block is every parameter its outer modules touched
+in the forward pass (so an early-stopped re-forward still counts the whole block), plus anything
+the re-forward touched.
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ class _Frame:
 
 @dataclass(kw_only=True)
 class StepRecord:
-    """What one recorded step produced."""
+    """What one recorded step produced (fields mean what the ``tierwise.profile.Profile``
+    fields of the same names mean)."""
 
     forward_order: list[str]
     backward_order: list[str]
@@ -64,10 +70,9 @@ class StepRecord:
     checkpoint_blocks: list[list[str]]
     layer_flops: dict[str, float]
     layer_activation_bytes: dict[str, int]
+    """Bytes alive at the end of forward, by the module whose op allocated them."""
     peak_bytes: int
     """Peak live non-parameter bytes over forward and backward."""
-    saved_bytes: int
-    """Live non-parameter bytes at the end of forward (what backward will consume)."""
 
 
 class StepRecorder(TorchDispatchMode):
@@ -76,6 +81,8 @@ class StepRecorder(TorchDispatchMode):
 
     ``params`` maps each distinct parameter's canonical name to the tensor the step uses;
     ``direct_params`` maps a module name to the canonical names of its direct parameters.
+    Gradients are dropped as soon as they are accumulated: a chunk runtime moves them into
+    parameter chunks, so they are model data, not activation memory.
     """
 
     def __init__(
@@ -84,7 +91,6 @@ class StepRecorder(TorchDispatchMode):
         *,
         params: dict[str, torch.Tensor],
         direct_params: dict[str, list[str]],
-        drop_grads: bool = True,
     ) -> None:
         super().__init__()
         self._model = model
@@ -97,7 +103,6 @@ class StepRecorder(TorchDispatchMode):
                 self._first_owner.setdefault(name, module_name)
         self._module_names = {id(module): name for name, module in model.named_modules()}
         self._params = list(params.values())
-        self._drop_grads = drop_grads
         self.live = LiveBytes()
         self.phase = "forward"
         self.failed_op: Any = None
@@ -111,7 +116,6 @@ class StepRecorder(TorchDispatchMode):
         self._group: set[str] = set()
         self._flops: dict[str, float] = {}
         self._saved: dict[str, int] = {}
-        self._saved_bytes = 0
         self._handles: list[Any] = []
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -136,7 +140,6 @@ class StepRecorder(TorchDispatchMode):
         for entry in self.live.alive():
             saved[entry.owner] = saved.get(entry.owner, 0) + entry.nbytes
         self._saved = saved
-        self._saved_bytes = self.live.live_bytes
         self._frames.clear()
         self.phase = "backward"
 
@@ -149,7 +152,6 @@ class StepRecorder(TorchDispatchMode):
             layer_flops=self._flops,
             layer_activation_bytes=self._saved,
             peak_bytes=self.live.peak_bytes,
-            saved_bytes=self._saved_bytes,
         )
         self.live.close()
         return record
@@ -171,8 +173,6 @@ class StepRecorder(TorchDispatchMode):
         direct = self._direct.get(name)
         if direct:
             self._touch_in_frames(direct, frame)
-            if self.phase == "backward":
-                self._group = set(direct)  # a re-forward access is a group like any other
 
     def _post_forward(self, module: torch.nn.Module, _args: Any, output: Any) -> None:
         if not self._frames:
@@ -196,8 +196,7 @@ class StepRecorder(TorchDispatchMode):
         name = self._params_by_id.get(id(param))
         if name is not None and self.phase == "backward":
             self._touch_in_backward(name)
-        if self._drop_grads:
-            param.grad = None  # the runtime moves it into its chunk; it is model data, not ours
+        param.grad = None  # the runtime moves it into its chunk: model data, not activations
 
     # -- parameter touches --------------------------------------------------------------------
     def _touch_in_frames(self, names: list[str], frame: _Frame) -> None:

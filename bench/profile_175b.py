@@ -70,8 +70,10 @@ print(json.dumps({
 def run_once(family: str, fields: dict, seq: int, checkpointing: bool) -> dict:
     result = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps([family, fields, seq, checkpointing])],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=False,
     )
+    if result.returncode != 0:
+        raise SystemExit(f"profiling {family} {fields} failed:\n{result.stderr}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

@@ -302,3 +302,55 @@ def mesh_error_run(rank: int, world: int, kind: str, pattern_name: str, size: in
     except (TypeError, ValueError) as err:
         return str(err)
     return "no error"
+
+
+# ----------------------------------------------------------------------------- with the engine
+def engine_run(
+    rank: int, world: int, kind: str, parallel: dict[str, int], settings: dict, steps: int = STEPS
+) -> dict:
+    """One rank of ``tierwise.setup(model, AdamW, parallel=parallel, **settings)`` (fp32, cpu),
+    the same data and routing pushes as :func:`parallel_run`."""
+    import tierwise
+    from tierwise_moe import full_state_dict
+
+    model = build_model(kind)
+    opt = make_optimizer(model)
+    model, opt = tierwise.setup(
+        model, opt, precision="fp32", device="cpu", chunk_size=4096, parallel=parallel, **settings
+    )
+    engine = tierwise.engine_of(model)
+    tensor = parallel.get("tensor", 1)
+    batch = batch_slice(global_batch(), rank // tensor, world // tensor)
+    moe = "expert" in parallel
+    losses = []
+    for step in range(steps):
+        if moe and step in UNROUTED_FROM_STEP.values():
+            state = model.state_dict()  # parameters live in chunks: change them through it
+            for name, value in state.items():
+                if name.endswith("mlp.gate.weight"):
+                    for expert, first_step in UNROUTED_FROM_STEP.items():
+                        if step == first_step:
+                            value[expert, 0] = -10.0
+            model.load_state_dict(state)
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        losses.append(mean_loss.item() / world)
+    groups = {
+        g.name: {
+            "dp_size": g.world,
+            "sharded": g.sharded,
+            "shard_numel": sum(c.shard_size for c in g.chunks),
+            "param_numel": sum(s.numel for c in g.chunks for s in c.slots),
+        }
+        for g in engine.groups
+    }
+    return {
+        "losses": losses,
+        "state": portable(full_state_dict(model)),
+        "groups": groups,
+        "bytes_by_tier": engine.stats()["bytes_by_tier"],
+    }

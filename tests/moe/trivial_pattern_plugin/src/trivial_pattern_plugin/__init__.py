@@ -1,8 +1,8 @@
-"""A third-party parallel pattern: normalisation weights in their own chunk group.
+"""A third-party parallel pattern: normalisation weights in a chunk group of their own.
 
-It shows a new pattern needs no change in tierwise: it claims every parameter of a module whose
-class name ends in "Norm" (RMSNorm, LayerNorm), shards it over the whole world like data
-parallelism, and leaves the modules' compute unchanged.
+It shows that a new pattern needs no change in tierwise: it claims the parameters of modules
+whose name ends in "norm" (input_layernorm, model.norm, ...), shards their chunks over the whole
+world like data parallelism, and leaves the model's compute unchanged.
 """
 
 from tierwise.hookspecs import hookimpl
@@ -14,16 +14,9 @@ class NormsApart(ParallelPattern):
 
     PLUGIN_NAME = "norms_apart"
 
-    def prepare(self, model):
-        self._names = {
-            f"{module_name}.{name}"
-            for module_name, module in model.named_modules()
-            if type(module).__name__.endswith("Norm")
-            for name, _ in module.named_parameters(recurse=False)
-        }
-
     def claims(self, name, param):
-        return name in self._names
+        module_name = name.rpartition(".")[0]
+        return module_name.lower().endswith("norm")
 
     def dp_group(self):
         return self.process_group

@@ -218,8 +218,10 @@ def _train(request: Request, world: World) -> int:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=options.weight_decay
     )
+    # one batch as the loop passes it: a profiler plugin sizes activations from its shape
+    example_batch = data.batch_of(corpus.train_blocks[: options.batch], torch.device("cpu"))
     try:
-        model, optimizer = tierwise.setup(model, optimizer, config)
+        model, optimizer = tierwise.setup(model, optimizer, config, example_batch=example_batch)
     except (PlanError, TierBudgetError) as err:
         raise TrainError(f"the plan does not fit: {err}") from None
     engine = tierwise.engine_of(model)

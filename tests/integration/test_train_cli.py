@@ -9,9 +9,8 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from tierwise import Plan

@@ -149,7 +149,7 @@ def test_presets_build_a_causal_lm_with_the_tokenizer_vocabulary(family):
     assert out.logits.shape == (2, 16, tokenizer.vocab_size)
     assert math.isfinite(out.loss.item())
     again = presets.build_random(config, seed=0)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True))
 
 
 def test_unknown_preset_and_size():
@@ -274,9 +274,9 @@ def test_trace_follows_the_blocks_and_frees_activations_in_backward():
     )
     alive = [s.activation_bytes for s in trace.samples]
     forward = alive[1 : n_blocks + 1]
-    assert all(b > a for a, b in zip([0] + forward, forward)), "each block saves activations"
+    assert all(b > a for a, b in zip([0] + forward, forward, strict=False)), "each block saves activations"
     done = [s.activation_bytes for s in trace.samples if s.label.endswith("backward done")]
-    assert all(b < a for a, b in zip(done, done[1:])) and done[-1] == 0
+    assert all(b < a for a, b in zip(done, done[1:], strict=False)) and done[-1] == 0
 
 
 def test_plot_writes_a_png_or_says_why_not(tmp_path, monkeypatch):

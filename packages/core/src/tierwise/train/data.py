@@ -15,9 +15,10 @@ from __future__ import annotations
 import glob
 import json
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch

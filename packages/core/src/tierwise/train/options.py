@@ -144,7 +144,7 @@ def field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
-    for node, following in zip(body, body[1:]):
+    for node, following in zip(body, body[1:], strict=False):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)

@@ -8,8 +8,9 @@ whole run, per direction. matplotlib is optional (``pip install 'tierwise[plot]'
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from tierwise.train.trace import StepTrace
 

@@ -158,7 +158,6 @@ def model_data_bytes(n_params: int, precision: str) -> int:
 # -- the run ------------------------------------------------------------------------------------
 def train(train_given: dict[str, Any], config_given: dict[str, Any]) -> int:
     request = resolve(train_given, config_given)
-    options = request.options
     check_plugins(request.config)
     world = init_world(request.config.device)
     try:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 

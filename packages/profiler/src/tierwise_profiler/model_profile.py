@@ -37,7 +37,8 @@ _OP_HINTS = {
 
 
 class MetaProfileError(RuntimeError):
-    """The model's step cannot run without tensor values; the message names the op and where."""
+    """The model's step cannot run on fake tensors (most often: it needs tensor values); the
+    message names the op and the model line that called it."""
 
 
 def profile_model(
@@ -59,7 +60,8 @@ def profile_model(
     parameters (and so of activations). ``activation_checkpointing`` turns on Hugging Face
     activation checkpointing for the step when the model supports it and has it off.
 
-    Raises :class:`MetaProfileError` naming the op when the step needs tensor values.
+    Raises :class:`MetaProfileError` naming the op when the step cannot run on fake tensors
+    (it needs tensor values, or the op has no fake implementation).
     """
     if precision not in DTYPES:
         raise ValueError(f"precision {precision!r}: choose one of {', '.join(DTYPES)}")
@@ -267,9 +269,10 @@ def _explain(model: torch.nn.Module, op: Any, err: Exception) -> str:
         hint = hint or f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
         op_text = " -> ".join(f"aten.{n}" for n in names) + f" ({hint})"
     return (
-        f"cannot profile {type(model).__name__} without tensor values: op {op_text}, called at "
-        f"{_user_frame(err)}. Falling back to the engine's warm-up trace; to profile before "
-        "runtime, keep value-dependent code (.item(), .tolist(), boolean masks) out of forward"
+        f"cannot profile {type(model).__name__} on fake tensors (shapes without values): op "
+        f"{op_text}, called at {_user_frame(err)}. Falling back to the engine's warm-up trace; "
+        "to profile before runtime, keep value-dependent code (.item(), .tolist(), boolean "
+        "masks) out of forward"
     )
 
 

@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--expert-intermediate", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4)

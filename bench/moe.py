@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from _common import Timer, batch, emit, median
 
 WORLD = 2
@@ -39,14 +38,21 @@ def build(kind: str, args) -> torch.nn.Module:
     import transformers as tf
 
     common = dict(
-        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 128,
-        max_position_embeddings=args.seq, tie_word_embeddings=False,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 128,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
     )
     if kind == "moe":
         config = tf.MixtralConfig(
-            intermediate_size=args.expert_intermediate, num_local_experts=EXPERTS,
-            num_experts_per_tok=TOP_K, router_jitter_noise=0.0, **common,
+            intermediate_size=args.expert_intermediate,
+            num_local_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            router_jitter_noise=0.0,
+            **common,
         )
     else:
         config = tf.LlamaConfig(intermediate_size=EXPERTS * args.expert_intermediate, **common)
@@ -65,8 +71,13 @@ def rank_main(rank: int, port: int, kind: str, args, out_dir: str) -> None:
     total_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = tierwise.setup(
-        model, opt, precision="fp32", device="cpu", param_placement="host",
-        optimizer_placement="host", parallel={"expert": WORLD} if kind == "moe" else None,
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        param_placement="host",
+        optimizer_placement="host",
+        parallel={"expert": WORLD} if kind == "moe" else None,
     )
     engine = tierwise.engine_of(model)
     times = []
@@ -82,7 +93,7 @@ def rank_main(rank: int, port: int, kind: str, args, out_dir: str) -> None:
     dist.all_reduce(step_s, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
     result = {
         "total_params": total_params,
-        "step_s": step_s[args.warmup:].tolist(),
+        "step_s": step_s[args.warmup :].tolist(),
         "bytes_by_tier": engine.stats()["bytes_by_tier"],
         "param_tier": engine.plan.param_tier,
         "optim_tier": engine.plan.optim_tier,
@@ -120,23 +131,39 @@ def main() -> None:
 
     tokens_per_step = WORLD * args.batch * args.seq
     results = {}
-    for kind, name in (("moe", f"mixtral-{EXPERTS}x-top{TOP_K}-ep{WORLD}"), ("dense", "llama-dense-dp2")):
+    for kind, name in (
+        ("moe", f"mixtral-{EXPERTS}x-top{TOP_K}-ep{WORLD}"),
+        ("dense", "llama-dense-dp2"),
+    ):
         ranks = run(kind, args)
         step_s = median(ranks[0]["step_s"])
         results[kind] = tokens_per_step / step_s
         emit(
-            bench="moe", model=name, ranks=WORLD, backend="gloo", threads_per_rank=1,
-            total_params=ranks[0]["total_params"], tokens_per_step=tokens_per_step,
-            timed_steps=args.steps, step_s_median=round(step_s, 4),
+            bench="moe",
+            model=name,
+            ranks=WORLD,
+            backend="gloo",
+            threads_per_rank=1,
+            total_params=ranks[0]["total_params"],
+            tokens_per_step=tokens_per_step,
+            timed_steps=args.steps,
+            step_s_median=round(step_s, 4),
             tokens_per_s=round(results[kind], 1),
             model_bytes_by_tier_per_rank=[r["bytes_by_tier"] for r in ranks],
-            plan=dict(planner=ranks[0]["planner"], param_tier=ranks[0]["param_tier"],
-                      optim_tier=ranks[0]["optim_tier"], cache_blocks=ranks[0]["cache_blocks"],
-                      chunk_size=ranks[0]["chunk_size"]),
+            plan=dict(
+                planner=ranks[0]["planner"],
+                param_tier=ranks[0]["param_tier"],
+                optim_tier=ranks[0]["optim_tier"],
+                cache_blocks=ranks[0]["cache_blocks"],
+                chunk_size=ranks[0]["chunk_size"],
+            ),
         )
     emit(
-        bench="moe", ratio="moe_tokens_per_s / dense_tokens_per_s",
-        value=round(results["moe"] / results["dense"], 3), target=2.5, elixir_reported=5.3,
+        bench="moe",
+        ratio="moe_tokens_per_s / dense_tokens_per_s",
+        value=round(results["moe"] / results["dense"], 3),
+        target=2.5,
+        elixir_reported=5.3,
     )
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 from helpers.models import tiny_batch, tiny_model
 
 LR = 1e-3
@@ -113,10 +112,14 @@ def parallel_run(
     cls = {"expert": ExpertParallel, "tensor": TensorParallel}[pattern_name]
     pattern = cls(size=size, config=Config(device="cpu"), process_group=dist.group.WORLD)
     model = build_model(kind)
-    opt = make_optimizer(model)  # before prepare, as for tierwise.setup: parameters stay the same objects
+    opt = make_optimizer(
+        model
+    )  # before prepare, as for tierwise.setup: parameters stay the same objects
     pattern.prepare(model)
     # tensor-parallel peers share a batch; expert-parallel ranks each take their own slice
-    data_rank, data_parts = (rank // size, world // size) if pattern_name == "tensor" else (rank, world)
+    data_rank, data_parts = (
+        (rank // size, world // size) if pattern_name == "tensor" else (rank, world)
+    )
     batch = batch_slice(global_batch(), data_rank, data_parts)
     moe = pattern_name == "expert"
     losses, local_rows, zero_grad_experts = [], [], []
@@ -241,7 +244,9 @@ def capacity_run(rank: int, world: int, capacity_factor: float | None) -> dict:
     block = build_model("mixtral").model.layers[0].mlp
     full_block = copy.deepcopy(block)
     ExpertParallel(
-        size=world, config=Config(device="cpu"), process_group=dist.group.WORLD,
+        size=world,
+        config=Config(device="cpu"),
+        process_group=dist.group.WORLD,
         capacity_factor=capacity_factor,
     ).prepare(block)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -290,7 +295,9 @@ def brute_force_moe(block, x: torch.Tensor, capacity_factor: float | None):
     return torch.stack(rows).view_as(x), dropped
 
 
-def mesh_error_run(rank: int, world: int, kind: str, pattern_name: str, size: int, overrides: dict) -> str:
+def mesh_error_run(
+    rank: int, world: int, kind: str, pattern_name: str, size: int, overrides: dict
+) -> str:
     """The message of the error preparing ``kind`` (with config ``overrides``) raises."""
     from tierwise.config import Config
     from tierwise_moe import ExpertParallel, TensorParallel

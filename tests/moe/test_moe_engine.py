@@ -27,7 +27,10 @@ def _core_prepares_before_claims() -> bool:
     model = tiny_model("mixtral")
     try:
         tierwise.setup(
-            model, torch.optim.AdamW(model.parameters()), device="cpu", precision="fp32",
+            model,
+            torch.optim.AdamW(model.parameters()),
+            device="cpu",
+            precision="fp32",
             parallel={"expert": 1},
         )
     except RuntimeError as err:
@@ -69,7 +72,8 @@ def _assert_matches(ranks, ref):
 
 
 @pytest.mark.parametrize(
-    "kind, world", [("mixtral", 2), ("mixtral", 4), ("qwen2_moe", 2)],
+    "kind, world",
+    [("mixtral", 2), ("mixtral", 4), ("qwen2_moe", 2)],
     ids=["mixtral-ep2", "mixtral-ep2xdp2", "qwen2_moe-ep2"],
 )
 def test_expert_parallel_with_offload_matches_single_process(kind, world, runs):

@@ -52,7 +52,7 @@ def test_expert_parallel_matches_single_process(kind, world, references, expert_
     assert ref["routed"] == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2], [0, 1], [0, 1]]
 
     for result in expert_parallel_runs(kind, world):
-        for got, want in zip(result["losses"], ref["losses"]):
+        for got, want in zip(result["losses"], ref["losses"], strict=True):
             assert abs(got - want) <= TOLERANCE * abs(want)
         for name, want in ref["first_grads"].items():
             assert w.max_relative_error(result["first_grads"][name], want) <= TOLERANCE, name
@@ -158,7 +158,9 @@ def test_errors_say_what_to_change():
     with pytest.raises(ValueError, match="capacity_factor=0"):
         ExpertParallel(size=1, config=cfg, process_group=None, capacity_factor=0)
     experts = tiny_model("mixtral").model.layers[0].mlp.experts
-    with pytest.raises(UnsupportedExperts, match="4 experts do not split over expert-parallel size 3"):
+    with pytest.raises(
+        UnsupportedExperts, match="4 experts do not split over expert-parallel size 3"
+    ):
         shard_experts_(experts, rank=0, size=3, group=None)
     experts.is_transposed = True
     with pytest.raises(UnsupportedExperts, match="is_transposed=True"):

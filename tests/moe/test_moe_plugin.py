@@ -29,8 +29,16 @@ def trivial_plugin_env(tmp_path_factory) -> dict:
     target = tmp_path_factory.mktemp("trivial_pattern_site")
     subprocess.run(
         [
-            sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-            "--no-build-isolation", "--target", str(target), str(HERE / "trivial_pattern_plugin"),
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(HERE / "trivial_pattern_plugin"),
         ],
         check=True,
     )
@@ -41,7 +49,10 @@ def trivial_plugin_env(tmp_path_factory) -> dict:
 def test_third_party_pattern_is_listed(trivial_plugin_env):
     out = subprocess.run(
         [sys.executable, "-m", "tierwise.cli", "plugins", "--json"],
-        capture_output=True, text=True, env=trivial_plugin_env, check=True,
+        capture_output=True,
+        text=True,
+        env=trivial_plugin_env,
+        check=True,
     ).stdout
     listed = {info["name"]: info for info in json.loads(out)}
     assert listed["trivial_pattern"]["patterns"] == ["norms_apart"]
@@ -77,12 +88,19 @@ print(json.dumps([train({{"norms_apart": 1}}), train(None)]))
 def test_third_party_pattern_is_used_by_setup(trivial_plugin_env):
     code = USE_IT.format(tests=str(HERE.parent))
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=trivial_plugin_env,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=trivial_plugin_env,
         check=True,
     ).stdout
     (losses, groups, state), (plain_losses, plain_groups, plain_state) = json.loads(out)
     assert groups["norms_apart/g0/train"] == sorted(
-        [f"model.layers.{i}.{n}.weight" for i in (0, 1) for n in ("input_layernorm", "post_attention_layernorm")]
+        [
+            f"model.layers.{i}.{n}.weight"
+            for i in (0, 1)
+            for n in ("input_layernorm", "post_attention_layernorm")
+        ]
         + ["model.norm.weight"]
     )
     assert set(groups) == {"norms_apart/g0/train", "data/g0/train"}

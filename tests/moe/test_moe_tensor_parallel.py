@@ -22,7 +22,7 @@ def test_llama_tensor_parallel_matches_single_process(world):
     ranks = run_ranks(w.parallel_run, world, "llama", "tensor", 2)
 
     for result in ranks:
-        for got, want in zip(result["losses"], ref["losses"]):
+        for got, want in zip(result["losses"], ref["losses"], strict=True):
             assert abs(got - want) <= TOLERANCE * abs(want)
         for name, want in ref["first_grads"].items():
             assert w.max_relative_error(result["first_grads"][name], want) <= TOLERANCE, name
@@ -32,9 +32,7 @@ def test_llama_tensor_parallel_matches_single_process(world):
         assert result["reload_matches"]
     # attention and MLP weights are halved on every rank; embeddings, norms, lm_head are whole
     model = w.build_model("llama")
-    split = sum(
-        p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight")
-    )
+    split = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
     full = sum(p.numel() for p in model.parameters())
     assert all(r["param_numel"] == full - split // 2 for r in ranks)
     expected_dp = {2: [[0], [1]], 4: [[0, 2], [1, 3], [0, 2], [1, 3]]}[world]

@@ -11,7 +11,6 @@ from tierwise_moe.pattern import ModelParallelPattern
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-
     from tierwise.config import Config
 
 

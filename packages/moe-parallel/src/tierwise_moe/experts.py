@@ -54,7 +54,10 @@ def is_fused_experts(module: torch.nn.Module) -> bool:
 def check_supported(module: torch.nn.Module, name: str) -> None:
     """Raise UnsupportedExperts naming what differs from the layout ShardedExperts computes."""
     expected = {
-        "has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+        "has_gate": True,
+        "has_bias": False,
+        "is_transposed": False,
+        "is_concatenated": True,
         "has_post_expert_norm": False,
     }
     for attr, value in expected.items():

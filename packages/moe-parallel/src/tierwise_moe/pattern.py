@@ -6,14 +6,13 @@ from abc import abstractmethod
 from typing import TYPE_CHECKING
 
 import torch
-
 from tierwise.parallel import ParallelPattern
+
 from tierwise_moe.mesh import Mesh, build_mesh
 from tierwise_moe.shards import spec_of
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-
     from tierwise.config import Config
 
 

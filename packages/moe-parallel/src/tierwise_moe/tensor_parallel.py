@@ -93,8 +93,12 @@ class TensorParallel(ModelParallelPattern):
         for name, module in attention:
             if not _is_sharded(module.q_proj):  # prepare() is idempotent
                 head_dim = module.head_dim
-                self._check_divides(name, "num_attention_heads", module.q_proj.out_features // head_dim)
-                self._check_divides(name, "num_key_value_heads", module.k_proj.out_features // head_dim)
+                self._check_divides(
+                    name, "num_attention_heads", module.q_proj.out_features // head_dim
+                )
+                self._check_divides(
+                    name, "num_key_value_heads", module.k_proj.out_features // head_dim
+                )
                 self._split(module, column=("q_proj", "k_proj", "v_proj"), row="o_proj")
         for name, module in mlps:
             if not _is_sharded(module.gate_proj):

@@ -85,3 +85,35 @@ def test_value_dependent_forward_warns_naming_the_op_and_returns_none(model, op,
     assert type(model).__name__ in message and "warm-up trace" in message
     assert all(p.device.type == "cpu" for p in model.parameters())  # restored
     model(torch.randn(3, 4)).backward()  # and still trains
+
+
+def test_engine_setup_falls_back_and_trains_when_the_profile_cannot_run():
+    import tierwise
+
+    torch.manual_seed(0)
+    model = ScaleByMax()
+    reference = ScaleByMax()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.warns(ProfilerFallbackWarning, match="aten._local_scalar_dense"):
+        model, optimizer = tierwise.setup(model, optimizer, precision="fp32", device="cpu", example_batch=x)
+    assert tierwise.engine_of(model).plan is not None
+    assert model(x).item() == pytest.approx(reference(x).item(), rel=1e-6)
+
+
+def test_engine_setup_uses_the_profile():
+    import tierwise
+
+    model = tiny_model("gpt2")
+    batch = tiny_batch()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = tierwise.setup(model, optimizer, precision="fp32", device="cpu", example_batch=batch)
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    assert torch.isfinite(loss)
+    engine = tierwise.engine_of(model)
+    if hasattr(engine, "profile"):  # the engine keeps the profile it planned with
+        assert engine.profile.source == "meta"
+        assert engine.profile.multi_use == ["transformer.wte.weight"]

@@ -27,13 +27,39 @@ import subprocess
 import sys
 
 MODELS = {
-    "opt-175b": ("opt", dict(hidden_size=12288, num_hidden_layers=96, ffn_dim=49152,
-                             num_attention_heads=96, word_embed_proj_dim=12288, vocab_size=50272,
-                             max_position_embeddings=2048), 2048),
-    "gpt2-4b": ("gpt2", dict(n_embd=3072, n_layer=32, n_head=24, vocab_size=50260, n_positions=1024), 1024),
-    "gpt2-10b": ("gpt2", dict(n_embd=4096, n_layer=48, n_head=32, vocab_size=50260, n_positions=1024), 1024),
-    "gpt2-15b": ("gpt2", dict(n_embd=8192, n_layer=18, n_head=64, vocab_size=50260, n_positions=1024), 1024),
-    "gpt2-20b": ("gpt2", dict(n_embd=8192, n_layer=24, n_head=64, vocab_size=50260, n_positions=1024), 1024),
+    "opt-175b": (
+        "opt",
+        dict(
+            hidden_size=12288,
+            num_hidden_layers=96,
+            ffn_dim=49152,
+            num_attention_heads=96,
+            word_embed_proj_dim=12288,
+            vocab_size=50272,
+            max_position_embeddings=2048,
+        ),
+        2048,
+    ),
+    "gpt2-4b": (
+        "gpt2",
+        dict(n_embd=3072, n_layer=32, n_head=24, vocab_size=50260, n_positions=1024),
+        1024,
+    ),
+    "gpt2-10b": (
+        "gpt2",
+        dict(n_embd=4096, n_layer=48, n_head=32, vocab_size=50260, n_positions=1024),
+        1024,
+    ),
+    "gpt2-15b": (
+        "gpt2",
+        dict(n_embd=8192, n_layer=18, n_head=64, vocab_size=50260, n_positions=1024),
+        1024,
+    ),
+    "gpt2-20b": (
+        "gpt2",
+        dict(n_embd=8192, n_layer=24, n_head=64, vocab_size=50260, n_positions=1024),
+        1024,
+    ),
 }
 TARGET_S = 5.0
 ELIXIR_OPT_175B_S = 10.0
@@ -70,7 +96,9 @@ print(json.dumps({
 def run_once(family: str, fields: dict, seq: int, checkpointing: bool) -> dict:
     result = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps([family, fields, seq, checkpointing])],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if result.returncode != 0:
         raise SystemExit(f"profiling {family} {fields} failed:\n{result.stderr}")
@@ -82,11 +110,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", choices=sorted(MODELS), action="append")
     args = parser.parse_args()
-    print(json.dumps({
-        "machine": platform.node(), "cpus": len(os.sched_getaffinity(0)),
-        "load_avg_1m": round(os.getloadavg()[0], 2), "python": platform.python_version(),
-        "torch": __import__("torch").__version__, "transformers": __import__("transformers").__version__,
-    }))
+    print(
+        json.dumps(
+            {
+                "machine": platform.node(),
+                "cpus": len(os.sched_getaffinity(0)),
+                "load_avg_1m": round(os.getloadavg()[0], 2),
+                "python": platform.python_version(),
+                "torch": __import__("torch").__version__,
+                "transformers": __import__("transformers").__version__,
+            }
+        )
+    )
     runs = [(name, False) for name in MODELS] + [("opt-175b", True)]
     for name, checkpointing in runs:
         if args.only and name not in args.only:
@@ -95,8 +130,12 @@ def main() -> None:
         samples = [run_once(family, fields, seq, checkpointing) for _ in range(args.repeats)]
         median = {key: statistics.median(s[key] for s in samples) for key in samples[0]}
         line = {
-            "model": name, "checkpointing": checkpointing, "batch": 1, "seq": seq,
-            "precision": "bf16", "repeats": args.repeats,
+            "model": name,
+            "checkpointing": checkpointing,
+            "batch": 1,
+            "seq": seq,
+            "precision": "bf16",
+            "repeats": args.repeats,
             "params": int(median["params"]),
             "profile_s_median": round(median["profile_s"], 3),
             "profile_s_all": [round(s["profile_s"], 3) for s in samples],

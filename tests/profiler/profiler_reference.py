@@ -29,15 +29,21 @@ def recorded_order(model: torch.nn.Module, batch) -> tuple[list[str], list[str]]
     in_backward = [False]
     handles = drop_grads(model)
     for module in model.modules():
-        names = list(dict.fromkeys(first_name[id(p)] for p in module._parameters.values() if p is not None))
+        names = list(
+            dict.fromkeys(first_name[id(p)] for p in module._parameters.values() if p is not None)
+        )
         if not names:
             continue
-        handles.append(module.register_forward_pre_hook(
-            lambda _m, _a, names=names: (backward if in_backward[0] else forward).extend(names)
-        ))
-        handles.append(module.register_full_backward_pre_hook(
-            lambda _m, _g, names=names: backward.extend(names)
-        ))
+        handles.append(
+            module.register_forward_pre_hook(
+                lambda _m, _a, names=names: (backward if in_backward[0] else forward).extend(names)
+            )
+        )
+        handles.append(
+            module.register_full_backward_pre_hook(
+                lambda _m, _g, names=names: backward.extend(names)
+            )
+        )
     try:
         with warnings.catch_warnings():  # embeddings' inputs (ids) never require grad
             warnings.filterwarnings("ignore", "Full backward hook is firing")

@@ -7,11 +7,10 @@ import pytest
 pytest.importorskip("tierwise_profiler")
 
 import torch  # noqa: E402
-from torch.utils.checkpoint import checkpoint  # noqa: E402
-
 from helpers.models import TINY_KINDS, tiny_batch, tiny_model  # noqa: E402
 from profiler_reference import recorded_order  # noqa: E402
 from tierwise_profiler.model_profile import profile_model  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
@@ -39,7 +38,8 @@ def test_tied_embedding_is_one_parameter_used_twice():
     assert profile.total_numel == sum(p.numel() for p in model.parameters())
     assert profile.module_params["lm_head"] == ["transformer.wte.weight"]
     assert profile.module_params["transformer.h.0.attn.c_attn"] == [
-        "transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias",
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.0.attn.c_attn.bias",
     ]
 
 
@@ -52,7 +52,9 @@ def test_each_checkpointed_block_is_one_operator_over_its_parameters():
     profile = profile_model(model, tiny_batch(), precision="fp32", activation_checkpointing=True)
     blocks = [sorted(block) for block in profile.checkpoint_blocks]
     expected = [
-        sorted(name for name, _ in model.named_parameters() if name.startswith(f"transformer.h.{i}."))
+        sorted(
+            name for name, _ in model.named_parameters() if name.startswith(f"transformer.h.{i}.")
+        )
         for i in (1, 0)  # backward re-runs the last block first
     ]
     assert blocks == expected

@@ -14,8 +14,24 @@ from tierwise_profiler.presets import meta_model, model_config  # noqa: E402
 
 
 def test_profile_json_is_a_profile_of_the_preset(capsys):
-    assert main(["profile", "--model", "llama", "--size", "tiny", "--seq", "64", "--batch", "2",
-                 "--checkpointing", "--json"]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--model",
+                "llama",
+                "--size",
+                "tiny",
+                "--seq",
+                "64",
+                "--batch",
+                "2",
+                "--checkpointing",
+                "--json",
+            ]
+        )
+        == 0
+    )
     profile = Profile.from_json(capsys.readouterr().out)
     model = meta_model(model_config("llama", size="tiny", seq=64))
     assert profile.total_numel == sum(p.numel() for p in model.parameters())
@@ -27,17 +43,33 @@ def test_profile_json_is_a_profile_of_the_preset(capsys):
 def test_profile_table_names_the_figures(capsys):
     assert main(["profile", "--model", "gpt2", "--size", "tiny", "--seq", "32"]) == 0
     out = capsys.readouterr().out
-    for label in ("parameters", "Adam m and v", "peak activation memory",
-                  "top layers by saved activations:", "top layers by forward FLOPs:", "lm_head"):
+    for label in (
+        "parameters",
+        "Adam m and v",
+        "peak activation memory",
+        "top layers by saved activations:",
+        "top layers by forward FLOPs:",
+        "lm_head",
+    ):
         assert label in out
     assert "transformer.wte.weight" in out  # tied
 
 
 def test_profile_of_an_hf_config_file(tmp_path, capsys):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "opt", "hidden_size": 32, "num_hidden_layers": 1,
-                                "num_attention_heads": 2, "ffn_dim": 64, "word_embed_proj_dim": 32,
-                                "vocab_size": 100}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "opt",
+                "hidden_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "ffn_dim": 64,
+                "word_embed_proj_dim": 32,
+                "vocab_size": 100,
+            }
+        )
+    )
     assert main(["profile", "--model", str(path), "--seq", "16", "--json"]) == 0
     assert Profile.from_json(capsys.readouterr().out).params[0].shape == (100, 32)
 

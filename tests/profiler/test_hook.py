@@ -54,7 +54,9 @@ def profile_through_host(model, batch, **config):
 
 def test_hook_profiles_with_the_configured_precision_and_checkpointing():
     model = tiny_model("gpt2")
-    profile = profile_through_host(model, tiny_batch(), precision="fp32", activation_checkpointing=True)
+    profile = profile_through_host(
+        model, tiny_batch(), precision="fp32", activation_checkpointing=True
+    )
     assert profile.source == "meta"
     assert len(profile.checkpoint_blocks) == model.config.n_layer
     bf16 = profile_through_host(model, tiny_batch())
@@ -97,7 +99,9 @@ def test_engine_setup_falls_back_and_trains_when_the_profile_cannot_run():
     x = torch.randn(3, 4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with pytest.warns(ProfilerFallbackWarning, match="aten._local_scalar_dense"):
-        model, optimizer = tierwise.setup(model, optimizer, precision="fp32", device="cpu", example_batch=x)
+        model, optimizer = tierwise.setup(
+            model, optimizer, precision="fp32", device="cpu", example_batch=x
+        )
     assert tierwise.engine_of(model).plan is not None
     assert model(x).item() == pytest.approx(reference(x).item(), rel=1e-6)
 
@@ -108,7 +112,9 @@ def test_engine_setup_uses_the_profile():
     model = tiny_model("gpt2")
     batch = tiny_batch()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer = tierwise.setup(model, optimizer, precision="fp32", device="cpu", example_batch=batch)
+    model, optimizer = tierwise.setup(
+        model, optimizer, precision="fp32", device="cpu", example_batch=batch
+    )
     loss = model(**batch).loss
     loss.backward()
     optimizer.step()

@@ -91,7 +91,6 @@ def test_profile_json_round_trip(tmp_path):
 
 def test_meta_model_profiles_without_allocating():
     import transformers
-
     from helpers.models import _config
 
     with torch.device("meta"):

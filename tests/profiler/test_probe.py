@@ -50,7 +50,9 @@ def test_second_probe_reads_the_cache_without_measuring(cache, monkeypatch):
     stored = json.loads((path / hardware_probe.CACHE_FILE).read_text())
     assert stored[entry["key"]] == entry
     # the hook gives Hardware fields only, from the cache, merged with core's memory facts
-    hardware = Hardware(**get_plugin_host().probe_hardware(config=Config(device="cpu", precision="fp32")))
+    hardware = Hardware(
+        **get_plugin_host().probe_hardware(config=Config(device="cpu", precision="fp32"))
+    )
     assert hardware.device_flops == entry["hardware"]["device_flops"]
     assert hardware.host_memory and hardware.host_memory > 0
 

@@ -56,7 +56,10 @@ def test_cpu_tracer_peak_matches_peak_rss():
     except OSError:
         pytest.skip("needs Linux /proc/self/clear_refs to reset the RSS high-water mark")
     result = subprocess.run(
-        [sys.executable, "-c", RSS_STEP], capture_output=True, text=True, check=True,
+        [sys.executable, "-c", RSS_STEP],
+        capture_output=True,
+        text=True,
+        check=True,
         env={"OMP_NUM_THREADS": "1"},
     )
     data = json.loads(result.stdout.strip().splitlines()[-1])

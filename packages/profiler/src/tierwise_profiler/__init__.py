@@ -31,14 +31,19 @@ class ProfilerFallbackWarning(UserWarning):
 
 
 @hookimpl
-def tierwise_profile_model(model: torch.nn.Module, example_batch: Any, config: Config) -> Profile | None:
+def tierwise_profile_model(
+    model: torch.nn.Module, example_batch: Any, config: Config
+) -> Profile | None:
     if example_batch is None:
         return None
     from tierwise_profiler.model_profile import MetaProfileError, profile_model
 
     try:
         return profile_model(
-            model, example_batch, precision=config.precision, device=config.device,
+            model,
+            example_batch,
+            precision=config.precision,
+            device=config.device,
             activation_checkpointing=config.activation_checkpointing,
         )
     except MetaProfileError as err:

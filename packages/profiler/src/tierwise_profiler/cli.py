@@ -23,7 +23,8 @@ def add_commands(subparsers: Any) -> None:
         "device: parameters, model-data bytes, peak activation memory, top layers.",
     )
     profile.add_argument(
-        "--model", required=True,
+        "--model",
+        required=True,
         help=f"a preset family ({', '.join(FAMILIES)}) or the path of an HF config.json",
     )
     profile.add_argument("--size", default="125m", choices=sorted(SIZES), help="preset size")
@@ -69,7 +70,9 @@ def run_profile(args: argparse.Namespace) -> int:
     build_seconds = time.perf_counter() - started
     try:
         profile = profile_model(
-            model, meta_batch(batch=args.batch, seq=args.seq), precision=args.precision,
+            model,
+            meta_batch(batch=args.batch, seq=args.seq),
+            precision=args.precision,
             activation_checkpointing=args.checkpointing,
         )
     except MetaProfileError as err:
@@ -102,9 +105,15 @@ def profile_table(profile, *, title: str, precision: str, build_seconds: float) 
     rows: list[tuple[str, str]] = [
         ("model", title),
         ("batch × sequence", f"{profile.batch_size} × {profile.seq_len}"),
-        ("parameters", f"{profile.total_numel:,} ({trainable:,} trainable, {len(profile.params)} tensors)"),
+        (
+            "parameters",
+            f"{profile.total_numel:,} ({trainable:,} trainable, {len(profile.params)} tensors)",
+        ),
     ]
-    rows += [(f"  {kind}", format_bytes(n)) for kind, n in model_data_bytes(profile.total_numel, trainable, precision)]
+    rows += [
+        (f"  {kind}", format_bytes(n))
+        for kind, n in model_data_bytes(profile.total_numel, trainable, precision)
+    ]
     rows += [
         ("tied / multiply used", ", ".join(profile.multi_use) or "-"),
         ("buffers", format_bytes(profile.buffer_bytes)),
@@ -126,7 +135,9 @@ def _top(title: str, values: dict[str, float], fmt) -> list[str]:
     if not ranked:
         return []
     width = max(len(name or "(root)") for name, _ in ranked)
-    return [title + ":"] + [f"  {name or '(root)':<{width}}  {fmt(value)}" for name, value in ranked]
+    return [title + ":"] + [
+        f"  {name or '(root)':<{width}}  {fmt(value)}" for name, value in ranked
+    ]
 
 
 # -- probe ------------------------------------------------------------------------------------
@@ -138,15 +149,26 @@ def run_probe(args: argparse.Namespace) -> int:
     from tierwise_profiler.hardware_probe import probe
 
     try:
-        config = Config(precision=args.precision, **({"device": args.device} if args.device else {}))
+        config = Config(
+            precision=args.precision, **({"device": args.device} if args.device else {})
+        )
     except ConfigError as err:
         print(f"tierwise probe: {err}")
         return 2
     entry = probe(config.device, config.precision, refresh=args.refresh)  # fills the cache
     hardware = Hardware(**get_plugin_host().probe_hardware(config=config))
     if args.json:
-        print(json.dumps({"hardware": hardware.to_dict(), "curves": entry["curves"],
-                          "measured_at": entry["measured_at"], "key": entry["key"]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "hardware": hardware.to_dict(),
+                    "curves": entry["curves"],
+                    "measured_at": entry["measured_at"],
+                    "key": entry["key"],
+                },
+                indent=1,
+            )
+        )
         return 0
     print(hardware_table(hardware, entry))
     return 0
@@ -179,5 +201,7 @@ def hardware_table(hardware, entry: dict[str, Any]) -> str:
         ordered = sorted(curve.items(), key=lambda item: int(item[0]))
         points = ", ".join(f"{format_bytes(int(s))}: {bw:.3g}" for s, bw in ordered)
         lines.append(f"{name} (B/s by size)  {points}")
-    lines.append(f"measured {entry['measured_at']} in {entry['seconds']:.2f} s; cached for {entry['key']}")
+    lines.append(
+        f"measured {entry['measured_at']} in {entry['seconds']:.2f} s; cached for {entry['key']}"
+    )
     return "\n".join(lines)

@@ -17,6 +17,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -111,24 +112,32 @@ def copy_curve(src: torch.device, dst: torch.device, *, pinned: bool) -> dict[st
     for size in COPY_SIZES:
         source = _buffer(size, src, pinned)
         target = _buffer(size, dst, pinned)
-        seconds = _time_per_call(lambda: target.copy_(source, non_blocking=True), src, dst)
+        seconds = _time_per_call(partial(target.copy_, source, non_blocking=True), src, dst)
         curve[str(size)] = size / seconds
     return curve
 
 
 def adam_velocity(device: torch.device) -> float:
     """Elements/s of torch's fused AdamW on one flat fp32 parameter of ADAM_NUMEL elements."""
-    param, grad, exp_avg, exp_avg_sq = (
-        torch.rand(ADAM_NUMEL, device=device) for _ in range(4)
-    )
+    param, grad, exp_avg, exp_avg_sq = (torch.rand(ADAM_NUMEL, device=device) for _ in range(4))
     step = torch.zeros((), device=device)
 
     def update() -> None:
         step.add_(1)
         torch._fused_adamw_(
-            [param], [grad], [exp_avg], [exp_avg_sq], [], [step],
-            lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
-            amsgrad=False, maximize=False,
+            [param],
+            [grad],
+            [exp_avg],
+            [exp_avg_sq],
+            [],
+            [step],
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            weight_decay=0.01,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
         )
 
     return ADAM_NUMEL / _time_per_call(update, device)

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tierwise.profile import ParamInfo, Profile
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
-from tierwise.profile import ParamInfo, Profile
 
 from tierwise_profiler.recorder import StepRecorder
 
@@ -69,9 +69,12 @@ def profile_model(
     infos, canonical = _param_infos(model)
     buffers = _distinct(t for _, t in model.named_buffers(remove_duplicate=False))
     fake_device = _fake_device(device)
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
-        fakes = _fake_like(_distinct(p for _, p in model.named_parameters(remove_duplicate=False)),
-                           device=fake_device, float_dtype=DTYPES[precision])
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fakes = _fake_like(
+            _distinct(p for _, p in model.named_parameters(remove_duplicate=False)),
+            device=fake_device,
+            float_dtype=DTYPES[precision],
+        )
         fake_buffers = _fake_like(buffers, device=fake_device, float_dtype=None)
         batch = tree_map(lambda x: _fake_tensor(x, fake_device, None), example_batch)
         recorder = StepRecorder(
@@ -137,12 +140,16 @@ def _param_infos(model: torch.nn.Module) -> tuple[list[ParamInfo], dict[str, tor
     return infos, {all_names[0]: tensors[key] for key, all_names in names.items()}
 
 
-def _direct_params(model: torch.nn.Module, canonical: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+def _direct_params(
+    model: torch.nn.Module, canonical: dict[str, torch.Tensor]
+) -> dict[str, list[str]]:
     """Module name -> canonical names of the parameters registered on it (not its children)."""
     name_of = {id(t): name for name, t in canonical.items()}
     direct: dict[str, list[str]] = {}
     for module_name, module in model.named_modules():
-        names = list(dict.fromkeys(name_of[id(p)] for p in module._parameters.values() if p is not None))
+        names = list(
+            dict.fromkeys(name_of[id(p)] for p in module._parameters.values() if p is not None)
+        )
         if names:
             direct[module_name] = names
     return direct
@@ -213,8 +220,9 @@ def _hf_checkpointing(model: torch.nn.Module) -> Iterator[None]:
     if enable is None or already or not getattr(model, "supports_gradient_checkpointing", False):
         yield
         return
-    disable = getattr(model, "activation_checkpointing_disable", None) or getattr(
-        model, "gradient_checkpointing_disable"
+    disable = (
+        getattr(model, "activation_checkpointing_disable", None)
+        or model.gradient_checkpointing_disable
     )
     enable()
     try:

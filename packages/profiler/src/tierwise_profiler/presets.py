@@ -31,7 +31,10 @@ def model_config(model: str, *, size: str = "125m", seq: int = 1024):
         config = config_from_file(model)
     else:
         config = preset_config(
-            model, size, vocab_size=VOCAB.get(model, 50257), eos_id=VOCAB.get(model, 50257) - 1,
+            model,
+            size,
+            vocab_size=VOCAB.get(model, 50257),
+            eos_id=VOCAB.get(model, 50257) - 1,
             max_positions=max(seq, 1024),
         )
         config._attn_implementation = "eager"

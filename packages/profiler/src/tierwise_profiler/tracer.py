@@ -42,7 +42,9 @@ class _LiveTensorMode(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not self.paused:
-            self.live.add_outputs(storage_keys(op_tensors(args, kwargs.values())), op_tensors((out,)))
+            self.live.add_outputs(
+                storage_keys(op_tensors(args, kwargs.values())), op_tensors((out,))
+            )
         return out
 
 

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.multiprocess
 STEPS = 6
 SETTINGS = {
     "zero2": dict(shard=True, param_placement="device"),  # auto cache: every chunk
-    "zero3": dict(shard=True, cache_blocks=3, param_placement="device", prefetch=0),
-    "zero3-host": dict(shard=True, cache_blocks=3, param_placement="host", optimizer_placement="host"),
+    "zero3": dict(shard=True, cache_blocks=2, param_placement="device", prefetch=0),
+    "zero3-host": dict(shard=True, cache_blocks=2, param_placement="host", optimizer_placement="host"),
     "between": dict(shard=True, cache_blocks=6, param_placement="host"),
     "ddp-like": dict(shard=False, param_placement="device"),
 }
@@ -38,8 +38,8 @@ def _ddp(rank, world, kind):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
-def _tierwise(rank, world, kind, settings, chunk_size=4096):
-    model = tiny_model(kind)
+def _tierwise(rank, world, kind, settings, chunk_size=4096, layers=None):
+    model = tiny_model(kind, **({"n_layer": layers} if layers else {}))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", chunk_size=chunk_size, **settings)
     engine = tierwise.engine_of(model)
@@ -68,7 +68,9 @@ def test_parity_with_ddp(kind):
 
 
 def test_settings_are_bitwise_identical_and_comm_matches_elixir_table1():
-    results = {name: run_ranks(_tierwise, 2, "gpt2", s) for name, s in SETTINGS.items()}
+    # 6 layers in 2048-element chunks: the few chunks still cached when forward turns into
+    # backward (Table 1 counts none) are under 5% of the traffic
+    results = {name: run_ranks(_tierwise, 2, "gpt2", s, 2048, 6) for name, s in SETTINGS.items()}
     base = results["zero3"]
     for name, res in results.items():
         for rank in range(2):
@@ -164,8 +166,9 @@ def _no_sync(rank, world, use_no_sync):
         else:
             loss.backward()
     norm = tierwise.clip_grad_norm_(model, 0.5)
+    grads = torch.cat([c.optim.grad.tensor.float() for c in engine.chunks() if c.optim])
     opt.step()
-    return float(norm), model.state_dict(), engine.stats()["comm_bytes"].get("reduce_scatter", 0)
+    return float(norm), grads, engine.stats()["comm_bytes"].get("reduce_scatter", 0)
 
 
 def test_no_sync_accumulation_and_global_clipping():
@@ -174,8 +177,8 @@ def test_no_sync_accumulation_and_global_clipping():
     assert abs(local[0][0] - synced[0][0]) <= 1e-5 * synced[0][0]
     assert local[0][0] == local[1][0]  # the norm is global: every rank agrees
     assert local[0][2] == synced[0][2] / 4  # one reduce-scatter instead of four
-    for key, value in synced[0][1].items():
-        assert torch.allclose(local[0][1][key], value, rtol=1e-5, atol=1e-7), key
+    for rank in range(2):  # the reduced gradient shards agree up to summation order
+        assert torch.allclose(local[rank][1], synced[rank][1], rtol=1e-5, atol=1e-8)
 
 
 def _fails_on_rank_1(rank, world):

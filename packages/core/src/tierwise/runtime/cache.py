@@ -48,8 +48,8 @@ class AccessTrace:
                 self.keys.append(key)
             return
         positions = self._positions.get(key)
-        if not positions:
-            return
+        if not positions or (self.cursor > 0 and self.keys[self.cursor - 1] == key):
+            return  # unknown, or a repeat of the access just matched (recorded once)
         # advance to this key's next recorded occurrence (wrapping to the next iteration)
         i = bisect.bisect_left(positions, self.cursor)
         self.cursor = (positions[i] if i < len(positions) else positions[0]) + 1

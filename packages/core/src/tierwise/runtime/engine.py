@@ -323,7 +323,8 @@ class Engine:
         if self._staging_free:
             return self._staging_free.pop()[: chunk.capacity]
         device_tier = self.tiers["device"]
-        slab = device_tier.allocate(self.cache.block_numel, self.dtype, what="gradient staging buffer")
+        largest = max(c.capacity for c in self.chunks())
+        slab = device_tier.allocate(largest, self.dtype, what="gradient staging buffer")
         self._staging_slabs.append(slab)
         return slab.tensor[: chunk.capacity]
 
@@ -515,8 +516,8 @@ class Engine:
         if self._update_in_backward() and self._backwards_this_step == 0:
             hyper = self._hyper(chunk)
             self._early_hyper[chunk.key] = hyper
-            if chunk.block_id is not None:
-                self.evict(chunk)  # its cached copy is about to be stale
+            # its cached copy goes stale, but nothing reads it again in this backward: all of
+            # its gradients are in; step() drops every cached copy
             pipeline.submit(chunk.key, slabs, self._chunk_update(chunk, hyper, None))
         else:
             pipeline.prefetch(chunk.key, slabs)

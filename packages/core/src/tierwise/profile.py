@@ -49,6 +49,8 @@ class Profile(JsonDataclass):
     """Bytes of activations saved for backward, per layer (module name)."""
     layer_flops: dict[str, float] = field(default_factory=dict)
     """Forward FLOPs per layer (module name)."""
+    layer_forward_s: dict[str, float] = field(default_factory=dict)
+    """Measured forward time per layer on the compute device, seconds (empty when unknown)."""
     peak_activation_bytes: int = 0
     """Peak non-model (activation + temporaries) memory over the step, bytes."""
     buffer_bytes: int = 0

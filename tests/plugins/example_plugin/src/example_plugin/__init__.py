@@ -1,5 +1,4 @@
 """The README's example plugin, verbatim (tests check the two stay identical)."""
-import torch
 from tierwise.hookspecs import hookimpl
 from tierwise.parallel import DataParallel
 from tierwise.tiers import HostTier

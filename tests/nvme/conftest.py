@@ -39,7 +39,9 @@ def make_tier(nvme_dir):
 
     tiers = []
 
-    def make(backend: str = "libaio", *, directory: Path | None = None, budget=None, io=None, **options):
+    def make(
+        backend: str = "libaio", *, directory: Path | None = None, budget=None, io=None, **options
+    ):
         if backend == "libaio":
             require_libaio()
         tier = NVMeTier(
@@ -50,7 +52,9 @@ def make_tier(nvme_dir):
             backend=io,
         )
         if backend == "libaio" and io is None:
-            assert tier.backend.name == "libaio", "libaio.so.1 is missing (Debian: apt-get install libaio1)"
+            assert tier.backend.name == "libaio", (
+                "libaio.so.1 is missing (Debian: apt-get install libaio1)"
+            )
         tiers.append(tier)
         return tier
 
@@ -94,7 +98,9 @@ class FailingBackend:
         matches = self.fail_if is not None and self.failed is None and self.fail_if(request)
         if self.submitted == self.fail_at or matches:
             self.failed = request
-            request.on_done(io_error(request.op, request.path, request.offset, len(request.buffer), self.code))
+            request.on_done(
+                io_error(request.op, request.path, request.offset, len(request.buffer), self.code)
+            )
         else:
             self.inner.submit(request)
 

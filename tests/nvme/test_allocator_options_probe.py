@@ -59,7 +59,9 @@ def test_options_from_env_and_validation(monkeypatch):
     monkeypatch.setenv("TIERWISE_NVME_BACKEND", "Threads")
     monkeypatch.setenv("TIERWISE_NVME_BLOCK_SIZE", "4MiB")
     monkeypatch.setenv("TIERWISE_NVME_QUEUE_DEPTH", "16")
-    assert NVMeOptions.from_env() == NVMeOptions(backend="threads", block_size=4 << 20, queue_depth=16)
+    assert NVMeOptions.from_env() == NVMeOptions(
+        backend="threads", block_size=4 << 20, queue_depth=16
+    )
     with pytest.raises(NVMeOptionsError, match="positive multiple of 4096"):
         NVMeOptions(block_size=1000)
     with pytest.raises(NVMeOptionsError, match="between 1 and 1024"):
@@ -72,11 +74,10 @@ def test_options_from_env_and_validation(monkeypatch):
 
 
 def test_probe_hook_measures_once_per_path(nvme_dir, monkeypatch):
+    import tierwise_nvme.probe as probe
     from tierwise.config import Config
     from tierwise.hardware import Hardware
     from tierwise.plugins import get_plugin_host
-
-    import tierwise_nvme.probe as probe
 
     calls = []
     real = probe.measure_bandwidth

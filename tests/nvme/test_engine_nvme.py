@@ -25,14 +25,24 @@ NVME_PLANS = {
 def test_nvme_plans_train_bitwise_like_host(kind, precision, clip, nvme_dir):
     train_kwargs = {"clip": clip}
     base_losses, base_model = run_tierwise(
-        kind, 4, precision=precision, param_placement="host", optimizer_placement="host",
-        train_kwargs=train_kwargs, **COMMON,
+        kind,
+        4,
+        precision=precision,
+        param_placement="host",
+        optimizer_placement="host",
+        train_kwargs=train_kwargs,
+        **COMMON,
     )
     base_params = base_model.state_dict()
     for name, plan in NVME_PLANS.items():
         losses, model = run_tierwise(
-            kind, 4, precision=precision, nvme_path=str(nvme_dir), train_kwargs=train_kwargs,
-            **plan, **COMMON,
+            kind,
+            4,
+            precision=precision,
+            nvme_path=str(nvme_dir),
+            train_kwargs=train_kwargs,
+            **plan,
+            **COMMON,
         )
         assert losses == base_losses, f"{name}: losses differ from all-host"
         params = model.state_dict()
@@ -55,8 +65,13 @@ def test_checkpoint_with_nvme_state_resumes_bitwise(nvme_dir, tmp_path):
         model = tiny_model("gpt2")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         return tierwise.setup(
-            model, optimizer, precision="bf16", param_placement="nvme", optimizer_placement="nvme",
-            nvme_path=str(nvme_dir), **COMMON,
+            model,
+            optimizer,
+            precision="bf16",
+            param_placement="nvme",
+            optimizer_placement="nvme",
+            nvme_path=str(nvme_dir),
+            **COMMON,
         )
 
     model, optimizer = fresh()

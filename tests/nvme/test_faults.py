@@ -38,7 +38,7 @@ def test_kth_io_fails_with_eio_and_other_data_survives(make_tier, backend, op):
     generator = torch.Generator().manual_seed(0)
     slabs = [tier.allocate(100_003, torch.bfloat16, what="optim_chunk") for _ in range(3)]
     refs = [torch.randn(100_003, generator=generator).bfloat16() for _ in slabs]
-    for slab, ref in zip(slabs, refs):
+    for slab, ref in zip(slabs, refs, strict=True):
         tier.write(slab, ref).wait()
     io.fail_at = io.submitted + 1  # the next I/O, the first of this transfer
     if op == "write":
@@ -53,7 +53,7 @@ def test_kth_io_fails_with_eio_and_other_data_survives(make_tier, backend, op):
     assert io.failed.offset == slabs[1].offset
     with pytest.raises(NVMeIOError):  # wait() keeps reporting it
         failing.wait()
-    for slab, ref in zip((slabs[0], slabs[2]), (refs[0], refs[2])):
+    for slab, ref in zip((slabs[0], slabs[2]), (refs[0], refs[2]), strict=True):
         out = torch.empty_like(ref)
         tier.read(slab, out).wait()
         assert torch.equal(out, ref)
@@ -65,7 +65,9 @@ def test_kth_io_fails_with_eio_and_other_data_survives(make_tier, backend, op):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_enospc_on_write_is_a_clear_space_error(make_tier, backend):
-    tier = make_tier(backend, io=FailingBackend(inner_backend(backend), fail_at=1, code=errno.ENOSPC))
+    tier = make_tier(
+        backend, io=FailingBackend(inner_backend(backend), fail_at=1, code=errno.ENOSPC)
+    )
     slab = tier.allocate(1000, torch.float32, what="optim_chunk")
     with pytest.raises(NVMeSpaceError, match=r"is full; free space there or set nvme_path") as info:
         tier.write(slab, torch.zeros(1000)).wait()
@@ -81,14 +83,24 @@ def test_libaio_reports_kernel_errors_with_file_offset_errno(nvme_dir):
     results = []
     buffer = memoryview(bytearray(8192))[1:4097]  # misaligned for O_DIRECT -> -EINVAL
     done = __import__("threading").Event()
-    backend.submit(IORequest(op="write", fd=fd, path=str(path), offset=4096, buffer=buffer,
-                             on_done=lambda err: (results.append(err), done.set())))
+    backend.submit(
+        IORequest(
+            op="write",
+            fd=fd,
+            path=str(path),
+            offset=4096,
+            buffer=buffer,
+            on_done=lambda err: (results.append(err), done.set()),
+        )
+    )
     done.wait()
     backend.close()
     os.close(fd)
     (error,) = results
     assert isinstance(error, NVMeIOError) and error.errno == errno.EINVAL
-    assert f"write of 4096 bytes at offset 4096 in {path} failed: [Errno {errno.EINVAL}]" in str(error)
+    assert f"write of 4096 bytes at offset 4096 in {path} failed: [Errno {errno.EINVAL}]" in str(
+        error
+    )
 
 
 def test_thread_backend_reports_os_errors_with_file_offset_errno(nvme_dir):
@@ -97,7 +109,10 @@ def test_thread_backend_reports_os_errors_with_file_offset_errno(nvme_dir):
     fd = os.open(path, os.O_RDONLY)
     from tierwise_nvme.backends.threads import transfer
 
-    with pytest.raises(NVMeIOError, match=re.escape(f"write of 100 bytes at offset 10 in {path} failed: [Errno {errno.EBADF}]")):
+    with pytest.raises(
+        NVMeIOError,
+        match=re.escape(f"write of 100 bytes at offset 10 in {path} failed: [Errno {errno.EBADF}]"),
+    ):
         transfer("write", fd, str(path), 10, memoryview(bytearray(100)))
     os.close(fd)
 

@@ -39,7 +39,10 @@ CHILD = textwrap.dedent(
 
 def run_child(directory: Path, mode: str) -> list[str]:
     result = subprocess.run(
-        [sys.executable, "-c", CHILD, str(directory), mode], capture_output=True, text=True, check=True
+        [sys.executable, "-c", CHILD, str(directory), mode],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return result.stdout.split()
 
@@ -48,7 +51,11 @@ def new_tier(directory: Path):
     from tierwise.config import Config
     from tierwise_nvme import NVMeTier
 
-    return NVMeTier(device=torch.device("cpu"), budget=None, config=Config(nvme_path=str(directory), device="cpu"))
+    return NVMeTier(
+        device=torch.device("cpu"),
+        budget=None,
+        config=Config(nvme_path=str(directory), device="cpu"),
+    )
 
 
 def test_one_file_per_kind_removed_on_close(make_tier, nvme_dir):
@@ -86,7 +93,9 @@ def test_crashed_run_files_removed_by_next_start(nvme_dir):
 def test_live_run_files_are_kept(nvme_dir):
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(nvme_dir), "wait"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     path = Path(child.stdout.readline().strip())
     try:
@@ -99,7 +108,9 @@ def test_live_run_files_are_kept(nvme_dir):
     assert not path.exists()
 
 
-def test_file_system_refusing_o_direct_falls_back_to_buffered_io_with_a_warning(nvme_dir, monkeypatch):
+def test_file_system_refusing_o_direct_falls_back_to_buffered_io_with_a_warning(
+    nvme_dir, monkeypatch
+):
     # tmpfs before Linux 6.6 and many FUSE file systems refuse O_DIRECT opens with EINVAL
     real_open = os.open
 
@@ -131,7 +142,9 @@ def test_missing_libaio_falls_back_to_thread_pool_with_a_warning(nvme_dir, monke
         raise OSError("libaio.so.1: cannot open shared object file: No such file or directory")
 
     monkeypatch.setattr(libaio_backend, "load_libaio", missing)
-    with pytest.warns(NVMeFallbackWarning, match=r"libaio\.so\.1: cannot open.*apt-get install libaio1"):
+    with pytest.warns(
+        NVMeFallbackWarning, match=r"libaio\.so\.1: cannot open.*apt-get install libaio1"
+    ):
         tier = new_tier(nvme_dir)
     try:
         assert (tier.backend.name, tier.backend.direct) == ("threads", True)

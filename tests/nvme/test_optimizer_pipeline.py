@@ -24,9 +24,21 @@ def adamw(grad: torch.Tensor, step: torch.Tensor):
     def update(states: list[torch.Tensor]) -> None:
         master, exp_avg, exp_avg_sq = states
         step.add_(1)
-        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=1e-2,
-                            beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False,
-                            maximize=False)
+        torch._fused_adamw_(
+            [master],
+            [grad],
+            [exp_avg],
+            [exp_avg_sq],
+            [],
+            [step],
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            weight_decay=0.01,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
+        )
 
     return update
 
@@ -34,9 +46,11 @@ def adamw(grad: torch.Tensor, step: torch.Tensor):
 def setup_states(tier, generator):
     chunks = []
     for index, numel in enumerate(SIZES):
-        slabs = [tier.allocate(numel, torch.float32, what=f"optim_chunk {index} {k}") for k in range(3)]
+        slabs = [
+            tier.allocate(numel, torch.float32, what=f"optim_chunk {index} {k}") for k in range(3)
+        ]
         states = [torch.randn(numel, generator=generator), torch.zeros(numel), torch.zeros(numel)]
-        for slab, state in zip(slabs, states):
+        for slab, state in zip(slabs, states, strict=True):
             tier.write(slab, state).wait()
         grads = [torch.randn(numel, generator=generator) for _ in range(2)]
         chunks.append((slabs, states, grads))
@@ -45,7 +59,7 @@ def setup_states(tier, generator):
 
 def read_states(tier, slabs):
     outs = [torch.empty(slab.numel) for slab in slabs]
-    for slab, out in zip(slabs, outs):
+    for slab, out in zip(slabs, outs, strict=True):
         tier.read(slab, out).wait()
     return outs
 
@@ -70,7 +84,7 @@ def test_pipelined_updates_equal_in_memory_updates(make_tier, pool_buffers, pref
             pipeline.submit(i, slabs, adamw(grads[step], steps[i]))
         pipeline.drain()
         for slabs, states, _ in chunks:
-            for got, want in zip(read_states(tier, slabs), states):
+            for got, want in zip(read_states(tier, slabs), states, strict=True):
                 assert torch.equal(got, want)
     assert pipeline.updated == 2 * len(chunks)
     assert pool.lent == 0
@@ -96,26 +110,63 @@ def test_updates_run_on_the_worker_while_the_caller_continues(make_tier):
     pipeline.close()
 
 
+def test_prefetched_chunks_update_first_and_still_match(make_tier):
+    # the engine prefetches the last chunks during backward but submits in chunk order at step:
+    # the pipeline updates the prefetched ones first so their buffers do not sit idle
+    tier = make_tier("threads")
+    chunks = setup_states(tier, torch.Generator().manual_seed(5))
+    pipeline = OptimizerPipeline(tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=9))
+    assert [pipeline.prefetch(i, chunks[i][0]) for i in (5, 4)] == [True, True]
+    gate, order = threading.Event(), []
+    pipeline.submit("gate", chunks[0][0], lambda states: gate.wait())  # holds the worker
+    steps = [torch.zeros(()) for _ in chunks]
+    for i, (slabs, states, grads) in enumerate(chunks):
+
+        def update(states, i=i, grad=grads[0]):
+            order.append(i)
+            adamw(grad, steps[i])(states)
+
+        pipeline.submit(i, slabs, update)
+    reference = [[t.clone() for t in read_states(tier, slabs)] for slabs, _, _ in chunks]
+    gate.set()
+    pipeline.drain()
+    assert order == [4, 5, 0, 1, 2, 3]
+    for (slabs, _, grads), want in zip(chunks, reference, strict=True):
+        adamw(grads[0], torch.zeros(()))(want)
+        for got, expected in zip(read_states(tier, slabs), want, strict=True):
+            assert torch.equal(got, expected)
+    pipeline.close()
+
+
 def test_too_small_pool_is_a_clear_error(make_tier):
     tier = make_tier("threads")
     chunks = setup_states(tier, torch.Generator().manual_seed(2))
     pipeline = OptimizerPipeline(tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=2))
     pipeline.submit(0, chunks[0][0], lambda states: None)
-    with pytest.raises(RuntimeError, match="cannot hold the 3 states of one chunk; give it at least 9"):
+    with pytest.raises(
+        RuntimeError, match="cannot hold the 3 states of one chunk; give it at least 9"
+    ):
         pipeline.drain()
     pipeline.close()
 
 
 def test_failed_read_stops_updates_and_is_reported(make_tier):
-    io = FailingBackend(ThreadPoolBackend(direct=True, block_size=1 << 20, queue_depth=8), fail_at=None)
+    io = FailingBackend(
+        ThreadPoolBackend(direct=True, block_size=1 << 20, queue_depth=8), fail_at=None
+    )
     tier = make_tier("threads", io=io)
     chunks = setup_states(tier, torch.Generator().manual_seed(3))
-    pipeline = OptimizerPipeline(tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=3), lookahead=0)
+    pipeline = OptimizerPipeline(
+        tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=3), lookahead=0
+    )
     before = [read_states(tier, slabs) for slabs, _, _ in chunks]
     updated = []
     target = chunks[1][0][0]  # the first state slab of the second chunk
-    io.fail_if = lambda request: request.op == "read" and request.offset == target.offset and (
-        request.path == str(target.extra["file"].path))
+    io.fail_if = lambda request: (
+        request.op == "read"
+        and request.offset == target.offset
+        and (request.path == str(target.extra["file"].path))
+    )
     for i, (slabs, _, grads) in enumerate(chunks):
         step = torch.zeros(())
 
@@ -126,10 +177,12 @@ def test_failed_read_stops_updates_and_is_reported(make_tier):
         pipeline.submit(i, slabs, update)
     with pytest.raises(NVMeIOError) as info:
         pipeline.drain()
-    assert info.value.errno == errno.EIO and str(chunks[1][0][0].extra["file"].path) in str(info.value)
+    assert info.value.errno == errno.EIO and str(chunks[1][0][0].extra["file"].path) in str(
+        info.value
+    )
     assert updated == [0]  # neither the failed chunk nor any later one was updated
     for index, (slabs, _, _) in enumerate(chunks[1:], start=1):
-        for got, want in zip(read_states(tier, slabs), before[index]):
+        for got, want in zip(read_states(tier, slabs), before[index], strict=True):
             assert torch.equal(got, want)
     assert pipeline.pool.lent == 0
     pipeline.close()
@@ -143,5 +196,5 @@ def test_tier_builds_a_pipeline_sized_for_three_stages(make_tier):
     pipeline.submit("c", slabs, adamw(grads[0], torch.zeros(())))
     adamw(grads[0], torch.zeros(()))(states)
     pipeline.close()
-    for got, want in zip(read_states(tier, slabs), states):
+    for got, want in zip(read_states(tier, slabs), states, strict=True):
         assert torch.equal(got, want)

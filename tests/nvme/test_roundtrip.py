@@ -23,7 +23,7 @@ def random_ops(tier, generator: torch.Generator, dtype: torch.dtype, steps: int 
     sizes = [1, 3, 1023, 4097, 65_537, 300_001]
     slabs = [tier.allocate(n, dtype, what=f"param_chunk {i}") for i, n in enumerate(sizes)]
     refs = [random_tensor(n, dtype, generator) for n in sizes]
-    for slab, ref in zip(slabs, refs):
+    for slab, ref in zip(slabs, refs, strict=True):
         tier.write(slab, ref).wait()
     for _ in range(steps):
         index = int(torch.randint(len(sizes), (1,), generator=generator))
@@ -43,7 +43,7 @@ def random_ops(tier, generator: torch.Generator, dtype: torch.dtype, steps: int 
 
 def read_all(tier, slabs) -> list[torch.Tensor]:
     outs = [torch.empty(slab.numel, dtype=slab.dtype) for slab in slabs]
-    for handle in [tier.read(slab, out) for slab, out in zip(slabs, outs)]:
+    for handle in [tier.read(slab, out) for slab, out in zip(slabs, outs, strict=True)]:
         handle.wait()
     return outs
 
@@ -53,7 +53,7 @@ def read_all(tier, slabs) -> list[torch.Tensor]:
 def test_random_unaligned_round_trips_match_reference(make_tier, backend, dtype):
     tier = make_tier(backend)
     slabs, refs = random_ops(tier, torch.Generator().manual_seed(0), dtype)
-    for out, ref in zip(read_all(tier, slabs), refs):
+    for out, ref in zip(read_all(tier, slabs), refs, strict=True):
         assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
 
 
@@ -72,7 +72,7 @@ def test_fallback_backends_store_identical_bytes_to_libaio(make_tier, dtype):
         ]
         tier.close()
     for backend in BACKENDS[1:]:
-        for ours, theirs in zip(results[backend], results["libaio"]):
+        for ours, theirs in zip(results[backend], results["libaio"], strict=True):
             assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
         assert results[backend + "/file"] == results["libaio/file"]
 
@@ -85,10 +85,10 @@ def test_many_transfers_in_flight_and_from_many_threads(make_tier, backend):
     slabs = [tier.allocate(numel, torch.float32, what="optim_chunk") for _ in range(12)]
     refs = [torch.randn(numel, generator=generator) for _ in slabs]
     # all writes in flight together, then all reads in flight together
-    for handle in [tier.write(slab, ref) for slab, ref in zip(slabs, refs)]:
+    for handle in [tier.write(slab, ref) for slab, ref in zip(slabs, refs, strict=True)]:
         handle.wait()
     outs = read_all(tier, slabs)
-    assert all(torch.equal(out, ref) for out, ref in zip(outs, refs))
+    assert all(torch.equal(out, ref) for out, ref in zip(outs, refs, strict=True))
 
     # threads: each rewrites its own slabs in small unaligned pieces and reads them back
     errors: list[BaseException] = []

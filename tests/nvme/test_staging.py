@@ -47,8 +47,17 @@ def test_acquire_blocks_until_release():
 
 def test_sized_from_prefetch_and_bounded_by_host_memory():
     config = Config(device="cpu", prefetch=4)
-    assert StagingPool.for_chunks(chunk_bytes=1 << 20, config=config, host_memory=1 << 40).count == 6
-    assert StagingPool.for_chunks(chunk_bytes=1 << 20, config=Config(device="cpu", prefetch=0), host_memory=1 << 40).count == 3
-    assert StagingPool.for_chunks(chunk_bytes=1 << 20, config=config, host_memory=32 << 20).count == 4
+    assert (
+        StagingPool.for_chunks(chunk_bytes=1 << 20, config=config, host_memory=1 << 40).count == 6
+    )
+    assert (
+        StagingPool.for_chunks(
+            chunk_bytes=1 << 20, config=Config(device="cpu", prefetch=0), host_memory=1 << 40
+        ).count
+        == 3
+    )
+    assert (
+        StagingPool.for_chunks(chunk_bytes=1 << 20, config=config, host_memory=32 << 20).count == 4
+    )
     with pytest.raises(MemoryError, match="use a smaller chunk_size"):
         StagingPool.for_chunks(chunk_bytes=1 << 20, config=config, host_memory=8 << 20)

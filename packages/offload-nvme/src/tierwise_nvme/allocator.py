@@ -56,8 +56,10 @@ class ExtentAllocator:
     def _insert(self, offset: int, nbytes: int) -> None:
         index = bisect.bisect_left(self._free, (offset, 0))
         end = offset + nbytes
-        if index > 0 and sum(self._free[index - 1]) > offset or (
-            index < len(self._free) and self._free[index][0] < end
+        if (
+            index > 0
+            and sum(self._free[index - 1]) > offset
+            or (index < len(self._free) and self._free[index][0] < end)
         ):
             raise ValueError(f"[{offset}, {end}) overlaps a free extent: released twice?")
         if index < len(self._free) and self._free[index][0] == end:  # merge right

@@ -14,7 +14,9 @@ class NVMeSpaceError(NVMeIOError):
     """The disk holding ``nvme_path`` is (or would be) full."""
 
 
-def io_error(op: str, path: str, offset: int, size: int, code: int, detail: str = "") -> NVMeIOError:
+def io_error(
+    op: str, path: str, offset: int, size: int, code: int, detail: str = ""
+) -> NVMeIOError:
     """The exception for a failed ``op`` ("read"/"write") of ``size`` bytes at ``offset``.
 
     ENOSPC becomes :class:`NVMeSpaceError` with what to do about it.
@@ -35,7 +37,11 @@ def io_error(op: str, path: str, offset: int, size: int, code: int, detail: str 
 def short_io_error(op: str, path: str, offset: int, size: int, done: int) -> NVMeIOError:
     """A transfer that made no progress: ``done`` of ``size`` bytes after retrying."""
     return io_error(
-        op, path, offset, size, errno_codes.EIO,
+        op,
+        path,
+        offset,
+        size,
+        errno_codes.EIO,
         f"short {op}: only {done} of {size} bytes transferred after retries",
     )
 

@@ -2,8 +2,9 @@
 
 [Note: optimizer pipeline]
 Each chunk's optimizer states (fp32 master, exp_avg, exp_avg_sq: any list of slabs) go through
-read -> update -> write. A worker thread runs the updates in submission order while the reads
-of the next ``lookahead`` chunks and the writes of earlier chunks are in flight, so with
+read -> update -> write. A worker thread runs the updates in submission order (chunks whose
+reads were prefetched first: chunks are independent) while the reads of the next
+``lookahead`` chunks and the writes of earlier chunks are in flight, so with
 steady state the read of chunk i+1, the update of chunk i and the write of chunk i-1 overlap
 (LoHan's active gradient offloading). ``submit`` never blocks the caller, so the engine may
 call it from backward hooks. ``prefetch`` only starts the reads (for when a global check —
@@ -85,7 +86,9 @@ class OptimizerPipeline:
             job.update = update
             self._queue.append(job)
             if self._worker is None:
-                self._worker = threading.Thread(target=self._run, name="tierwise-nvme-optimizer", daemon=True)
+                self._worker = threading.Thread(
+                    target=self._run, name="tierwise-nvme-optimizer", daemon=True
+                )
                 self._worker.start()
             self._cond.notify_all()
 
@@ -124,7 +127,7 @@ class OptimizerPipeline:
                     self._cond.wait()
                 if not self._queue:
                     return
-                job = self._queue.popleft()
+                job = self._next_job()
                 self._busy = True
                 failed = self._error is not None
                 upcoming = list(self._queue)[: self.lookahead]
@@ -142,6 +145,17 @@ class OptimizerPipeline:
                     self._busy = False
                     self._cond.notify_all()
 
+    def _next_job(self) -> _Job:
+        """The oldest queued job whose reads have started, else the oldest (caller holds the
+        lock). Chunks are independent, so the order is free: a chunk prefetched during backward
+        but submitted last at ``step`` must not keep its buffers idle while the others run one
+        at a time through what is left of the pool."""
+        for index, job in enumerate(self._queue):
+            if job.buffers is not None:
+                del self._queue[index]
+                return job
+        return self._queue.popleft()
+
     def _process(self, job: _Job, upcoming: list[_Job]) -> None:
         if job.buffers is None:
             self._wait_for_buffers(job)
@@ -158,7 +172,9 @@ class OptimizerPipeline:
         begin = time.perf_counter()
         job.update(job.buffers)
         self.timings["update_s"] += time.perf_counter() - begin
-        job.writes = [self.tier.write(slab, buf) for slab, buf in zip(job.slabs, job.buffers)]
+        job.writes = [
+            self.tier.write(slab, buf) for slab, buf in zip(job.slabs, job.buffers, strict=True)
+        ]
         self.updated += 1
         self._writing.append(job)
         while self._writing and all(h.done() for h in self._writing[0].writes):
@@ -209,7 +225,9 @@ class OptimizerPipeline:
         return True
 
     def _start_reads(self, job: _Job) -> None:
-        job.reads = [self.tier.read(slab, buf) for slab, buf in zip(job.slabs, job.buffers)]
+        job.reads = [
+            self.tier.read(slab, buf) for slab, buf in zip(job.slabs, job.buffers, strict=True)
+        ]
 
     def _discard(self, job: _Job) -> None:
         for handle in job.reads:

@@ -24,7 +24,11 @@ def measure_bandwidth(directory: str | Path, nbytes: int = PROBE_BYTES) -> tuple
     """(read, write) bytes/s of one ``nbytes`` transfer through an NVMeTier in ``directory``."""
     from tierwise_nvme.tier import NVMeTier
 
-    tier = NVMeTier(device=torch.device("cpu"), budget=None, config=Config(nvme_path=str(directory), device="cpu"))
+    tier = NVMeTier(
+        device=torch.device("cpu"),
+        budget=None,
+        config=Config(nvme_path=str(directory), device="cpu"),
+    )
     try:
         buffer = aligned_empty(nbytes)
         buffer.fill_(1)

@@ -64,7 +64,9 @@ class StagingPool:
                 f"{HOST_FRACTION:.0%} of available host RAM ({format_bytes(host or 0)}): use a "
                 "smaller chunk_size or free host memory"
             )
-        return cls(buffer_bytes=chunk_bytes, count=count, pin=torch.device(config.device).type == "cuda")
+        return cls(
+            buffer_bytes=chunk_bytes, count=count, pin=torch.device(config.device).type == "cuda"
+        )
 
     def acquire(self, numel: int, dtype: torch.dtype, *, block: bool = True) -> torch.Tensor | None:
         """A tensor of ``numel`` ``dtype`` elements in a free buffer (contents undefined).

@@ -73,7 +73,11 @@ class NVMeTier(Tier):
         self.rank = current_rank()
         self.instance = next(_instances)
         self.moved_bytes = {"nvme->host": 0, "host->nvme": 0}
-        """Bytes read from and written to disk by this tier so far."""
+        """Bytes read from and written to disk by this tier so far (every transfer: parameter
+        loads, optimizer pipeline, checkpoints). Updated from several threads under a lock."""
+        self.moves = {"nvme->host": 0, "host->nvme": 0}
+        """Transfers started by this tier so far, by direction."""
+        self._count_lock = threading.Lock()
         self._transfers = Transfers(self.backend, pin=self.device.type == "cuda")
         self._files: dict[str, SwapFile] = {}
         self._lock = threading.Lock()
@@ -86,8 +90,12 @@ class NVMeTier(Tier):
             if self._closed:
                 raise RuntimeError(f"the nvme tier in {self.directory} is closed")
             if kind not in self._files:
-                name = swap_file_name(pid=os.getpid(), instance=self.instance, rank=self.rank, kind=kind)
-                self._files[kind] = SwapFile(self.directory / name, direct=self.backend.direct, kind=kind)
+                name = swap_file_name(
+                    pid=os.getpid(), instance=self.instance, rank=self.rank, kind=kind
+                )
+                self._files[kind] = SwapFile(
+                    self.directory / name, direct=self.backend.direct, kind=kind
+                )
             return self._files[kind]
 
     @property
@@ -125,7 +133,7 @@ class NVMeTier(Tier):
             return DONE
         start = slab.offset + offset * out.element_size()
         handle = self._transfers.read(file, start, out)
-        self.moved_bytes["nvme->host"] += out.nbytes
+        self._count("nvme->host", out.nbytes)
         return handle
 
     def write(self, slab: Slab, src: torch.Tensor, *, offset: int = 0) -> IOHandle:
@@ -134,13 +142,20 @@ class NVMeTier(Tier):
             return DONE
         start = slab.offset + offset * src.element_size()
         handle = self._transfers.write(file, start, src, limit=slab.offset + slab.nbytes)
-        self.moved_bytes["host->nvme"] += src.nbytes
+        self._count("host->nvme", src.nbytes)
         return handle
+
+    def _count(self, direction: str, nbytes: int) -> None:
+        with self._count_lock:  # the engine's thread and the optimizer pipeline's both transfer
+            self.moved_bytes[direction] += nbytes
+            self.moves[direction] += 1
 
     def _check(self, slab: Slab, tensor: torch.Tensor, offset: int, verb: str) -> SwapFile:
         file = slab.extra.get("file")
         if file is None or slab.tier is not self:
-            raise ValueError(f"nvme tier: cannot {verb} {slab.what}: the slab was released or is not this tier's")
+            raise ValueError(
+                f"nvme tier: cannot {verb} {slab.what}: the slab was released or is not this tier's"
+            )
         if tensor.dtype != slab.dtype:
             raise TypeError(
                 f"nvme tier: cannot {verb} a {tensor.dtype} tensor for {slab.what}, which holds "
@@ -174,7 +189,9 @@ class NVMeTier(Tier):
         from tierwise_nvme.staging import StagingPool
 
         pool = StagingPool(
-            buffer_bytes=buffer_bytes, count=states * (lookahead + 2), pin=self.device.type == "cuda"
+            buffer_bytes=buffer_bytes,
+            count=states * (lookahead + 2),
+            pin=self.device.type == "cuda",
         )
         return OptimizerPipeline(tier=self, pool=pool, lookahead=lookahead)
 

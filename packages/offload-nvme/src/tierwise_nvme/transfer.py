@@ -149,7 +149,9 @@ BOUNCE_CACHE_BYTES = 256 << 20
 class Transfers:
     """Starts reads and writes of tensors at byte offsets of swap files through a backend."""
 
-    def __init__(self, backend: IOBackend, *, pin: bool, cache_bytes: int = BOUNCE_CACHE_BYTES) -> None:
+    def __init__(
+        self, backend: IOBackend, *, pin: bool, cache_bytes: int = BOUNCE_CACHE_BYTES
+    ) -> None:
         self.backend = backend
         self.bounces = BounceCache(limit=cache_bytes)
         """Page-aligned buffers for partial pages and misaligned tensors."""
@@ -175,7 +177,7 @@ class Transfers:
         bounces = [self.bounces.take(s.hi - s.lo) if s.bounce else None for s in segments]
 
         def finalize() -> None:
-            for segment, bounce in zip(segments, bounces):
+            for segment, bounce in zip(segments, bounces, strict=True):
                 if bounce is not None:
                     lo, hi = max(segment.lo, start), min(segment.hi, end)
                     host[lo - start : hi - start].copy_(bounce[lo - segment.lo : hi - segment.lo])
@@ -219,7 +221,9 @@ class Transfers:
             self._issue(file, "write", segments, bounces, host, start, handle)
         return handle
 
-    def _give_back_when_done(self, handle: NVMeHandle, bounces: list, staging: torch.Tensor | None) -> None:
+    def _give_back_when_done(
+        self, handle: NVMeHandle, bounces: list, staging: torch.Tensor | None
+    ) -> None:
         def give_back() -> None:
             for bounce in bounces:
                 if bounce is not None:
@@ -249,7 +253,7 @@ class Transfers:
         """Register ``handle`` as in flight and submit one request per segment."""
         inflight = self._inflight_of(file)
         inflight.add(segments[0].lo, segments[-1].hi, op == "write", handle)
-        for segment, bounce in zip(segments, bounces):
+        for segment, bounce in zip(segments, bounces, strict=True):
             buffer = bounce if bounce is not None else host[segment.lo - start : segment.hi - start]
             request = IORequest(
                 op=op,
@@ -263,7 +267,11 @@ class Transfers:
                 self.backend.submit(request)
             except Exception as err:
                 code = getattr(err, "errno", None) or errno.EIO
-                handle.part_done(io_error(op, str(file.path), segment.lo, segment.hi - segment.lo, code, repr(err)))
+                handle.part_done(
+                    io_error(
+                        op, str(file.path), segment.lo, segment.hi - segment.lo, code, repr(err)
+                    )
+                )
 
 
 __all__ = ["InFlight", "NVMeHandle", "Segment", "Transfers", "plan_segments"]

@@ -77,7 +77,11 @@ class LibaioBackend(IOBackend):
         self._fail(failed)
 
     def _block(self, piece: _Piece):
-        mode = self._aio.AIOBLOCK_MODE_READ if piece.request.op == "read" else self._aio.AIOBLOCK_MODE_WRITE
+        mode = (
+            self._aio.AIOBLOCK_MODE_READ
+            if piece.request.op == "read"
+            else self._aio.AIOBLOCK_MODE_WRITE
+        )
         block = self._aio.AIOBlock(
             mode,
             piece.request.fd,
@@ -93,7 +97,9 @@ class LibaioBackend(IOBackend):
         failed = []
         while self._waiting and self._in_flight < self.queue_depth:
             room = self.queue_depth - self._in_flight
-            batch = [self._block(self._waiting.popleft()) for _ in range(min(room, len(self._waiting)))]
+            batch = [
+                self._block(self._waiting.popleft()) for _ in range(min(room, len(self._waiting)))
+            ]
             try:
                 submitted = self._ctx.submit(batch)
             except OSError as err:  # the first block was refused; the others were not tried
@@ -143,7 +149,9 @@ class LibaioBackend(IOBackend):
             piece.tracker.piece_done(None)
         elif piece.stalls >= MAX_NO_PROGRESS:
             piece.tracker.piece_done(
-                short_io_error(request.op, request.path, piece.offset, len(piece.buffer), piece.done)
+                short_io_error(
+                    request.op, request.path, piece.offset, len(piece.buffer), piece.done
+                )
             )
         else:  # short transfer: resubmit the rest
             with self._lock:
@@ -154,8 +162,12 @@ class LibaioBackend(IOBackend):
         for piece, code in failed:
             request = piece.request
             error: NVMeIOError = io_error(
-                request.op, request.path, piece.offset + piece.done,
-                len(piece.buffer) - piece.done, code, "io_submit refused it",
+                request.op,
+                request.path,
+                piece.offset + piece.done,
+                len(piece.buffer) - piece.done,
+                code,
+                "io_submit refused it",
             )
             piece.tracker.piece_done(error)
 

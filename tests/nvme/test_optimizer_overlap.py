@@ -1,0 +1,176 @@
+"""Config.optimizer_overlap with optimizer states on NVMe: every mode trains bitwise like the
+all-host plan, stats() says which mode ran, and a pattern the mode cannot serve is an error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("tierwise_nvme")
+
+import tierwise  # noqa: E402
+from helpers.models import tiny_batch, tiny_model  # noqa: E402
+
+COMMON = dict(device="cpu", chunk_size=5000, cache_blocks=3, param_placement="host")
+STEPS = 4
+
+
+def setup(
+    kind: str, precision: str, *, nvme_dir=None, overlap: str = "auto", lr_decay: bool = False
+):
+    model = tiny_model(kind)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    where = (
+        dict(optimizer_placement="nvme", nvme_path=str(nvme_dir))
+        if nvme_dir is not None
+        else dict(optimizer_placement="host")
+    )
+    model, optimizer = tierwise.setup(
+        model, optimizer, precision=precision, optimizer_overlap=overlap, **where, **COMMON
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.7**s) if lr_decay else None
+    return model, optimizer, scheduler
+
+
+def train(model, optimizer, scheduler=None, *, steps=STEPS, clip_at=(), accum_at=()):
+    """Plain loop; clips on the steps in ``clip_at`` and runs two micro-batches on those in
+    ``accum_at``. Returns the losses and ``stats()["optimizer_mode"]`` after each step."""
+    engine = tierwise.engine_of(model)
+    losses, modes = [], []
+    for step in range(steps):
+        micro = 2 if step in accum_at else 1
+        total = 0.0
+        for m in range(micro):
+            loss = model(**tiny_batch(seed=10 * step + m)).loss / micro
+            loss.backward()
+            total += loss.item()
+        if step in clip_at:
+            tierwise.clip_grad_norm_(model, 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(total)
+        modes.append(engine.stats()["optimizer_mode"])
+    return losses, modes
+
+
+def run(kind, precision, *, nvme_dir=None, overlap="auto", lr_decay=False, **schedule):
+    model, optimizer, scheduler = setup(
+        kind, precision, nvme_dir=nvme_dir, overlap=overlap, lr_decay=lr_decay
+    )
+    try:
+        losses, modes = train(model, optimizer, scheduler, **schedule)
+        params = {k: v.clone() for k, v in model.state_dict().items()}
+        moved = dict(tierwise.engine_of(model).tiers["nvme"].moved_bytes) if nvme_dir else {}
+    finally:
+        tierwise.engine_of(model).close()
+    return losses, modes, params, moved
+
+
+def assert_same_training(got, want, label):
+    losses, _, params, _ = got
+    assert losses == want[0], f"{label}: losses differ from all-host"
+    for key, value in want[2].items():
+        assert torch.equal(params[key], value), f"{label}: {key} differs from all-host"
+
+
+def expected_modes(overlap: str, precision: str, clipping: bool) -> list[str]:
+    if overlap == "after-backward" or precision == "fp16" or clipping:
+        return ["after-backward"] * STEPS
+    if overlap == "in-backward":
+        return ["in-backward"] * STEPS
+    return ["after-backward"] + ["in-backward"] * (STEPS - 1)  # auto learns from step 1
+
+
+def valid(overlap, precision, clip):
+    # fp16 scaling and clipping need every gradient before any update (tested below)
+    return overlap != "in-backward" or (precision == "bf16" and clip == "no-clip")
+
+
+@pytest.mark.parametrize(
+    "overlap,precision,clip",
+    [
+        (o, p, c)
+        for o in ("in-backward", "after-backward", "auto")
+        for p in ("bf16", "fp16")
+        for c in ("no-clip", "clip")
+        if valid(o, p, c)
+    ],
+)
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_overlap_modes_train_bitwise_like_host(kind, overlap, precision, clip, nvme_dir):
+    schedule = dict(clip_at=range(STEPS) if clip == "clip" else ())
+    want = run(kind, precision, **schedule)
+    got = run(kind, precision, nvme_dir=nvme_dir, overlap=overlap, **schedule)
+    assert_same_training(got, want, f"{overlap}/{precision}/{clip}")
+    _, modes, _, moved = got
+    assert modes == expected_modes(overlap, precision, clip == "clip")
+    assert moved["nvme->host"] > 0 and moved["host->nvme"] > 0
+
+
+def test_auto_with_gradient_accumulation_updates_after_backward(nvme_dir):
+    schedule = dict(accum_at=range(STEPS))
+    want = run("gpt2", "bf16", **schedule)
+    got = run("gpt2", "bf16", nvme_dir=nvme_dir, **schedule)
+    assert_same_training(got, want, "auto/accumulation")
+    assert got[1] == ["after-backward"] * STEPS
+
+
+def test_auto_returns_to_in_backward_when_clipping_stops(nvme_dir):
+    schedule = dict(clip_at=(0, 1))
+    want = run("llama", "bf16", **schedule)
+    got = run("llama", "bf16", nvme_dir=nvme_dir, **schedule)
+    assert_same_training(got, want, "auto/clip-then-not")
+    assert got[1] == ["after-backward", "after-backward", "after-backward", "in-backward"]
+
+
+def test_in_backward_updates_use_the_scheduled_learning_rate(nvme_dir):
+    want = run("gpt2", "bf16", lr_decay=True)
+    got = run("gpt2", "bf16", nvme_dir=nvme_dir, overlap="in-backward", lr_decay=True)
+    assert_same_training(got, want, "in-backward/LambdaLR")
+    assert got[1] == ["in-backward"] * STEPS
+
+
+def test_in_backward_with_fp16_is_a_config_error(nvme_dir):
+    with pytest.raises(tierwise.ConfigError, match="fp16 loss scaling needs every gradient"):
+        setup("gpt2", "fp16", nvme_dir=nvme_dir, overlap="in-backward")
+
+
+def run_until_error(nvme_dir, overlap, **schedule):
+    """Train with ``schedule``; return the step at which it raised and the error."""
+    model, optimizer, _ = setup("gpt2", "bf16", nvme_dir=nvme_dir, overlap=overlap)
+    engine = tierwise.engine_of(model)
+    steps_done = []
+    try:
+        with pytest.raises(RuntimeError) as info:
+            for step in range(STEPS):
+                train(
+                    model,
+                    optimizer,
+                    steps=1,
+                    **{k: (0,) if step in v else () for k, v in schedule.items()},
+                )
+                steps_done.append(step)
+    finally:
+        engine.close()
+    return len(steps_done), str(info.value)
+
+
+@pytest.mark.parametrize("overlap", ["in-backward", "auto"])
+def test_clipping_after_in_backward_updates_is_an_error(nvme_dir, overlap):
+    # auto: steps 0-1 unclipped (so step 2 updates in backward), then clipping starts
+    clip_from = 0 if overlap == "in-backward" else 2
+    failed_at, message = run_until_error(nvme_dir, overlap, clip_at=range(clip_from, STEPS))
+    assert failed_at == clip_from
+    assert "clip_grad_norm_ was called after the optimizer already updated" in message
+    assert "optimizer_overlap='after-backward'" in message
+
+
+@pytest.mark.parametrize("overlap", ["in-backward", "auto"])
+def test_accumulation_after_in_backward_updates_is_an_error(nvme_dir, overlap):
+    accum_from = 0 if overlap == "in-backward" else 2
+    failed_at, message = run_until_error(nvme_dir, overlap, accum_at=range(accum_from, STEPS))
+    assert failed_at == accum_from
+    assert "a gradient arrived for a chunk whose optimizer update already ran" in message
+    assert "optimizer_overlap='after-backward'" in message

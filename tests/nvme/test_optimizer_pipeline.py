@@ -117,8 +117,14 @@ def test_prefetched_chunks_update_first_and_still_match(make_tier):
     chunks = setup_states(tier, torch.Generator().manual_seed(5))
     pipeline = OptimizerPipeline(tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=9))
     assert [pipeline.prefetch(i, chunks[i][0]) for i in (5, 4)] == [True, True]
-    gate, order = threading.Event(), []
-    pipeline.submit("gate", chunks[0][0], lambda states: gate.wait())  # holds the worker
+    holding, gate, order = threading.Event(), threading.Event(), []
+
+    def hold(states):
+        holding.set()
+        gate.wait()
+
+    pipeline.submit("gate", chunks[0][0], hold)
+    holding.wait()  # the worker is inside this update: nothing else runs before the gate opens
     steps = [torch.zeros(()) for _ in chunks]
     for i, (slabs, states, grads) in enumerate(chunks):
 

@@ -98,19 +98,21 @@ def setup(
     host = get_plugin_host()
     world = _world_group(process_group)
     patterns = _patterns(config, host, world)
+    for pattern in patterns:  # model-parallel patterns shard modules before anything is sized
+        pattern.prepare(model)
     params = collect_params(model, optimizer, patterns)
     profile = host.profile_model(model=model, example_batch=example_batch, config=config)
     if profile is None:
         profile = static_profile(params)
     group_of = {m.name: m.group_name for m in params.values()}
+    dp_size_of = {m.name: _dp_world(m.pattern)[1] for m in params.values()}
     for info in profile.params:
         info.group = group_of.get(info.name, info.group)
+        info.dp_size = dp_size_of.get(info.name, info.dp_size)
     profile.module_params = profile.module_params or _module_params(model, params)
     hardware = Hardware(**host.probe_hardware(config=config))
     plan = host.make_plan(profile=profile, hardware=hardware, config=config)
     check_chunk_size(plan)
-    for pattern in patterns:
-        pattern.prepare(model)
     dtype = _PRECISION_DTYPES[config.precision]
     world_rank = {p.key: _dp_world(p) for p in patterns}
     groups = layout_groups(params, profile, plan, dtype, world_rank=world_rank)

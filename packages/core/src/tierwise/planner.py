@@ -62,15 +62,21 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
     lc = BYTES[config.precision]
     chunk_size = config.chunk_size if isinstance(config.chunk_size, int) else auto_chunk_size(profile)
     layout = _layout(profile, chunk_size)
-    world = hardware.world_size if config.shard else 1
-    caps = [(cap, trainable) for chunks in layout.values() for cap, trainable, _ in chunks]
-    block_bytes = max(cap for cap, _ in caps) * lc
+    dp_size = {(p.group or "data/g0/train"): p.dp_size or hardware.world_size for p in profile.params}
+    # per chunk: (capacity, trainable, data-parallel size, ranks it is sharded over)
+    caps = [
+        (cap, trainable, dp_size.get(group, hardware.world_size),
+         dp_size.get(group, hardware.world_size) if config.shard else 1)
+        for group, chunks in layout.items() for cap, trainable, _ in chunks
+    ]
+    block_bytes = max(cap for cap, *_ in caps) * lc
     n_chunks = len(caps)
-    n_trainable = sum(1 for _, t in caps if t)
-    param_bytes = sum(-(-cap // world) for cap, _ in caps) * lc
-    frozen_param_bytes = sum(-(-cap // world) for cap, t in caps if not t) * lc
-    optim_bytes = sum(-(-cap // world) for cap, t in caps if t) * (OPTIM_BYTES + lc)
-    staging_blocks = 0 if hardware.world_size == 1 else n_trainable  # see [Note: gradient path]
+    n_sharded = sum(1 for *_, shards in caps if shards > 1)
+    param_bytes = sum(-(-cap // shards) for cap, _, _, shards in caps) * lc
+    frozen_param_bytes = sum(-(-cap // shards) for cap, t, _, shards in caps if not t) * lc
+    optim_bytes = sum(-(-cap // shards) for cap, t, _, shards in caps if t) * (OPTIM_BYTES + lc)
+    # see [Note: gradient path]: trainable chunks reduced across ranks go through staging
+    staging_blocks = sum(1 for _, t, dp, _ in caps if t and dp > 1)
     min_blocks = _min_blocks(profile, layout)
 
     budget = config.device_memory
@@ -90,10 +96,8 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
         return need
 
     def blocks_for(param_tier: str) -> int:
-        if param_tier == "device" and world == 1:
-            return 0
-        if param_tier == "device":  # sharded: keep every gathered chunk (ZeRO-2-like)
-            return n_chunks
+        if param_tier == "device":  # sharded chunks: keep every gathered one (ZeRO-2-like)
+            return n_sharded
         return min(n_chunks, min_blocks + config.prefetch)
 
     fits = lambda p, o, b: budget is None or device_need(p, o, b) <= budget  # noqa: E731
@@ -116,11 +120,11 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
         cache_blocks = config.cache_blocks
     else:
         cache_blocks = blocks_for(param_tier)
-        if param_tier == "device" and world > 1 and not fits(param_tier, optim_tier, cache_blocks):
-            cache_blocks = min(n_chunks, min_blocks + config.prefetch)
+        if param_tier == "device" and n_sharded and not fits(param_tier, optim_tier, cache_blocks):
+            cache_blocks = min(n_sharded, min_blocks + config.prefetch)
         while cache_blocks > 0 and not fits(param_tier, optim_tier, cache_blocks):
             cache_blocks -= 1
-        if param_tier != "device" or world > 1:
+        if param_tier != "device" or n_sharded:
             cache_blocks = max(cache_blocks, min_blocks)
             if budget is not None and cache_blocks < n_chunks:
                 spare = budget - device_need(param_tier, optim_tier, cache_blocks)

@@ -27,6 +27,10 @@ class ParamInfo(JsonDataclass):
     """Other names under which the same tensor is registered (tied weights)."""
     group: str = ""
     """Chunk group name (pattern/param group/trainable), filled by the engine before planning."""
+    dp_size: int | None = None
+    """Ranks in the data-parallel group its chunk group is reduced (and sharded) over, filled by
+    the engine with ``group``; None means the whole world (expert/tensor parallel groups are
+    smaller)."""
 
 
 @dataclass(kw_only=True)

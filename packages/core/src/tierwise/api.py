@@ -23,6 +23,7 @@ from tierwise.runtime.build import (
     static_profile,
 )
 from tierwise.runtime.engine import _PRECISION_DTYPES
+from tierwise.runtime.reduce import StreamingReducer
 from tierwise.runtime.hooks import install_hooks
 
 _ENGINE_ATTR = "_tierwise_engine"
@@ -163,6 +164,14 @@ def setup(
     )
     engine.profile = profile
     engine.hardware = hardware
+    if world is not None and dist.get_world_size(world) > 1 and world == dist.group.WORLD:
+        # a second communicator for gradient reductions: [Note: streaming reduction]
+        engine.reducer = StreamingReducer(
+            group=dist.new_group(backend=dist.get_backend(world)),
+            collectives=engine.collectives,
+            accumulate=engine._reduced,
+            release=engine._give_back_staging,
+        )
     engine.hook_handles = install_hooks(engine, model, list(modules))
     for group in groups:
         if group.trainable:

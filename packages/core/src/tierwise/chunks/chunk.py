@@ -73,6 +73,8 @@ class Chunk:
     """Trainable parameters whose gradient this backward has not delivered yet."""
     grads_done: bool = False
     """This backward's gradients were reduced into the gradient shard already."""
+    handed_over: bool = False
+    """This backward's gradients went to the streaming reducer."""
     local_grad: torch.Tensor | None = None
     """Full-chunk gradients accumulated locally under no_sync (not yet reduced)."""
 

@@ -28,16 +28,16 @@ class Collectives:
         self.bytes[name] += tensor.numel() * tensor.element_size()
         self.calls[name] += 1
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group) -> None:
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
         self._count("all_gather", out)
-        _all_gather(out, shard, group=group)
+        return _all_gather(out, shard, group=group, async_op=async_op)
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group) -> None:
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group, async_op: bool = False):
         self._count("reduce_scatter", full)
-        _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group)
+        return _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
-    def all_reduce(self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    def all_reduce(self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
         # a ring all-reduce moves the payload twice (reduce-scatter + all-gather): Table 1
         self._count("all_reduce", tensor)
         self.bytes["all_reduce"] += tensor.numel() * tensor.element_size()
-        dist.all_reduce(tensor, op=op, group=group)
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)

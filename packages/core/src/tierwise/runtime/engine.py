@@ -20,6 +20,7 @@ from tierwise.optim import AdamHyper, DynamicLossScaler, adam_update
 from tierwise.parallel.collectives import Collectives
 from tierwise.plan import Plan
 from tierwise.runtime.cache import AccessTrace, RCache
+from tierwise.runtime.reduce import StreamingReducer
 from tierwise.tiers.base import Tier
 
 _PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -100,6 +101,8 @@ class Engine:
         self._reforward_pins: list[torch.nn.Module] = []
         self._scaled_this_backward = False
         self.multi_rank = any(g.world > 1 for g in groups)
+        self.reducer: StreamingReducer | None = None
+        """Streams reductions of chunks sharded over ``world_group`` ([Note: streaming reduction])."""
 
     # ------------------------------------------------------------------ properties
     @property
@@ -285,6 +288,8 @@ class Engine:
             segment.copy_(grad.reshape(-1))
             slot.got_grad = True
             chunk.pending -= 1
+            if chunk.pending == 0 and self._streams(chunk):
+                self._hand_to_reducer(chunk)
         if slot.state is not TensorState.COMPUTE:
             slot.set_state(TensorState.HOLD_AFTER_BWD)
 
@@ -301,18 +306,25 @@ class Engine:
                 if not chunk.optim.grad_filled:  # no gradient at all since zero_grad: zeros
                     chunk.optim.grad.tensor.zero_()
                     chunk.optim.grad_filled = True
-            elif chunk.trainable and not chunk.grads_done:
+            elif chunk.trainable and not chunk.grads_done and not chunk.handed_over:
                 if chunk.staging is None:  # got no gradient at all: finalised as zero
                     chunk.staging = self._take_staging(chunk)
-                self._finish_chunk_grads(chunk)
+                if self._streams(chunk):
+                    self._hand_to_reducer(chunk, at_end=True)
+                else:
+                    self._finish_chunk_grads(chunk)
             for slot in chunk.slots:
                 if slot.compute_refs:
                     slot.compute_refs = 0
                     slot.set_state(TensorState.HOLD_AFTER_BWD)
             chunk.compute_refs = 0
+        if self.reducer is not None and not self._no_sync:
+            streamed = [c for c in self.chunks() if c.trainable and self._streams(c)]
+            self.reducer.finish(streamed, self._by_key)
         for chunk in self.chunks():
             chunk.pending = len(chunk.slots) if chunk.trainable else 0
             chunk.grads_done = False
+            chunk.handed_over = False
             for slot in chunk.slots:
                 slot.got_grad = False
         if self.trace.recording:
@@ -360,6 +372,38 @@ class Engine:
         if slot.state is not TensorState.COMPUTE:
             slot.set_state(TensorState.HOLD_AFTER_BWD)
 
+    def _streams(self, chunk: Chunk) -> bool:
+        """Whether this chunk's reduction goes through the streaming reducer."""
+        return (
+            self.reducer is not None
+            and not self._no_sync
+            and chunk.group.process_group is self.world_group
+        )
+
+    def _hand_to_reducer(self, chunk: Chunk, *, at_end: bool = False) -> None:
+        self._zero_fill_missing(chunk)
+        if chunk.local_grad is not None:  # micro-batches accumulated under no_sync
+            chunk.staging.add_(chunk.local_grad)
+            chunk.local_grad = None
+        chunk.handed_over = True
+        if not at_end:
+            self.reducer.chunk_complete(chunk, self._by_key)
+
+    def _reduced(self, chunk: Chunk, shard: torch.Tensor) -> None:
+        """The streaming reducer finished ``chunk``: its shard of averaged gradients."""
+        self._accumulate_grad_shard(chunk, shard)
+        chunk.grads_done = True
+        self._grads_final(chunk)
+
+    def _zero_fill_missing(self, chunk: Chunk) -> None:
+        full = chunk.staging
+        used_end = 0
+        for slot in chunk.slots:
+            if not slot.got_grad:
+                full[slot.offset : slot.offset + slot.numel].zero_()
+            used_end = max(used_end, slot.offset + slot.numel)
+        full[used_end:].zero_()
+
     def _late_grad(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
         """A gradient arriving after its chunk was finished (a parameter reused across
         re-entrant checkpoint segments): reduce a chunk-sized buffer holding only it."""
@@ -375,13 +419,8 @@ class Engine:
 
     def _finish_chunk_grads(self, chunk: Chunk) -> None:
         """Zero-fill missing gradients, reduce across ranks, accumulate into the grad shard."""
+        self._zero_fill_missing(chunk)
         full = chunk.staging
-        used_end = 0
-        for slot in chunk.slots:
-            if not slot.got_grad:
-                full[slot.offset : slot.offset + slot.numel].zero_()
-            used_end = max(used_end, slot.offset + slot.numel)
-        full[used_end:].zero_()
         if self._no_sync:
             if chunk.local_grad is None:
                 chunk.local_grad = full.clone()

@@ -6,9 +6,12 @@ budget). Every plan is built once with ``tierwise.setup`` (profile from tierwise
 installed, hardware from the probe hooks, plan from tierwise-search with the forced settings),
 warmed up, then the plans take turns one step at a time for ``--rounds`` rounds.
 
-Prints one JSON line per plan (median measured step, predicted step, their ratio) and a summary
-line: the auto plan's median against the best measured plan, and how many predictions were
-within 25 % of the measurement.
+The plans take turns in a rotating order (each round starts one plan later), so drift on this
+shared machine, and any I/O an NVMe plan leaves behind, hits every plan alike; the 1-minute load
+average is recorded before and after. Prints one JSON line per plan (median measured step,
+predicted step, their ratio; bytes fetched into the rCache per timed step against the Belady
+prediction at the plan's chunk size and blocks) and a summary line: the auto plan's median
+against the best measured plan, and how many predictions were within 25 % of the measurement.
 
     OMP_NUM_THREADS=1 python bench/search_sweep.py [--rounds 7] [--nvme /tmp/tw-sweep]
 """
@@ -23,10 +26,13 @@ import statistics
 import tempfile
 import time
 
+import numpy as np
 import tierwise
 import torch
 import transformers as tf
 from tierwise import PlanError
+from tierwise_search.belady import simulate
+from tierwise_search.layout import build_chunks, build_trace
 
 VOCAB, HIDDEN, LAYERS, SEQ, BATCH = 4096, 256, 4, 128, 8
 DEVICE_MEMORY = 24 * 2**20
@@ -67,6 +73,8 @@ def hand_plans(nvme: str | None) -> list[dict]:
         for chunk in (largest, 2 * largest):
             plans.append(dict(chunk_size=chunk, cache_blocks=3, param_placement="host",
                               optimizer_placement="nvme", nvme_path=nvme))
+        plans.append(dict(chunk_size=largest, cache_blocks=3, param_placement="nvme",
+                          optimizer_placement="nvme", nvme_path=nvme))
     else:
         plans.append(dict(chunk_size=largest + 64 * K, cache_blocks=3, param_placement="host",
                           optimizer_placement="host"))
@@ -74,6 +82,25 @@ def hand_plans(nvme: str | None) -> list[dict]:
                           optimizer_placement="host"))
     plans.append({})  # the auto plan
     return plans
+
+
+def moved_per_step(run: dict, engine, steps: int) -> dict:
+    """Bytes moved per timed step, by direction (the warm-up steps left out)."""
+    now = engine.stats()["moved_bytes"]
+    return {k: (v - run["moved_before"].get(k, 0)) // max(steps, 1) for k, v in now.items()}
+
+
+def predicted_fetch_bytes(engine) -> int:
+    """Bytes the search's Belady simulation fetches into the rCache in one step for this plan."""
+    plan, profile = engine.plan, engine.profile
+    table = build_chunks(profile, plan.chunk_size)
+    trace = build_trace(profile, table, checkpointing=plan.activation_checkpointing)
+    cached = np.array([plan.param_tier_of(g, i) != "device"
+                       for g, i in zip(table.group_of_chunk, table.index_in_group, strict=True)])
+    if not cached.any():
+        return 0
+    fetches = simulate(trace, plan.cache_blocks, cached).fetches
+    return int((fetches * table.capacity).sum()) * 2  # bf16
 
 
 def label(overrides: dict) -> str:
@@ -129,12 +156,19 @@ def main() -> None:
                 one_step(run, step)
         except RuntimeError as err:  # an engine failure on one plan must not hide the others
             failed(run, err)
+    load_before = os.getloadavg()[0]
+    for run in runs:
+        run["moved_before"] = dict(tierwise.engine_of(run["model"]).stats()["moved_bytes"])
     for round_index in range(args.rounds):
-        for run in list(runs):  # alternate plans so drift on this shared machine hits all alike
+        shift = round_index % len(runs) if runs else 0
+        for run in runs[shift:] + runs[:shift]:  # rotating turns: drift hits every plan alike
+            if run not in runs:
+                continue
             try:
                 run["times"].append(one_step(run, 2 + round_index))
             except RuntimeError as err:
                 failed(run, err)
+    load_after = os.getloadavg()[0]
 
     results = []
     for run in runs:
@@ -150,7 +184,8 @@ def main() -> None:
             "measured_median_s": round(measured, 4), "predicted_s": round(predicted, 4),
             "measured_over_predicted": round(measured / predicted, 3) if predicted else None,
             "predicted_breakdown_s": {k: round(v, 4) for k, v in plan.predicted_step_s.items()},
-            "moved_bytes_per_step": {k: v // (2 + args.rounds) for k, v in engine.stats()["moved_bytes"].items()},
+            "moved_bytes_per_step": moved_per_step(run, engine, len(run["times"])),
+            "predicted_fetch_bytes_per_step": predicted_fetch_bytes(engine),
         }
         results.append(result)
         print(json.dumps(result), flush=True)
@@ -159,6 +194,7 @@ def main() -> None:
     within = [r for r in results if r["measured_over_predicted"] and abs(r["measured_over_predicted"] - 1) <= 0.25]
     print(json.dumps({
         "bench": "search_sweep", "summary": True, "machine": machine, "plans": len(results),
+        "rounds": args.rounds, "load_avg_1m_before": load_before, "load_avg_1m_after": load_after,
         "auto_median_s": auto["measured_median_s"], "best_plan": best["plan"],
         "best_median_s": best["measured_median_s"],
         "auto_over_best": round(auto["measured_median_s"] / best["measured_median_s"], 3),

@@ -45,6 +45,7 @@ def tierwise_profile_model(
             precision=config.precision,
             device=config.device,
             activation_checkpointing=config.activation_checkpointing,
+            time_layers=True,
         )
     except MetaProfileError as err:
         warnings.warn(f"tierwise-profiler: {err}", ProfilerFallbackWarning, stacklevel=2)

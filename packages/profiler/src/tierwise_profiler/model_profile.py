@@ -22,6 +22,7 @@ from tierwise.profile import ParamInfo, Profile
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from tierwise_profiler.op_timing import OpLog, layer_forward_seconds
 from tierwise_profiler.recorder import StepRecorder
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -48,6 +49,7 @@ def profile_model(
     precision: str = "bf16",
     device: str | torch.device = "cpu",
     activation_checkpointing: bool = False,
+    time_layers: bool = False,
 ) -> Profile:
     """Profile one training step (forward, loss, backward) of ``model`` on ``example_batch``.
 
@@ -59,6 +61,8 @@ def profile_model(
     ``out = model(**batch); out.loss.backward()``. ``precision`` picks the dtype of floating
     parameters (and so of activations). ``activation_checkpointing`` turns on Hugging Face
     activation checkpointing for the step when the model supports it and has it off.
+    ``time_layers`` also measures ``layer_forward_s`` on ``device`` by running each distinct
+    forward op once for real (see [Note: layer timing]: about one block's forward).
 
     Raises :class:`MetaProfileError` naming the op when the step cannot run on fake tensors
     (it needs tensor values, or the op has no fake implementation).
@@ -69,6 +73,7 @@ def profile_model(
     infos, canonical = _param_infos(model)
     buffers = _distinct(t for _, t in model.named_buffers(remove_duplicate=False))
     fake_device = _fake_device(device)
+    op_log = OpLog() if time_layers and fake_device.type == torch.device(device).type else None
     with FakeTensorMode(allow_non_fake_inputs=True):
         fakes = _fake_like(
             _distinct(p for _, p in model.named_parameters(remove_duplicate=False)),
@@ -81,6 +86,7 @@ def profile_model(
             model,
             params={name: fakes[id(p)] for name, p in canonical.items()},
             direct_params=_direct_params(model, canonical),
+            op_log=op_log,
         )
         with contextlib.ExitStack() as stack:
             stack.enter_context(_swapped(model, {**fakes, **fake_buffers}))
@@ -97,6 +103,7 @@ def profile_model(
             except Exception as err:
                 raise MetaProfileError(_explain(model, recorder.failed_op, err)) from err
         record = recorder.result()
+    layer_forward_s = layer_forward_seconds(op_log) if op_log is not None else {}
     batch_size, seq_len = _batch_shape(example_batch)
     forward_counts: dict[str, int] = {}
     for name in record.forward_order:
@@ -110,6 +117,7 @@ def profile_model(
         multi_use=[name for name, count in forward_counts.items() if count > 1],
         layer_activation_bytes=record.layer_activation_bytes,
         layer_flops=record.layer_flops,
+        layer_forward_s=layer_forward_s,
         peak_activation_bytes=record.peak_bytes,
         buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
         batch_size=batch_size,

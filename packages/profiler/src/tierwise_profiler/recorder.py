@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tierwise_profiler.fake_fixes import run_op
 from tierwise_profiler.flops import counts_flops, op_flops
 from tierwise_profiler.live_memory import LiveBytes, op_tensors, storage_keys
+from tierwise_profiler.op_timing import OpLog
 
 ROOT = ""
 """Owner name of ops run by the top-level module or outside every module."""
@@ -91,6 +92,7 @@ class StepRecorder(TorchDispatchMode):
         *,
         params: dict[str, torch.Tensor],
         direct_params: dict[str, list[str]],
+        op_log: OpLog | None = None,
     ) -> None:
         super().__init__()
         self._model = model
@@ -117,6 +119,8 @@ class StepRecorder(TorchDispatchMode):
         self._flops: dict[str, float] = {}
         self._saved: dict[str, int] = {}
         self._handles: list[Any] = []
+        self.op_log = op_log
+        """When given, every forward op is logged in it by layer (see [Note: layer timing])."""
 
     # -- lifecycle ----------------------------------------------------------------------------
     def __enter__(self):
@@ -241,6 +245,9 @@ class StepRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _METADATA_OPS:  # fake tensors ask for their device through dispatch
             return func(*args, **kwargs)
+        owner = self._frames[-1].name if self._frames else ROOT
+        if self.op_log is not None and self.phase == "forward":
+            self.op_log.add(owner, func, args, kwargs)
         self.failed_op = func
         out = run_op(func, args, kwargs)
         self.failed_op = None
@@ -251,7 +258,6 @@ class StepRecorder(TorchDispatchMode):
             name = self._params_by_storage.get(key)
             if name is not None:
                 self._param_used(name)
-        owner = self._frames[-1].name if self._frames else ROOT
         if self.phase == "forward" and counts_flops(func):
             self._flops[owner] = self._flops.get(owner, 0.0) + op_flops(func, args, kwargs, out)
         self.live.add_outputs(input_keys, op_tensors((out,)), owner=owner)

@@ -11,19 +11,27 @@ sharding over N ranks each rank's home tiers hold 1/N of every chunk, rCache blo
 chunk also has a gradient shard of L_c bytes/element in its optimizer tier (host when that tier
 is NVMe); with fp32 a chunk whose params and optimizer share a tier keeps only the master copy;
 every rCache block is as large as the largest chunk; with several ranks, full-chunk gradient
-staging buffers live on the device.
+staging buffers live on the device. With optimizer states on NVMe the optimizer pipeline's
+staging buffers (``PIPELINE_BUFFERS``) count as host memory: the same few buffers whatever the
+budget, so the minimum host memory a plan needs does not depend on the budget given. Parameters
+on NVMe need no host staging (the engine reads a chunk straight into its rCache block).
 
 [Note: step time model] One step is a forward/backward phase followed by an optimizer phase.
-- forward/backward: compute = (3 x forward FLOPs + recomputed FLOPs) / device FLOP/s. Parameter
+- forward/backward: compute = forward + backward (``BACKWARD_OVER_FORWARD`` x forward) + the
+  forward of recomputed layers, from measured layer times or FLOPs (``tierwise_search.compute``).
+  Parameter
   fetches (rCache misses), gradient offload, activation swaps and collectives use their own
   links. On CUDA, prefetch on side streams overlaps them with compute, so the phase takes the
   maximum of compute and each link's time (LoHan's model); that needs a spare rCache block to
   prefetch into (and prefetch > 0), otherwise transfers wait for compute and the phase is the sum.
-  On CPU the "device" is host RAM: copies and collectives run on the same cores as compute, so
-  they add; only NVMe I/O (asynchronous AIO) overlaps.
+  On CPU the "device" is host RAM: copies and collectives run on the same cores as compute, and
+  the engine waits for every fetch (an NVMe chunk is read straight into its rCache block, with no
+  host hop), so everything in this phase adds.
 - optimizer: host Adam is pipelined with its NVMe reads/writes and with uploading updated
   parameters to the device (LoHan / ZeRO-Offload), so that part takes the maximum of the three;
-  device Adam runs on the compute stream after it and adds.
+  device Adam runs on the compute stream after it and adds. On CPU the pipeline's worker thread
+  shares the cores (and memory bandwidth) with compute and the updates: its parts add (measured
+  here: an NVMe optimizer costs about its reads plus its writes on top of the host plan).
 total = forward/backward + optimizer. ``sum`` (all components added) is kept as a tie-breaker:
 when a change does not move the binding term it still prefers less traffic.
 """
@@ -35,6 +43,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from tierwise_search.belady import AccessTrace, simulate
+from tierwise_search.compute import BACKWARD_OVER_FORWARD
 from tierwise_search.layout import ChunkTable
 from tierwise_search.rates import Rates
 
@@ -42,13 +51,17 @@ DEVICE, HOST, NVME = 0, 1, 2
 TIERS = ("device", "host", "nvme")
 OPTIM_BYTES = 12
 """fp32 master + exp_avg + exp_avg_sq per trainable element."""
+PIPELINE_BUFFERS = 9
+"""fp32 staging buffers of the largest shard that the NVMe optimizer pipeline holds in host
+memory: 3 states x (1 read ahead + 1 updating + 1 writing), tierwise-nvme's defaults."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ActivationTraffic:
     """What the activation policy adds to a step."""
 
-    recompute_flops: float = 0.0
+    recompute_s: float = 0.0
+    """Forward seconds of the recomputed layers (run again in backward)."""
     d2h: float = 0.0
     h2d: float = 0.0
     nvme_read: float = 0.0
@@ -66,7 +79,8 @@ class Setting:
     rates: Rates
     param_bytes: int
     """L_c: bytes per parameter element."""
-    forward_flops: float
+    forward_s: float
+    """One forward pass on the device, seconds (``tierwise_search.compute``)."""
     shard: int
     """Ranks a chunk is sharded over (1 = whole chunks on every rank)."""
     prefetch: int
@@ -177,9 +191,8 @@ class CostModel:
         if s.uses_rcache(p).any():
             totals[DEVICE] += placement.n_blocks * block
         totals[DEVICE] += s.staging_blocks * block
-        if (p == NVME).any() or (train & (o == NVME)).any():
-            # staging: read next, update current, write previous (LoHan's pipeline)
-            totals[HOST] += 3 * s.table.chunk_size * (s.param_bytes + OPTIM_BYTES) // s.shard
+        if (train & (o == NVME)).any():
+            totals[HOST] += PIPELINE_BUFFERS * 4 * int(shard.max(initial=0))
         totals[HOST] += s.activations.host_bytes
         return Memory(*totals)
 
@@ -193,8 +206,11 @@ class CostModel:
         act = s.activations
 
         # forward/backward phase
-        h2d_fb = (fetches * shard_bytes)[p != DEVICE].sum() + act.h2d
-        nvme_read_fb = (fetches * shard_bytes)[p == NVME].sum() + act.nvme_read
+        fetched = fetches * shard_bytes
+        nvme_fetched = fetched[p == NVME].sum()
+        # NVMe chunks reach a CUDA device through host memory; on CPU the read lands in the block
+        h2d_fb = fetched[p == HOST].sum() + (0.0 if r.device_is_host else nvme_fetched) + act.h2d
+        nvme_read_fb = nvme_fetched + act.nvme_read
         offload_grad = train & (o != DEVICE)
         d2h_fb = shard_bytes[offload_grad].sum() + act.d2h
         nvme_write_fb = act.nvme_write
@@ -205,7 +221,7 @@ class CostModel:
                 comm = part * ((fetches * chunk_bytes).sum() + chunk_bytes[train].sum())
             else:  # replicas: all-reduce gradients
                 comm = 2 * part * chunk_bytes[train].sum()
-        compute = (3 * s.forward_flops + act.recompute_flops) / r.flops
+        compute = (1 + BACKWARD_OVER_FORWARD) * s.forward_s + act.recompute_s
 
         # optimizer phase
         host_opt = elems[offload_grad].sum() / r.host_adam
@@ -233,16 +249,17 @@ class CostModel:
         nvme_fb = max(t["nvme_read_fb"], t["nvme_write_fb"])
         spare = placement.n_blocks - s.min_blocks
         can_prefetch = s.prefetch > 0 and (spare >= 1 or not fetches.any())
-        if r.overlap and can_prefetch:
+        if r.device_is_host:
+            phase_fb = compute + sum(links) + t["nvme_read_fb"] + t["nvme_write_fb"]
+        elif can_prefetch:
             phase_fb = max(compute, nvme_fb, *links)
         else:
             phase_fb = max(compute + sum(links), nvme_fb)
         if r.overlap:
             phase_opt = max(host_opt, t["nvme_read_opt"], t["nvme_write_opt"], t["h2d_opt"])
-            phase_opt += device_opt + t["d2h_opt"]
-        else:
-            phase_opt = max(host_opt + t["h2d_opt"], t["nvme_read_opt"], t["nvme_write_opt"])
-            phase_opt += device_opt + t["d2h_opt"]
+        else:  # one set of cores does the updates, the copies and drives the disk
+            phase_opt = host_opt + t["h2d_opt"] + t["nvme_read_opt"] + t["nvme_write_opt"]
+        phase_opt += device_opt + t["d2h_opt"]
         seconds = {
             "compute": compute,
             "h2d": t["h2d_fb"] + t["h2d_opt"],
@@ -261,6 +278,7 @@ __all__ = [
     "HOST",
     "NVME",
     "OPTIM_BYTES",
+    "PIPELINE_BUFFERS",
     "TIERS",
     "ActivationTraffic",
     "CostModel",

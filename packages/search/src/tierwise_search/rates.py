@@ -60,6 +60,9 @@ class Rates:
     """Collective bytes/s between ranks."""
     overlap: bool
     """Transfers overlap compute (CUDA side streams); on CPU they share the cores."""
+    device_is_host: bool
+    """The compute device is host RAM (CPU): a host->device copy is a memcpy on the compute
+    cores, and an NVMe read lands in device memory directly."""
     world_size: int
     """Data-parallel ranks."""
     fallbacks: dict[str, str] = field(default_factory=dict)
@@ -90,6 +93,7 @@ def resolve_rates(hardware: Hardware) -> Rates:
         flops=pick("device_flops"),
         interconnect=pick("interconnect_bandwidth"),
         overlap=kind == "cuda",
+        device_is_host=kind == "cpu",
         world_size=max(1, int(hardware.world_size or 1)),
         fallbacks=fallbacks,
     )

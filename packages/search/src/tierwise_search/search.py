@@ -27,6 +27,7 @@ from tierwise_search.activations import (
     best_split,
     traffic_for,
 )
+from tierwise_search.compute import layer_times
 from tierwise_search.cost import TIERS, ActivationTraffic, CostModel, Prediction, Setting
 from tierwise_search.layout import ChunkTable, build_chunks, build_trace, largest_param
 from tierwise_search.placement import (
@@ -80,19 +81,6 @@ def _tier_index(placement: str) -> int | None:
     return None if placement == "auto" else TIERS.index(placement)
 
 
-def _forward_flops(profile: Profile, reasons: list[str]) -> float:
-    if profile.layer_flops:
-        return float(sum(profile.layer_flops.values()))
-    if profile.batch_size and profile.seq_len:
-        tokens = profile.batch_size * profile.seq_len
-        reasons.append(
-            f"profile has no layer FLOPs: estimated forward FLOPs as 2 x parameters x {tokens} tokens"
-        )
-        return 2.0 * profile.total_numel * tokens
-    reasons.append("profile has neither layer FLOPs nor batch shape: compute time taken as 0")
-    return 0.0
-
-
 def chunk_size_candidates(profile: Profile, world: int) -> list[int]:
     """From the largest parameter (at least core's minimum chunk) up to the largest group's
     size (one chunk per group), multiples of 64 elements per rank (1024 for big models)."""
@@ -140,7 +128,8 @@ class _Search:
         self.param_bytes = PARAM_BYTES[config.precision]
         world = self.rates.world_size
         self.shard = world if (config.shard and world > 1) else 1
-        self.forward_flops = _forward_flops(profile, self.reasons)
+        self.times = layer_times(profile, self.rates.flops)
+        self.reasons.append(self.times.source)
         self.host_capacity = config.host_memory if config.host_memory is not None else hardware.host_memory
         if config.device_memory is not None:
             self.reasons.append(
@@ -192,13 +181,13 @@ class _Search:
             staging = int(table.trainable.sum())
         else:
             staging = 2
-        traffic = replace(traffic_for(self.profile, (), choice.leaving, None), host_bytes=choice.host_reserve)
+        traffic = replace(traffic_for(self.profile, self.times.layers, (), choice.leaving, None), host_bytes=choice.host_reserve)
         return CostModel(Setting(
             table=table,
             trace=trace,
             rates=self.rates,
             param_bytes=self.param_bytes,
-            forward_flops=self.forward_flops,
+            forward_s=self.times.forward_s,
             shard=self.shard,
             prefetch=self.config.prefetch,
             min_blocks=trace.widest_step(),
@@ -262,7 +251,7 @@ class _Search:
             model.setting = replace(model.setting, activations=traffic)
             return model.predict(final.placement)
 
-        policy, traffic, prediction = best_split(self.profile, choice, evaluate)
+        policy, traffic, prediction = best_split(self.profile, self.times.layers, choice, evaluate)
         model.setting = replace(model.setting, activations=traffic)
         return Step(final.placement, model.memory(final.placement), prediction, final.move), policy
 
@@ -324,6 +313,7 @@ def search_plan(
     search = _Search(profile, hardware, config, gradient_staging)
     choices = activation_choices(
         profile,
+        search.times.layers,
         offload=config.activation_offload,
         checkpointing=config.activation_checkpointing,
         nvme=config.nvme_path is not None,

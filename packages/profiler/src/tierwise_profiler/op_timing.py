@@ -1,0 +1,160 @@
+"""Measured forward time per layer: the fake step's forward ops, each distinct one run for real.
+
+[Note: layer timing] FLOPs over a peak matmul rate badly underestimate a step on a CPU (and on
+small GPU kernels): layer norms, softmax, element-wise ops and memory-bound matmuls do not run
+at the peak. So the recorder logs every forward op with the shapes, strides and dtypes of its
+tensor arguments and the layer (innermost module, the keys of ``Profile.layer_flops``) that ran
+it. After the fake step every distinct op signature gets made-up inputs of those shapes on the
+compute device (random floats, zero integers: valid indices and targets), and the distinct ops
+run in forward order for one warm-up round and ``ROUNDS`` timed rounds (fewer once
+``MAX_SECONDS`` have passed); each round keeps its outputs alive until it ends, so ops write
+fresh memory as a forward saving its activations does. An op's time is its median over the
+rounds: on a shared machine a burst of load slows one round, not the estimate; it is kept for
+the rest of the process (another profile of the same shapes reuses it). Transformer
+blocks repeat the same signatures, so a round costs about one block's forward (plus the
+embedding, head and loss). A layer's forward time is the sum over its ops.
+
+No times (an empty dict) when the compute device is not the one fake tensors stood in for (a
+CUDA profile on a CPU-only machine), when the made-up inputs would exceed ``REPLAY_MAX_BYTES``
+(a model too large to time cheaply), or when an op cannot run on made-up values. Python and
+autograd overhead of the real forward are not in the sum (a few percent on small models).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+ROUNDS = 5
+"""Timed rounds over the distinct ops (after one warm-up round) ..."""
+MAX_SECONDS = 2.0
+"""... or fewer, once this long has passed (at least one)."""
+REPLAY_MAX_BYTES = 1 << 30
+"""Most bytes of made-up inputs (all distinct ops together); a model needing more is not timed."""
+
+_MEASURED: dict[str, float] = {}
+"""Op signature -> seconds, measured once per process: profiling the same model again (another
+``setup`` in this process) reuses the figures rather than drawing new noise."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a real stand-in for a tensor argument needs."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def storage_numel(self) -> int:
+        """Elements the strided view reaches (0 for an empty tensor)."""
+        if any(size == 0 for size in self.shape):
+            return 0
+        return 1 + sum(
+            (size - 1) * step for size, step in zip(self.shape, self.stride, strict=True)
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage_numel * self.dtype.itemsize
+
+    def make(self) -> torch.Tensor:
+        numel = max(self.storage_numel, 1)
+        if self.dtype.is_floating_point or self.dtype.is_complex:
+            base = torch.rand(numel, device=self.device).to(self.dtype)
+        else:
+            base = torch.zeros(numel, dtype=self.dtype, device=self.device)
+        return base.as_strided(self.shape, self.stride)
+
+
+def _spec(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return TensorSpec(tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+    return x
+
+
+class OpLog:
+    """Forward ops by layer: how often each distinct signature ran in each layer."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, dict[str, int]] = {}
+        """Layer -> signature key -> calls."""
+        self.ops: dict[str, tuple[Any, Any, Any]] = {}
+        """Signature key -> (op, args, kwargs) with tensors as TensorSpecs."""
+
+    def add(self, layer: str, func: Any, args: tuple, kwargs: dict) -> None:
+        specs = tree_map(_spec, (args, kwargs))
+        key = f"{func}{specs!r}"
+        if key not in self.ops:
+            self.ops[key] = (func, *specs)
+        counts = self.calls.setdefault(layer, {})
+        counts[key] = counts.get(key, 0) + 1
+
+
+def _op_bytes(args: Any, kwargs: Any) -> int:
+    leaves, _ = tree_flatten((args, kwargs))
+    return sum(leaf.nbytes for leaf in leaves if isinstance(leaf, TensorSpec))
+
+
+def _ready_call(func: Any, args: Any, kwargs: Any) -> Callable[[], Any]:
+    """``func`` bound to made-up inputs of the recorded shapes (waits for CUDA to finish)."""
+    real_args, real_kwargs = tree_map(
+        lambda x: x.make() if isinstance(x, TensorSpec) else x, (args, kwargs)
+    )
+    leaves = tree_flatten((real_args, real_kwargs))[0]
+    cuda = {x.device for x in leaves if isinstance(x, torch.Tensor) and x.device.type == "cuda"}
+
+    def call() -> Any:
+        out = func(*real_args, **real_kwargs)
+        for device in cuda:
+            torch.cuda.synchronize(device)
+        return out
+
+    return call
+
+
+def layer_forward_seconds(log: OpLog) -> dict[str, float]:
+    """Seconds of each layer's forward ops on the devices the ops named (see
+    [Note: layer timing]); the caller checks that those are the compute device."""
+    if sum(_op_bytes(args, kwargs) for _, args, kwargs in log.ops.values()) > REPLAY_MAX_BYTES:
+        return {}
+    todo = {key: op for key, op in log.ops.items() if key not in _MEASURED}
+    times: dict[str, list[float]] = {key: [] for key in todo}
+    try:
+        calls = {key: _ready_call(*op) for key, op in todo.items()}
+        started = time.perf_counter()
+        with torch.no_grad():
+            for round_index in range(1 + ROUNDS):  # the first round warms up
+                outputs = []  # alive until the round ends, as a forward keeps its activations
+                for key, call in calls.items():
+                    begin = time.perf_counter()
+                    outputs.append(call())
+                    if round_index:
+                        times[key].append(time.perf_counter() - begin)
+                del outputs
+                if round_index and time.perf_counter() - started > MAX_SECONDS:
+                    break
+    except Exception:  # noqa: BLE001 - an op that needs real values: no measurement at all
+        return {}
+    _MEASURED.update({key: statistics.median(values) for key, values in times.items()})
+    return {
+        layer: sum(_MEASURED[key] * calls for key, calls in counts.items())
+        for layer, counts in log.calls.items()
+    }
+
+
+__all__ = [
+    "MAX_SECONDS",
+    "REPLAY_MAX_BYTES",
+    "ROUNDS",
+    "OpLog",
+    "TensorSpec",
+    "layer_forward_seconds",
+]

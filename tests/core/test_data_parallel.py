@@ -54,10 +54,14 @@ def _tierwise(rank, world, kind, settings, chunk_size=4096, layers=None):
     return losses, state, engine.stats(), sum(c.capacity for c in engine.chunks())
 
 
+def _ddp_then_tierwise(rank, world, kind):
+    return _ddp(rank, world, kind), _tierwise(rank, world, kind, SETTINGS["zero3-host"])
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "mixtral"])
 def test_parity_with_ddp(kind):
-    ddp = run_ranks(_ddp, 2, kind)
-    ours = run_ranks(_tierwise, 2, kind, SETTINGS["zero3-host"])
+    both = run_ranks(_ddp_then_tierwise, 2, kind)  # one process pair runs both, in turn
+    ddp, ours = [b[0] for b in both], [b[1] for b in both]
     for rank in range(2):
         for a, b in zip(ours[rank][0], ddp[rank][0], strict=True):
             assert abs(a - b) <= 1e-6 * abs(b), (rank, a, b)
@@ -67,10 +71,15 @@ def test_parity_with_ddp(kind):
         assert rel <= 1e-5, name
 
 
+def _every_setting(rank, world):
+    return {name: _tierwise(rank, world, "gpt2", s, 2048, 6) for name, s in SETTINGS.items()}
+
+
 def test_settings_are_bitwise_identical_and_comm_matches_elixir_table1():
     # 6 layers in 2048-element chunks: the few chunks still cached when forward turns into
     # backward (Table 1 counts none) are under 5% of the traffic
-    results = {name: run_ranks(_tierwise, 2, "gpt2", s, 2048, 6) for name, s in SETTINGS.items()}
+    per_rank = run_ranks(_every_setting, 2)
+    results = {name: [per_rank[r][name] for r in range(2)] for name in SETTINGS}
     base = results["zero3"]
     for name, res in results.items():
         for rank in range(2):
@@ -104,9 +113,13 @@ def _memory(rank, world, sharded):
     return tierwise.engine_of(model).stats()["bytes_by_tier"]["host"]
 
 
+def _memory_both(rank, world):
+    return _memory(rank, world, True), _memory(rank, world, False)
+
+
 def test_per_rank_model_data_is_one_over_n():
-    sharded = run_ranks(_memory, 2, True)
-    replicated = run_ranks(_memory, 2, False)
+    both = run_ranks(_memory_both, 2)
+    sharded, replicated = [b[0] for b in both], [b[1] for b in both]
     for rank in range(2):
         assert abs(sharded[rank] - replicated[rank] / 2) <= 0.02 * replicated[rank]
 
@@ -135,9 +148,13 @@ def _checkpoint(rank, world, path, phase):
     return run(3, 3), model.state_dict()
 
 
+def _straight_then_resumed(rank, world, path):
+    return _checkpoint(rank, world, path, "straight"), _checkpoint(rank, world, path, "resume")
+
+
 def test_checkpoint_resume_and_consolidated_state_dict(tmp_path):
-    straight = run_ranks(_checkpoint, 2, str(tmp_path / "ckpt"), "straight")
-    resumed = run_ranks(_checkpoint, 2, str(tmp_path / "ckpt"), "resume")
+    both = run_ranks(_straight_then_resumed, 2, str(tmp_path / "ckpt"))
+    straight, resumed = [b[0] for b in both], [b[1] for b in both]
     for rank in range(2):
         assert resumed[rank][0] == straight[rank][0]
     state = straight[0][1]
@@ -171,9 +188,13 @@ def _no_sync(rank, world, use_no_sync):
     return float(norm), grads, engine.stats()["comm_bytes"].get("reduce_scatter", 0)
 
 
+def _no_sync_both(rank, world):
+    return _no_sync(rank, world, False), _no_sync(rank, world, True)
+
+
 def test_no_sync_accumulation_and_global_clipping():
-    synced = run_ranks(_no_sync, 2, False)
-    local = run_ranks(_no_sync, 2, True)
+    both = run_ranks(_no_sync_both, 2)
+    synced, local = [b[0] for b in both], [b[1] for b in both]
     assert abs(local[0][0] - synced[0][0]) <= 1e-5 * synced[0][0]
     assert local[0][0] == local[1][0]  # the norm is global: every rank agrees
     assert local[0][2] == synced[0][2] / 4  # one reduce-scatter instead of four

@@ -18,37 +18,6 @@ OFFLOAD = dict(param_placement="host", optimizer_placement="host", cache_blocks=
 ON_DEVICE = dict(param_placement="device", optimizer_placement="device")
 
 
-def _core_prepares_before_claims() -> bool:
-    """Whether tierwise.setup calls pattern.prepare(model) before it asks patterns which
-    parameters they claim (needed: sharding decides the parameters' sizes and owners)."""
-    import tierwise
-    from helpers.models import tiny_model
-
-    model = tiny_model("mixtral")
-    try:
-        tierwise.setup(
-            model,
-            torch.optim.AdamW(model.parameters()),
-            device="cpu",
-            precision="fp32",
-            parallel={"expert": 1},
-        )
-    except RuntimeError as err:
-        if "before prepare" in str(err):
-            return False
-        raise
-    return True
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _needs_prepare_first():
-    if not _core_prepares_before_claims():
-        pytest.skip(
-            "tierwise.setup asks patterns to claim parameters before prepare(model); "
-            "needs the core change in the tierwise-moe report (call prepare before collect_params)"
-        )
-
-
 @pytest.fixture(scope="module")
 def runs():
     """Engine runs by (kind, world, parallel, settings), computed once per module."""

@@ -61,19 +61,29 @@ def main() -> None:
     rows = []
     config = Config(device="cpu", precision="fp16", activation_checkpointing=True)
     for size in MODELS:
-        profile = profile_hf_model_name("gpt2", size, batch=BATCH, seq_len=SEQ, precision="fp16",
-                                        checkpointing=True)
+        profile = profile_hf_model_name(
+            "gpt2", size, batch=BATCH, seq_len=SEQ, precision="fp16", checkpointing=True
+        )
         for gpus in GPUS:
             for memory in MEMORY_GIB:
                 started = time.perf_counter()
                 row = {
-                    "bench": "search_paper", "machine": machine, "model": f"gpt2-{size}",
-                    "params": profile.total_numel, "gpus": gpus, "gpu_memory_gib": memory,
-                    "batch_per_gpu": BATCH, "seq": SEQ,
+                    "bench": "search_paper",
+                    "machine": machine,
+                    "model": f"gpt2-{size}",
+                    "params": profile.total_numel,
+                    "gpus": gpus,
+                    "gpu_memory_gib": memory,
+                    "batch_per_gpu": BATCH,
+                    "seq": SEQ,
                 }
                 try:
-                    plan = search_plan(profile, development_server(gpus, memory), config,
-                                       gradient_staging="streaming")
+                    plan = search_plan(
+                        profile,
+                        development_server(gpus, memory),
+                        config,
+                        gradient_staging="streaming",
+                    )
                 except PlanError as err:
                     row["error"] = str(err)
                 else:
@@ -91,14 +101,20 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.table:
-        print("\n| model | GPUs | GPU mem | chunk size | rCache blocks | chunks on device | predicted step s |")
+        print(
+            "\n| model | GPUs | GPU mem | chunk size | rCache blocks | chunks on device | predicted step s |"
+        )
         print("|---|---|---|---|---|---|---|")
         for r in rows:
             if "error" in r:
-                print(f"| {r['model']} | {r['gpus']} | {r['gpu_memory_gib']} GiB | does not fit | | | |")
+                print(
+                    f"| {r['model']} | {r['gpus']} | {r['gpu_memory_gib']} GiB | does not fit | | | |"
+                )
                 continue
-            print(f"| {r['model']} | {r['gpus']} | {r['gpu_memory_gib']} GiB | {r['chunk_size']:,} | "
-                  f"{r['cache_blocks']} | {r['chunks_on_device']}/{r['chunks']} | {r['predicted_step_s']} |")
+            print(
+                f"| {r['model']} | {r['gpus']} | {r['gpu_memory_gib']} GiB | {r['chunk_size']:,} | "
+                f"{r['cache_blocks']} | {r['chunks_on_device']}/{r['chunks']} | {r['predicted_step_s']} |"
+            )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,14 @@ K = 1024
 def build_model(seed: int = 0):
     torch.manual_seed(seed)
     cfg = tf.GPT2Config(
-        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=SEQ,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=VOCAB,
+        n_embd=HIDDEN,
+        n_layer=LAYERS,
+        n_head=4,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     cfg._attn_implementation = "sdpa"
     cfg.bos_token_id = cfg.eos_token_id = VOCAB - 1
@@ -61,25 +67,70 @@ def hand_plans(nvme: str | None) -> list[dict]:
     plans = []
     for chunk in (largest, 2 * largest):
         for blocks in (2, 3, 5):
-            plans.append(dict(chunk_size=chunk, cache_blocks=blocks, param_placement="host",
-                              optimizer_placement="host"))
-    plans.append(dict(chunk_size=5 * largest, cache_blocks=1, param_placement="host",
-                      optimizer_placement="host"))
+            plans.append(
+                dict(
+                    chunk_size=chunk,
+                    cache_blocks=blocks,
+                    param_placement="host",
+                    optimizer_placement="host",
+                )
+            )
+    plans.append(
+        dict(
+            chunk_size=5 * largest,
+            cache_blocks=1,
+            param_placement="host",
+            optimizer_placement="host",
+        )
+    )
     for chunk in (largest, 2 * largest):
         plans.append(dict(chunk_size=chunk, param_placement="device", optimizer_placement="host"))
-    plans.append(dict(chunk_size=largest, cache_blocks=2, prefetch=0, param_placement="host",
-                      optimizer_placement="host"))
+    plans.append(
+        dict(
+            chunk_size=largest,
+            cache_blocks=2,
+            prefetch=0,
+            param_placement="host",
+            optimizer_placement="host",
+        )
+    )
     if nvme:
         for chunk in (largest, 2 * largest):
-            plans.append(dict(chunk_size=chunk, cache_blocks=3, param_placement="host",
-                              optimizer_placement="nvme", nvme_path=nvme))
-        plans.append(dict(chunk_size=largest, cache_blocks=3, param_placement="nvme",
-                          optimizer_placement="nvme", nvme_path=nvme))
+            plans.append(
+                dict(
+                    chunk_size=chunk,
+                    cache_blocks=3,
+                    param_placement="host",
+                    optimizer_placement="nvme",
+                    nvme_path=nvme,
+                )
+            )
+        plans.append(
+            dict(
+                chunk_size=largest,
+                cache_blocks=3,
+                param_placement="nvme",
+                optimizer_placement="nvme",
+                nvme_path=nvme,
+            )
+        )
     else:
-        plans.append(dict(chunk_size=largest + 64 * K, cache_blocks=3, param_placement="host",
-                          optimizer_placement="host"))
-        plans.append(dict(chunk_size=3 * largest, cache_blocks=2, param_placement="host",
-                          optimizer_placement="host"))
+        plans.append(
+            dict(
+                chunk_size=largest + 64 * K,
+                cache_blocks=3,
+                param_placement="host",
+                optimizer_placement="host",
+            )
+        )
+        plans.append(
+            dict(
+                chunk_size=3 * largest,
+                cache_blocks=2,
+                param_placement="host",
+                optimizer_placement="host",
+            )
+        )
     plans.append({})  # the auto plan
     return plans
 
@@ -95,8 +146,12 @@ def predicted_fetch_bytes(engine) -> int:
     plan, profile = engine.plan, engine.profile
     table = build_chunks(profile, plan.chunk_size)
     trace = build_trace(profile, table, checkpointing=plan.activation_checkpointing)
-    cached = np.array([plan.param_tier_of(g, i) != "device"
-                       for g, i in zip(table.group_of_chunk, table.index_in_group, strict=True)])
+    cached = np.array(
+        [
+            plan.param_tier_of(g, i) != "device"
+            for g, i in zip(table.group_of_chunk, table.index_in_group, strict=True)
+        ]
+    )
     if not cached.any():
         return 0
     fetches = simulate(trace, plan.cache_blocks, cached).fetches
@@ -123,19 +178,41 @@ def main() -> None:
             pass
         else:
             nvme = tempfile.mkdtemp(prefix="tw-sweep-", dir=os.environ.get("TMPDIR", "/tmp"))
-    machine = (f"{platform.node()} {platform.processor() or platform.machine()} "
-               f"{torch.get_num_threads()} thread(s), cpu device with a {DEVICE_MEMORY >> 20} MiB budget")
+    machine = (
+        f"{platform.node()} {platform.processor() or platform.machine()} "
+        f"{torch.get_num_threads()} thread(s), cpu device with a {DEVICE_MEMORY >> 20} MiB budget"
+    )
     runs = []
     for overrides in hand_plans(nvme):
         model = build_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         try:
-            model, opt = tierwise.setup(model, opt, device="cpu", device_memory=DEVICE_MEMORY,
-                                        example_batch=batch(0), **overrides)
+            model, opt = tierwise.setup(
+                model,
+                opt,
+                device="cpu",
+                device_memory=DEVICE_MEMORY,
+                example_batch=batch(0),
+                **overrides,
+            )
         except (PlanError, MemoryError, ValueError) as err:
-            print(json.dumps({"bench": "search_sweep", "plan": label(overrides), "skipped": str(err)[:300]}))
+            print(
+                json.dumps(
+                    {"bench": "search_sweep", "plan": label(overrides), "skipped": str(err)[:300]}
+                )
+            )
             continue
         runs.append({"overrides": overrides, "model": model, "opt": opt, "times": []})
+    # plain PyTorch (bf16 parameters, torch's AdamW) takes turns too: compute + optimizer with no
+    # engine, to tell the compute estimate's error from the engine's overhead
+    plain_model = build_model().to(torch.bfloat16)
+    plain = {
+        "overrides": {"plain": "pytorch"},
+        "model": plain_model,
+        "times": [],
+        "opt": torch.optim.AdamW(plain_model.parameters(), lr=1e-3),
+    }
+    runs.append(plain)
 
     def one_step(run: dict, step: int) -> float:
         started = time.perf_counter()
@@ -146,8 +223,16 @@ def main() -> None:
         return time.perf_counter() - started
 
     def failed(run: dict, err: Exception) -> None:
-        print(json.dumps({"bench": "search_sweep", "plan": label(run["overrides"]),
-                          "failed": f"{type(err).__name__}: {err}"[:300]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "bench": "search_sweep",
+                    "plan": label(run["overrides"]),
+                    "failed": f"{type(err).__name__}: {err}"[:300],
+                }
+            ),
+            flush=True,
+        )
         runs.remove(run)
 
     for run in list(runs):  # warm-up: the first step records the access trace
@@ -158,7 +243,8 @@ def main() -> None:
             failed(run, err)
     load_before = os.getloadavg()[0]
     for run in runs:
-        run["moved_before"] = dict(tierwise.engine_of(run["model"]).stats()["moved_bytes"])
+        if run is not plain:
+            run["moved_before"] = dict(tierwise.engine_of(run["model"]).stats()["moved_bytes"])
     for round_index in range(args.rounds):
         shift = round_index % len(runs) if runs else 0
         for run in runs[shift:] + runs[:shift]:  # rotating turns: drift hits every plan alike
@@ -172,16 +258,24 @@ def main() -> None:
 
     results = []
     for run in runs:
+        if run is plain:
+            continue
         engine = tierwise.engine_of(run["model"])
         plan = engine.plan
         measured = statistics.median(run["times"])
         predicted = plan.predicted_step_s["total"]
         tiers = [t for g in plan.param_tiers.values() for t in g] or [plan.param_tier]
         result = {
-            "bench": "search_sweep", "machine": machine, "plan": label(run["overrides"]),
-            "planner": plan.planner, "chunk_size": plan.chunk_size, "cache_blocks": plan.cache_blocks,
-            "chunks_on_device": tiers.count("device"), "chunks": len(tiers),
-            "measured_median_s": round(measured, 4), "predicted_s": round(predicted, 4),
+            "bench": "search_sweep",
+            "machine": machine,
+            "plan": label(run["overrides"]),
+            "planner": plan.planner,
+            "chunk_size": plan.chunk_size,
+            "cache_blocks": plan.cache_blocks,
+            "chunks_on_device": tiers.count("device"),
+            "chunks": len(tiers),
+            "measured_median_s": round(measured, 4),
+            "predicted_s": round(predicted, 4),
             "measured_over_predicted": round(measured / predicted, 3) if predicted else None,
             "predicted_breakdown_s": {k: round(v, 4) for k, v in plan.predicted_step_s.items()},
             "moved_bytes_per_step": moved_per_step(run, engine, len(run["times"])),
@@ -191,15 +285,38 @@ def main() -> None:
         print(json.dumps(result), flush=True)
     auto = next(r for r in results if r["plan"] == "auto")
     best = min(results, key=lambda r: r["measured_median_s"])
-    within = [r for r in results if r["measured_over_predicted"] and abs(r["measured_over_predicted"] - 1) <= 0.25]
-    print(json.dumps({
-        "bench": "search_sweep", "summary": True, "machine": machine, "plans": len(results),
-        "rounds": args.rounds, "load_avg_1m_before": load_before, "load_avg_1m_after": load_after,
-        "auto_median_s": auto["measured_median_s"], "best_plan": best["plan"],
-        "best_median_s": best["measured_median_s"],
-        "auto_over_best": round(auto["measured_median_s"] / best["measured_median_s"], 3),
-        "predictions_within_25pct": f"{len(within)}/{len(results)}",
-    }))
+    within = [
+        r
+        for r in results
+        if r["measured_over_predicted"] and abs(r["measured_over_predicted"] - 1) <= 0.25
+    ]
+    print(
+        json.dumps(
+            {
+                "bench": "search_sweep",
+                "summary": True,
+                "machine": machine,
+                "plans": len(results),
+                "rounds": args.rounds,
+                "load_avg_1m_before": load_before,
+                "load_avg_1m_after": load_after,
+                "auto_median_s": auto["measured_median_s"],
+                "best_plan": best["plan"],
+                "best_median_s": best["measured_median_s"],
+                "auto_over_best": round(auto["measured_median_s"] / best["measured_median_s"], 3),
+                "predictions_within_25pct": f"{len(within)}/{len(results)}",
+                "plain_pytorch_median_s": round(statistics.median(plain["times"]), 4),
+                "plain_over_predicted_compute_and_optimizer": round(
+                    statistics.median(plain["times"])
+                    / (
+                        auto["predicted_breakdown_s"]["compute"]
+                        + auto["predicted_breakdown_s"]["optimizer"]
+                    ),
+                    3,
+                ),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -7,13 +7,15 @@ import pytest
 
 pytest.importorskip("tierwise_search")
 
-from conftest import gpu_hardware, make_profile  # noqa: E402
+from search_helpers import gpu_hardware, make_profile  # noqa: E402
 from tierwise import Config  # noqa: E402
 from tierwise_search.search import search_plan  # noqa: E402
 
 
 def profile_with_layers():
-    profile = make_profile([[4096, 4096] for _ in range(6)], layer_bytes=50_000_000, layer_flops=4e11)
+    profile = make_profile(
+        [[4096, 4096] for _ in range(6)], layer_bytes=50_000_000, layer_flops=4e11
+    )
     return profile
 
 
@@ -29,26 +31,50 @@ def test_swapped_layers_have_more_flops_per_byte_than_recomputed_ones():
     profile = profile_with_layers()
     # 6 layers of 50 MB and 4e11..12e11 FLOPs, compute 144 ms: at 1 GB/s swapping all costs
     # 300 ms of link time, so the best split swaps the three with most FLOPs per byte
-    plan = search_plan(profile, gpu_hardware(h2d_bandwidth=1e9, d2h_bandwidth=1e9), config(activation_offload="host"))
+    plan = search_plan(
+        profile,
+        gpu_hardware(h2d_bandwidth=1e9, d2h_bandwidth=1e9),
+        config(activation_offload="host"),
+    )
     swapped = [layer for layer, action in plan.activation_policy.items() if action == "host"]
-    recomputed = [layer for layer, action in plan.activation_policy.items() if action == "recompute"]
+    recomputed = [
+        layer for layer, action in plan.activation_policy.items() if action == "recompute"
+    ]
     assert len(swapped) == 3 and len(recomputed) == 3
-    assert min(flops_per_byte(profile, x) for x in swapped) >= max(flops_per_byte(profile, x) for x in recomputed)
+    assert min(flops_per_byte(profile, x) for x in swapped) >= max(
+        flops_per_byte(profile, x) for x in recomputed
+    )
 
 
 def test_split_follows_the_link_speed():
     profile = profile_with_layers()
-    fast = search_plan(profile, gpu_hardware(h2d_bandwidth=1e13, d2h_bandwidth=1e13), config(activation_offload="host"))
+    fast = search_plan(
+        profile,
+        gpu_hardware(h2d_bandwidth=1e13, d2h_bandwidth=1e13),
+        config(activation_offload="host"),
+    )
     assert set(fast.activation_policy.values()) == {"host"}
-    slow = search_plan(profile, gpu_hardware(h2d_bandwidth=1e6, d2h_bandwidth=1e6), config(activation_offload="host"))
+    slow = search_plan(
+        profile,
+        gpu_hardware(h2d_bandwidth=1e6, d2h_bandwidth=1e6),
+        config(activation_offload="host"),
+    )
     assert set(slow.activation_policy.values()) == {"recompute"}
     assert slow.predicted_step_s["compute"] > fast.predicted_step_s["compute"]
 
 
 def test_swap_to_nvme_moves_bytes_through_the_disk():
     profile = profile_with_layers()
-    plan = search_plan(profile, gpu_hardware(h2d_bandwidth=1e13, d2h_bandwidth=1e13, nvme_read_bandwidth=1e13,
-                                             nvme_write_bandwidth=1e13), config(activation_offload="nvme", nvme_path="/tmp"))
+    plan = search_plan(
+        profile,
+        gpu_hardware(
+            h2d_bandwidth=1e13,
+            d2h_bandwidth=1e13,
+            nvme_read_bandwidth=1e13,
+            nvme_write_bandwidth=1e13,
+        ),
+        config(activation_offload="nvme", nvme_path="/tmp"),
+    )
     assert set(plan.activation_policy.values()) == {"nvme"}
     assert plan.predicted_step_s["nvme_write"] >= 6 * 50_000_000 / 1e13
 

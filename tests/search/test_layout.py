@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("tierwise_search")
 
-from conftest import make_profile  # noqa: E402
 from helpers.models import tiny_model  # noqa: E402
+from search_helpers import make_profile  # noqa: E402
 from tierwise.chunks import first_use_order  # noqa: E402
 from tierwise_search.hf_profile import profile_hf_config  # noqa: E402
 from tierwise_search.layout import build_chunks, build_trace  # noqa: E402
@@ -53,11 +53,17 @@ def test_trace_follows_forward_then_backward_and_blocks_are_coarse():
     profile = make_profile([[1000, 1000], [1000, 1000], [1000, 1000]])
     table = build_chunks(profile, 2000)  # one block per chunk would be [0] [1] [2]
     plain = build_trace(profile, table, checkpointing=False)
-    steps = [plain.chunk[plain.step_start[i]:plain.step_start[i + 1]].tolist() for i in range(plain.n_steps)]
+    steps = [
+        plain.chunk[plain.step_start[i] : plain.step_start[i + 1]].tolist()
+        for i in range(plain.n_steps)
+    ]
     assert steps == [[0], [0], [1], [1], [2], [2], [2], [2], [1], [1], [0], [0]]
     table = build_chunks(profile, 3000)  # blocks straddle chunks: [b0 b1.m0] [b1.m1 b2]
     coarse = build_trace(profile, table, checkpointing=True)
-    steps = [coarse.chunk[coarse.step_start[i]:coarse.step_start[i + 1]].tolist() for i in range(coarse.n_steps)]
+    steps = [
+        coarse.chunk[coarse.step_start[i] : coarse.step_start[i + 1]].tolist()
+        for i in range(coarse.n_steps)
+    ]
     assert steps[:6] == [[0], [0], [0], [1], [1], [1]]  # forward, module by module
     assert steps[6:] == [[1], [0, 1], [0]]  # backward: each block needs all its chunks at once
     assert coarse.widest_step() == 2

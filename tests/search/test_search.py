@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("tierwise_search")
 
-from conftest import gpu_hardware, make_profile  # noqa: E402
+from search_helpers import gpu_hardware, make_profile  # noqa: E402
 from tierwise import Config, Plan, PlanError  # noqa: E402
 from tierwise.plugins import get_plugin_host  # noqa: E402
 from tierwise_search.search import search_plan  # noqa: E402
@@ -118,16 +118,24 @@ def test_too_small_device_capacity_states_the_minimum_capacity():
 def test_forced_settings_are_taken_exactly():
     profile, hardware = stack_profile(), gpu_hardware()
     config = Config(
-        device="cpu", device_memory=10**8, chunk_size=9000, cache_blocks=5,
-        param_placement="host", optimizer_placement="nvme", nvme_path="/tmp",
+        device="cpu",
+        device_memory=10**8,
+        chunk_size=9000,
+        cache_blocks=5,
+        param_placement="host",
+        optimizer_placement="nvme",
+        nvme_path="/tmp",
     )
     plan = search_plan(profile, hardware, config)
     assert (plan.chunk_size, plan.cache_blocks) == (9000, 5)
     assert {t for tiers in plan.param_tiers.values() for t in tiers} == {"host"}
     assert {t for tiers in plan.optim_tiers.values() for t in tiers} == {"nvme"}
     plan = search_plan(
-        profile, hardware,
-        Config(device="cpu", device_memory=10**8, param_placement="device", optimizer_placement="host"),
+        profile,
+        hardware,
+        Config(
+            device="cpu", device_memory=10**8, param_placement="device", optimizer_placement="host"
+        ),
     )
     assert {t for tiers in plan.param_tiers.values() for t in tiers} == {"device"}
     assert {t for tiers in plan.optim_tiers.values() for t in tiers} == {"host"}
@@ -137,7 +145,8 @@ def test_forced_settings_are_taken_exactly():
 def test_forced_placement_that_does_not_fit_says_so():
     with pytest.raises(PlanError, match="param_placement='device'.*minimum device_memory is"):
         search_plan(
-            stack_profile(), gpu_hardware(),
+            stack_profile(),
+            gpu_hardware(),
             Config(device="cpu", device_memory=100_000, param_placement="device"),
         )
 
@@ -145,9 +154,16 @@ def test_forced_placement_that_does_not_fit_says_so():
 def test_too_few_forced_cache_blocks_is_an_error():
     with pytest.raises(PlanError, match="cache_blocks=1 is too few.*needs 3 chunks"):
         search_plan(
-            stack_profile(), gpu_hardware(),
-            Config(device="cpu", device_memory=10**7, chunk_size=8192, cache_blocks=1,
-                   param_placement="host", activation_checkpointing=True),
+            stack_profile(),
+            gpu_hardware(),
+            Config(
+                device="cpu",
+                device_memory=10**7,
+                chunk_size=8192,
+                cache_blocks=1,
+                param_placement="host",
+                activation_checkpointing=True,
+            ),
         )
 
 
@@ -160,7 +176,11 @@ def test_small_host_budget_puts_optimizer_states_on_nvme():
     assert "nvme" in optim
     assert plan.predicted_step_s["nvme_read"] > 0
     with pytest.raises(PlanError, match="host_memory .* set nvme_path"):
-        search_plan(profile, gpu_hardware(), Config(device="cpu", device_memory=100_000, host_memory=total * 8))
+        search_plan(
+            profile,
+            gpu_hardware(),
+            Config(device="cpu", device_memory=100_000, host_memory=total * 8),
+        )
 
 
 def test_plugin_answers_make_plan_before_core_and_plan_round_trips():

@@ -41,7 +41,10 @@ def block_layers(profile: Profile) -> list[str]:
     layers = []
     for layer in profile.layer_activation_bytes:
         prefix = layer + "."
-        if any(block and all(n.startswith(prefix) for n in block) for block in profile.checkpoint_blocks):
+        if any(
+            block and all(n.startswith(prefix) for n in block)
+            for block in profile.checkpoint_blocks
+        ):
             layers.append(layer)
     return layers
 

@@ -58,7 +58,9 @@ class AccessTrace:
         chunk = np.asarray(chunks, dtype=np.int64)
         step = np.asarray(step_ids, dtype=np.int64)
         if chunk.size and (chunk.min() < 0 or chunk.max() >= n_chunks):
-            raise ValueError(f"chunk ids must be in [0, {n_chunks}), got {chunk.min()}..{chunk.max()}")
+            raise ValueError(
+                f"chunk ids must be in [0, {n_chunks}), got {chunk.min()}..{chunk.max()}"
+            )
         next_use = np.full(chunk.size, NEVER, dtype=np.int64)
         if chunk.size:
             order = np.lexsort((step, chunk))  # by chunk, then by step

@@ -20,12 +20,16 @@ def add_plan_command(subparsers) -> None:
         description="Profile a Hugging Face causal LM on the meta device and print the plan the "
         "search predicts fastest, with the step-time breakdown and rejected alternatives.",
     )
-    parser.add_argument("--model", required=True, help="gpt2 | opt | llama | mixtral | path/to/config.json")
+    parser.add_argument(
+        "--model", required=True, help="gpt2 | opt | llama | mixtral | path/to/config.json"
+    )
     parser.add_argument("--size", default=None, help="preset size, e.g. 10b for gpt2, 175b for opt")
     parser.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
     parser.add_argument("--batch", type=int, default=1, help="batch size per rank (default 1)")
     parser.add_argument("--device-memory", required=True, help="device capacity, e.g. 40GiB")
-    parser.add_argument("--host-memory", default=None, help="host budget, e.g. 64GiB (default: this machine's)")
+    parser.add_argument(
+        "--host-memory", default=None, help="host budget, e.g. 64GiB (default: this machine's)"
+    )
     parser.add_argument("--nvme", default=None, metavar="PATH", help="directory for the NVMe tier")
     parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument("--device", default="cuda", help="compute device type (default cuda)")
@@ -35,7 +39,9 @@ def add_plan_command(subparsers) -> None:
         "--activation-offload", default="none", choices=("none", "host", "nvme", "auto")
     )
     parser.add_argument(
-        "--hardware", default=None, metavar="JSON",
+        "--hardware",
+        default=None,
+        metavar="JSON",
         help="Hardware fields as a JSON file (bandwidths, velocities); default: probe this machine",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -57,12 +63,19 @@ def _profile(args, config: Config):
             model=model, example_batch={"input_ids": ids, "labels": ids}, config=config
         )
     except Exception as err:  # noqa: BLE001 - a profiler failure must not stop planning
-        print(f"tierwise plan: profiler plugin failed ({err}); using the analytic profile", file=sys.stderr)
+        print(
+            f"tierwise plan: profiler plugin failed ({err}); using the analytic profile",
+            file=sys.stderr,
+        )
         profile = None
     if profile is None:
         profile = profile_hf_config(
-            cfg, batch=args.batch, seq_len=args.seq, precision=args.precision,
-            checkpointing=args.checkpointing, model=model,
+            cfg,
+            batch=args.batch,
+            seq_len=args.seq,
+            precision=args.precision,
+            checkpointing=args.checkpointing,
+            model=model,
         )
     return profile
 
@@ -103,8 +116,10 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.to_json())
     else:
-        print(f"model {args.model} {args.size or ''} · {profile.total_numel:,} parameters · "
-              f"batch {args.batch} x seq {args.seq} · {args.gpus} rank(s) · profile {profile.source}")
+        print(
+            f"model {args.model} {args.size or ''} · {profile.total_numel:,} parameters · "
+            f"batch {args.batch} x seq {args.seq} · {args.gpus} rank(s) · profile {profile.source}"
+        )
         print(plan.table())
     return 0
 

@@ -64,7 +64,9 @@ def layer_times(profile: Profile, device_flops: float) -> LayerTimes:
             "tokens FLOPs / probed matmul rate"
         )
         return LayerTimes(flops / device_flops, {}, source)
-    return LayerTimes(0.0, {}, "compute: profile has neither layer FLOPs nor batch shape: taken as 0")
+    return LayerTimes(
+        0.0, {}, "compute: profile has neither layer FLOPs nor batch shape: taken as 0"
+    )
 
 
 __all__ = ["BACKWARD_OVER_FORWARD", "LayerTimes", "layer_times"]

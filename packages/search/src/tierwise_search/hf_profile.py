@@ -43,17 +43,28 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "175b": dict(hidden_size=12288, num_hidden_layers=96, num_attention_heads=96),
     },
     "llama": {
-        "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32),
-        "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40),
+        "7b": dict(
+            hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32
+        ),
+        "13b": dict(
+            hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40
+        ),
         "70b": dict(
-            hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-            num_attention_heads=64, num_key_value_heads=8,
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
         ),
     },
     "mixtral": {
         "8x7b": dict(
-            hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-            num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
             num_experts_per_tok=2,
         ),
     },
@@ -83,8 +94,10 @@ def hf_config(model: str, size: str | None = None, *, seq_len: int = 1024):
     if model == "opt":
         hidden = fields["hidden_size"]
         return tf.OPTConfig(
-            ffn_dim=4 * hidden, word_embed_proj_dim=hidden,
-            max_position_embeddings=max(2048, seq_len), **fields,
+            ffn_dim=4 * hidden,
+            word_embed_proj_dim=hidden,
+            max_position_embeddings=max(2048, seq_len),
+            **fields,
         )
     if model == "llama":
         return tf.LlamaConfig(max_position_embeddings=max(4096, seq_len), **fields)
@@ -132,7 +145,12 @@ def meta_model(cfg):
 
 
 def profile_hf_config(
-    cfg, *, batch: int, seq_len: int, precision: str = "bf16", checkpointing: bool = False,
+    cfg,
+    *,
+    batch: int,
+    seq_len: int,
+    precision: str = "bf16",
+    checkpointing: bool = False,
     model=None,
 ) -> Profile:
     """Build the Profile of ``AutoModelForCausalLM.from_config(cfg)`` (or ``model``, its meta
@@ -165,7 +183,10 @@ def profile_hf_config(
         for block in block_names:
             if module == block or module.startswith(block + "."):
                 block_of_module[module] = block
-    blocks = {b: [p for m in calls if block_of_module.get(m) == b for p in module_params[m]] for b in block_names}
+    blocks = {
+        b: [p for m in calls if block_of_module.get(m) == b for p in module_params[m]]
+        for b in block_names
+    }
     backward: list[str] = []
     index = len(calls) - 1
     while index >= 0:  # walk calls backwards, a checkpointed block re-runs its forward first
@@ -183,7 +204,12 @@ def profile_hf_config(
 
     hidden = cfg.hidden_size
     vocab = cfg.vocab_size
-    ffn = getattr(cfg, "intermediate_size", None) or getattr(cfg, "ffn_dim", None) or getattr(cfg, "n_inner", None) or 4 * hidden
+    ffn = (
+        getattr(cfg, "intermediate_size", None)
+        or getattr(cfg, "ffn_dim", None)
+        or getattr(cfg, "n_inner", None)
+        or 4 * hidden
+    )
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     per_token = getattr(cfg, "num_experts_per_tok", 1) if experts else 1
     gated = getattr(cfg, "hidden_act", "") in ("silu", "swiglu") or experts is not None
@@ -223,8 +249,12 @@ def profile_hf_config(
     )
 
 
-def profile_hf_model_name(model: str, size: str | None, *, batch: int, seq_len: int, **kwargs) -> Profile:
-    return profile_hf_config(hf_config(model, size, seq_len=seq_len), batch=batch, seq_len=seq_len, **kwargs)
+def profile_hf_model_name(
+    model: str, size: str | None, *, batch: int, seq_len: int, **kwargs
+) -> Profile:
+    return profile_hf_config(
+        hf_config(model, size, seq_len=seq_len), batch=batch, seq_len=seq_len, **kwargs
+    )
 
 
 __all__ = [

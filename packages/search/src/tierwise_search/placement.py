@@ -80,7 +80,11 @@ def minimum_placement(model: CostModel, budgets: Budgets, forced: Forced) -> Pla
         optim_tier = np.full(n, forced.optim_tier if forced.optim_tier is not None else optim)
         optim_tier[frozen] = param_tier[frozen]
         cached = s.uses_rcache(param_tier)
-        blocks = forced.n_blocks if forced.n_blocks is not None else (s.min_blocks if cached.any() else 0)
+        blocks = (
+            forced.n_blocks
+            if forced.n_blocks is not None
+            else (s.min_blocks if cached.any() else 0)
+        )
         return Placement(n_blocks=blocks, param_tier=param_tier, optim_tier=optim_tier)
 
     options = [(HOST, HOST)]

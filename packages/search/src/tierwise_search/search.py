@@ -106,7 +106,9 @@ def _allowed(capacity: int, profile: Profile, activation_bytes: int, config: Con
 def _capacity_for(allowed: int, profile: Profile, activation_bytes: int, config: Config) -> int:
     """Inverse of ``_allowed``: the device capacity giving ``allowed`` bytes."""
     return math.ceil(
-        allowed / config.alloc_fraction + profile.buffer_bytes + config.frag_factor * activation_bytes
+        allowed / config.alloc_fraction
+        + profile.buffer_bytes
+        + config.frag_factor * activation_bytes
     )
 
 
@@ -120,7 +122,9 @@ PatrickStar), two staging buffers."""
 class _Search:
     def __init__(self, profile: Profile, hardware: Hardware, config: Config, gradient_staging: str):
         if gradient_staging not in GRADIENT_STAGING:
-            raise ValueError(f"gradient_staging {gradient_staging!r}: choose one of {GRADIENT_STAGING}")
+            raise ValueError(
+                f"gradient_staging {gradient_staging!r}: choose one of {GRADIENT_STAGING}"
+            )
         self.profile, self.hardware, self.config = profile, hardware, config
         self.gradient_staging = gradient_staging
         self.reasons: list[str] = []
@@ -130,7 +134,9 @@ class _Search:
         self.shard = world if (config.shard and world > 1) else 1
         self.times = layer_times(profile, self.rates.flops)
         self.reasons.append(self.times.source)
-        self.host_capacity = config.host_memory if config.host_memory is not None else hardware.host_memory
+        self.host_capacity = (
+            config.host_memory if config.host_memory is not None else hardware.host_memory
+        )
         if config.device_memory is not None:
             self.reasons.append(
                 f"device_memory {format_bytes(config.device_memory)} is the model-data budget "
@@ -159,7 +165,9 @@ class _Search:
     def layout(self, chunk_size: int):
         if chunk_size not in self._layouts:
             table = build_chunks(self.profile, chunk_size)
-            trace = build_trace(self.profile, table, checkpointing=self.config.activation_checkpointing)
+            trace = build_trace(
+                self.profile, table, checkpointing=self.config.activation_checkpointing
+            )
             self._layouts[chunk_size] = (table, trace)
         return self._layouts[chunk_size]
 
@@ -181,20 +189,25 @@ class _Search:
             staging = int(table.trainable.sum())
         else:
             staging = 2
-        traffic = replace(traffic_for(self.profile, self.times.layers, (), choice.leaving, None), host_bytes=choice.host_reserve)
-        return CostModel(Setting(
-            table=table,
-            trace=trace,
-            rates=self.rates,
-            param_bytes=self.param_bytes,
-            forward_s=self.times.forward_s,
-            shard=self.shard,
-            prefetch=self.config.prefetch,
-            min_blocks=trace.widest_step(),
-            fp32_alias=self.config.precision == "fp32",
-            staging_blocks=staging,
-            activations=traffic,
-        ))
+        traffic = replace(
+            traffic_for(self.profile, self.times.layers, (), choice.leaving, None),
+            host_bytes=choice.host_reserve,
+        )
+        return CostModel(
+            Setting(
+                table=table,
+                trace=trace,
+                rates=self.rates,
+                param_bytes=self.param_bytes,
+                forward_s=self.times.forward_s,
+                shard=self.shard,
+                prefetch=self.config.prefetch,
+                min_blocks=trace.widest_step(),
+                fp32_alias=self.config.precision == "fp32",
+                staging_blocks=staging,
+                activations=traffic,
+            )
+        )
 
     def score_sizes(self, choice: ActivationChoice, allowed: int | None):
         """Moved bytes per feasible chunk size (best first), and the least device bytes any
@@ -234,7 +247,7 @@ class _Search:
             raise PlanError(
                 f"cache_blocks={self.forced.n_blocks} is too few: the widest module or checkpoint "
                 f"block needs {min(too_few)} chunks resident at once; use cache_blocks >= "
-                f"{min(too_few)} or \"auto\""
+                f'{min(too_few)} or "auto"'
             )
         scores.sort(key=lambda s: (s.moved_bytes, s.padding, s.chunk_size))
         return scores, least or 0
@@ -273,7 +286,9 @@ class _Search:
         ordered = [score] + [s for s in scores if s is not score]
         rejected = [(t[2], t[3].prediction) for t in tried[1:]]
         table, _ = self.layout(score.chunk_size)
-        return Outcome(choice, table, step, step.prediction, policy, allowed or 0, ordered, rejected)
+        return Outcome(
+            choice, table, step, step.prediction, policy, allowed or 0, ordered, rejected
+        )
 
     def _too_small(self, allowed: int, least: int, choice: ActivationChoice):
         forced = [
@@ -357,7 +372,13 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
         f"nvme {format_bytes(memory.nvme)}",
         f"activations: {best.choice.name}; {_counts(list(best.policy.values())) or 'no layers profiled'}",
     ]
-    used = {"h2d_bandwidth", "d2h_bandwidth", "device_adam_velocity", "host_adam_velocity", "device_flops"}
+    used = {
+        "h2d_bandwidth",
+        "d2h_bandwidth",
+        "device_adam_velocity",
+        "host_adam_velocity",
+        "device_flops",
+    }
     if config.nvme_path:
         used |= {"nvme_read_bandwidth", "nvme_write_bandwidth"}
     if search.rates.world_size > 1:
@@ -366,19 +387,23 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
     reasons += search.reasons
     alternatives = []
     for score, prediction in best.rejected[:3]:
-        alternatives.append({
-            "summary": f"chunk size {score.chunk_size:,} ({score.blocks} rCache blocks possible)",
-            "predicted_s": prediction.total,
-            "why": f"predicted {prediction.total:.4g} s vs {best.prediction.total:.4g} s; moves "
-            f"{format_bytes(score.moved_bytes)} per step through the rCache vs "
-            f"{format_bytes(size.moved_bytes)}",
-        })
+        alternatives.append(
+            {
+                "summary": f"chunk size {score.chunk_size:,} ({score.blocks} rCache blocks possible)",
+                "predicted_s": prediction.total,
+                "why": f"predicted {prediction.total:.4g} s vs {best.prediction.total:.4g} s; moves "
+                f"{format_bytes(score.moved_bytes)} per step through the rCache vs "
+                f"{format_bytes(size.moved_bytes)}",
+            }
+        )
     for outcome in other:
-        alternatives.append({
-            "summary": f"activations: {outcome.choice.name}",
-            "predicted_s": outcome.prediction.total,
-            "why": f"predicted {outcome.prediction.total:.4g} s vs {best.prediction.total:.4g} s",
-        })
+        alternatives.append(
+            {
+                "summary": f"activations: {outcome.choice.name}",
+                "predicted_s": outcome.prediction.total,
+                "why": f"predicted {outcome.prediction.total:.4g} s vs {best.prediction.total:.4g} s",
+            }
+        )
     uses_rcache = search.shard > 1 or n_device < table.n_chunks
     return Plan(
         chunk_size=table.chunk_size,

@@ -36,8 +36,21 @@ def test_plan_command_prints_a_json_plan(run_plan, config_json, tmp_path):
     hardware = tmp_path / "hw.json"
     hardware.write_text(json.dumps({"h2d_bandwidth": 1e9, "d2h_bandwidth": 1e9}))
     code, out, err = run_plan(
-        "--model", str(config_json), "--seq", "16", "--batch", "2", "--device", "cpu",
-        "--device-memory", "1GiB", "--host-memory", "1GiB", "--hardware", str(hardware), "--json",
+        "--model",
+        str(config_json),
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--device",
+        "cpu",
+        "--device-memory",
+        "1GiB",
+        "--host-memory",
+        "1GiB",
+        "--hardware",
+        str(hardware),
+        "--json",
     )
     assert code == 0, err
     plan = Plan.from_json(out)
@@ -48,9 +61,13 @@ def test_plan_command_prints_a_json_plan(run_plan, config_json, tmp_path):
 
 
 def test_plan_command_table_and_too_small_device(run_plan, config_json):
-    code, out, err = run_plan("--model", str(config_json), "--seq", "16", "--device", "cpu", "--device-memory", "1GiB")
+    code, out, err = run_plan(
+        "--model", str(config_json), "--seq", "16", "--device", "cpu", "--device-memory", "1GiB"
+    )
     assert code == 0, err
     assert "predicted total" in out and "chunk size" in out
-    code, out, err = run_plan("--model", str(config_json), "--seq", "16", "--device", "cpu", "--device-memory", "4KiB")
+    code, out, err = run_plan(
+        "--model", str(config_json), "--seq", "16", "--device", "cpu", "--device-memory", "4KiB"
+    )
     assert code == 2
     assert "minimum device memory is" in err

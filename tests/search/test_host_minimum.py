@@ -1,0 +1,94 @@
+"""The host memory a plan needs at least: stated when the budget is too small, the same whatever
+budget was given, enough for setup and training, and one byte less is refused."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("tierwise_search")
+
+import torch  # noqa: E402
+from search_helpers import gpu_hardware, make_profile  # noqa: E402
+from tierwise import Config, PlanError  # noqa: E402
+from tierwise_search.search import search_plan  # noqa: E402
+
+
+def stated_host_minimum(message: str) -> int:
+    match = re.search(r"the smallest plan needs (\d+) bytes of host memory", message)
+    assert match, message
+    return int(match.group(1))
+
+
+@pytest.mark.parametrize("nvme", [None, "/tmp"])
+def test_stated_host_minimum_does_not_depend_on_the_budget(nvme):
+    profile = make_profile([[700, 2300, 4096, 4096, 300] for _ in range(8)], head=6000)
+    hardware = gpu_hardware()
+
+    def plan(host_memory: int):
+        config = Config(
+            device="cpu", device_memory=100_000, host_memory=host_memory, nvme_path=nvme
+        )
+        return search_plan(profile, hardware, config)
+
+    stated = set()
+    for budget in (1_000, 60_000, 200_000, 400_000):
+        with pytest.raises(PlanError, match="host_memory") as info:
+            plan(budget)
+        stated.add(stated_host_minimum(str(info.value)))
+    assert len(stated) == 1
+    minimum = stated.pop()
+    assert minimum > 400_000
+    with pytest.raises(PlanError) as info:
+        plan(minimum - 1)
+    assert stated_host_minimum(str(info.value)) == minimum
+    plan(minimum)
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
+
+
+@pytest.mark.parametrize("use_nvme", [False, True])
+def test_engine_trains_at_the_stated_host_minimum_and_not_below(use_nvme, tmp_path):
+    pytest.importorskip("tierwise_profiler")
+    import tierwise
+
+    if use_nvme:
+        pytest.importorskip("tierwise_nvme")
+    batch = torch.randn(4, 128)
+    options = dict(
+        device="cpu",
+        precision="fp32",
+        device_memory=300_000,
+        chunk_size=128 * 129,
+        example_batch=batch,
+        nvme_path=str(tmp_path) if use_nvme else None,
+    )
+
+    def setup(host_memory: int):
+        model = mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return tierwise.setup(model, optimizer, host_memory=host_memory, **options)
+
+    stated = set()
+    for budget in (1_000, 200_000):
+        with pytest.raises(PlanError) as info:
+            setup(budget)
+        stated.add(stated_host_minimum(str(info.value)))
+    assert len(stated) == 1
+    minimum = stated.pop()
+    with pytest.raises(PlanError):
+        setup(minimum - 1)
+    model, optimizer = setup(minimum)
+    for _ in range(2):
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    engine = tierwise.engine_of(model)
+    assert engine.stats()["peak_bytes_by_tier"]["host"] <= minimum
+    placed = {t for tiers in engine.plan.optim_tiers.values() for t in tiers}
+    assert ("nvme" in placed) == use_nvme
+    engine.close()

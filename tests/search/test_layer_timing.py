@@ -1,0 +1,71 @@
+"""Profile.layer_forward_s as tierwise-profiler fills it for the search's compute term."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("tierwise_search")
+pytest.importorskip("tierwise_profiler")
+
+import torch  # noqa: E402
+from tierwise import Config  # noqa: E402
+from tierwise.plugins import get_plugin_host  # noqa: E402
+from tierwise_profiler import op_timing  # noqa: E402
+from tierwise_profiler.model_profile import profile_model  # noqa: E402
+
+
+class Twice(torch.nn.Module):
+    """``once`` and ``twice`` are identical Linear layers; ``twice`` runs two times per forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.once = torch.nn.Linear(96, 96)
+        self.twice = torch.nn.Linear(96, 96)
+        self.norm = torch.nn.LayerNorm(96)
+
+    def forward(self, x):
+        return self.norm(self.twice(self.twice(self.once(x))))
+
+
+def test_each_layer_gets_the_time_of_its_ops_and_repeats_count():
+    profile = profile_model(
+        Twice(), torch.randn(8, 96), precision="fp32", device="cpu", time_layers=True
+    )
+    times = profile.layer_forward_s
+    assert set(profile.layer_flops) <= set(times)
+    assert {"once", "twice", "norm"} <= set(times)
+    assert all(seconds > 0 for name, seconds in times.items() if name in ("once", "twice", "norm"))
+    # same op signatures, timed once: the layer called twice costs exactly two calls
+    assert times["twice"] == 2 * times["once"]
+
+
+def test_the_engine_hook_times_layers_and_a_plain_profile_does_not():
+    model, batch = Twice(), torch.randn(8, 96)
+    assert profile_model(model, batch, precision="fp32", device="cpu").layer_forward_s == {}
+    hooked = get_plugin_host().profile_model(
+        model=model, example_batch=batch, config=Config(device="cpu", precision="fp32")
+    )
+    assert hooked.layer_forward_s.keys() >= {"once", "twice", "norm"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_no_times_for_a_device_this_machine_lacks():
+    profile = profile_model(
+        Twice(), torch.randn(8, 96), precision="fp32", device="cuda", time_layers=True
+    )
+    assert profile.layer_flops and profile.layer_forward_s == {}
+
+
+def test_no_times_when_the_made_up_inputs_would_be_too_large(monkeypatch):
+    monkeypatch.setattr(op_timing, "REPLAY_MAX_BYTES", 1000)
+    profile = profile_model(
+        Twice(), torch.randn(8, 96), precision="fp32", device="cpu", time_layers=True
+    )
+    assert profile.layer_flops and profile.layer_forward_s == {}
+
+
+def test_an_op_the_real_kernel_refuses_means_no_times():
+    # bf16 parameters and an fp32 batch: the fake kernels let the mixed dtypes through, the real
+    # addmm refuses them (as the real forward would)
+    profile = profile_model(Twice(), torch.randn(8, 96), precision="bf16", time_layers=True)
+    assert profile.layer_flops and profile.layer_forward_s == {}

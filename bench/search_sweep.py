@@ -6,8 +6,8 @@ budget). Every plan is built once with ``tierwise.setup`` (profile from tierwise
 installed, hardware from the probe hooks, plan from tierwise-search with the forced settings),
 warmed up, then the plans take turns one step at a time for ``--rounds`` rounds.
 
-The plans take turns in a rotating order (each round starts one plan later), so drift on this
-shared machine, and any I/O an NVMe plan leaves behind, hits every plan alike; the 1-minute load
+The plans take turns in a new random order each round, so drift on this shared machine, and
+any I/O an NVMe plan leaves behind for the next one, hits every plan alike; the 1-minute load
 average is recorded before and after. Prints one JSON line per plan (median measured step,
 predicted step, their ratio; bytes fetched into the rCache per timed step against the Belady
 prediction at the plan's chunk size and blocks) and a summary line: the auto plan's median
@@ -22,6 +22,8 @@ import argparse
 import json
 import os
 import platform
+import random
+import resource
 import statistics
 import tempfile
 import time
@@ -215,12 +217,17 @@ def main() -> None:
     runs.append(plain)
 
     def one_step(run: dict, step: int) -> float:
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         started = time.perf_counter()
         loss = run["model"](**batch(step)).loss
         loss.backward()
         run["opt"].step()
         run["opt"].zero_grad()
-        return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        run.setdefault("faults", []).append(
+            resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        )
+        return seconds
 
     def failed(run: dict, err: Exception) -> None:
         print(
@@ -246,8 +253,11 @@ def main() -> None:
         if run is not plain:
             run["moved_before"] = dict(tierwise.engine_of(run["model"]).stats()["moved_bytes"])
     for round_index in range(args.rounds):
-        shift = round_index % len(runs) if runs else 0
-        for run in runs[shift:] + runs[:shift]:  # rotating turns: drift hits every plan alike
+        # a new order each round: drift on this shared machine, and whatever a plan leaves behind
+        # for the next one (an NVMe plan's disk writes), hit every plan alike
+        order = list(runs)
+        random.Random(round_index).shuffle(order)
+        for run in order:
             if run not in runs:
                 continue
             try:
@@ -280,6 +290,7 @@ def main() -> None:
             "predicted_breakdown_s": {k: round(v, 4) for k, v in plan.predicted_step_s.items()},
             "moved_bytes_per_step": moved_per_step(run, engine, len(run["times"])),
             "predicted_fetch_bytes_per_step": predicted_fetch_bytes(engine),
+            "minor_page_faults_per_step": statistics.median(run["faults"][-len(run["times"]) :]),
         }
         results.append(result)
         print(json.dumps(result), flush=True)
@@ -306,6 +317,7 @@ def main() -> None:
                 "auto_over_best": round(auto["measured_median_s"] / best["measured_median_s"], 3),
                 "predictions_within_25pct": f"{len(within)}/{len(results)}",
                 "plain_pytorch_median_s": round(statistics.median(plain["times"]), 4),
+                "plain_pytorch_minor_page_faults_per_step": statistics.median(plain["faults"][2:]),
                 "plain_over_predicted_compute_and_optimizer": round(
                     statistics.median(plain["times"])
                     / (

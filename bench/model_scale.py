@@ -356,7 +356,7 @@ def main() -> None:
             plain, plain_max = {}, args.skip_plain
         target = math.ceil(args.factor * plain_max)
         n_layer = next(n for n in range(1, 10_000) if params_of(n) >= target)
-        budgets = {"host_memory": str(cap // 2), "device_memory": str(cap // 16)}
+        budgets = {"host_memory": str(cap // 2), "device_memory": str(cap // 8)}
         result = spawn(
             cap,
             [

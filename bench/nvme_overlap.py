@@ -14,13 +14,14 @@ and, as references in the same alternation, the same model with optimizer states
 and nvme_transfer_s: reading every optimizer state slab through the tier, all in flight, then
 writing them all back (what one step must move), on the in-backward run's own files.
 
-Per mode one JSON line with medians: backward_step_s (loss.backward() + optimizer.step(), the
+Every batch size in ``--batches`` runs on the same engines (1 sequence: NVMe-bound; 4: backward
+and NVMe about even here). Per batch size and mode one JSON line with medians: backward_step_s (loss.backward() + optimizer.step(), the
 part the overlap shortens), iteration_s (with forward), NVMe bytes per step, and
 ratio = backward_step_s / max(backward_compute_s, nvme_transfer_s) (issue target ≤ 1.2).
 On a CPU-only machine backward and AdamW share the same cores, so the line also gives
 ratio_cpu = backward_step_s / max(backward_compute_s + update_compute_s, nvme_transfer_s).
 
-    python bench/nvme_overlap.py --dir /work/nvme-bench [--rounds 3] [--steps 2] [--small]
+    python bench/nvme_overlap.py --dir /work/nvme-bench [--batches 1,4] [--rounds 3] [--small]
 """
 
 from __future__ import annotations
@@ -130,7 +131,9 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per mode per round")
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument(
+        "--batches", default="1,4", help="batch sizes (sequences per step), comma-separated"
+    )
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--chunk", type=int, default=1 << 21, help="chunk_size in elements")
     parser.add_argument("--small", action="store_true", help="a 7M-param model (quick check)")
@@ -157,72 +160,79 @@ def main() -> None:
         engine = tierwise.engine_of(runs["in-backward"][0])
         buffers = [aligned_empty(s.nbytes).view(torch.float32) for s in state_slabs(engine)]
         state_bytes = sum(b.nbytes for b in buffers)
+        batches = [int(b) for b in args.batches.split(",")]
         for model, optimizer in runs.values():  # warm-up: trace recording, first touches
-            timed_step(model, optimizer, batch(args.batch, args.seq, VOCAB, 0))
-        times = {mode: [] for mode in runs}
+            timed_step(model, optimizer, batch(batches[0], args.seq, VOCAB, 0))
+        times = {(mode, b): [] for mode in runs for b in batches}
         reads, writes, nvme_bytes, modes_seen = [], [], {}, {}
         for _ in range(args.rounds):
             read_s, write_s = transfer_times(engine, buffers)
             reads.append(read_s)
             writes.append(write_s)
-            for mode, (model, optimizer) in runs.items():  # alternate: noise hits all alike
-                tier = tierwise.engine_of(model).tiers.get("nvme")
-                for s in range(args.steps):
-                    before = dict(tier.moved_bytes) if tier is not None else {}
-                    times[mode].append(
-                        timed_step(model, optimizer, batch(args.batch, args.seq, VOCAB, 1 + s))
-                    )
-                    if tier is not None:
-                        nvme_bytes[mode] = {d: tier.moved_bytes[d] - before[d] for d in before}
-                modes_seen[mode] = tierwise.engine_of(model).stats()["optimizer_mode"]
-
-        def med(mode: str, key: str) -> float:
-            return median([t[key] for t in times[mode]])
-
-        backward_compute = med("host", "backward_s")
-        update_compute = med("host", "optimizer_step_s")
-        nvme_transfer = median(reads) + median(writes)
+            for b in batches:  # the same engines for every batch size: same chunks, same files
+                for mode, (model, optimizer) in runs.items():  # alternate: noise hits all alike
+                    tier = tierwise.engine_of(model).tiers.get("nvme")
+                    for s in range(args.steps):
+                        before = dict(tier.moved_bytes) if tier is not None else {}
+                        data = batch(b, args.seq, VOCAB, 1 + s)
+                        times[mode, b].append(timed_step(model, optimizer, data))
+                        if tier is not None:
+                            nvme_bytes[mode] = {k: tier.moved_bytes[k] - before[k] for k in before}
+                    modes_seen[mode] = tierwise.engine_of(model).stats()["optimizer_mode"]
         common = dict(
             bench="nvme_overlap",
             params=params,
-            batch=args.batch,
             seq=args.seq,
             chunk_size=args.chunk,
             n_chunks=engine.stats()["n_chunks"],
             state_bytes=state_bytes,
-            backward_compute_s=round(backward_compute, 3),
-            update_compute_s=round(update_compute, 3),
             nvme_read_s=round(median(reads), 3),
             nvme_write_s=round(median(writes), 3),
-            nvme_transfer_s=round(nvme_transfer, 3),
+            nvme_transfer_s=round(median(reads) + median(writes), 3),
             nvme_backend=engine.tiers["nvme"].backend.name,
         )
-        base = med("sequential", "backward_step_s")
-        for mode in MODES:
-            backward_step = med(mode, "backward_step_s")
-            emit(
-                **common,
-                mode=mode,
-                optimizer_mode=modes_seen[mode],
-                forward_s=round(med(mode, "forward_s"), 3),
-                backward_s=round(med(mode, "backward_s"), 3),
-                optimizer_step_s=round(med(mode, "optimizer_step_s"), 3),
-                backward_step_s=round(backward_step, 3),
-                iteration_s=round(med(mode, "iteration_s"), 3),
-                nvme_bytes_per_step=nvme_bytes[mode],
-                ratio=round(backward_step / max(backward_compute, nvme_transfer), 3),
-                ratio_cpu=round(
-                    backward_step / max(backward_compute + update_compute, nvme_transfer), 3
-                ),
-                speedup_vs_sequential=round(base / backward_step, 3),
-                samples=len(times[mode]),
-            )
+        for b in batches:
+            emit_batch(common, b, {mode: times[mode, b] for mode in runs}, nvme_bytes, modes_seen)
     finally:
         for model, _ in runs.values():
             tierwise.engine_of(model).close()
         shutil.rmtree(nvme_dir, ignore_errors=True)
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def emit_batch(common: dict, b: int, times: dict, nvme_bytes: dict, modes_seen: dict) -> None:
+    """One JSON line per mode for batch size ``b`` (``times``: per mode, the timed steps)."""
+
+    def med(mode: str, key: str) -> float:
+        return median([t[key] for t in times[mode]])
+
+    backward_compute = med("host", "backward_s")
+    update_compute = med("host", "optimizer_step_s")
+    nvme_transfer = common["nvme_transfer_s"]
+    base = med("sequential", "backward_step_s")
+    for mode in MODES:
+        backward_step = med(mode, "backward_step_s")
+        emit(
+            **common,
+            batch=b,
+            backward_compute_s=round(backward_compute, 3),
+            update_compute_s=round(update_compute, 3),
+            mode=mode,
+            optimizer_mode=modes_seen[mode],
+            forward_s=round(med(mode, "forward_s"), 3),
+            backward_s=round(med(mode, "backward_s"), 3),
+            optimizer_step_s=round(med(mode, "optimizer_step_s"), 3),
+            backward_step_s=round(backward_step, 3),
+            iteration_s=round(med(mode, "iteration_s"), 3),
+            nvme_bytes_per_step=nvme_bytes[mode],
+            ratio=round(backward_step / max(backward_compute, nvme_transfer), 3),
+            ratio_cpu=round(
+                backward_step / max(backward_compute + update_compute, nvme_transfer), 3
+            ),
+            speedup_vs_sequential=round(base / backward_step, 3),
+            samples=len(times[mode]),
+        )
 
 
 if __name__ == "__main__":

@@ -184,8 +184,11 @@ class Engine:
                 block_id = self.cache.choose_victim(self._evictable(), self.trace)
                 if block_id is None:
                     return
-                # only displace a chunk needed later than the one we would bring in
-                if self.trace.next_use(self.cache.owner[block_id]) <= self.trace.next_use(key):
+                # only displace what demand Belady would (the farthest of all resident chunks,
+                # pinned ones included), and only for a chunk needed sooner than it
+                victim_next = self.trace.next_use(self.cache.owner[block_id])
+                farthest = max(self.trace.next_use(o) for o in self.cache.owner if o is not None)
+                if victim_next < farthest or victim_next <= self.trace.next_use(key):
                     return
                 self.evict(self._chunk_by_key(self.cache.owner[block_id]))
             self._bring_in(chunk, block_id)

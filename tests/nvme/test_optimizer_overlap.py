@@ -241,3 +241,34 @@ def test_model_built_on_meta_trains_with_everything_on_nvme(nvme_dir):
     assert {k: v.shape for k, v in params.items()} == {k: v.shape for k, v in reference.items()}
     assert all(torch.isfinite(v).all() and v.abs().sum() > 0 for v in params.values())
     assert all(a > b for a, b in zip(losses, losses[1:], strict=False)), losses
+
+
+def test_checkpoint_load_after_a_skipped_step_uses_the_loaded_states(nvme_dir, tmp_path):
+    # after-backward prefetches states during backward; a step the user skips leaves them
+    # prefetched, and a checkpoint load must not let the next step update the old values
+    def fresh(directory):
+        model, optimizer, _ = setup("gpt2", "bf16", nvme_dir=directory, overlap="after-backward")
+        return model, optimizer
+
+    def one_step(model, optimizer, seed):
+        loss = model(**tiny_batch(seed=seed)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    model, optimizer = fresh(nvme_dir / "straight")
+    one_step(model, optimizer, 0)
+    tierwise.save_checkpoint(tmp_path / "ckpt", model, optimizer)
+    want = [one_step(model, optimizer, seed) for seed in (1, 2)]
+    tierwise.engine_of(model).close()
+
+    model, optimizer = fresh(nvme_dir / "resumed")
+    one_step(model, optimizer, 0)
+    one_step(model, optimizer, 5)  # the states move away from the checkpoint
+    model(**tiny_batch(seed=9)).loss.backward()  # prefetches some chunks' states
+    optimizer.zero_grad()  # and the step is skipped
+    tierwise.load_checkpoint(tmp_path / "ckpt", model, optimizer)
+    got = [one_step(model, optimizer, seed) for seed in (1, 2)]
+    tierwise.engine_of(model).close()
+    assert got == want

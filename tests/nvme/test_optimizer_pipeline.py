@@ -144,6 +144,25 @@ def test_prefetched_chunks_update_first_and_still_match(make_tier):
     pipeline.close()
 
 
+def test_a_write_to_a_prefetched_slab_drops_the_stale_copy(make_tier):
+    # e.g. a checkpoint load after a skipped step: the update must see the new states
+    tier = make_tier("libaio")
+    chunks = setup_states(tier, torch.Generator().manual_seed(6))
+    pipeline = tier.optimizer_pipeline(buffer_bytes=max(SIZES) * 4)
+    slabs, _, grads = chunks[0]
+    assert pipeline.prefetch("c", slabs)
+    loaded = [torch.rand(slab.numel, generator=torch.Generator().manual_seed(7)) for slab in slabs]
+    for slab, values in zip(slabs, loaded, strict=True):
+        tier.write(slab, values).wait()
+    assert pipeline.pool.lent == 0  # the prefetched buffers went back
+    pipeline.submit("c", slabs, adamw(grads[0], torch.zeros(())))
+    pipeline.drain()
+    adamw(grads[0], torch.zeros(()))(loaded)
+    for got, want in zip(read_states(tier, slabs), loaded, strict=True):
+        assert torch.equal(got, want)
+    pipeline.close()
+
+
 def test_too_small_pool_is_a_clear_error(make_tier):
     tier = make_tier("threads")
     chunks = setup_states(tier, torch.Generator().manual_seed(2))

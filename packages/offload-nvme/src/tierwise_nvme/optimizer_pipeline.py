@@ -10,6 +10,9 @@ steady state the read of chunk i+1, the update of chunk i and the write of chunk
 call it from backward hooks. ``prefetch`` only starts the reads (for when a global check —
 clipping, fp16 overflow — must see every gradient before any update): it takes staging
 buffers only when that leaves room for one more chunk, so the worker can always make progress.
+A prefetched chunk stays valid until it is submitted, however long that takes (a skipped step),
+unless one of its slabs is written by someone else (e.g. a checkpoint load): the tier calls
+``slab_written`` on every write, which drops such a prefetch so the chunk is read again.
 
 Staging buffers come from a StagingPool; a chunk's buffers return to the pool when its writes
 are complete. For full overlap the pool needs ``states * (lookahead + 2)`` buffers.
@@ -91,6 +94,15 @@ class OptimizerPipeline:
                 )
                 self._worker.start()
             self._cond.notify_all()
+
+    def slab_written(self, slab: Slab) -> None:
+        """``slab`` is being overwritten: forget any prefetched copy of it (see the Note)."""
+        with self._cond:
+            stale = [j for j in self._prefetched.values() if any(s is slab for s in j.slabs)]
+            for job in stale:
+                del self._prefetched[job.key]
+        for job in stale:
+            self._discard(job)
 
     def drain(self) -> None:
         """Wait until every submitted chunk is updated and written; re-raise the first error."""

@@ -78,6 +78,8 @@ class NVMeTier(Tier):
         self.moves = {"nvme->host": 0, "host->nvme": 0}
         """Transfers started by this tier so far, by direction."""
         self._count_lock = threading.Lock()
+        self._pipelines: weakref.WeakSet = weakref.WeakSet()
+        """Optimizer pipelines over this tier, told about every write (see ``write``)."""
         self._transfers = Transfers(self.backend, pin=self.device.type == "cuda")
         self._files: dict[str, SwapFile] = {}
         self._lock = threading.Lock()
@@ -138,6 +140,8 @@ class NVMeTier(Tier):
 
     def write(self, slab: Slab, src: torch.Tensor, *, offset: int = 0) -> IOHandle:
         file = self._check(slab, src, offset, "write from")
+        for pipeline in list(self._pipelines):  # a prefetched copy of this slab is stale now
+            pipeline.slab_written(slab)
         if src.numel() == 0:
             return DONE
         start = slab.offset + offset * src.element_size()
@@ -193,7 +197,9 @@ class NVMeTier(Tier):
             count=states * (lookahead + 2),
             pin=self.device.type == "cuda",
         )
-        return OptimizerPipeline(tier=self, pool=pool, lookahead=lookahead)
+        pipeline = OptimizerPipeline(tier=self, pool=pool, lookahead=lookahead)
+        self._pipelines.add(pipeline)
+        return pipeline
 
     def file_bytes(self) -> int:
         """Bytes preallocated on disk by this tier (all kinds)."""

@@ -131,15 +131,7 @@ class _Search:
         self.rates: Rates = resolve_rates(hardware)
         self.param_bytes = PARAM_BYTES[config.precision]
         world = self.rates.world_size
-        # expert/tensor-parallel chunk groups shard over smaller data-parallel groups: size
-        # every chunk by the smallest one (an upper bound on per-rank bytes, never an overrun)
-        dp_sizes = {p.dp_size or world for p in profile.params} or {world}
-        self.shard = min(dp_sizes) if (config.shard and world > 1) else 1
-        if min(dp_sizes) < world:
-            self.reasons.append(
-                f"model-parallel groups: chunks sized as sharded over {min(dp_sizes)} rank(s), "
-                f"the smallest data-parallel group (world {world})"
-            )
+        self.shard = world if (config.shard and world > 1) else 1
         self.times = layer_times(profile, self.rates.flops)
         self.reasons.append(self.times.source)
         self.host_capacity = (

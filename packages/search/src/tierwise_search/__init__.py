@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 def tierwise_make_plan(profile: Profile, hardware: Hardware, config: Config) -> Plan | None:
     from tierwise_search.search import search_plan
 
+    world = max(1, hardware.world_size)
+    if any((p.dp_size or world) != world for p in profile.params):
+        # expert/tensor-parallel groups shard over smaller data-parallel groups; the cost model
+        # sizes every chunk by one group size, so core's planner (sized per group) decides
+        return None
     return search_plan(profile, hardware, config)
 
 

@@ -4,7 +4,6 @@ and sharding over each pattern's data-parallel group, against single-process PyT
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("tierwise_moe")
 pytest.importorskip("transformers")

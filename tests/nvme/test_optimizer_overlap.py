@@ -176,11 +176,6 @@ def test_accumulation_after_in_backward_updates_is_an_error(nvme_dir, overlap):
     assert "optimizer_overlap='after-backward'" in message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: Engine.stats()['moved_bytes'] does not count the optimizer pipeline's NVMe "
-    "traffic yet (Engine._count_update_traffic, proposed in the issue 7 report)",
-)
 @pytest.mark.parametrize("overlap", ["in-backward", "after-backward"])
 def test_moved_bytes_show_the_optimizer_nvme_traffic(nvme_dir, overlap):
     model, optimizer, _ = setup("gpt2", "bf16", nvme_dir=nvme_dir, overlap=overlap)
@@ -205,11 +200,6 @@ def test_moved_bytes_show_the_optimizer_nvme_traffic(nvme_dir, overlap):
     assert counted == disk
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: setup cannot move meta-device parameters to cpu (fill_payloads assigns "
-    ".data across devices; fix proposed in the issue 7 report)",
-)
 def test_model_built_on_meta_trains_with_everything_on_nvme(nvme_dir):
     # the way to set up a model larger than host RAM: nothing is materialised before setup
     with torch.device("meta"):

@@ -188,16 +188,17 @@ def fill_payloads(groups: list[ChunkGroup], dtype: torch.dtype, model: torch.nn.
         if not own:
             continue
         on_meta = [p for p in own if p.is_meta]
-        for p in on_meta:
-            p.data = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+        for p in on_meta:  # set_data cannot move a tensor off the meta device: swap in place
+            cpu = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
+            torch.utils.swap_tensors(p, cpu)
         if on_meta:
             _initialise(model, module)
         for p in own:
             chunk, slot = where.pop(id(p))
             _write_param(chunk, slot, p.detach().reshape(-1).float(), dtype)
             slot.set_state(TensorState.HOLD)
-        for p in on_meta:
-            p.data = torch.empty(p.shape, dtype=p.dtype, device="meta")
+        for p in on_meta:  # its values are in the chunks now; bind_params makes it a view
+            p.data = torch.empty(0, dtype=p.dtype)
 
 
 def _initialise(model: torch.nn.Module, module: torch.nn.Module) -> None:

@@ -358,8 +358,8 @@ class Engine:
         if chunk.key in self._early_hyper:
             raise RuntimeError(
                 "tierwise: a gradient arrived for a chunk whose optimizer update already ran "
-                "during backward (optimizer_overlap saw one backward pass per step so far); "
-                "with gradient accumulation or re-entrant checkpoint reuse set "
+                f"during backward ({self._overlap_reason('had one backward pass')}); with "
+                "gradient accumulation or re-entrant checkpoint reuse set "
                 "optimizer_overlap='after-backward'"
             )
         target[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1).to(target.device))
@@ -561,6 +561,7 @@ class Engine:
             # its cached copy goes stale, but nothing reads it again in this backward: all of
             # its gradients are in; step() drops every cached copy
             pipeline.submit(chunk.key, slabs, self._chunk_update(chunk, hyper, None))
+            self._count_update_traffic(chunk)
         else:
             pipeline.prefetch(chunk.key, slabs)
 
@@ -584,7 +585,7 @@ class Engine:
         if self._early_hyper and multiplier is not None:
             raise RuntimeError(
                 "tierwise: clip_grad_norm_ was called after the optimizer already updated chunks "
-                "during backward (the previous step did not clip); set "
+                f"during backward ({self._overlap_reason('did not clip')}); set "
                 "optimizer_overlap='after-backward' when clipping only some steps"
             )
         for chunk, _grad in list(self._grad_shards()):
@@ -644,6 +645,7 @@ class Engine:
         update = self._chunk_update(chunk, hyper, multiplier)
         slabs = (optim.master, optim.exp_avg, optim.exp_avg_sq)
         pipeline = self.pipelines.get(optim.tier.name)
+        self._count_update_traffic(chunk)
         if pipeline is not None:
             pipeline.submit(chunk.key, slabs, update)
         elif optim.tier.ADDRESSABLE:
@@ -655,6 +657,28 @@ class Engine:
             update(states)
             for handle in [optim.tier.write(s, t) for s, t in zip(slabs, states, strict=True)]:
                 handle.wait()
+
+    def _count_update_traffic(self, chunk: Chunk) -> None:
+        """Count what one chunk's update moves (on the calling thread, before it runs): states
+        on a storage tier are read into host buffers and written back; the new low-precision
+        values go to the parameter home when it is on another tier than the states."""
+        optim = chunk.optim
+        where = optim.tier.name if optim.tier.ADDRESSABLE else "host"
+        if where != optim.tier.name:
+            nbytes = sum(s.nbytes for s in (optim.master, optim.exp_avg, optim.exp_avg_sq))
+            for direction in (f"{optim.tier.name}->host", f"host->{optim.tier.name}"):
+                self.moved_bytes[direction] += nbytes
+                self.moves[direction] += 3
+        if chunk.home is not optim.master and chunk.home.tier.name != where:
+            direction = f"{where}->{chunk.home.tier.name}"
+            self.moved_bytes[direction] += chunk.home.nbytes
+            self.moves[direction] += 1
+
+    def _overlap_reason(self, previous_step: str) -> str:
+        """Why updates ran during backward, for error messages."""
+        if self.config.optimizer_overlap == "auto":
+            return f"optimizer_overlap='auto' and the previous step {previous_step}"
+        return f"optimizer_overlap={self.config.optimizer_overlap!r}"
 
     def _finish_step(self) -> None:
         for chunk in self.chunks():

@@ -13,9 +13,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-import torch
-
 import tierwise
+import torch
 from _common import Timer, batch, emit, gpt2_model, median
 
 VOCAB = 50257

@@ -4,9 +4,8 @@ full tensors under the original names."""
 import shutil
 
 import pytest
-import torch
-
 import tierwise
+import torch
 from helpers.models import tiny_batch, tiny_model
 from helpers.train import train
 

@@ -2,10 +2,9 @@
 per-rank memory, checkpoints, failures."""
 
 import pytest
+import tierwise
 import torch
 import torch.distributed as dist
-
-import tierwise
 from helpers.models import tiny_batch, tiny_model
 from helpers.multiproc import RankFailed, run_ranks
 

@@ -1,8 +1,7 @@
 """Invariant 4: the compute tier never holds more model data than the plan allows."""
 
-import torch
-
 import tierwise
+import torch
 from helpers.models import tiny_model
 from helpers.train import run_reference, train
 

@@ -1,9 +1,8 @@
 """Bad input: a clear error, and nothing half-initialised."""
 
 import pytest
-import torch
-
 import tierwise
+import torch
 from helpers.models import tiny_batch, tiny_model
 
 

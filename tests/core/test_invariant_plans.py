@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from helpers.train import run_tierwise
 
 PLANS = {

@@ -2,9 +2,8 @@
 mixed-precision loop (bf16 params and grads, fp32 master and Adam states)."""
 
 import pytest
-import torch
-
 import tierwise
+import torch
 from helpers.models import tiny_batch, tiny_model
 from helpers.train import max_rel_diff, run_reference, run_tierwise, train
 

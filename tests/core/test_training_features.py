@@ -2,9 +2,8 @@
 inference between steps — each checked against plain PyTorch."""
 
 import pytest
-import torch
-
 import tierwise
+import torch
 from helpers.models import tiny_batch, tiny_model
 from helpers.train import max_rel_diff, run_reference, run_tierwise, train
 

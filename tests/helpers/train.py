@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import tierwise
 import torch
 
-import tierwise
 from helpers.models import tiny_batch, tiny_model
 
 

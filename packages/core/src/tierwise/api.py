@@ -23,8 +23,8 @@ from tierwise.runtime.build import (
     static_profile,
 )
 from tierwise.runtime.engine import _PRECISION_DTYPES
-from tierwise.runtime.reduce import StreamingReducer
 from tierwise.runtime.hooks import install_hooks
+from tierwise.runtime.reduce import StreamingReducer
 
 _ENGINE_ATTR = "_tierwise_engine"
 
@@ -160,7 +160,6 @@ def setup(
         model=model, config=config, plan=plan, groups=groups, tiers=tiers, cache=cache,
         modules=modules, slot_chunk=slot_chunk, decoupled=decoupled,
         optimizer_groups=optimizer.param_groups, world_group=world,
-        staging_limit=2,
     )
     engine.profile = profile
     engine.hardware = hardware

@@ -7,7 +7,6 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-
 # torch 2.13 renamed the tensor collectives; keep torch>=2.4 working with the old names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -11,7 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from tierwise.chunks import Chunk, ChunkGroup, OptimSlabs, ParamSlot, TensorState, first_use_order, pack
+from tierwise.chunks import (
+    Chunk,
+    ChunkGroup,
+    OptimSlabs,
+    ParamSlot,
+    TensorState,
+    first_use_order,
+    pack,
+)
 from tierwise.parallel import ParallelPattern
 from tierwise.plan import Plan
 from tierwise.profile import ParamInfo, Profile

@@ -55,7 +55,6 @@ class Engine:
         decoupled: bool,
         optimizer_groups: list[dict],
         world_group: dist.ProcessGroup | None,
-        staging_limit: int,
     ):
         self.model = model
         self.config = config
@@ -84,7 +83,6 @@ class Engine:
         self._clip_coef: float | None = None
         self._staging_free: list[torch.Tensor] = []
         self._staging_slabs: list = []
-        self._staging_limit = staging_limit
         self._steps = {  # one Adam step counter per trainable chunk
             chunk.key: torch.zeros((), dtype=torch.float32, device=chunk.optim.master.tensor.device
                                    if chunk.optim.master.tensor is not None else "cpu")

@@ -117,6 +117,11 @@ def setup(
     dtype = _PRECISION_DTYPES[config.precision]
     world_rank = {p.key: _dp_world(p) for p in patterns}
     groups = layout_groups(params, profile, plan, dtype, world_rank=world_rank)
+    plan.groups = {
+        g.name: {"pattern": g.pattern_key, "dp_size": g.world, "sharded": g.sharded,
+                 "chunks": len(g.chunks), "trainable": g.trainable}
+        for g in groups
+    }
     needed = {plan.param_tier_of(g.name, c.index) for g in groups for c in g.chunks}
     needed |= {plan.optim_tier_of(g.name, c.index) for g in groups if g.trainable for c in g.chunks}
     tiers = _make_tiers(host, config, plan, needed)

@@ -45,6 +45,9 @@ class Plan(JsonDataclass):
     optimizer, comm, total)."""
     device_allowance: int | None = None
     """Bytes of model data the compute tier may hold (Invariant 4)."""
+    groups: dict[str, dict] = field(default_factory=dict)
+    """Per chunk group, filled by the engine after layout: its parallel ``pattern``, ``dp_size``
+    (ranks its chunks are sharded over), ``chunks`` and the tiers of its chunks."""
     planner: str = "core"
     """Which planner made it."""
     reasons: list[str] = field(default_factory=list)
@@ -88,10 +91,15 @@ class Plan(JsonDataclass):
         ]
         if self.device_allowance is not None:
             rows.append(("device allowance", format_bytes(self.device_allowance)))
-        for group in sorted(set(self.param_tiers) | set(self.optim_tiers)):
-            p = self.param_tiers.get(group, [])
-            o = self.optim_tiers.get(group, [])
-            rows.append((f"group {group}", f"params {_count(p)} | optimizer {_count(o)}"))
+        for group in sorted(set(self.param_tiers) | set(self.optim_tiers) | set(self.groups)):
+            info = self.groups.get(group, {})
+            n = info.get("chunks", 0)
+            p = self.param_tiers.get(group) or [self.param_tier] * n
+            o = self.optim_tiers.get(group) or ([self.optim_tier] * n if info.get("trainable", True) else [])
+            where = f"params {_count(p)} | optimizer {_count(o)}"
+            if info:
+                where = f"pattern {info['pattern']}, DP {info['dp_size']}, {n} chunks | {where}"
+            rows.append((f"group {group}", where))
         if self.activation_policy:
             rows.append(("activations", _count(list(self.activation_policy.values()))))
         for key, value in self.predicted_step_s.items():

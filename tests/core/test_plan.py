@@ -1,8 +1,7 @@
 """The plan describes every chunk group: pattern, data-parallel size, chunks, tiers."""
 
-import torch
-
 import tierwise
+import torch
 from helpers.models import tiny_model
 
 

@@ -107,3 +107,19 @@ def test_third_party_pattern_is_used_by_setup(trivial_plugin_env):
     # a pattern changes where bytes live, never the arithmetic (Invariant 1)
     assert losses == plain_losses
     assert state == plain_state
+
+
+def test_capacity_factor_reaches_the_experts_through_setup():
+    pytest.importorskip("tierwise_moe")
+    import tierwise
+    import torch
+    from helpers.models import tiny_model
+
+    model = tiny_model("mixtral")
+    opt = torch.optim.AdamW(model.parameters())
+    model, _ = tierwise.setup(model, opt, device="cpu", precision="fp32",
+                              parallel={"expert": 1}, expert_capacity_factor=0.5)
+    factors = {m.capacity_factor for m in model.modules() if hasattr(m, "capacity_factor")}
+    assert factors == {0.5}
+    with pytest.raises(tierwise.ConfigError, match="expert_capacity_factor"):
+        tierwise.Config(expert_capacity_factor=-1.0)

@@ -74,6 +74,10 @@ class Config:
     parallel: dict[str, int] | None = None
     """Model-parallel sizes by pattern name, e.g. {"expert": 2} or {"tensor": 2}."""
 
+    expert_capacity_factor: float | None = None
+    """Expert parallel (tierwise-moe): None routes exactly (no token dropped); a factor f caps
+    each expert at ceil(f · routed pairs / experts) rows per rank and drops the rest."""
+
     optimizer_overlap: str = "auto"
     """When optimizer states live on a storage tier (NVMe): "in-backward" updates each chunk as
     soon as its gradients are final (LoHan), "after-backward" only prefetches its states during
@@ -138,6 +142,10 @@ class Config:
                 for k, v in self.parallel.items()
             ):
                 fail("parallel", 'give a dict of pattern name to size, e.g. {"expert": 2}')
+        if self.expert_capacity_factor is not None and not (
+            isinstance(self.expert_capacity_factor, (int, float)) and self.expert_capacity_factor > 0
+        ):
+            fail("expert_capacity_factor", "give a positive factor (1.25 is common) or None for exact routing")
         if self.optimizer_overlap not in ("auto", "in-backward", "after-backward"):
             fail("optimizer_overlap", "choose one of auto, in-backward, after-backward")
         if self.optimizer_overlap == "in-backward" and self.precision == "fp16":

@@ -34,6 +34,8 @@ class ExpertParallel(ModelParallelPattern):
         process_group: dist.ProcessGroup | None,
         capacity_factor: float | None = None,
     ):
+        if capacity_factor is None:
+            capacity_factor = config.expert_capacity_factor
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(
                 f"capacity_factor={capacity_factor!r}: give a positive factor (1.25 is common), "

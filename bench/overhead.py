@@ -1,8 +1,9 @@
 """Per-step overhead of tierwise vs plain PyTorch on one device (issue 3).
 
 GPT-2 style model (~50M params, seq 256, batch 4). For fp32 and bf16: plain PyTorch (fused
-AdamW; bf16 = autocast with fp32 params), tierwise with everything on the device, and tierwise
-with parameters on host behind a 2-block rCache. Runs alternate; we report median step times,
+AdamW; bf16 = autocast with fp32 params), for bf16 also plain PyTorch with bf16 parameters and
+fp32 master weights (the same arithmetic as tierwise's bf16), tierwise with everything on the
+device, and tierwise with parameters on host behind a 2-block rCache. Runs alternate; we report median step times,
 ratios to plain PyTorch, and moved bytes per step against 2 × parameter bytes.
 
     python bench/overhead.py [--steps 3] [--rounds 3] [--small]
@@ -20,11 +21,37 @@ from _common import Timer, batch, emit, gpt2_model, median
 VOCAB = 50257
 
 
+class MasterWeightsAdamW:
+    """Plain PyTorch mixed precision: bf16 params and grads, fp32 masters in a fused AdamW."""
+
+    def __init__(self, model):
+        self.params = list(model.parameters())
+        self.masters = [torch.nn.Parameter(p.detach().float()) for p in self.params]
+        for p in self.params:
+            p.data = p.data.to(torch.bfloat16)
+        self.opt = torch.optim.AdamW(self.masters, lr=1e-4, fused=True)
+
+    def step(self):
+        for p, m in zip(self.params, self.masters, strict=True):
+            m.grad = p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters, strict=True):
+                p.copy_(m)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+        self.opt.zero_grad()
+
+
 def make(kind: str, precision: str, dims: dict):
     model = gpt2_model(**dims)
     if kind == "pytorch":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         return model, opt
+    if kind == "pytorch-bf16-params":
+        return model, MasterWeightsAdamW(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     plan = {"device": dict(param_placement="device", optimizer_placement="device"),
             "host-2blocks": dict(param_placement="host", optimizer_placement="host", cache_blocks=2, prefetch=1)}[kind]
@@ -53,6 +80,8 @@ def main() -> None:
     dims = dict(n_embd=256, n_layer=4, n_head=4) if args.small else dict(n_embd=512, n_layer=8, n_head=8)
     for precision in ("fp32", "bf16"):
         kinds = ("pytorch", "device", "host-2blocks")
+        if precision == "bf16":
+            kinds = ("pytorch", "pytorch-bf16-params", "device", "host-2blocks")
         runs = {k: make(k, precision, dims) for k in kinds}
         n_params = sum(p.numel() for p in gpt2_model(**dims).parameters())
         times = {k: [] for k in kinds}
@@ -63,9 +92,10 @@ def main() -> None:
                 autocast = kind == "pytorch" and precision == "bf16"
                 step(model, opt, batch(args.batch, args.seq, VOCAB, round_), autocast=autocast)  # warm
                 for s in range(args.steps):
-                    before = tierwise.engine_of(model).stats()["moved_bytes"] if kind != "pytorch" else {}
+                    managed = not kind.startswith("pytorch")
+                    before = tierwise.engine_of(model).stats()["moved_bytes"] if managed else {}
                     times[kind].append(step(model, opt, batch(args.batch, args.seq, VOCAB, s), autocast=autocast))
-                    if kind != "pytorch":
+                    if managed:
                         after = tierwise.engine_of(model).stats()["moved_bytes"]
                         moved[kind] = {d: after.get(d, 0) - before.get(d, 0) for d in after}
         base = median(times["pytorch"])
@@ -74,6 +104,9 @@ def main() -> None:
             fields = dict(bench="overhead", precision=precision, config=kind, params=n_params,
                           batch=args.batch, seq=args.seq, median_step_s=round(median(times[kind]), 4),
                           ratio_vs_pytorch=round(median(times[kind]) / base, 3), samples=len(times[kind]))
+            if "pytorch-bf16-params" in times:
+                same_math = median(times["pytorch-bf16-params"])
+                fields["ratio_vs_pytorch_bf16_params"] = round(median(times[kind]) / same_math, 3)
             if kind in moved:
                 h2d = moved[kind].get("host->device", 0)
                 fields.update(moved_bytes_per_step=moved[kind],

@@ -277,6 +277,13 @@ class Engine:
         if chunk.group.world == 1:
             self._add_to_grad_shard(chunk, slot, grad)
             return
+        if self._streams(chunk) and (chunk.handed_over or chunk.grads_done):
+            raise RuntimeError(
+                f"tierwise: parameter {slot.name} received a second gradient after its chunk was "
+                "handed to the gradient reduction in this backward (a parameter reused across "
+                "re-entrant checkpoint segments); with several ranks use non-re-entrant "
+                "checkpointing (use_reentrant=False)"
+            )
         if chunk.grads_done:  # late delivery after the chunk was reduced: reduce it on its own
             self._late_grad(chunk, slot, grad)
             return

@@ -8,8 +8,8 @@ import torch
 pytest.importorskip("tierwise_nvme")
 
 import tierwise  # noqa: E402
-from conftest import swap_files  # noqa: E402
 from helpers.train import run_tierwise  # noqa: E402
+from nvme_helpers import swap_files  # noqa: E402
 
 COMMON = dict(device="cpu", chunk_size=5000, cache_blocks=3)
 NVME_PLANS = {

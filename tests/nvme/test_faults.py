@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("tierwise_nvme")
 
-from conftest import BACKENDS, FailingBackend, require_libaio  # noqa: E402
+from nvme_helpers import BACKENDS, FailingBackend, require_libaio  # noqa: E402
 from tierwise_nvme import NVMeIOError, NVMeSpaceError  # noqa: E402
 from tierwise_nvme.backends import IOBackend, IORequest, LibaioBackend, ThreadPoolBackend  # noqa: E402
 

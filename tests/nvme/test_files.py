@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("tierwise_nvme")
 
-from conftest import require_libaio, swap_files  # noqa: E402
+from nvme_helpers import require_libaio, swap_files  # noqa: E402
 from tierwise_nvme.backends import NVMeFallbackWarning  # noqa: E402
 
 CHILD = textwrap.dedent(

@@ -7,10 +7,11 @@ import threading
 
 import pytest
 import torch
+from tierwise.optim import AdamHyper, adam_update
 
 pytest.importorskip("tierwise_nvme")
 
-from conftest import FailingBackend  # noqa: E402
+from nvme_helpers import FailingBackend  # noqa: E402
 from tierwise_nvme import NVMeIOError, StagingPool  # noqa: E402
 from tierwise_nvme.backends import ThreadPoolBackend  # noqa: E402
 from tierwise_nvme.optimizer_pipeline import OptimizerPipeline  # noqa: E402
@@ -23,21 +24,9 @@ def adamw(grad: torch.Tensor, step: torch.Tensor):
 
     def update(states: list[torch.Tensor]) -> None:
         master, exp_avg, exp_avg_sq = states
-        step.add_(1)
-        torch._fused_adamw_(
-            [master],
-            [grad],
-            [exp_avg],
-            [exp_avg_sq],
-            [],
-            [step],
-            lr=1e-2,
-            beta1=0.9,
-            beta2=0.999,
-            weight_decay=0.01,
-            eps=1e-8,
-            amsgrad=False,
-            maximize=False,
+        adam_update(
+            master=master, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step,
+            hyper=AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True),
         )
 
     return update

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("tierwise_nvme")
 
-from conftest import BACKENDS  # noqa: E402
+from nvme_helpers import BACKENDS  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tierwise.optim import AdamHyper, adam_update
 
 from tierwise_profiler.model_profile import DTYPES
 
@@ -123,21 +124,9 @@ def adam_velocity(device: torch.device) -> float:
     step = torch.zeros((), device=device)
 
     def update() -> None:
-        step.add_(1)
-        torch._fused_adamw_(
-            [param],
-            [grad],
-            [exp_avg],
-            [exp_avg_sq],
-            [],
-            [step],
-            lr=1e-3,
-            beta1=0.9,
-            beta2=0.999,
-            weight_decay=0.01,
-            eps=1e-8,
-            amsgrad=False,
-            maximize=False,
+        adam_update(
+            master=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step,
+            hyper=AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True),
         )
 
     return ADAM_NUMEL / _time_per_call(update, device)

@@ -53,3 +53,26 @@ class Timer:
 
     def __exit__(self, *exc):
         self.seconds = time.perf_counter() - self.start
+
+
+def timed_step(model, optimizer, data, *, require_finite: bool = False) -> dict:
+    """One training step, timed per phase (seconds); with ``require_finite`` a non-finite loss
+    raises."""
+    t0 = time.perf_counter()
+    loss = model(**data).loss
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    optimizer.step()
+    t3 = time.perf_counter()
+    optimizer.zero_grad()
+    if require_finite and not torch.isfinite(loss):
+        raise RuntimeError(f"loss is {loss.item()}")
+    return {
+        "loss": loss.item(),
+        "forward_s": t1 - t0,
+        "backward_s": t2 - t1,
+        "optimizer_step_s": t3 - t2,
+        "backward_step_s": t3 - t1,
+        "iteration_s": t3 - t0,
+    }

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import emit
+from _common import emit, timed_step
 
 N_EMBD = 1024
 N_HEAD = 16
@@ -177,21 +177,14 @@ def child_tierwise(args) -> dict:
         for _ in range(3):
             nvme_before = dict(nvme.moved_bytes)
             timings_before = dict(pipeline.timings) if pipeline else {}
-            t0 = time.perf_counter()
-            loss = model(**data).loss
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            optimizer.step()
-            t3 = time.perf_counter()
-            optimizer.zero_grad()
+            t = timed_step(model, optimizer, data)
             steps.append(
                 {
-                    "loss": round(loss.item(), 4),
-                    "step_s": round(t3 - t0, 2),
-                    "forward_s": round(t1 - t0, 2),
-                    "backward_s": round(t2 - t1, 2),
-                    "optimizer_step_s": round(t3 - t2, 2),
+                    "loss": round(t["loss"], 4),
+                    "step_s": round(t["iteration_s"], 2),
+                    "forward_s": round(t["forward_s"], 2),
+                    "backward_s": round(t["backward_s"], 2),
+                    "optimizer_step_s": round(t["optimizer_step_s"], 2),
                     "optimizer_mode": engine.stats()["optimizer_mode"],
                     "nvme_bytes": {k: nvme.moved_bytes[k] - nvme_before[k] for k in nvme_before},
                     "pipeline_s": {

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import tierwise
 import torch
-from _common import batch, emit, gpt2_model, median
+from _common import batch, emit, gpt2_model, median, timed_step
 
 MODES = ("in-backward", "after-backward", "sequential")
 VOCAB = 4096
@@ -78,26 +78,6 @@ def make(mode: str, args, dims: dict, nvme_dir: Path):
             optimizer_overlap=overlap,
             **common,
         )
-
-
-def timed_step(model, optimizer, data) -> dict:
-    t0 = time.perf_counter()
-    loss = model(**data).loss
-    t1 = time.perf_counter()
-    loss.backward()
-    t2 = time.perf_counter()
-    optimizer.step()
-    t3 = time.perf_counter()
-    optimizer.zero_grad()
-    if not torch.isfinite(loss):
-        raise RuntimeError(f"loss is {loss.item()}")
-    return {
-        "forward_s": t1 - t0,
-        "backward_s": t2 - t1,
-        "optimizer_step_s": t3 - t2,
-        "backward_step_s": t3 - t1,
-        "iteration_s": t3 - t0,
-    }
 
 
 def state_slabs(engine) -> list:
@@ -162,7 +142,7 @@ def main() -> None:
         state_bytes = sum(b.nbytes for b in buffers)
         batches = [int(b) for b in args.batches.split(",")]
         for model, optimizer in runs.values():  # warm-up: trace recording, first touches
-            timed_step(model, optimizer, batch(batches[0], args.seq, VOCAB, 0))
+            timed_step(model, optimizer, batch(batches[0], args.seq, VOCAB, 0), require_finite=True)
         times = {(mode, b): [] for mode in runs for b in batches}
         reads, writes, nvme_bytes, modes_seen = [], [], {}, {}
         for _ in range(args.rounds):
@@ -175,7 +155,7 @@ def main() -> None:
                     for s in range(args.steps):
                         before = dict(tier.moved_bytes) if tier is not None else {}
                         data = batch(b, args.seq, VOCAB, 1 + s)
-                        times[mode, b].append(timed_step(model, optimizer, data))
+                        times[mode, b].append(timed_step(model, optimizer, data, require_finite=True))
                         if tier is not None:
                             nvme_bytes[mode] = {k: tier.moved_bytes[k] - before[k] for k in before}
                     modes_seen[mode] = tierwise.engine_of(model).stats()["optimizer_mode"]

@@ -46,9 +46,3 @@ def make_tier(nvme_dir):
     yield make
     for tier in tiers:
         tier.close()
-
-
-
-
-
-

@@ -53,6 +53,8 @@ def test_nvme_plans_train_bitwise_like_host(kind, precision, clip, nvme_dir):
         assert stats["bytes_by_tier"]["nvme"] > 0
         nvme = engine.tiers["nvme"]
         assert nvme.moved_bytes["nvme->host"] > 0 and nvme.moved_bytes["host->nvme"] > 0
+        # parameter loads into rCache stream through the tier's bounded staging pool
+        assert nvme.staging.peak_lent <= nvme.staging.count and nvme.staging.lent == 0
         nvme.close()
     assert swap_files(nvme_dir) == []
 

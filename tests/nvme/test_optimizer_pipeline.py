@@ -25,8 +25,14 @@ def adamw(grad: torch.Tensor, step: torch.Tensor):
     def update(states: list[torch.Tensor]) -> None:
         master, exp_avg, exp_avg_sq = states
         adam_update(
-            master=master, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step,
-            hyper=AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True),
+            master=master,
+            grad=grad,
+            exp_avg=exp_avg,
+            exp_avg_sq=exp_avg_sq,
+            step=step,
+            hyper=AdamHyper(
+                lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True
+            ),
         )
 
     return update

@@ -61,3 +61,29 @@ def test_sized_from_prefetch_and_bounded_by_host_memory():
     )
     with pytest.raises(MemoryError, match="use a smaller chunk_size"):
         StagingPool.for_chunks(chunk_bytes=1 << 20, config=config, host_memory=8 << 20)
+
+
+def test_read_pool_sized_from_queue_depth_and_bounded_by_host_memory():
+    block = 4 << 20
+    config = Config(device="cpu")
+    big = StagingPool.for_reads(
+        block_size=block, queue_depth=16, config=config, host_memory=1 << 40
+    )
+    assert (big.count, big.buffer_bytes) == (18, block)  # the disk's queue plus two copying out
+    # 1/8 of 64 MiB holds two blocks
+    small = StagingPool.for_reads(
+        block_size=block, queue_depth=16, config=config, host_memory=64 << 20
+    )
+    assert small.count == 2
+    tiny = StagingPool.for_reads(
+        block_size=block, queue_depth=16, config=config, host_memory=1 << 20
+    )
+    assert tiny.count == 1  # never zero: a read needs one buffer to make progress
+    budget = Config(device="cpu", host_memory="96MiB")  # the host_memory budget caps it too
+    assert StagingPool.for_reads(block_size=block, queue_depth=16, config=budget).count == 3
+
+
+def test_read_pool_of_a_tier_is_bounded_and_automatic(make_tier):
+    tier = make_tier("threads", block_size=1 << 20, queue_depth=4)
+    assert tier.staging.buffer_bytes == 1 << 20 and 1 <= tier.staging.count <= 6
+    assert tier.staging.allocated == 0  # buffers are allocated on first use only

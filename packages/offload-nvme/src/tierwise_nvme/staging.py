@@ -1,9 +1,12 @@
 """StagingPool: a bounded set of reusable page-aligned host buffers for NVMe transfers.
 
-The engine reads NVMe-resident chunks ahead of use into these buffers (then copies them into
-rCache or updates them in place), and writes updated chunks back from them. Page alignment
-lets the tier move them with O_DIRECT without bounce copies (see [Note: unaligned transfers]);
-on CUDA they are pinned so host->device copies overlap compute.
+Two kinds of pools: the optimizer pipeline's (one buffer per optimizer state of a chunk: read,
+updated in place, written back), and each NVMe tier's pool for staged reads (block-sized
+buffers that carry reads into destinations O_DIRECT cannot fill in place, such as rCache
+chunks; see [Note: staged reads]). Page alignment lets the tier move them with O_DIRECT
+without bounce copies (see [Note: unaligned transfers]); on CUDA they are pinned so
+host->device copies overlap compute. A pool never holds more than ``count`` buffers: when all
+are lent, ``acquire`` waits for a release (or returns None) instead of allocating more.
 
 Usage::
 
@@ -29,7 +32,17 @@ if TYPE_CHECKING:
     from tierwise.config import Config
 
 HOST_FRACTION = 0.125
-"""At most this fraction of available host RAM goes to staging buffers."""
+"""At most this fraction of available host RAM (or of the host_memory budget) goes to one
+staging pool."""
+
+
+def host_bytes(config: Config, host_memory: int | None = None) -> int | None:
+    """The host memory a staging pool is sized against: ``host_memory`` if given, else the
+    smaller of Config.host_memory and the RAM available now (None when neither is known)."""
+    if host_memory is not None:
+        return host_memory
+    known = [b for b in (config.host_memory, available_host_memory()) if b is not None]
+    return min(known) if known else None
 
 
 class StagingPool:
@@ -47,6 +60,8 @@ class StagingPool:
         self._free: list[torch.Tensor] = []
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> buffer
         self._cond = threading.Condition()
+        self.peak_lent = 0
+        """The most buffers lent at once so far (never more than ``count``)."""
 
     @classmethod
     def for_chunks(
@@ -54,18 +69,38 @@ class StagingPool:
     ) -> StagingPool:
         """A pool sized from the plan: ``prefetch`` chunks read ahead, one in use and one being
         written back (at least 3, for the read/update/write pipeline), but never more than
-        HOST_FRACTION of available host RAM (and never fewer than 2 buffers)."""
+        HOST_FRACTION of the host memory (Config.host_memory or what is available; never fewer
+        than 2 buffers)."""
         wanted = max(3, config.prefetch + 2)
-        host = host_memory if host_memory is not None else available_host_memory()
+        host = host_bytes(config, host_memory)
         count = wanted if host is None else min(wanted, int(host * HOST_FRACTION) // chunk_bytes)
         if count < 2:
             raise MemoryError(
                 f"nvme staging: two buffers of one chunk ({format_bytes(chunk_bytes)}) exceed "
-                f"{HOST_FRACTION:.0%} of available host RAM ({format_bytes(host or 0)}): use a "
+                f"{HOST_FRACTION:.0%} of the host memory ({format_bytes(host or 0)}): use a "
                 "smaller chunk_size or free host memory"
             )
         return cls(
             buffer_bytes=chunk_bytes, count=count, pin=torch.device(config.device).type == "cuda"
+        )
+
+    @classmethod
+    def for_reads(
+        cls, *, block_size: int, queue_depth: int, config: Config, host_memory: int | None = None
+    ) -> StagingPool:
+        """The pool of an NVMe tier's staged reads: one ``block_size`` buffer per request the
+        tier keeps in flight (``queue_depth``) plus two being copied out, so the disk stays as
+        busy as fio with the same block size and queue depth; never more than HOST_FRACTION of
+        the host memory (Config.host_memory or what is available), and at least one buffer.
+        A chunk's size does not matter: staged reads stream through the pool block by block.
+        """
+        wanted = queue_depth + 2
+        host = host_bytes(config, host_memory)
+        count = wanted if host is None else min(wanted, int(host * HOST_FRACTION) // block_size)
+        return cls(
+            buffer_bytes=block_size,
+            count=max(1, count),
+            pin=torch.device(config.device).type == "cuda",
         )
 
     def acquire(self, numel: int, dtype: torch.dtype, *, block: bool = True) -> torch.Tensor | None:
@@ -91,6 +126,7 @@ class StagingPool:
                 self._buffers.append(buffer)
             view = buffer[:nbytes].view(dtype)
             self._lent[view.data_ptr()] = buffer
+            self.peak_lent = max(self.peak_lent, len(self._lent))
             return view
 
     def release(self, tensor: torch.Tensor) -> None:
@@ -109,9 +145,15 @@ class StagingPool:
             return len(self._lent)
 
     @property
+    def allocated(self) -> int:
+        """Buffers allocated so far (never more than ``count``)."""
+        with self._cond:
+            return len(self._buffers)
+
+    @property
     def allocated_bytes(self) -> int:
         """Host bytes held by the buffers allocated so far."""
-        return len(self._buffers) * self.buffer_bytes
+        return self.allocated * self.buffer_bytes
 
 
-__all__ = ["HOST_FRACTION", "StagingPool"]
+__all__ = ["HOST_FRACTION", "StagingPool", "host_bytes"]

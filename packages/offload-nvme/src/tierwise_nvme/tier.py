@@ -16,6 +16,8 @@ from tierwise.tiers import DONE, IOHandle, Slab, Tier
 
 from tierwise_nvme.backends import IOBackend, open_backend
 from tierwise_nvme.options import NVMeOptions
+from tierwise_nvme.staged_read import StagedReads
+from tierwise_nvme.staging import StagingPool
 from tierwise_nvme.swapfile import SwapFile, align_up, remove_stale_files, swap_file_name
 from tierwise_nvme.transfer import Transfers
 
@@ -59,6 +61,7 @@ class NVMeTier(Tier):
         config: Config,
         options: NVMeOptions | None = None,
         backend: IOBackend | None = None,
+        staging: StagingPool | None = None,
     ) -> None:
         super().__init__(device=device, budget=budget, config=config)
         if not config.nvme_path:
@@ -80,7 +83,16 @@ class NVMeTier(Tier):
         self._count_lock = threading.Lock()
         self._pipelines: weakref.WeakSet = weakref.WeakSet()
         """Optimizer pipelines over this tier, told about every write (see ``write``)."""
-        self._transfers = Transfers(self.backend, pin=self.device.type == "cuda")
+        self.staging = staging or StagingPool.for_reads(
+            block_size=self.options.block_size, queue_depth=self.options.queue_depth, config=config
+        )
+        """Host buffers that reads into destinations O_DIRECT cannot fill in place (rCache
+        chunks, device tensors) stream through; bounded, sized automatically (see
+        StagingPool.for_reads and [Note: staged reads]). Only this tier's reads use it."""
+        self._staged = StagedReads(self.backend, self.staging)
+        self._transfers = Transfers(
+            self.backend, pin=self.device.type == "cuda", staged=self._staged
+        )
         self._files: dict[str, SwapFile] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -130,6 +142,9 @@ class NVMeTier(Tier):
             self.used_bytes -= slab.nbytes
 
     def read(self, slab: Slab, out: torch.Tensor, *, offset: int = 0) -> IOHandle:
+        """Start filling ``out`` from the slab; returns at once (any number of reads may be in
+        flight). A destination O_DIRECT cannot fill in place streams through ``self.staging``
+        (see [Note: staged reads]); keep ``out`` alive and unresized until the handle is done."""
         file = self._check(slab, out, offset, "read into")
         if out.numel() == 0:
             return DONE
@@ -178,6 +193,7 @@ class NVMeTier(Tier):
             if self._closed:
                 return
             self._closed = True
+        self._staged.drain()  # pieces still queued for a staging buffer are not in the backend
         self.backend.close()
         for file in self._files.values():
             self._transfers.forget(file)
@@ -190,7 +206,6 @@ class NVMeTier(Tier):
         the read of chunk i+1, the update of chunk i and the write of chunk i-1 at once.
         See [Note: optimizer pipeline]."""
         from tierwise_nvme.optimizer_pipeline import OptimizerPipeline
-        from tierwise_nvme.staging import StagingPool
 
         pool = StagingPool(
             buffer_bytes=buffer_bytes,

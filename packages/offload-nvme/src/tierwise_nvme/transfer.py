@@ -5,8 +5,10 @@ A tier read/write names any element range of a slab, and any tensor. With an O_D
 the file range is widened to whole pages, [floor(start), ceil(end)). When the tensor's address
 has the same misalignment as ``start`` (always true for the page-aligned staging buffers and
 whole-slab transfers), the whole pages in the middle move straight between the tensor and the
-file and only the partial first/last page go through a one-page bounce buffer; otherwise the
-whole widened range goes through a page-aligned bounce buffer. A write whose partial pages hold
+file and only the partial first/last page go through a one-page bounce buffer. Otherwise a
+read (and any read into a contiguous non-CPU tensor) streams through the tier's bounded
+staging pool block by block (see [Note: staged reads]); a write, or a read into a
+non-contiguous tensor, moves the whole widened range through a page-aligned bounce buffer. A write whose partial pages hold
 other data of the slab reads those pages first (read-modify-write); bytes past the slab's end
 are padding and are zero-filled instead. Buffered backends transfer the exact range in place.
 
@@ -24,6 +26,7 @@ import errno
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tierwise.tiers import IOHandle
@@ -34,6 +37,9 @@ from tierwise_nvme.buffers import BounceCache, byte_view, memoryview_of
 from tierwise_nvme.errors import NVMeIOError, io_error
 from tierwise_nvme.options import ALIGNMENT
 from tierwise_nvme.swapfile import SwapFile
+
+if TYPE_CHECKING:
+    from tierwise_nvme.staged_read import StagedReads
 
 
 class NVMeHandle(IOHandle):
@@ -150,9 +156,16 @@ class Transfers:
     """Starts reads and writes of tensors at byte offsets of swap files through a backend."""
 
     def __init__(
-        self, backend: IOBackend, *, pin: bool, cache_bytes: int = BOUNCE_CACHE_BYTES
+        self,
+        backend: IOBackend,
+        *,
+        pin: bool,
+        staged: StagedReads | None = None,
+        cache_bytes: int = BOUNCE_CACHE_BYTES,
     ) -> None:
         self.backend = backend
+        self.staged = staged
+        """Reads that O_DIRECT cannot do in place go through it (None: through bounces)."""
         self.bounces = BounceCache(limit=cache_bytes)
         """Page-aligned buffers for partial pages and misaligned tensors."""
         self.staging = BounceCache(limit=cache_bytes, pin=pin) if pin else self.bounces
@@ -170,6 +183,11 @@ class Transfers:
 
     def read(self, file: SwapFile, start: int, out: torch.Tensor) -> NVMeHandle:
         """Fill ``out`` with file bytes ``[start, start + out.nbytes)``."""
+        if self.staged is not None and self.backend.direct and out.is_contiguous():
+            dest = byte_view(out)
+            segments = plan_segments(start, start + dest.numel(), dest.data_ptr(), True)
+            if out.device.type != "cpu" or (len(segments) == 1 and segments[0].bounce):
+                return self._read_staged(file, start, dest, segments[0].lo, segments[-1].hi)
         in_place = out.device.type == "cpu" and out.is_contiguous()
         host = byte_view(out) if in_place else self.staging.take(out.nbytes)
         end = start + host.numel()
@@ -190,6 +208,19 @@ class Transfers:
         with inflight.issuing:
             inflight.wait_for_conflicts(segments[0].lo, segments[-1].hi, False)
             self._issue(file, "read", segments, bounces, host, start, handle)
+        return handle
+
+    def _read_staged(
+        self, file: SwapFile, start: int, dest: torch.Tensor, lo: int, hi: int
+    ) -> NVMeHandle:
+        """Read file pages ``[lo, hi)`` through the staging pool. See [Note: staged reads]."""
+        assert self.staged is not None
+        handle = NVMeHandle(self.staged.pieces(lo, hi), finalize=None, keep=(dest,))
+        inflight = self._inflight_of(file)
+        with inflight.issuing:
+            inflight.wait_for_conflicts(lo, hi, False)
+            inflight.add(lo, hi, False, handle)
+            self.staged.start(file, lo, hi, start, dest, handle)
         return handle
 
     def write(self, file: SwapFile, start: int, src: torch.Tensor, *, limit: int) -> NVMeHandle:

@@ -21,6 +21,7 @@ from tierwise.parallel.collectives import Collectives
 from tierwise.plan import Plan
 from tierwise.runtime.cache import AccessTrace, RCache
 from tierwise.runtime.reduce import StreamingReducer
+from tierwise.runtime.transfer import ChunkLoads
 from tierwise.tiers.base import Tier
 
 _PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -99,6 +100,8 @@ class Engine:
         self._reforward_pins: list[torch.nn.Module] = []
         self._scaled_this_backward = False
         self.multi_rank = any(g.world > 1 for g in groups)
+        self.loads = ChunkLoads(self.device)
+        """rCache loads in flight ([Note: prefetch overlap])."""
         self.reducer: StreamingReducer | None = None
         """Streams reductions of chunks sharded over ``world_group`` ([Note: streaming reduction])."""
 
@@ -119,11 +122,13 @@ class Engine:
         return self._by_key[key]
 
     def fetch(self, chunk: Chunk) -> None:
-        """Make ``chunk`` resident on the device (all-gathering its shards when sharded)."""
+        """Make ``chunk`` resident on the device (all-gathering its shards when sharded) and
+        wait until its values are there ([Note: prefetch overlap])."""
         self.trace.touch(chunk.key)
         if chunk.resident:
             if chunk.block_id is not None:
                 self.cache.touch(chunk.block_id)
+            self.loads.finish(chunk.key)
             return
         block_id = self.cache.free_block()
         if block_id is None:
@@ -136,14 +141,18 @@ class Engine:
                 )
             self.evict(self._chunk_by_key(self.cache.owner[block_id]))
         self._bring_in(chunk, block_id)
+        self.loads.finish(chunk.key)
 
     def _bring_in(self, chunk: Chunk, block_id: int) -> None:
+        """Start loading ``chunk`` into ``block_id``; ``loads.finish`` completes it."""
         chunk.allocate_storage()
-        self._load(chunk, chunk.flat)
+        self.loads.start(chunk.key, lambda: self._issue_load(chunk, chunk.flat),
+                         collective=chunk.group.sharded)
         chunk.resident, chunk.block_id = True, block_id
         self.cache.assign(block_id, chunk.key)
 
-    def _load(self, chunk: Chunk, block: torch.Tensor) -> None:
+    def _issue_load(self, chunk: Chunk, block: torch.Tensor) -> tuple[list, list]:
+        """Issue the transfer of ``chunk``'s values into ``block``; (handles, tensors in use)."""
         home = chunk.home
         src_tier = home.tier.name
         if chunk.group.sharded:
@@ -152,19 +161,23 @@ class Engine:
             else:
                 shard = torch.empty(chunk.shard_size, dtype=block.dtype, device=block.device)
                 home.tier.read(home, shard).wait()
-            self.collectives.all_gather(block, shard.to(block.dtype), chunk.group.process_group)
+            shard = shard.to(block.dtype)
+            work = self.collectives.all_gather(block, shard, chunk.group.process_group, async_op=True)
+            handles, keep = [work], [shard]
             nbytes = chunk.shard_size * block.element_size()
         else:
-            home.tier.read(home, block).wait()
+            handles, keep = [home.tier.read(home, block)], []
             nbytes = chunk.capacity * block.element_size()
         if src_tier != "device":
             self.moved_bytes[f"{src_tier}->device"] += nbytes
             self.moves[f"{src_tier}->device"] += 1
+        return handles, keep
 
     def evict(self, chunk: Chunk) -> None:
         """Drop a cached chunk: it is an unchanged copy, so nothing is written back."""
         if chunk.compute_refs:
             raise RuntimeError(f"tierwise bug: evicting chunk {chunk.key} while in use")
+        self.loads.finish(chunk.key)  # its storage is about to be freed
         chunk.free_storage()
         self.cache.vacate(chunk.block_id)
         chunk.resident, chunk.block_id = False, None
@@ -309,6 +322,7 @@ class Engine:
         self._backward_pins.clear()
         self._reforward_pins.clear()
         self._scaled_this_backward = False
+        self.loads.finish_all()  # prefetched but not used: [Note: prefetch overlap]
         for chunk in self.chunks():
             if chunk.trainable and chunk.group.world == 1:
                 if not chunk.optim.grad_filled:  # no gradient at all since zero_grad: zeros
@@ -698,6 +712,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop pipelines and release tier resources (files of storage tiers)."""
+        self.loads.close()
         for pipeline in self.pipelines.values():
             pipeline.close()
         for tier in self.tiers.values():

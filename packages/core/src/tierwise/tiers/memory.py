@@ -38,12 +38,45 @@ class MemoryTier(Tier):
             slab.tensor = None
 
     def read(self, slab: Slab, out: torch.Tensor, *, offset: int = 0) -> IOHandle:
-        out.copy_(slab.tensor[offset : offset + out.numel()], non_blocking=self.pin)
-        return DONE
+        source = slab.tensor[offset : offset + out.numel()]
+        out.copy_(source, non_blocking=self.pin)
+        return _copy_handle(source, out, non_blocking=self.pin)
 
     def write(self, slab: Slab, src: torch.Tensor, *, offset: int = 0) -> IOHandle:
-        slab.tensor[offset : offset + src.numel()].copy_(src, non_blocking=self.pin)
+        target = slab.tensor[offset : offset + src.numel()]
+        target.copy_(src, non_blocking=self.pin)
+        return _copy_handle(src, target, non_blocking=self.pin)
+
+
+class _CopyHandle(IOHandle):
+    """An asynchronous copy between pinned host memory and an accelerator.
+
+    [Note: pinned copies]
+    ``copy_(non_blocking=True)`` returns before the data has moved. Into device memory, the
+    consumers are kernels: waiting makes the current stream wait for the copy. Into host memory,
+    the consumer is host code (the CPU optimizer reads a gradient shard): waiting blocks the
+    calling thread until the copy is done.
+    """
+
+    def __init__(self, event, to_host: bool, device: torch.device):
+        self.event, self.to_host, self.device = event, to_host, device
+
+    def wait(self) -> None:
+        if self.to_host:
+            self.event.synchronize()
+        else:
+            torch.accelerator.current_stream(self.device).wait_event(self.event)
+
+    def done(self) -> bool:
+        return self.event.query()
+
+
+def _copy_handle(src: torch.Tensor, dst: torch.Tensor, *, non_blocking: bool) -> IOHandle:
+    accelerator = next((t.device for t in (src, dst) if t.device.type not in ("cpu", "meta")), None)
+    if not non_blocking or accelerator is None:
         return DONE
+    event = torch.accelerator.current_stream(accelerator).record_event()
+    return _CopyHandle(event, dst.device.type == "cpu", accelerator)
 
 
 class DeviceTier(MemoryTier):

@@ -1,0 +1,64 @@
+"""Prefetched chunk loads stay in flight until the chunk is needed ([Note: prefetch overlap]).
+
+The host tier is patched so a read copies nothing until its handle is waited on, the way an
+asynchronous tier (NVMe, a CUDA side stream) behaves. If the engine used a chunk before waiting,
+its storage would hold garbage and training would diverge from the all-on-device run.
+"""
+
+import pytest
+import torch
+from helpers.train import run_tierwise
+from tierwise.tiers.base import IOHandle
+from tierwise.tiers.memory import HostTier
+
+
+class DeferredCopy(IOHandle):
+    def __init__(self, log: list, out: torch.Tensor, source: torch.Tensor):
+        self.log, self.out, self.source, self.copied = log, out, source.clone(), False
+        log.append(("issue", self))  # the object: ids of dead handles get reused
+
+    def wait(self) -> None:
+        if not self.copied:
+            self.out.copy_(self.source)
+            self.copied = True
+            self.log.append(("wait", self))
+
+    def done(self) -> bool:
+        return self.copied
+
+
+@pytest.fixture
+def deferred_host_reads(monkeypatch):
+    log: list = []
+
+    def read(self, slab, out, *, offset=0):
+        return DeferredCopy(log, out, slab.tensor[offset : offset + out.numel()])
+
+    monkeypatch.setattr(HostTier, "read", read)
+    return log
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_deferred_loads_train_exactly_like_all_on_device(deferred_host_reads, prefetch):
+    plan = dict(param_placement="host", optimizer_placement="host", cache_blocks=3,
+                chunk_size=5000, prefetch=prefetch)
+    losses, model = run_tierwise("gpt2", 4, device="cpu", **plan)
+    log = list(deferred_host_reads)
+    deferred_host_reads.clear()
+    ref_losses, ref_model = run_tierwise("gpt2", 4, device="cpu", param_placement="device",
+                                         optimizer_placement="device")
+    assert losses == ref_losses
+    ref = ref_model.state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, ref[name]), name
+    issued = {id(h): i for i, (kind, h) in enumerate(log) if kind == "issue"}
+    waited = {id(h): i for i, (kind, h) in enumerate(log) if kind == "wait"}
+    assert issued.keys() == waited.keys(), "every load is finished"
+    # a load is overlapped when another load was issued before it was waited on
+    starts = sorted(issued.values())
+    overlapped = [h for h, start in issued.items()
+                  if any(start < other < waited[h] for other in starts)]
+    if prefetch:
+        assert overlapped, "with prefetch some loads must still be in flight when others start"
+    else:
+        assert not overlapped, "without prefetch every load is waited on before the next"

@@ -361,3 +361,121 @@ def engine_run(
         "groups": groups,
         "bytes_by_tier": engine.stats()["bytes_by_tier"],
     }
+
+
+# ----------------------------------------------------------------------------- state dicts
+LOAD_SEED = 7
+"""Seed of the other HF model whose full state dict is loaded into a parallel one."""
+
+
+def state_dict_run(rank: int, world: int, kind: str, parallel: dict[str, int]) -> dict:
+    """A few tierwise steps under ``parallel``, then both ways between ``model.state_dict()``
+    and a single-process HF model, on this rank's batch:
+
+    - the tierwise state dict loads strictly into a fresh HF model whose logits are compared
+      with the tierwise model's own logits;
+    - the full state dict of another HF model loads into the tierwise model, whose logits are
+      compared with that HF model's, and whose state dict gives it back.
+    """
+    import tierwise
+
+    model = build_model(kind)
+    opt = make_optimizer(model)
+    model, opt = tierwise.setup(
+        model, opt, precision="fp32", device="cpu", chunk_size=4096, parallel=parallel,
+        param_placement="host", optimizer_placement="host", cache_blocks=3,
+    )
+    tensor = parallel.get("tensor", 1)
+    batch = batch_slice(global_batch(), rank // tensor, world // tensor)
+    for _ in range(3):
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        own_logits = model(**batch).logits
+    state = model.state_dict()  # collective: every rank
+    single = build_model(kind)
+    load_result = single.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        single_logits = single(**batch).logits
+
+    other = tiny_model(kind, seed=LOAD_SEED)
+    other_state = other.state_dict()
+    model.load_state_dict(other_state)  # collective: every rank
+    with torch.no_grad():
+        loaded_logits = model(**batch).logits
+        other_logits = other(**batch).logits
+    again = model.state_dict()
+    return {
+        "strict_load": not load_result.missing_keys and not load_result.unexpected_keys,
+        "shapes_match": {n: tuple(v.shape) for n, v in state.items()}
+        == {n: tuple(v.shape) for n, v in single.state_dict().items()},
+        "trained": any(not torch.equal(v, build_model(kind).state_dict()[n]) for n, v in state.items()),
+        "saved_error": max_relative_error(single_logits, own_logits),
+        "loaded_error": max_relative_error(loaded_logits, other_logits),
+        "round_trip": all(torch.equal(again[n], v.float()) for n, v in other_state.items()),
+    }
+
+
+# ----------------------------------------------------------------------------- atomic setup
+def _model_facts(model: torch.nn.Module) -> dict:
+    """Everything a failed setup must leave as it was: parameter objects, shapes and values,
+    module classes, hooks and attributes."""
+    hooks = sum(
+        len(d)
+        for m in model.modules()
+        for d in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks,
+                  m._backward_pre_hooks, m._state_dict_hooks, m._load_state_dict_pre_hooks)
+    )
+    return {
+        "params": [(n, id(p), tuple(p.shape), p.detach().clone(), sorted(vars(p)))
+                   for n, p in model.named_parameters()],
+        "classes": [(n, type(m)) for n, m in model.named_modules()],
+        "hooks": hooks,
+        "attrs": [(n, sorted(vars(m))) for n, m in model.named_modules()],
+        "load_state_dict": "load_state_dict" in vars(model),
+    }
+
+
+def _same_facts(before: dict, after: dict) -> bool:
+    for (n, i, s, v, a), (n2, i2, s2, v2, a2) in zip(before["params"], after["params"], strict=True):
+        if (n, i, s, a) != (n2, i2, s2, a2) or not torch.equal(v, v2):
+            return False
+    return all(before[k] == after[k] for k in ("classes", "hooks", "attrs", "load_state_dict"))
+
+
+def atomic_setup_run(rank: int, world: int) -> dict:
+    """Bad inputs to ``setup(parallel={"expert": world})``: the error each raises and whether
+    the model was left unchanged; then a good setup of the same model and its first loss against
+    the plain model's on this rank's batch."""
+    import tierwise
+
+    model = build_model("mixtral")
+    opt = make_optimizer(model)
+    before = _model_facts(model)
+    bad = {
+        "sgd": (torch.optim.SGD(model.parameters(), lr=0.1), {}),
+        "chunk_size": (opt, {"chunk_size": 16}),
+        "device_budget": (opt, {"device_memory": 1000}),
+        "host_budget": (opt, {"param_placement": "host", "optimizer_placement": "host",
+                              "host_memory": 100_000}),
+    }
+    errors, unchanged = {}, {}
+    for what, (optimizer, settings) in bad.items():
+        try:
+            tierwise.setup(model, optimizer, precision="fp32", device="cpu",
+                           parallel={"expert": world}, **{"chunk_size": 4096, **settings})
+        except Exception as err:  # noqa: BLE001 - the message is what the test checks
+            errors[what] = f"{type(err).__name__}: {err}"
+        else:
+            errors[what] = "no error"
+        unchanged[what] = _same_facts(before, _model_facts(model))
+    batch = batch_slice(global_batch(), rank, world)
+    with torch.no_grad():
+        plain_loss = build_model("mixtral")(**batch).loss.item()
+    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", chunk_size=4096,
+                                parallel={"expert": world})
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    return {"errors": errors, "unchanged": unchanged, "loss": loss.item(), "plain_loss": plain_loss}

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from tierwise.config import Config, ConfigError
 from tierwise.hardware import Hardware
 from tierwise.optim import TierwiseOptimizer, check_optimizer
+from tierwise.parallel.base import snapshot_model
 from tierwise.plugins import get_plugin_host
 from tierwise.runtime import Engine, RCache
 from tierwise.runtime.build import (
@@ -99,46 +100,18 @@ def setup(
     host = get_plugin_host()
     world = _world_group(process_group)
     patterns = _patterns(config, host, world)
-    for pattern in patterns:  # model-parallel patterns shard modules before anything is sized
-        pattern.prepare(model)
-    params = collect_params(model, optimizer, patterns)
-    profile = host.profile_model(model=model, example_batch=example_batch, config=config)
-    if profile is None:
-        profile = static_profile(params)
-    group_of = {m.name: m.group_name for m in params.values()}
-    dp_size_of = {m.name: _dp_world(m.pattern)[1] for m in params.values()}
-    for info in profile.params:
-        info.group = group_of.get(info.name, info.group)
-        info.dp_size = dp_size_of.get(info.name, info.dp_size)
-    profile.module_params = profile.module_params or _module_params(model, params)
-    hardware = Hardware(**host.probe_hardware(config=config))
-    plan = host.make_plan(profile=profile, hardware=hardware, config=config)
-    check_chunk_size(plan)
-    dtype = _PRECISION_DTYPES[config.precision]
-    world_rank = {p.key: _dp_world(p) for p in patterns}
-    groups = layout_groups(params, profile, plan, dtype, world_rank=world_rank)
-    plan.groups = {
-        g.name: {"pattern": g.pattern_key, "dp_size": g.world, "sharded": g.sharded,
-                 "chunks": len(g.chunks), "trainable": g.trainable}
-        for g in groups
-    }
-    needed = {plan.param_tier_of(g.name, c.index) for g in groups for c in g.chunks}
-    needed |= {plan.optim_tier_of(g.name, c.index) for g in groups if g.trainable for c in g.chunks}
-    tiers = _make_tiers(host, config, plan, needed)
-    allocated = allocate_payloads(groups, plan, tiers, fp32_alias=config.precision == "fp32")
+    restore_model = snapshot_model(model)  # [Note: atomic setup]
     try:
-        cached = [c for g in groups for c in g.chunks if not _home_is_compute_buffer(c)]
-        block_numel = max((c.capacity for c in cached), default=0)
-        cache = RCache(tiers["device"], plan.cache_blocks if cached else 0, block_numel, dtype)
-        if cached and len(cache) == 0:
-            raise ConfigError(
-                "the plan keeps parameters off the device but has cache_blocks=0: set "
-                "cache_blocks ≥ 1 (or 'auto')"
-            )
+        for pattern in patterns:  # model-parallel patterns shard modules before anything is sized
+            pattern.prepare(model)
+        profile, hardware, plan, groups, tiers, cache = _plan_and_allocate(
+            model, optimizer, config, host, patterns, example_batch
+        )
     except BaseException:
-        for slab in allocated:
-            slab.tier.release(slab)
+        restore_model()
         raise
+    del restore_model  # drops the originals of the parameters patterns sliced
+    dtype = _PRECISION_DTYPES[config.precision]
     # --- from here on the model is changed -----------------------------------------------
     fill_payloads(groups, dtype, model)
     slot_chunk = {}
@@ -189,8 +162,52 @@ def setup(
     setattr(model, _ENGINE_ATTR, engine)
     from tierwise.checkpoint import install_state_dict_hooks
 
-    install_state_dict_hooks(engine, model)
+    install_state_dict_hooks(engine, model, patterns)
     return model, TierwiseOptimizer(engine, optimizer)
+
+
+def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example_batch):
+    """Profile, plan, lay out and allocate for the prepared model; changes nothing on it (on
+    failure, what was allocated is released)."""
+    params = collect_params(model, optimizer, patterns)
+    profile = host.profile_model(model=model, example_batch=example_batch, config=config)
+    if profile is None:
+        profile = static_profile(params)
+    group_of = {m.name: m.group_name for m in params.values()}
+    dp_size_of = {m.name: _dp_world(m.pattern)[1] for m in params.values()}
+    for info in profile.params:
+        info.group = group_of.get(info.name, info.group)
+        info.dp_size = dp_size_of.get(info.name, info.dp_size)
+    profile.module_params = profile.module_params or _module_params(model, params)
+    hardware = Hardware(**host.probe_hardware(config=config))
+    plan = host.make_plan(profile=profile, hardware=hardware, config=config)
+    check_chunk_size(plan)
+    dtype = _PRECISION_DTYPES[config.precision]
+    world_rank = {p.key: _dp_world(p) for p in patterns}
+    groups = layout_groups(params, profile, plan, dtype, world_rank=world_rank)
+    plan.groups = {
+        g.name: {"pattern": g.pattern_key, "dp_size": g.world, "sharded": g.sharded,
+                 "chunks": len(g.chunks), "trainable": g.trainable}
+        for g in groups
+    }
+    needed = {plan.param_tier_of(g.name, c.index) for g in groups for c in g.chunks}
+    needed |= {plan.optim_tier_of(g.name, c.index) for g in groups if g.trainable for c in g.chunks}
+    tiers = _make_tiers(host, config, plan, needed)
+    allocated = allocate_payloads(groups, plan, tiers, fp32_alias=config.precision == "fp32")
+    try:
+        cached = [c for g in groups for c in g.chunks if not _home_is_compute_buffer(c)]
+        block_numel = max((c.capacity for c in cached), default=0)
+        cache = RCache(tiers["device"], plan.cache_blocks if cached else 0, block_numel, dtype)
+        if cached and len(cache) == 0:
+            raise ConfigError(
+                "the plan keeps parameters off the device but has cache_blocks=0: set "
+                "cache_blocks ≥ 1 (or 'auto')"
+            )
+    except BaseException:
+        for slab in allocated:
+            slab.tier.release(slab)
+        raise
+    return profile, hardware, plan, groups, tiers, cache
 
 
 def _home_is_compute_buffer(chunk) -> bool:

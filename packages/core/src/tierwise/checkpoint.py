@@ -15,6 +15,9 @@ from tierwise.chunks import Chunk
 from tierwise.parallel.collectives import _all_gather
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from tierwise.parallel import ParallelPattern
     from tierwise.runtime.engine import Engine
 
 FORMAT_VERSION = 1
@@ -43,30 +46,55 @@ def _full_chunk(chunk: Chunk, shard: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def full_state(engine: Engine) -> dict[str, torch.Tensor]:
-    """Every parameter (all names, tied ones too) as full fp32 tensors from the master copy."""
+def full_state(engine: Engine, patterns: Sequence[ParallelPattern] = ()) -> dict[str, torch.Tensor]:
+    """Every parameter (all names, tied ones too) as full fp32 tensors from the master copy.
+
+    Collective: every rank calls it. Chunks are gathered over their data-parallel group, then
+    each pattern in ``patterns`` rebuilds its parameters' whole-model values over its
+    model-parallel group (``ParallelPattern.full_tensor``); chunks and slots are visited in the
+    same order on every rank.
+    """
     out: dict[str, torch.Tensor] = {}
     aliases = {info.name: info.aliases for info in engine.profile.params}
+    pattern_of = {pattern.key: pattern for pattern in patterns}
     for chunk in engine.chunks():
         source = chunk.optim.master if chunk.optim is not None else chunk.home
         full = _full_chunk(chunk, _read(source).float())
+        pattern = pattern_of.get(chunk.group.pattern_key)
         for slot in chunk.slots:
             value = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+            if pattern is not None:
+                value = pattern.full_tensor(slot.name, slot.param, value)
             for name in (slot.name, *aliases.get(slot.name, ())):
                 out[name] = value
     return out
 
 
-def load_full_state(engine: Engine, state: dict[str, torch.Tensor]) -> None:
-    """Write full parameter values (original names) into the master and home payloads."""
+def load_full_state(
+    engine: Engine, state: dict[str, torch.Tensor], patterns: Sequence[ParallelPattern] = ()
+) -> None:
+    """Write whole-model parameter values (original names and shapes) into the master and home
+    payloads; each pattern cuts out this rank's part (``ParallelPattern.local_tensor``).
+    Parameters missing from ``state`` keep their values. Collective over data-parallel groups."""
+    pattern_of = {pattern.key: pattern for pattern in patterns}
     for chunk in engine.chunks():
         start, end = chunk.shard_range()
         source = chunk.optim.master if chunk.optim is not None else chunk.home
         full = _full_chunk(chunk, _read(source).float())
+        pattern = pattern_of.get(chunk.group.pattern_key)
         for slot in chunk.slots:
             if slot.name not in state:
-                raise KeyError(f"load_state_dict: missing parameter {slot.name}")
-            full[slot.offset : slot.offset + slot.numel] = state[slot.name].reshape(-1).float()
+                continue
+            value = state[slot.name].detach().to("cpu", torch.float32)
+            if pattern is not None:
+                value = pattern.local_tensor(slot.name, slot.param, value)
+            if value.shape != slot.shape:
+                raise ValueError(
+                    f"load_state_dict: {slot.name} has shape {tuple(state[slot.name].shape)}, "
+                    f"which does not fit this model's parameter (this rank holds "
+                    f"{tuple(slot.shape)}): load a state dict of the same model configuration"
+                )
+            full[slot.offset : slot.offset + slot.numel] = value.reshape(-1)
         shard = full[start:end]
         if chunk.optim is not None:
             _write(chunk.optim.master, shard)
@@ -75,11 +103,16 @@ def load_full_state(engine: Engine, state: dict[str, torch.Tensor]) -> None:
     engine.invalidate_cache()
 
 
-def install_state_dict_hooks(engine: Engine, model: torch.nn.Module) -> None:
-    """``model.state_dict()`` returns full fp32 masters; ``load_state_dict`` writes them back."""
+def install_state_dict_hooks(
+    engine: Engine, model: torch.nn.Module, patterns: Sequence[ParallelPattern] = ()
+) -> None:
+    """``model.state_dict()`` returns whole-model fp32 masters under the original names (what
+    the model had before setup, so a plain HF model loads it); ``load_state_dict`` takes the
+    same and writes them back. Both are collective: call them on every rank (``patterns`` turn
+    a rank's parameters into whole-model ones over their model-parallel groups)."""
 
     def hook(module, state_dict, prefix, local_metadata):
-        for name, value in full_state(engine).items():
+        for name, value in full_state(engine, patterns).items():
             state_dict[prefix + name] = value
         return state_dict
 
@@ -93,7 +126,7 @@ def install_state_dict_hooks(engine: Engine, model: torch.nn.Module) -> None:
         missing = sorted(n for n in param_names if n not in params)
         if strict and missing:
             raise RuntimeError(f"load_state_dict: missing parameters {missing[:5]}...")
-        load_full_state(engine, {**full_state(engine), **params})
+        load_full_state(engine, params, patterns)
         result = original_load(rest, strict=False)
         if strict and (result.unexpected_keys or [k for k in result.missing_keys if k not in param_names]):
             raise RuntimeError(f"load_state_dict: unexpected {result.unexpected_keys}")

@@ -43,7 +43,7 @@ class ShardSpec:
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's block of ``full`` (a view)."""
-        if full.shape[self.dim] % self.size:
+        if full.dim() <= self.dim or full.shape[self.dim] % self.size:
             raise ValueError(
                 f"dimension {self.dim} of a tensor of shape {tuple(full.shape)} does not split "
                 f"into {self.size} equal blocks"
@@ -95,12 +95,25 @@ def shard_specs(model: torch.nn.Module) -> dict[str, ShardSpec]:
     }
 
 
+def _managed(model: torch.nn.Module) -> bool:
+    from tierwise import engine_of
+
+    try:
+        engine_of(model)
+    except ValueError:
+        return False
+    return True
+
+
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The state dict of the unsharded model (original names and shapes) on every rank.
 
-    Works on a plain sharded model and on one managed by ``tierwise.setup`` (whose
-    ``state_dict()`` holds this rank's blocks). Collective: every rank must call it.
+    For a model managed by ``tierwise.setup`` this is ``model.state_dict()``, which holds the
+    whole-model tensors already; for a model only sharded by a pattern's ``prepare`` the blocks
+    are gathered here. Collective: every rank must call it.
     """
+    if _managed(model):
+        return model.state_dict()
     specs = shard_specs(model)
     full = {}
     for name, tensor in model.state_dict().items():
@@ -111,7 +124,10 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Load an unsharded state dict (e.g. from HF) into a sharded model: each rank takes its
-    blocks. No communication."""
+    blocks (``model.load_state_dict`` does the same for a model managed by tierwise)."""
+    if _managed(model):
+        model.load_state_dict(state_dict)
+        return
     specs = shard_specs(model)
     local = {
         name: (tensor if name not in specs else specs[name].shard(tensor))

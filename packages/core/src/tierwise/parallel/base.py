@@ -9,6 +9,7 @@ on their own.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
@@ -38,6 +39,20 @@ class ParallelPattern(ABC):
     def prepare(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional hook
         """Rewrite modules in place for model-parallel compute (default: nothing)."""
 
+    def full_tensor(self, name: str, param: torch.nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+        """The whole model's value of ``param`` (as the unprepared model had it) from this rank's
+        ``local`` value (already complete over the data-parallel group; may be returned as is).
+
+        Collective over the model-parallel group: ``model.state_dict()`` calls it on every rank,
+        for the same parameters in the same order. Default: ``local`` (nothing is split).
+        """
+        return local
+
+    def local_tensor(self, name: str, param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``full``, a whole-model value of ``param`` (inverse of
+        :meth:`full_tensor`; no communication). Default: ``full``."""
+        return full
+
     @abstractmethod
     def claims(self, name: str, param: torch.nn.Parameter) -> bool:
         """Whether this pattern owns ``param`` (first claiming pattern wins; "data" claims all)."""
@@ -45,3 +60,34 @@ class ParallelPattern(ABC):
     @abstractmethod
     def dp_group(self) -> dist.ProcessGroup | None:
         """Group over which the claimed parameters' chunks are sharded (None: no sharding)."""
+
+
+# [Note: atomic setup]
+# ``prepare`` changes the model (slices parameters, swaps module classes), but what it changes
+# decides the later steps of setup (profile, plan, chunk layout, allocation), any of which may
+# still fail on bad input. setup therefore snapshots the model before the first ``prepare`` and
+# restores it when a later step raises, so that a failed setup leaves the model as it was,
+# whatever the pattern did. The snapshot holds references, not copies: each parameter's
+# original ``.data`` stays alive until setup returns (for a model built on cpu, the full
+# model-parallel parameters stay in memory during setup, as they were before it).
+def snapshot_model(model: torch.nn.Module) -> Callable[[], None]:
+    """Remember every module's class, attributes and child/parameter/buffer tables, and every
+    parameter's data and attributes; return a function that puts them back."""
+    registries = ("_parameters", "_buffers", "_modules")
+    modules = [
+        (m, type(m), {k: dict(v) if k in registries else v for k, v in vars(m).items()})
+        for m in model.modules()
+    ]
+    params = [(p, p.data, dict(vars(p))) for p in model.parameters()]
+
+    def restore() -> None:
+        for module, cls, attrs in modules:
+            module.__class__ = cls
+            vars(module).clear()
+            vars(module).update(attrs)
+        for param, data, attrs in params:
+            param.data = data
+            vars(param).clear()
+            vars(param).update(attrs)
+
+    return restore

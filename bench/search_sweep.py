@@ -8,12 +8,22 @@ warmed up, then the plans take turns one step at a time for ``--rounds`` rounds.
 
 The plans take turns in a new random order each round, so drift on this shared machine, and
 any I/O an NVMe plan leaves behind for the next one, hits every plan alike; the 1-minute load
-average is recorded before and after. Prints one JSON line per plan (median measured step,
-predicted step, their ratio; bytes fetched into the rCache per timed step against the Belady
-prediction at the plan's chunk size and blocks) and a summary line: the auto plan's median
-against the best measured plan, and how many predictions were within 25 % of the measurement.
+average is sampled before each step. Prints one JSON line per plan (median measured step,
+predicted step, their ratio; the median load average during its steps; the main thread's CPU
+seconds per step, which other processes on the machine do not inflate; bytes fetched into the
+rCache per timed step against the Belady prediction at the plan's chunk size and blocks) and a
+summary line: the auto plan's median against the best measured plan, and how many predictions
+were within 25 % of the measurement.
 
-    OMP_NUM_THREADS=1 python bench/search_sweep.py [--rounds 7] [--nvme /tmp/tw-sweep]
+[Note: sweep on a shared machine] The compute term of every prediction comes from the
+profiler's layer timing, measured once per process at the first ``setup`` (under the load of
+that moment). Wall-clock steps measured later under another load are off by the ratio of the
+two loads for every plan alike: a load average above the core count slows a single-threaded
+step by about load/cores. Compare ``load_avg_1m`` of the plan lines with the summary's
+``load_avg_1m_at_profile``, and ``main_thread_cpu_median_s`` with the prediction, before
+reading a ratio as a model error.
+
+    OMP_NUM_THREADS=1 python bench/search_sweep.py [--rounds 21] [--nvme /tmp/tw-sweep]
 """
 
 from __future__ import annotations
@@ -168,7 +178,7 @@ def label(overrides: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--nvme", default=None, help="directory for NVMe plans (tierwise-nvme)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -185,6 +195,7 @@ def main() -> None:
         f"{torch.get_num_threads()} thread(s), cpu device with a {DEVICE_MEMORY >> 20} MiB budget"
     )
     runs = []
+    load_at_profile = os.getloadavg()[0]
     for overrides in hand_plans(nvme):
         model = build_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -217,13 +228,16 @@ def main() -> None:
     runs.append(plain)
 
     def one_step(run: dict, step: int) -> float:
+        run.setdefault("loads", []).append(os.getloadavg()[0])
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        cpu = time.thread_time()
         started = time.perf_counter()
         loss = run["model"](**batch(step)).loss
         loss.backward()
         run["opt"].step()
         run["opt"].zero_grad()
         seconds = time.perf_counter() - started
+        run.setdefault("cpu", []).append(time.thread_time() - cpu)
         run.setdefault("faults", []).append(
             resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         )
@@ -266,6 +280,10 @@ def main() -> None:
                 failed(run, err)
     load_after = os.getloadavg()[0]
 
+    def timed(run: dict, key: str) -> list:
+        """The per-step samples of the timed steps (warm-up steps left out)."""
+        return run[key][-len(run["times"]) :]
+
     results = []
     for run in runs:
         if run is plain:
@@ -285,12 +303,14 @@ def main() -> None:
             "chunks_on_device": tiers.count("device"),
             "chunks": len(tiers),
             "measured_median_s": round(measured, 4),
+            "main_thread_cpu_median_s": round(statistics.median(timed(run, "cpu")), 4),
+            "load_avg_1m": round(statistics.median(timed(run, "loads")), 2),
             "predicted_s": round(predicted, 4),
             "measured_over_predicted": round(measured / predicted, 3) if predicted else None,
             "predicted_breakdown_s": {k: round(v, 4) for k, v in plan.predicted_step_s.items()},
             "moved_bytes_per_step": moved_per_step(run, engine, len(run["times"])),
             "predicted_fetch_bytes_per_step": predicted_fetch_bytes(engine),
-            "minor_page_faults_per_step": statistics.median(run["faults"][-len(run["times"]) :]),
+            "minor_page_faults_per_step": statistics.median(timed(run, "faults")),
         }
         results.append(result)
         print(json.dumps(result), flush=True)
@@ -309,6 +329,7 @@ def main() -> None:
                 "machine": machine,
                 "plans": len(results),
                 "rounds": args.rounds,
+                "load_avg_1m_at_profile": load_at_profile,
                 "load_avg_1m_before": load_before,
                 "load_avg_1m_after": load_after,
                 "auto_median_s": auto["measured_median_s"],
@@ -317,7 +338,12 @@ def main() -> None:
                 "auto_over_best": round(auto["measured_median_s"] / best["measured_median_s"], 3),
                 "predictions_within_25pct": f"{len(within)}/{len(results)}",
                 "plain_pytorch_median_s": round(statistics.median(plain["times"]), 4),
-                "plain_pytorch_minor_page_faults_per_step": statistics.median(plain["faults"][2:]),
+                "plain_pytorch_main_thread_cpu_median_s": round(
+                    statistics.median(timed(plain, "cpu")), 4
+                ),
+                "plain_pytorch_minor_page_faults_per_step": statistics.median(
+                    timed(plain, "faults")
+                ),
                 "plain_over_predicted_compute_and_optimizer": round(
                     statistics.median(plain["times"])
                     / (

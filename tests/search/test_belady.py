@@ -92,3 +92,12 @@ def test_more_blocks_never_fetch_more():
 def test_a_step_wider_than_the_cache_is_an_error():
     with pytest.raises(CacheTooSmall, match="needs 3 chunks resident at once but the rCache has 2"):
         simulate(AccessTrace.from_steps([[0, 1, 2]], 3), 2)
+
+
+def test_grads_final_at_is_the_share_of_backward_done_at_a_chunks_last_backward_step():
+    # forward: [0], [1, 2], [0]; backward: [0], [2], [1, 2], [0]; chunk 3 is never used
+    steps = [[0], [1, 2], [0], [0], [2], [1, 2], [0]]
+    trace = AccessTrace.from_steps(steps, 4, backward_start=3)
+    assert trace.grads_final_at().tolist() == [1.0, 0.75, 0.75, 1.0]
+    # a trace without a forward/backward boundary counts every step as backward
+    assert AccessTrace.from_steps([[0], [1]], 2).grads_final_at().tolist() == [0.5, 1.0]

@@ -45,34 +45,89 @@ def cpu_hardware() -> Hardware:
     )
 
 
-def test_cpu_step_is_the_sum_of_compute_copies_and_the_nvme_optimizer():
-    # Two modules of 2048 elements, one chunk each, both on host, 2 rCache blocks: each chunk is
-    # fetched once (forward) and stays for backward; gradients (bf16) go to host once; the
-    # optimizer states (12 B/element) are read from and written to NVMe; on CPU nothing overlaps.
+def nvme_plan(hardware: Hardware, *, chunk_size: int = 2 * K, **overrides):
+    """Two modules of 2048 elements (forward 0.01 s and 0.02 s), parameters on host in two rCache
+    blocks, optimizer states on NVMe."""
     profile = make_profile([[2 * K], [2 * K]], checkpoint=False)
     profile.layer_forward_s = {"blk0": 0.01, "blk1": 0.02}
     config = Config(
         device="cpu",
         device_memory=10**6,
-        chunk_size=2 * K,
-        cache_blocks=2,
+        chunk_size=chunk_size,
+        cache_blocks=2 if chunk_size < 4 * K else 1,
         param_placement="host",
         optimizer_placement="nvme",
         nvme_path="/tmp",
+        **overrides,
     )
-    plan = search_plan(profile, cpu_hardware(), config)
-    elements = 4 * K
+    return search_plan(profile, hardware, config).predicted_step_s
+
+
+# Hand figures for nvme_plan on cpu_hardware(): each chunk is fetched once (forward) and stays
+# for backward; gradients (bf16) go to host once; per 2048-element chunk the pipeline reads and
+# writes 12 B/element of states and runs Adam on the cores.
+ELEMENTS = 4 * K
+PHASE_FB = 3 * 0.03 + ELEMENTS * 2 / 4e9 + ELEMENTS * 2 / 2e9  # compute + fetches + gradients
+READ, WRITE, ADAM = 2 * K * 12 / 1e9, 2 * K * 12 / 5e8, 2 * K / 1e8  # one chunk
+
+
+def test_cpu_components_are_the_bytes_over_the_probed_rates():
+    predicted = nvme_plan(cpu_hardware())
     expected = {
         "compute": 3 * 0.03,
-        "h2d": elements * 2 / 4e9,
-        "d2h": elements * 2 / 2e9,
-        "nvme_read": elements * 12 / 1e9,
-        "nvme_write": elements * 12 / 5e8,
-        "optimizer": elements / 1e8,
+        "h2d": ELEMENTS * 2 / 4e9,
+        "d2h": ELEMENTS * 2 / 2e9,
+        "nvme_read": 2 * READ,
+        "nvme_write": 2 * WRITE,
+        "optimizer": 2 * ADAM,
     }
     for name, value in expected.items():
-        assert plan.predicted_step_s[name] == pytest.approx(value, rel=1e-12), name
-    assert plan.predicted_step_s["total"] == pytest.approx(sum(expected.values()), rel=1e-12)
+        assert predicted[name] == pytest.approx(value, rel=1e-12), name
+
+
+def test_cpu_nvme_optimizer_after_backward_queues_every_chunk_on_the_disk():
+    # both chunks are handed over when backward ends: one disk reads and writes them in turn,
+    # the last one's Adam between its read and write; the cores' Adam work (2 chunks) is shorter
+    predicted = nvme_plan(cpu_hardware(), optimizer_overlap="after-backward")
+    assert predicted["total"] == pytest.approx(PHASE_FB + 2 * (READ + WRITE) + ADAM, rel=1e-12)
+
+
+def test_cpu_nvme_optimizer_in_backward_hides_all_but_the_last_chunk():
+    # blk1's chunk has its gradients halfway through backward and its I/O ends long before
+    # backward does; blk0's chunk (first in forward, last in backward) is only ready at the end
+    for overlap in ("auto", "in-backward"):
+        predicted = nvme_plan(cpu_hardware(), optimizer_overlap=overlap)
+        assert predicted["total"] == pytest.approx(PHASE_FB + READ + WRITE + ADAM, rel=1e-12)
+
+
+def test_one_chunk_for_the_whole_model_overlaps_nothing():
+    # one 4096-element chunk: its gradients are complete only when backward ends
+    predicted = nvme_plan(cpu_hardware(), chunk_size=4 * K)
+    assert predicted["total"] == pytest.approx(PHASE_FB + 2 * (READ + WRITE + ADAM), rel=1e-12)
+
+
+def test_a_slow_disk_queues_the_last_chunk_behind_the_first():
+    # writes 1000x slower: blk1's chunk (ready halfway through backward) still writes when
+    # backward ends, and blk0's chunk waits for it
+    slow = cpu_hardware()
+    slow.nvme_write_bandwidth = 5e5
+    write = 2 * K * 12 / 5e5
+    backward_start = PHASE_FB / 3  # forward is a third of compute
+    first_ready = backward_start + (PHASE_FB - backward_start) / 2
+    assert first_ready + READ + write > PHASE_FB  # the case this test is about
+    predicted = nvme_plan(slow)
+    expected = first_ready + 2 * (READ + write) + ADAM
+    assert predicted["total"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_gpu_pipeline_runs_adam_beside_the_io():
+    # on CUDA the host's cores are not the compute device: a chunk's service is the slowest of
+    # its read, Adam and write, and Adam does not lengthen the forward/backward phase
+    gpu = gpu_hardware(nvme_read_bandwidth=1e9, nvme_write_bandwidth=5e8, host_adam_velocity=1e8)
+    predicted = nvme_plan(gpu, optimizer_overlap="after-backward")
+    service = max(READ, WRITE, ADAM)
+    phase_fb = predicted["compute"]  # a spare rCache block: transfers hide under compute
+    assert predicted["total"] == pytest.approx(phase_fb + 2 * service, rel=1e-12)
 
 
 def test_gpu_step_overlaps_what_cpu_adds():

@@ -43,10 +43,15 @@ class AccessTrace:
     """Step of the same chunk's next item, or NEVER (int64)."""
     step_start: np.ndarray
     """Item index where each step starts, plus the total at the end (int64)."""
+    backward_start: int = 0
+    """Index of the first backward step (0: the trace does not say where backward starts)."""
 
     @classmethod
-    def from_steps(cls, steps: Sequence[Sequence[int]], n_chunks: int) -> AccessTrace:
-        """Build from a list of steps (duplicate chunks within a step are dropped)."""
+    def from_steps(
+        cls, steps: Sequence[Sequence[int]], n_chunks: int, *, backward_start: int = 0
+    ) -> AccessTrace:
+        """Build from a list of steps (duplicate chunks within a step are dropped);
+        ``backward_start`` is the index of the first backward step."""
         chunks: list[int] = []
         step_ids: list[int] = []
         starts = [0]
@@ -66,11 +71,28 @@ class AccessTrace:
             order = np.lexsort((step, chunk))  # by chunk, then by step
             same = chunk[order[1:]] == chunk[order[:-1]]
             next_use[order[:-1][same]] = step[order[1:][same]]
-        return cls(n_chunks, chunk, step, next_use, np.asarray(starts, dtype=np.int64))
+        return cls(
+            n_chunks, chunk, step, next_use, np.asarray(starts, dtype=np.int64), backward_start
+        )
 
     @property
     def n_steps(self) -> int:
         return len(self.step_start) - 1
+
+    def grads_final_at(self) -> np.ndarray:
+        """Per chunk, the share of the backward steps done when its gradients are complete:
+        (index of its last backward step + 1) / backward steps; 1.0 for a chunk no backward
+        step touches (the engine finalises it when backward ends)."""
+        n_backward = self.n_steps - self.backward_start
+        done = np.ones(self.n_chunks)
+        if n_backward <= 0:
+            return done
+        in_backward = self.step >= self.backward_start
+        last = np.full(self.n_chunks, -1, dtype=np.int64)
+        np.maximum.at(last, self.chunk[in_backward], self.step[in_backward])
+        seen = last >= 0
+        done[seen] = (last[seen] - self.backward_start + 1) / n_backward
+        return done
 
     def widest_step(self, cached: np.ndarray | None = None) -> int:
         """Most chunks one step needs at once (only chunks where ``cached`` is True)."""

@@ -27,13 +27,30 @@ on NVMe need no host staging (the engine reads a chunk straight into its rCache 
   On CPU the "device" is host RAM: copies and collectives run on the same cores as compute, and
   the engine waits for every fetch (an NVMe chunk is read straight into its rCache block, with no
   host hop), so everything in this phase adds.
-- optimizer: host Adam is pipelined with its NVMe reads/writes and with uploading updated
-  parameters to the device (LoHan / ZeRO-Offload), so that part takes the maximum of the three;
-  device Adam runs on the compute stream after it and adds. On CPU the pipeline's worker thread
-  shares the cores (and memory bandwidth) with compute and the updates: its parts add (measured
-  here: an NVMe optimizer costs about its reads plus its writes on top of the host plan).
+- optimizer: chunks whose optimizer states live in host or device memory update in place after
+  backward: device Adam on the compute stream; host Adam and uploading updated parameters to the
+  device overlap on CUDA (ZeRO-Offload), and add on CPU (the same cores do both).
+  Chunks with optimizer states on NVMe go through the NVMe optimizer pipeline, see
+  [Note: optimizer pipeline timing].
 total = forward/backward + optimizer. ``sum`` (all components added) is kept as a tie-breaker:
 when a change does not move the binding term it still prefers less traffic.
+
+[Note: optimizer pipeline timing] tierwise-nvme's pipeline reads a chunk's states, updates them
+and writes them back while other chunks are read and written (a worker thread and asynchronous
+I/O). With one rank and no fp16 loss scaling the engine hands a chunk to it as soon as the
+chunk's gradients are complete in backward (``Config.optimizer_overlap`` "auto" from the second
+step, or "in-backward": LoHan's active gradient offloading); otherwise every chunk is handed
+over when backward ends. The model is a queue in hand-over order: chunk i arrives when its
+gradients are final (its last backward step, as a share of the backward part of the
+forward/backward phase; ``AccessTrace.grads_final_at``) and is served after the previous one,
+finish_i = max(arrive_i, finish_{i-1}) + service_i. On CUDA the service is the slowest of its
+read, host Adam and write (three resources in a pipeline). On CPU the disk is the only resource
+of its own (DMA): the service is its read plus its write (one disk), while every Adam update of
+the pipeline runs on the compute cores and lengthens the compute path; the last chunk's update
+comes after its read and before its write, so it adds to the queue's end. The step ends when
+both the compute path and the queue are done. A model with one big chunk (its gradients
+complete when backward ends) therefore overlaps nothing, and many chunks hide their I/O under
+backward except for the last one's.
 """
 
 from __future__ import annotations
@@ -91,6 +108,9 @@ class Setting:
     master copy)."""
     staging_blocks: int = 0
     """Full-chunk gradient staging buffers on the device (multi-rank gradient path)."""
+    optimizer_in_backward: bool = False
+    """NVMe optimizer states are updated as each chunk's gradients complete in backward (see
+    [Note: optimizer pipeline timing]); False: all of them after backward."""
     activations: ActivationTraffic = field(default_factory=ActivationTraffic)
 
     @property
@@ -227,6 +247,7 @@ class CostModel:
         host_opt = elems[offload_grad].sum() / r.host_adam
         device_opt = elems[train & (o == DEVICE)].sum() / r.device_adam
         optim_nvme = train & (o == NVME)
+        host_opt_pipe = elems[optim_nvme].sum() / r.host_adam
         nvme_read_opt = elems[optim_nvme].sum() * OPTIM_BYTES
         nvme_write_opt = elems[optim_nvme].sum() * OPTIM_BYTES
         # updated parameters go home: uploaded from a host optimizer, written back from a device one
@@ -255,11 +276,13 @@ class CostModel:
             phase_fb = max(compute, nvme_fb, *links)
         else:
             phase_fb = max(compute + sum(links), nvme_fb)
-        if r.overlap:
-            phase_opt = max(host_opt, t["nvme_read_opt"], t["nvme_write_opt"], t["h2d_opt"])
-        else:  # one set of cores does the updates, the copies and drives the disk
-            phase_opt = host_opt + t["h2d_opt"] + t["nvme_read_opt"] + t["nvme_write_opt"]
-        phase_opt += device_opt + t["d2h_opt"]
+        queue_end = self._pipeline_end(placement, phase_fb, compute)
+        host_in_place = host_opt - host_opt_pipe
+        if r.device_is_host:  # one set of cores: updates (the pipeline's too) and copies add
+            end = max(phase_fb + host_opt + t["h2d_opt"], queue_end)
+        else:
+            end = max(phase_fb + max(host_in_place, t["h2d_opt"]), queue_end)
+        total = end + device_opt + t["d2h_opt"]
         seconds = {
             "compute": compute,
             "h2d": t["h2d_fb"] + t["h2d_opt"],
@@ -268,9 +291,39 @@ class CostModel:
             "nvme_write": t["nvme_write_fb"] + t["nvme_write_opt"],
             "optimizer": host_opt + device_opt,
             "comm": t["comm"],
-            "total": phase_fb + phase_opt,
+            "total": total,
         }
         return Prediction({k: float(v) for k, v in seconds.items()}, fetches)
+
+    def _pipeline_end(self, placement: Placement, phase_fb: float, compute: float) -> float:
+        """When the NVMe optimizer pipeline finishes, seconds from the start of the step
+        (0 without NVMe optimizer states); see [Note: optimizer pipeline timing]."""
+        s, r = self.setting, self.setting.rates
+        p, o = placement.param_tier, placement.optim_tier
+        pipe = np.flatnonzero(s.table.trainable & (o == NVME))
+        if not pipe.size:
+            return 0.0
+        elems = s.shard_sizes[pipe].astype(np.float64)
+        read = elems * OPTIM_BYTES / r.nvme_read
+        # the new parameter values go home too; those of NVMe-resident parameters to the disk
+        write = elems * (OPTIM_BYTES + s.param_bytes * (p[pipe] == NVME)) / r.nvme_write
+        adam = elems / r.host_adam
+        if s.optimizer_in_backward:
+            backward_start = phase_fb * (s.forward_s / compute if compute > 0 else 0.0)
+            arrive = backward_start + (phase_fb - backward_start) * s.trace.grads_final_at()[pipe]
+        else:
+            arrive = np.full(pipe.size, phase_fb)
+        if r.device_is_host:
+            service = read + write
+        else:
+            service = np.maximum(np.maximum(read, write), adam)
+        finish = 0.0
+        order = np.argsort(arrive, kind="stable")
+        for k in order:
+            finish = max(float(arrive[k]), finish) + float(service[k])
+        if r.device_is_host:
+            finish += float(adam[order[-1]])
+        return finish
 
 
 __all__ = [

@@ -147,6 +147,7 @@ def build_trace(profile: Profile, table: ChunkTable, *, checkpointing: bool) -> 
 
     for names in _param_steps(profile.forward_order, profile.module_params):
         add(names)
+    backward_start = len(steps)
     block_of: dict[str, int] = {}
     if checkpointing:
         for index, block in enumerate(profile.checkpoint_blocks):
@@ -163,7 +164,7 @@ def build_trace(profile: Profile, table: ChunkTable, *, checkpointing: bool) -> 
             continue
         last_block = None
         add(names)
-    return AccessTrace.from_steps(steps, table.n_chunks)
+    return AccessTrace.from_steps(steps, table.n_chunks, backward_start=backward_start)
 
 
 __all__ = [

@@ -152,6 +152,14 @@ class _Search:
             n_blocks=config.cache_blocks if isinstance(config.cache_blocks, int) else None,
         )
         self._layouts: dict[int, tuple[ChunkTable, object]] = {}
+        # core's engine updates NVMe optimizer states during backward under these conditions
+        # (Engine._update_in_backward; "auto" does so from the second step of a loop without
+        # clipping: the steady state is what the plan is for)
+        self.optimizer_in_backward = (
+            world == 1
+            and config.precision != "fp16"
+            and config.optimizer_overlap in ("auto", "in-backward")
+        )
 
     # -- pieces ---------------------------------------------------------------------------
     def allowed(self, choice: ActivationChoice) -> int | None:
@@ -205,6 +213,7 @@ class _Search:
                 min_blocks=trace.widest_step(),
                 fp32_alias=self.config.precision == "fp32",
                 staging_blocks=staging,
+                optimizer_in_backward=self.optimizer_in_backward,
                 activations=traffic,
             )
         )

@@ -2,9 +2,14 @@
 
 Prints one JSON line per (operation, buffer kind): medians over interleaved repeats of the tier
 and of ``fio --ioengine=libaio --direct=1`` with the same block size and queue depth, the ratio,
-and the machine. The tier transfers whole chunks (``--chunk``) from page-aligned staging
-buffers ("aligned", the engine's path) or from ordinary torch tensors ("unaligned", through
-bounce buffers), with every chunk of the file in flight at once.
+and the machine. The tier transfers whole chunks (``--chunk``), every chunk of the file in
+flight at once, between the disk and
+  aligned          page-aligned buffers (the optimizer pipeline's path: O_DIRECT in place);
+  unaligned        ordinary torch tensors one byte off a page: reads stream block by block
+                   through the tier's bounded staging pool ([Note: staged reads], the path of
+                   parameter loads into rCache), writes go through a whole-chunk bounce buffer;
+  unaligned-fresh  (reads only) newly allocated tensors each run, as the engine's rCache
+                   blocks are after ``allocate_storage`` (their first touch faults pages in).
 
 A last line times one out-of-core AdamW pass over NVMe-resident optimizer states: transfers
 alone, updates alone, sequential (read, update, write per chunk) and through
@@ -28,7 +33,6 @@ from pathlib import Path
 import torch
 from tierwise.config import Config
 from tierwise.units import parse_bytes
-
 from tierwise_nvme import NVMeOptions, NVMeTier, StagingPool
 
 
@@ -64,11 +68,19 @@ def fio_bandwidth(op: str, path: Path, size: int, block_size: int, queue_depth: 
     return job["io_bytes"] / (job["runtime"] / 1000)
 
 
+def unaligned(nbytes: int) -> torch.Tensor:
+    """An ordinary tensor of ``nbytes`` bytes one byte past a page boundary (O_DIRECT cannot
+    fill it in place)."""
+    base = torch.empty(nbytes + 8192, dtype=torch.uint8)
+    skip = -base.data_ptr() % 4096 + 1
+    return base[skip : skip + nbytes]
+
+
 def tier_bandwidth(op: str, tier: NVMeTier, slabs, buffers) -> float:
     """Bytes/s moving every slab once, all transfers in flight together."""
     start = time.perf_counter()
     move = tier.write if op == "write" else tier.read
-    handles = [move(slab, buffer) for slab, buffer in zip(slabs, buffers)]
+    handles = [move(slab, buffer) for slab, buffer in zip(slabs, buffers, strict=True)]
     for handle in handles:
         handle.wait()
     return sum(slab.nbytes for slab in slabs) / (time.perf_counter() - start)
@@ -114,10 +126,10 @@ def pipeline_times(tier: NVMeTier, n_chunks: int, numel: int) -> dict[str, float
     times["update_only_s"] = time.perf_counter() - begin
     begin = time.perf_counter()
     for chunk in slabs:  # the engine's current non-overlapped path
-        for slab, state in zip(chunk, states):
+        for slab, state in zip(chunk, states, strict=True):
             tier.read(slab, state).wait()
         adamw_update(grad, step)(states)
-        for handle in [tier.write(slab, state) for slab, state in zip(chunk, states)]:
+        for handle in [tier.write(slab, state) for slab, state in zip(chunk, states, strict=True)]:
             handle.wait()
     times["sequential_s"] = time.perf_counter() - begin
     for state in states:
@@ -162,7 +174,7 @@ def main() -> None:
     pool = StagingPool(buffer_bytes=chunk, count=n_chunks)
     buffers = {
         "aligned": [pool.acquire(chunk, torch.uint8) for _ in range(n_chunks)],
-        "unaligned": [torch.empty(chunk + 1, dtype=torch.uint8)[1:] for _ in range(n_chunks)],
+        "unaligned": [unaligned(chunk) for _ in range(n_chunks)],
     }
     for group in buffers.values():
         for buffer in group:
@@ -171,7 +183,10 @@ def main() -> None:
     info = machine(directory, tier)
     fio_file = directory / "fio-bench.dat"
     results: dict[tuple[str, str], list[float]] = {}
+    ok = True
     try:
+        tier_bandwidth("write", tier, slabs, buffers["aligned"])
+        tier_bandwidth("read", tier, slabs, buffers["unaligned"])  # first touch of the staging pool
         for _ in range(args.repeats):
             for op in ("write", "read"):
                 results.setdefault((op, "fio"), []).append(
@@ -179,7 +194,19 @@ def main() -> None:
                 )
                 for kind, group in buffers.items():
                     results.setdefault((op, kind), []).append(tier_bandwidth(op, tier, slabs, group))
-        ok = all(torch.equal(a, b) for a, b in zip(buffers["aligned"], buffers["unaligned"]))
+                if op == "read":
+                    fresh = [unaligned(chunk) for _ in range(n_chunks)]
+                    results.setdefault((op, "unaligned-fresh"), []).append(
+                        tier_bandwidth(op, tier, slabs, fresh)
+                    )
+                    ok = ok and all(map(torch.equal, buffers["aligned"], fresh))
+                    del fresh
+        ok = ok and all(map(torch.equal, buffers["aligned"], buffers["unaligned"]))
+        staging = {
+            "staging_buffers": tier.staging.count,
+            "staging_buffer_bytes": tier.staging.buffer_bytes,
+            "staging_peak_buffers": tier.staging.peak_lent,
+        }
         for slab in slabs:
             tier.release(slab)
         del buffers
@@ -188,27 +215,35 @@ def main() -> None:
     finally:
         tier.close()
         fio_file.unlink(missing_ok=True)
-    for op in ("write", "read"):
+    paths = {
+        ("write", "aligned"): "in-place",
+        ("write", "unaligned"): "bounce",
+        ("read", "aligned"): "in-place",
+        ("read", "unaligned"): "staged",
+        ("read", "unaligned-fresh"): "staged",
+    }
+    for (op, kind), path in paths.items():
         fio = statistics.median(results[(op, "fio")])
-        for kind in ("aligned", "unaligned"):
-            ours = statistics.median(results[(op, kind)])
-            print(json.dumps({
-                "bench": "nvme_bw",
-                "op": op,
-                "buffers": kind,
-                "bytes": size,
-                "chunk": chunk,
-                "block_size": options.block_size,
-                "queue_depth": options.queue_depth,
-                "repeats": args.repeats,
-                "tier_GBps": round(ours / 1e9, 3),
-                "fio_GBps": round(fio / 1e9, 3),
-                "ratio_tier_over_fio": round(ours / fio, 3),
-                "tier_runs_GBps": [round(x / 1e9, 3) for x in results[(op, kind)]],
-                "fio_runs_GBps": [round(x / 1e9, 3) for x in results[(op, "fio")]],
-                "read_back_identical": ok,
-                "machine": info,
-            }))
+        ours = statistics.median(results[(op, kind)])
+        print(json.dumps({
+            "bench": "nvme_bw",
+            "op": op,
+            "buffers": kind,
+            "path": path,
+            "bytes": size,
+            "chunk": chunk,
+            "block_size": options.block_size,
+            "queue_depth": options.queue_depth,
+            "repeats": args.repeats,
+            "tier_GBps": round(ours / 1e9, 3),
+            "fio_GBps": round(fio / 1e9, 3),
+            "ratio_tier_over_fio": round(ours / fio, 3),
+            "tier_runs_GBps": [round(x / 1e9, 3) for x in results[(op, kind)]],
+            "fio_runs_GBps": [round(x / 1e9, 3) for x in results[(op, "fio")]],
+            "read_back_identical": ok,
+            **(staging if path == "staged" else {}),
+            "machine": info,
+        }))
 
     median = {key: statistics.median(p[key] for p in passes) for key in passes[0]}
     bound = max(median["transfer_only_s"], median["update_only_s"])

@@ -194,6 +194,19 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def _model_parallel_ranks(model) -> dict[str, list[int]]:
+    """Ranks of this rank's expert- and tensor-parallel groups, read off the sharded modules."""
+    from tierwise_moe import ColumnParallelLinear, ShardedExperts
+
+    out = {}
+    for module in model.modules():
+        if isinstance(module, ShardedExperts):
+            out.setdefault("expert", _ranks(module.ep_group))
+        if isinstance(module, ColumnParallelLinear):
+            out.setdefault("tensor", _ranks(module.tp_group))
+    return out
+
+
 def _sharded_experts(model):
     from tierwise_moe import ShardedExperts
 
@@ -359,6 +372,7 @@ def engine_run(
         "losses": losses,
         "state": portable(full_state_dict(model)),
         "groups": groups,
+        "model_parallel_ranks": _model_parallel_ranks(model),
         "bytes_by_tier": engine.stats()["bytes_by_tier"],
     }
 
@@ -459,12 +473,13 @@ def atomic_setup_run(rank: int, world: int) -> dict:
         "device_budget": (opt, {"device_memory": 1000}),
         "host_budget": (opt, {"param_placement": "host", "optimizer_placement": "host",
                               "host_memory": 100_000}),
+        "sizes": (opt, {"parallel": {"tensor": world, "expert": world}}),
     }
     errors, unchanged = {}, {}
     for what, (optimizer, settings) in bad.items():
+        settings = {"chunk_size": 4096, "parallel": {"expert": world}, **settings}
         try:
-            tierwise.setup(model, optimizer, precision="fp32", device="cpu",
-                           parallel={"expert": world}, **{"chunk_size": 4096, **settings})
+            tierwise.setup(model, optimizer, precision="fp32", device="cpu", **settings)
         except Exception as err:  # noqa: BLE001 - the message is what the test checks
             errors[what] = f"{type(err).__name__}: {err}"
         else:

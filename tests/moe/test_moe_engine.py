@@ -48,6 +48,23 @@ def test_expert_parallel_with_offload_matches_single_process(kind, world, runs):
     _assert_matches(runs(kind, world, {"expert": 2}, OFFLOAD), w.reference_run(kind))
 
 
+def test_expert_and_tensor_parallel_together_match_single_process(runs):
+    # 4 ranks: tensor groups {0,1} {2,3} (same batch), expert groups {0,2} {1,3}
+    ranks = runs("mixtral", 4, {"expert": 2, "tensor": 2}, OFFLOAD)
+    _assert_matches(ranks, w.reference_run("mixtral"))
+    assert [r["model_parallel_ranks"] for r in ranks] == [
+        {"expert": [0, 2], "tensor": [0, 1]},
+        {"expert": [1, 3], "tensor": [0, 1]},
+        {"expert": [0, 2], "tensor": [2, 3]},
+        {"expert": [1, 3], "tensor": [2, 3]},
+    ]
+    for result in ranks:
+        groups = result["groups"]
+        assert groups["expert/g0/train"]["dp_size"] == 2  # the tensor peers hold the same experts
+        assert groups["tensor/g0/train"]["dp_size"] == 2
+        assert groups["data/g0/train"]["dp_size"] == 4
+
+
 def test_expert_chunks_are_sharded_over_the_ep_complement(runs):
     ranks = runs("mixtral", 4, {"expert": 2}, OFFLOAD)
     model = w.build_model("mixtral")

@@ -39,6 +39,11 @@ def test_failed_setup_leaves_the_model_unchanged():
         assert "chunk_size 16 is below the minimum" in errors["chunk_size"]
         assert "raise device_memory" in errors["device_budget"]
         assert "host tier" in errors["host_budget"] and "over its budget" in errors["host_budget"]
+        # tensor groups take the world; expert groups would need world x 2 ranks
+        assert (
+            "expert parallel size 2 times the nested model-parallel size 2 does not divide the "
+            "world of 2 ranks" in errors["sizes"]
+        )
         assert result["unchanged"] == dict.fromkeys(errors, True)
         # the same model then sets up and trains; its loss is the plain model's
         assert abs(result["loss"] - result["plain_loss"]) <= TOLERANCE * result["plain_loss"]

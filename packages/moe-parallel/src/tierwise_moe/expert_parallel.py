@@ -22,6 +22,18 @@ class ExpertParallel(ModelParallelPattern):
     ``tierwise_moe.experts``). Expert parameters are claimed by this pattern and their chunks are
     sharded over :meth:`dp_group`, the world/P ranks holding the same experts. Routers, attention
     and shared experts are left to data parallelism.
+
+    [Note: expert and tensor parallel together]
+    With ``parallel={"expert": P, "tensor": T}`` tensor-parallel groups are T consecutive ranks
+    (fed the same batch) and an expert-parallel group takes one rank of each of P consecutive
+    tensor-parallel groups, the usual tensor-innermost layout (world 4, P=T=2: tensor groups
+    {0,1}, {2,3}; expert groups {0,2}, {1,3}; expert chunks sharded over {0,1}, {2,3}, the
+    ranks holding the same experts). Experts are not split by tensor parallelism: the T ranks of
+    a tensor-parallel group hold the same experts and compute them on the same tokens (T-fold
+    redundant expert compute), and their identical expert gradients average to themselves, so
+    the gradient scale of [Note: expert gradient scale] stays 1/P. (Expert groups made of
+    tensor-parallel peers would compute the same numbers; this layout keeps the all-to-all off
+    the tensor-parallel group's links.)
     """
 
     PLUGIN_NAME = "expert"
@@ -44,6 +56,10 @@ class ExpertParallel(ModelParallelPattern):
         super().__init__(size=size, config=config, process_group=process_group)
         self.capacity_factor = capacity_factor
         """None: exact. Else the per-rank, per-expert row limit is ceil(factor * pairs / E)."""
+
+    def _inner_size(self) -> int:
+        # [Note: expert and tensor parallel together]
+        return (self.config.parallel or {}).get("tensor", 1)
 
     def _shard_modules(self, model: torch.nn.Module) -> None:
         found = [

@@ -38,8 +38,15 @@ class Mesh:
             raise MeshError(f"mp_rank {self.mp_rank} outside a group of size {self.mp_size}")
 
 
-def build_mesh(process_group: dist.ProcessGroup | None, size: int, *, what: str) -> Mesh:
+def build_mesh(
+    process_group: dist.ProcessGroup | None, size: int, *, what: str, inner: int = 1
+) -> Mesh:
     """Create the groups for ``size``-way model parallelism over ``process_group``.
+
+    ``inner`` is the size of a model parallelism nested inside this one (tensor parallelism
+    inside expert parallelism): its groups are ``inner`` consecutive ranks, and this pattern's
+    groups take one rank of each, so that the two split different ranks. World 4, size 2,
+    inner 2: model-parallel groups {0,2} and {1,3}; data-parallel groups {0,1} and {2,3}.
 
     Collective: every rank of ``process_group`` must call it, in the same order relative to
     other group creations (``dist.new_group`` requires it).
@@ -56,20 +63,23 @@ def build_mesh(process_group: dist.ProcessGroup | None, size: int, *, what: str)
         return Mesh(mp_group=None, mp_rank=0, mp_size=1, dp_group=None, dp_size=1)
     ranks = dist.get_process_group_ranks(process_group)
     world = len(ranks)
-    if world % size:
+    block = size * inner
+    if world % block:
+        nested = f" times the nested model-parallel size {inner}" if inner > 1 else ""
         raise MeshError(
-            f"{what} size {size} does not divide the world of {world} ranks: "
-            f"use a size that divides {world}, or run on a multiple of {size} ranks"
+            f"{what} size {size}{nested} does not divide the world of {world} ranks: "
+            f"use sizes whose product divides {world}, or run on a multiple of {block} ranks"
         )
     me = dist.get_rank()
     mp_group = dp_group = None
-    for start in range(0, world, size):
-        members = ranks[start : start + size]
-        group = dist.new_group(members)
-        if me in members:
-            mp_group, mp_rank = group, members.index(me)
-    for offset in range(size):
-        members = ranks[offset::size]
+    for start in range(0, world, block):
+        for offset in range(inner):
+            members = ranks[start + offset : start + block : inner]
+            group = dist.new_group(members)
+            if me in members:
+                mp_group, mp_rank = group, members.index(me)
+    for position in range(size):  # ranks holding the same shard
+        members = [ranks[i] for i in range(world) if (i // inner) % size == position]
         group = dist.new_group(members)
         if me in members:
             dp_group = group

@@ -26,8 +26,14 @@ class ModelParallelPattern(ParallelPattern):
 
     def __init__(self, *, size: int, config: Config, process_group: dist.ProcessGroup | None):
         super().__init__(size=size, config=config, process_group=process_group)
-        self.mesh: Mesh = build_mesh(process_group, size, what=f"{self.PLUGIN_NAME} parallel")
+        self.mesh: Mesh = build_mesh(
+            process_group, size, what=f"{self.PLUGIN_NAME} parallel", inner=self._inner_size()
+        )
         self._prepared = False
+
+    def _inner_size(self) -> int:
+        """Size of a model parallelism nested inside this one (see ``build_mesh``); 1: none."""
+        return 1
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Shard this pattern's modules of ``model`` in place (idempotent)."""

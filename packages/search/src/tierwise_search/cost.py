@@ -46,9 +46,10 @@ forward/backward phase; ``AccessTrace.grads_final_at``) and is served after the 
 finish_i = max(arrive_i, finish_{i-1}) + service_i. On CUDA the service is the slowest of its
 read, host Adam and write (three resources in a pipeline). On CPU the disk is the only resource
 of its own (DMA): the service is its read plus its write (one disk), while every Adam update of
-the pipeline runs on the compute cores and lengthens the compute path; the last chunk's update
-comes after its read and before its write, so it adds to the queue's end. The step ends when
-both the compute path and the queue are done. A model with one big chunk (its gradients
+the pipeline runs on the compute cores: the updates of chunks handed over during backward
+lengthen the forward/backward phase, the others run after it; the last chunk's update comes
+after its read and before its write, so it adds to the queue's end. The step ends when both the
+compute path and the queue are done. A model with one big chunk (its gradients
 complete when backward ends) therefore overlaps nothing, and many chunks hide their I/O under
 backward except for the last one's.
 """
@@ -276,11 +277,13 @@ class CostModel:
             phase_fb = max(compute, nvme_fb, *links)
         else:
             phase_fb = max(compute + sum(links), nvme_fb)
-        queue_end = self._pipeline_end(placement, phase_fb, compute)
         host_in_place = host_opt - host_opt_pipe
         if r.device_is_host:  # one set of cores: updates (the pipeline's too) and copies add
-            end = max(phase_fb + host_opt + t["h2d_opt"], queue_end)
+            stolen, queue_end = self._pipeline_cpu(placement, phase_fb, compute)
+            fb_end = phase_fb + stolen
+            end = max(fb_end + host_opt - stolen + t["h2d_opt"], queue_end)
         else:
+            queue_end = self._pipeline_cuda(placement, phase_fb, compute)
             end = max(phase_fb + max(host_in_place, t["h2d_opt"]), queue_end)
         total = end + device_opt + t["d2h_opt"]
         seconds = {
@@ -295,35 +298,50 @@ class CostModel:
         }
         return Prediction({k: float(v) for k, v in seconds.items()}, fetches)
 
-    def _pipeline_end(self, placement: Placement, phase_fb: float, compute: float) -> float:
-        """When the NVMe optimizer pipeline finishes, seconds from the start of the step
-        (0 without NVMe optimizer states); see [Note: optimizer pipeline timing]."""
+    def _pipeline_jobs(self, placement: Placement, phase_fb: float, compute: float):
+        """Per chunk with NVMe optimizer states: read, write and Adam seconds, and when it is
+        handed over as a share of the forward/backward phase (1.0: when backward ends)."""
         s, r = self.setting, self.setting.rates
         p, o = placement.param_tier, placement.optim_tier
         pipe = np.flatnonzero(s.table.trainable & (o == NVME))
-        if not pipe.size:
-            return 0.0
         elems = s.shard_sizes[pipe].astype(np.float64)
         read = elems * OPTIM_BYTES / r.nvme_read
         # the new parameter values go home too; those of NVMe-resident parameters to the disk
         write = elems * (OPTIM_BYTES + s.param_bytes * (p[pipe] == NVME)) / r.nvme_write
         adam = elems / r.host_adam
         if s.optimizer_in_backward:
-            backward_start = phase_fb * (s.forward_s / compute if compute > 0 else 0.0)
-            arrive = backward_start + (phase_fb - backward_start) * s.trace.grads_final_at()[pipe]
+            forward_share = s.forward_s / compute if compute > 0 else 0.0
+            ready = forward_share + (1 - forward_share) * s.trace.grads_final_at()[pipe]
         else:
-            arrive = np.full(pipe.size, phase_fb)
-        if r.device_is_host:
-            service = read + write
-        else:
-            service = np.maximum(np.maximum(read, write), adam)
+            ready = np.ones(pipe.size)
+        order = np.argsort(ready, kind="stable")
+        return read[order], write[order], adam[order], ready[order]
+
+    @staticmethod
+    def _queue(arrive: np.ndarray, service: np.ndarray) -> float:
         finish = 0.0
-        order = np.argsort(arrive, kind="stable")
-        for k in order:
-            finish = max(float(arrive[k]), finish) + float(service[k])
-        if r.device_is_host:
-            finish += float(adam[order[-1]])
+        for when, seconds in zip(arrive.tolist(), service.tolist(), strict=True):
+            finish = max(when, finish) + seconds
         return finish
+
+    def _pipeline_cuda(self, placement: Placement, phase_fb: float, compute: float) -> float:
+        """When the NVMe optimizer pipeline finishes, seconds from the start of the step (0
+        without NVMe optimizer states); see [Note: optimizer pipeline timing]."""
+        read, write, adam, ready = self._pipeline_jobs(placement, phase_fb, compute)
+        if not read.size:
+            return 0.0
+        return self._queue(ready * phase_fb, np.maximum(np.maximum(read, write), adam))
+
+    def _pipeline_cpu(self, placement: Placement, phase_fb: float, compute: float):
+        """(Adam seconds the pipeline takes from the compute cores during backward, when the
+        pipeline finishes), see [Note: optimizer pipeline timing]."""
+        read, write, adam, ready = self._pipeline_jobs(placement, phase_fb, compute)
+        if not read.size:
+            return 0.0, 0.0
+        during = ready < 1.0
+        stolen = float(adam[during].sum())
+        fb_end = phase_fb + stolen
+        return stolen, self._queue(ready * fb_end, read + write) + float(adam[-1])
 
 
 __all__ = [

@@ -161,6 +161,7 @@ def rank_state(engine: Engine) -> dict:
         "format": FORMAT_VERSION,
         "world": [g.world for g in engine.groups],
         "chunks": chunks,
+        "order": [s.name for chunk in engine.chunks() for s in chunk.slots],
         "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "steps_taken": engine.steps_taken,
         "param_groups": [
@@ -176,6 +177,11 @@ def load_rank_state(engine: Engine, state: dict) -> None:
             f"checkpoint was written with data-parallel sizes {state['world']}, this run has "
             f"{worlds}: resume with the same world size (resharding is not supported yet)"
         )
+    if "order" in state and state["order"] != [s.name for c in engine.chunks() for s in c.slots]:
+        from tierwise.runtime.relayout import relayout
+
+        relayout(engine, state["order"])  # the run re-packed after warm-up: the same layout here
+    engine._relayout_checked = state["steps_taken"] >= 1
     for chunk in engine.chunks():
         key = f"{chunk.group.name}#{chunk.index}"
         entry = state["chunks"].get(key)

@@ -100,6 +100,12 @@ class Engine:
         self._reforward_pins: list[torch.nn.Module] = []
         self._scaled_this_backward = False
         self.multi_rank = any(g.world > 1 for g in groups)
+        self.first_use: dict[str, None] = {}
+        """Parameter names in the order the warm-up forward first used them."""
+        self.layout_note: str | None = None
+        """Why a chunk group kept its setup layout ([Note: re-layout after warm-up])."""
+        self._relayout_checked = False
+        self._param_order = {id(p): i for i, p in enumerate(model.parameters())}
         self.loads = ChunkLoads(self.device)
         """rCache loads in flight ([Note: prefetch overlap])."""
         self.reducer: StreamingReducer | None = None
@@ -218,6 +224,8 @@ class Engine:
 
     def _acquire(self, module: torch.nn.Module) -> None:
         for slot in self.modules[module]:
+            if self.trace.recording and not self._in_backward:
+                self.first_use.setdefault(slot.name)
             chunk = self.slot_chunk[id(slot.param)]
             self.fetch(chunk)
             if slot.compute_refs == 0:
@@ -510,15 +518,15 @@ class Engine:
         ``torch.nn.utils.clip_grad_norm_`` computes it. Several ranks: sums of squares of each
         rank's shards (replicated chunks counted once), all-reduced.
         """
-        if not self.multi_rank:
-            norms = [
-                torch.linalg.vector_norm(grad[s.offset : s.offset + s.numel], 2.0)
+        if not self.multi_rank:  # in model.parameters() order, whatever the chunk layout
+            norms = sorted(
+                (self._param_order[id(s.param)], torch.linalg.vector_norm(grad[s.offset : s.offset + s.numel], 2.0))
                 for chunk, grad in self._grad_shards()
                 for s in chunk.slots
-            ]
+            )
             if not norms:
                 return torch.zeros((), dtype=torch.float32)
-            return torch.linalg.vector_norm(torch.stack(norms), 2.0).float().cpu()
+            return torch.linalg.vector_norm(torch.stack([n for _, n in norms]), 2.0).float().cpu()
         total = torch.zeros((), dtype=torch.float64)
         for chunk, grad in self._grad_shards():
             sq = grad.double().pow(2).sum().cpu()
@@ -591,6 +599,37 @@ class Engine:
             self._step()
         finally:
             self._early_hyper.clear()
+        if not self._relayout_checked and not self.trace.recording:
+            self._relayout_checked = True
+            self._relayout_in_recorded_order()
+
+    def _relayout_in_recorded_order(self) -> None:
+        """After the first step: [Note: re-layout after warm-up]."""
+        from tierwise.runtime.relayout import relayout
+
+        order = list(self.first_use)
+        if self.multi_rank:  # every rank packs alike: rank 0's order
+            box = [order]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.world_group, 0),
+                                       group=self.world_group)
+            order = box[0]
+        relayout(self, order)
+
+    def rebuild_indexes(self) -> None:
+        """After chunks were re-packed: lookups, pipelines, staging buffers, traces."""
+        self.slot_chunk = {id(s.param): c for c in self.chunks() for s in c.slots}
+        slot_of = {id(s.param): s for c in self.chunks() for s in c.slots}
+        self.modules = {m: [slot_of[id(s.param)] for s in slots] for m, slots in self.modules.items()}
+        self._by_key = {c.key: c for c in self.chunks()}
+        for pipeline in self.pipelines.values():
+            pipeline.close()
+        self.pipelines = self._make_pipelines()
+        for slab in self._staging_slabs:
+            slab.tier.release(slab)
+        self._staging_slabs, self._staging_free = [], []
+        self.trace = AccessTrace()  # chunk keys mean other chunks now: record again
+        if self.reducer is not None:
+            self.reducer.order = None
 
     def _step(self) -> None:
         if self.scaler is not None:

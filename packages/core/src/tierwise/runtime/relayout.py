@@ -1,0 +1,242 @@
+"""Re-packing chunk groups in the parameter order recorded by the first training step.
+
+[Note: re-layout after warm-up]
+Setup packs parameters in the best order it knows: the profiler's call order when a profile
+plugin ran the model, otherwise module-definition order (which is not use order: OPT defines
+``final_layer_norm`` before its layers, a tied ``lm_head`` is used last but lives with the
+embedding). The first step records the real first-use order; at the end of that step, every chunk
+group whose packing in that order differs is re-packed so a chunk holds parameters used together.
+Between steps the only live model data is in the tiers (no autograd graph refers to chunk
+storage, every cached copy is dropped), so re-packing is a permutation of each payload kind
+(parameters, fp32 masters, Adam moments, gradients) plus new padding. It runs kind by kind: each
+old chunk is read in full (all-gathered when sharded, every rank in the same order), the values
+this rank owns in the new layout are kept in host memory, the old slabs of that kind are released
+and the new ones allocated and written. A kind's new slabs are counted against the tier budget
+before anything moves; when they would not fit, or the host cannot hold one kind's shard, the
+group keeps its layout (``engine.layout_note`` says why). New chunks keep the tiers the planner
+chose for their parameters (the tier holding most of their elements before).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierwise.chunks import (
+    Chunk,
+    ChunkGroup,
+    OptimSlabs,
+    ParamSlot,
+    TensorState,
+    first_use_order,
+    pack,
+)
+from tierwise.parallel.collectives import _all_gather
+
+if TYPE_CHECKING:
+    from tierwise.runtime.engine import Engine
+    from tierwise.tiers.base import Slab
+
+_STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def new_chunks(group: ChunkGroup, order: list[str], chunk_size: int) -> list[Chunk] | None:
+    """``group``'s chunks packed in ``order``; None when that packing is the current one."""
+    slots = {s.name: s for c in group.chunks for s in c.slots}
+    names = [s.name for c in group.chunks for s in c.slots]
+    specs = pack(first_use_order(order, names), {n: slots[n].numel for n in names}, chunk_size)
+    if [[s.name for s in spec.slots] for spec in specs] == [[s.name for s in c.slots] for c in group.chunks]:
+        return None
+    chunks = []
+    for spec in specs:
+        capacity = -(-spec.capacity // group.world) * group.world if group.sharded else spec.capacity
+        shard = capacity // group.world if group.sharded else capacity
+        chunk_slots = [ParamSlot(s.name, slots[s.name].param, s.offset, s.numel, slots[s.name].shape,
+                                 state=TensorState.HOLD) for s in spec.slots]
+        chunks.append(Chunk(group, spec.index, capacity, shard, chunk_slots))
+    return chunks
+
+
+def relayout(engine: Engine, order: list[str]) -> list[str]:
+    """Re-pack every chunk group of ``engine`` in ``order``; returns the re-packed groups' names.
+
+    Every rank must call this with the same ``order`` (it all-gathers sharded chunks).
+    """
+    engine.loads.finish_all()
+    engine.invalidate_cache()
+    changed = []
+    for group in engine.groups:
+        chunks = new_chunks(group, order, engine.plan.chunk_size)
+        if chunks is None:
+            continue
+        reason = _cannot_move(engine, group, chunks)
+        if reason:
+            engine.layout_note = f"{group.name} kept its setup layout: {reason}"
+            continue
+        _move_group(engine, group, chunks)
+        changed.append(group.name)
+    if changed:
+        engine.rebuild_indexes()
+    return changed
+
+
+def _tiers_for(group: ChunkGroup, chunks: list[Chunk], tier_of) -> list[str]:
+    """Per new chunk: the tier that held most of its parameters' elements before."""
+    old = {s.name: tier_of(c) for c in group.chunks for s in c.slots}
+    out = []
+    for chunk in chunks:
+        votes: Counter[str] = Counter()
+        for slot in chunk.slots:
+            votes[old[slot.name]] += slot.numel
+        out.append(votes.most_common(1)[0][0])
+    return out
+
+
+def _kinds(engine: Engine, group: ChunkGroup) -> list[str]:
+    kinds = [] if group.trainable and engine.config.precision == "fp32" and _aliased(group) else ["home"]
+    if group.trainable:
+        kinds += [*_STATE_KINDS, "grad"]
+    return kinds
+
+
+def _aliased(group: ChunkGroup) -> bool:
+    return all(c.home is c.optim.master for c in group.chunks)
+
+
+def _slab(chunk: Chunk, kind: str) -> Slab:
+    return chunk.home if kind == "home" else getattr(chunk.optim, kind)
+
+
+def _plan_tiers(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> dict[str, list[str]]:
+    """The tier of each kind of each new chunk."""
+    home = _tiers_for(group, chunks, lambda c: c.home.tier.name)
+    tiers = {"home": home}
+    if group.trainable:
+        optim = _tiers_for(group, chunks, lambda c: c.optim.tier.name)
+        grad = _tiers_for(group, chunks, lambda c: c.optim.grad.tier.name)
+        tiers.update({k: optim for k in _STATE_KINDS}, grad=grad)
+        if engine.config.precision == "fp32" and _aliased(group):
+            tiers["home"] = optim
+    return tiers
+
+
+def _cannot_move(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> str | None:
+    """Why ``group`` cannot be re-packed into ``chunks`` (None when it can)."""
+    tiers = _plan_tiers(engine, group, chunks)
+    growth: Counter[str] = Counter()
+    largest_kind = 0
+    for kind in _kinds(engine, group):
+        dtype = torch.float32 if kind in _STATE_KINDS else group.dtype
+        size = torch.empty((), dtype=dtype).element_size()
+        new: Counter[str] = Counter()
+        for chunk, tier in zip(chunks, tiers[kind], strict=True):
+            new[tier] += chunk.shard_size * size
+        old: Counter[str] = Counter()
+        for chunk in group.chunks:
+            old[_slab(chunk, kind).tier.name] += _slab(chunk, kind).nbytes
+        for tier in new.keys() | old.keys():
+            growth[tier] += max(0, new[tier] - old[tier])
+        largest_kind = max(largest_kind, sum(new.values()))
+    for name, extra in growth.items():
+        tier = engine.tiers[name]
+        if tier.budget is not None and tier.used_bytes + extra > tier.budget:
+            return f"its new layout needs {extra} more bytes in the {name} tier than its budget has"
+    host_free = getattr(getattr(engine, "hardware", None), "host_memory", None)
+    if host_free is not None and largest_kind > host_free // 2:
+        return f"re-packing holds {largest_kind} bytes of one state kind in host memory"
+    cached = [c for c, t in zip(chunks, tiers["home"], strict=True) if t != "device" or group.sharded]
+    if cached and max(c.capacity for c in cached) > engine.cache.block_numel:
+        return "a new chunk would not fit an rCache block"
+    if engine.config.precision == "fp32" and group.trainable and not _aliased(group) and any(
+        c.home is c.optim.master for c in group.chunks
+    ):
+        return "some of its chunks share the fp32 master as parameter payload and some do not"
+    if group.trainable:
+        steps = {float(engine._steps[c.key]) for c in group.chunks}
+        if len(steps) > 1:
+            return "its chunks have taken different numbers of optimizer steps"
+    return None
+
+
+def _full(chunk: Chunk, slab: Slab) -> torch.Tensor:
+    """The whole chunk's values of one kind, on the CPU (gathered over its group)."""
+    if slab.tensor is not None:
+        shard = slab.tensor.detach().to("cpu", copy=True)
+    else:
+        shard = torch.empty(slab.numel, dtype=slab.dtype)
+        slab.tier.read(slab, shard).wait()
+    if not chunk.group.sharded:
+        return shard
+    full = torch.empty(chunk.capacity, dtype=shard.dtype)
+    _all_gather(full, shard, group=chunk.group.process_group)
+    return full
+
+
+def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> None:
+    tiers = _plan_tiers(engine, group, chunks)
+    where = {s.name: (c, s) for c in chunks for s in c.slots}
+    grads_filled = group.trainable and any(c.optim.grad_filled for c in group.chunks)
+    steps = engine._steps[group.chunks[0].key].clone() if group.trainable else None
+    new_slabs: dict[str, list[Slab]] = {}
+    for kind in _kinds(engine, group):
+        if kind == "grad" and not grads_filled:
+            values = None  # nothing to keep: the next backward overwrites them
+        else:
+            values = _gather_kind(group, chunks, kind, where)
+        for chunk in group.chunks:
+            slab = _slab(chunk, kind)
+            slab.tier.release(slab)
+        slabs = []
+        for i, (chunk, tier_name) in enumerate(zip(chunks, tiers[kind], strict=True)):
+            dtype = torch.float32 if kind in _STATE_KINDS else group.dtype
+            tier = engine.tiers[tier_name]
+            slab = tier.allocate(chunk.shard_size, dtype, what=f"{group.name}#{chunk.index} {kind}")
+            if values is not None:
+                tier.write(slab, values[i].to(dtype)).wait()
+            slabs.append(slab)
+        new_slabs[kind] = slabs
+    for i, chunk in enumerate(chunks):
+        if group.trainable:
+            opt_tier = engine.tiers[tiers["master"][i]]
+            chunk.optim = OptimSlabs(*(new_slabs[k][i] for k in (*_STATE_KINDS, "grad")), opt_tier,
+                                     grad_filled=grads_filled)
+            chunk.home = new_slabs["home"][i] if "home" in new_slabs else chunk.optim.master
+        else:
+            chunk.home = new_slabs["home"][i]
+        chunk.pending = len(chunk.slots) if chunk.trainable else 0
+        if chunk.home.tier.name == "device" and not group.sharded:
+            chunk.flat, chunk.resident = chunk.home.tensor, True
+        else:  # [Note: chunk storage]
+            chunk.flat = torch.empty(chunk.capacity, dtype=group.dtype, device=engine.tiers["device"].device)
+        chunk.bind_params()
+        if not chunk.resident:
+            chunk.free_storage()
+    for old in group.chunks:
+        engine._steps.pop(old.key, None)
+    for chunk in chunks:  # keys are (group, index): re-add after popping the old ones
+        if group.trainable:
+            engine._steps[chunk.key] = steps.clone()
+    group.chunks = chunks
+    engine.plan.param_tiers[group.name] = list(tiers["home"])
+    if group.trainable:
+        engine.plan.optim_tiers[group.name] = list(tiers["master"])
+    if group.name in engine.plan.groups:
+        engine.plan.groups[group.name]["chunks"] = len(chunks)
+
+
+def _gather_kind(group: ChunkGroup, chunks: list[Chunk], kind: str, where: dict) -> list[torch.Tensor]:
+    """This rank's shard of every new chunk, for one kind, filled from the old chunks."""
+    dtype = torch.float32 if kind in _STATE_KINDS else group.dtype
+    shards = [torch.zeros(c.shard_size, dtype=dtype) for c in chunks]
+    for old in group.chunks:
+        full = _full(old, _slab(old, kind))
+        for slot in old.slots:
+            new_chunk, new_slot = where[slot.name]
+            start, end = new_chunk.shard_range()
+            lo, hi = max(new_slot.offset, start), min(new_slot.offset + new_slot.numel, end)
+            if lo < hi:
+                src = slot.offset + (lo - new_slot.offset)
+                shards[new_chunk.index][lo - start : hi - start] = full[src : src + hi - lo]
+    return shards

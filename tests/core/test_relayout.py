@@ -1,0 +1,103 @@
+"""Chunks are re-packed in the recorded first-use order after step 1 ([Note: re-layout after warm-up])."""
+
+import pytest
+import tierwise
+import torch
+from helpers.models import tiny_model
+from helpers.train import run_reference, train
+
+HOST = dict(param_placement="host", optimizer_placement="host", cache_blocks=3, chunk_size=5000, prefetch=1)
+
+
+def first_use_reference(kind: str) -> list[str]:
+    """Parameter names in the order a plain model's modules first run (plain forward hooks)."""
+    model = tiny_model(kind)
+    order: dict[str, None] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def hook(module, args):
+        for p in module.parameters(recurse=False):
+            order.setdefault(names[id(p)])
+
+    for module in model.modules():
+        module.register_forward_pre_hook(hook)
+    train(model, torch.optim.AdamW(model.parameters()), 1, tierwise_model=False)
+    return list(order)
+
+
+def layout(model) -> list[str]:
+    return [s.name for c in tierwise.engine_of(model).chunks() for s in c.slots]
+
+
+@pytest.mark.parametrize("kind", ["opt", "llama"])
+def test_chunks_follow_the_recorded_first_use_order_after_step_one(kind):
+    model = tiny_model(kind)
+    module_order = [n for n, _ in model.named_parameters()]
+    model, opt = tierwise.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                device="cpu", **HOST)
+    assert layout(model) == module_order  # no profile: module order before the first step
+    expected = first_use_reference(kind)
+    assert expected != module_order, "the model must define modules out of use order"
+    train(model, opt, 1)
+    assert layout(model) == expected
+    assert tierwise.engine_of(model).layout_note is None
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("plan", [dict(param_placement="device", optimizer_placement="device"), HOST],
+                         ids=["device", "host"])
+def test_relayout_changes_no_arithmetic(plan, precision):
+    """Re-packing moves params, masters and Adam moments: training continues exactly."""
+    model = tiny_model("llama")
+    model, opt = tierwise.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01),
+                                device="cpu", precision=precision, chunk_size=5000,
+                                **{k: v for k, v in plan.items() if k != "chunk_size"})
+    losses = train(model, opt, 6, clip=1.0)
+    if precision == "fp32":
+        ref_losses, ref = run_reference("llama", 6, train_kwargs=dict(clip=1.0))
+        assert losses == ref_losses
+        state = model.state_dict()
+        for name, value in ref.state_dict().items():
+            assert torch.equal(state[name], value), name
+    else:  # the same plan without re-packing (layout already in use order) is the reference
+        other = tiny_model("llama")
+        other, other_opt = tierwise.setup(
+            other, torch.optim.AdamW(other.parameters(), lr=1e-2, weight_decay=0.01),
+            device="cpu", precision=precision, chunk_size=5000, param_placement="device",
+            optimizer_placement="device", example_batch=None)
+        tierwise.engine_of(other)._relayout_checked = True  # keep module order throughout
+        assert train(other, other_opt, 6, clip=1.0) == losses
+
+
+def test_resume_after_relayout_is_bitwise(tmp_path):
+    def fresh():
+        model = tiny_model("opt")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        return tierwise.setup(model, opt, device="cpu", **HOST)
+
+    model, opt = fresh()
+    train(model, opt, 2)
+    tierwise.save_checkpoint(tmp_path / "ckpt", model, opt)
+    straight = train(model, opt, 3, first_seed=2)
+
+    resumed, resumed_opt = fresh()
+    tierwise.load_checkpoint(tmp_path / "ckpt", resumed, resumed_opt)
+    assert layout(resumed) == layout(model)
+    assert train(resumed, resumed_opt, 3, first_seed=2) == straight
+    assert layout(resumed) == layout(model)
+    for name, value in model.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name
+
+
+def test_relayout_that_does_not_fit_the_budget_keeps_the_layout():
+    model = tiny_model("opt")
+    module_order = [n for n, _ in model.named_parameters()]
+    model, opt = tierwise.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01),
+                                device="cpu", precision="fp32", param_placement="device",
+                                optimizer_placement="device", chunk_size=5000)
+    engine = tierwise.engine_of(model)
+    engine.tiers["device"].budget = engine.tiers["device"].used_bytes - 1  # no room at all
+    losses = train(model, opt, 3)
+    assert "budget" in engine.layout_note
+    assert layout(model) == module_order
+    assert losses == run_reference("opt", 3)[0]

@@ -141,6 +141,9 @@ def setup(
     )
     engine.profile = profile
     engine.hardware = hardware
+    engine.make_tracer = lambda: host.memory_tracer(
+        device=engine.device, model_bytes=engine.model_bytes_on_device
+    )
     if world is not None and dist.get_world_size(world) > 1 and world == dist.group.WORLD:
         # a second communicator for gradient reductions: [Note: streaming reduction]
         engine.reducer = StreamingReducer(

@@ -14,6 +14,7 @@ import pluggy
 
 if TYPE_CHECKING:  # import-light: plugins import this module at entry-point load time
     import argparse
+    from collections.abc import Callable
 
     import torch
 
@@ -80,6 +81,18 @@ def tierwise_probe_hardware(config: Config) -> dict[str, Any] | None:
     """
 
 
+@hookspec(firstresult=True)
+def tierwise_memory_tracer(device: torch.device, model_bytes: Callable[[], int]) -> Any | None:
+    """Make a tracer of non-model memory for the engine's warm-up step.
+
+    Params: ``device`` the compute device; ``model_bytes`` a callable returning the bytes of
+    model data (chunks) the engine holds on ``device`` now.
+    Returns: an object with ``start()``, ``mark(moment: str)``, ``stop() -> [(moment, bytes)]``
+    and a ``paused()`` context manager (the engine's own allocations run inside it), or None.
+    Stops at first non-None result.
+    """
+
+
 @hookspec
 def tierwise_add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add subcommands to the ``tierwise`` command line.
@@ -96,6 +109,7 @@ __all__ = [
     "hookspec",
     "tierwise_add_cli_commands",
     "tierwise_make_plan",
+    "tierwise_memory_tracer",
     "tierwise_probe_hardware",
     "tierwise_profile_model",
     "tierwise_register_parallel_patterns",

@@ -23,6 +23,7 @@ from tierwise import hookspecs
 
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Callable
 
     import torch
 
@@ -126,6 +127,10 @@ class PluginHost:
             if result:
                 merged.update(result)
         return merged
+
+    def memory_tracer(self, *, device: torch.device, model_bytes: Callable[[], int]) -> Any | None:
+        """A warm-up memory tracer from a plugin (tierwise-profiler), or None."""
+        return self.pm.hook.tierwise_memory_tracer(device=device, model_bytes=model_bytes)
 
     def add_cli_commands(self, *, subparsers: argparse._SubParsersAction) -> None:
         self.pm.hook.tierwise_add_cli_commands(subparsers=subparsers)

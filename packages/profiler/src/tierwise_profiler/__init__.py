@@ -7,6 +7,7 @@ Hooks:
   is better) and None, with a ``ProfilerFallbackWarning`` naming the op, when the model's forward
   needs tensor values.
 - ``tierwise_probe_hardware``: bandwidths and velocities, measured once per machine and cached.
+- ``tierwise_memory_tracer``: a :class:`MemoryTracer` the engine drives during its warm-up step.
 - ``tierwise_add_cli_commands``: ``tierwise profile`` and ``tierwise probe``.
 """
 
@@ -57,6 +58,11 @@ def tierwise_probe_hardware(config: Config) -> dict[str, Any] | None:
     from tierwise_profiler.hardware_probe import probe
 
     return dict(probe(config.device, config.precision)["hardware"])
+
+
+@hookimpl
+def tierwise_memory_tracer(device: torch.device, model_bytes) -> MemoryTracer:
+    return MemoryTracer(device, model_bytes=model_bytes)
 
 
 @hookimpl

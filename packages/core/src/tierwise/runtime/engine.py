@@ -106,6 +106,16 @@ class Engine:
         """Why a chunk group kept its setup layout ([Note: re-layout after warm-up])."""
         self._relayout_checked = False
         self._param_order = {id(p): i for i, p in enumerate(model.parameters())}
+        self.recorded_order: dict[str, list[str]] = {"forward": [], "backward": []}
+        """Parameters (first names) each module access fetched during the warm-up step, as the
+        profiler's ``forward_order``/``backward_order`` predict them."""
+        self.make_tracer = None
+        """Returns a warm-up memory tracer (from tierwise-profiler) or None; set by setup."""
+        self.memory_moments: list[tuple[str, int]] | None = None
+        """Non-model bytes per moment of the warm-up step, measured ([Note: warm-up tracing])."""
+        self.estimated_peak_activation_bytes: int | None = None
+        self._tracer = None
+        self._module_names = {m: n for n, m in model.named_modules()}
         self.loads = ChunkLoads(self.device)
         """rCache loads in flight ([Note: prefetch overlap])."""
         self.reducer: StreamingReducer | None = None
@@ -221,8 +231,54 @@ class Engine:
             self._step_started = time.perf_counter()
         if not self.trace.recording:
             self.trace.restart()
+        elif self.memory_moments is None and self._tracer is None and self.make_tracer is not None:
+            self._tracer = self.make_tracer()
+            if self._tracer is not None:
+                self._tracer.start()
+
+    # [Note: warm-up tracing]
+    # During the warm-up step a tracer (tierwise-profiler's MemoryTracer, through the
+    # tierwise_memory_tracer hook) measures the peak non-model memory between module accesses:
+    # each access marks a moment. The engine's own work runs inside ``tracer.paused()`` so chunk
+    # and staging buffers are not mistaken for activations. At the end of the warm-up backward the
+    # measured peak replaces the profile's estimate (``profile.peak_activation_bytes``; the estimate
+    # stays in ``estimated_peak_activation_bytes``) and the moments stay in ``memory_moments``.
+    def _mark(self, phase: str, module: torch.nn.Module) -> None:
+        if self.trace.recording and not self._relayout_checked:  # the first warm-up only
+            names = [slot.name for slot in self.modules[module]]
+            self.recorded_order[phase].extend(dict.fromkeys(names))
+        if self._tracer is not None:
+            self._tracer.mark(f"{phase}:{self._module_names.get(module, '?')}")
+
+    @contextmanager
+    def _untraced(self):
+        if self._tracer is None:
+            yield
+        else:
+            with self._tracer.paused():
+                yield
+
+    def _finish_tracing(self) -> None:
+        moments = self._tracer.stop()
+        self._tracer = None
+        self.memory_moments = moments
+        profile = getattr(self, "profile", None)
+        if profile is not None and moments:
+            self.estimated_peak_activation_bytes = profile.peak_activation_bytes
+            profile.peak_activation_bytes = max(b for _, b in moments)
+
+    def model_bytes_on_device(self) -> int:
+        """Bytes of model data on the compute device now (what an allocator count includes)."""
+        tier = self.tiers["device"]
+        resident = sum(c.capacity * c.flat.element_size() for c in self.chunks()
+                       if c.resident and c.block_id is not None)
+        return tier.used_bytes - self.cache.reserved + resident
 
     def _acquire(self, module: torch.nn.Module) -> None:
+        with self._untraced():
+            self._acquire_untraced(module)
+
+    def _acquire_untraced(self, module: torch.nn.Module) -> None:
         for slot in self.modules[module]:
             if self.trace.recording and not self._in_backward:
                 self.first_use.setdefault(slot.name)
@@ -245,6 +301,7 @@ class Engine:
                 slot.set_state(TensorState.HOLD_AFTER_BWD if slot.got_grad else new_state)
 
     def pre_forward(self, module: torch.nn.Module) -> None:
+        self._mark("backward" if self._in_backward else "forward", module)
         self._acquire(module)
         if self._in_backward:  # a checkpoint re-forward
             self._reforward_pins.append(module)
@@ -264,6 +321,7 @@ class Engine:
             self._release(self._reforward_pins.pop(), TensorState.HOLD_AFTER_FWD)
         if module not in self._backward_pins:
             self._backward_pins.add(module)
+            self._mark("backward", module)
             self._acquire(module)
 
     def post_backward(self, module: torch.nn.Module) -> None:
@@ -290,6 +348,10 @@ class Engine:
 
     def on_grad(self, param: torch.nn.Parameter) -> None:
         """post-accumulate-grad hook: move the gradient into the chunk's staging buffer."""
+        with self._untraced():
+            self._on_grad(param)
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
         self._enter_backward()
         chunk = self.slot_chunk[id(param)]
         slot = next(s for s in chunk.slots if s.param is param)
@@ -324,6 +386,8 @@ class Engine:
 
     def end_backward(self) -> None:
         """Runs when autograd finishes a backward: finalise every chunk, release everything."""
+        if self._tracer is not None:
+            self._finish_tracing()
         self._callback_queued = False
         self._in_backward = False
         self._backwards_this_step += 1
@@ -794,5 +858,7 @@ class Engine:
             "loss_scale": self.loss_scale,
             "skipped_steps": self.scaler.skipped_steps if self.scaler else 0,
             "optimizer_mode": getattr(self, "last_update_mode", "after-backward"),
+            "non_model_peak_bytes": max((b for _, b in self.memory_moments), default=0)
+            if self.memory_moments else None,
         }
 

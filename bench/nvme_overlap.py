@@ -19,7 +19,9 @@ and NVMe about even here). Per batch size and mode one JSON line with medians: b
 part the overlap shortens), iteration_s (with forward), NVMe bytes per step, and
 ratio = backward_step_s / max(backward_compute_s, nvme_transfer_s) (issue target ≤ 1.2).
 On a CPU-only machine backward and AdamW share the same cores, so the line also gives
-ratio_cpu = backward_step_s / max(backward_compute_s + update_compute_s, nvme_transfer_s).
+ratio_cpu = backward_step_s / max(backward_compute_s + update_compute_s, nvme_transfer_s),
+and the CPU seconds (all threads) of one iteration in this mode and with states on host
+(iteration_cpu_s, host_iteration_cpu_s): what the NVMe path costs the CPU beyond the update.
 
     python bench/nvme_overlap.py --dir /work/nvme-bench [--batches 1,4] [--rounds 3] [--small]
 """
@@ -155,7 +157,10 @@ def main() -> None:
                     for s in range(args.steps):
                         before = dict(tier.moved_bytes) if tier is not None else {}
                         data = batch(b, args.seq, VOCAB, 1 + s)
-                        times[mode, b].append(timed_step(model, optimizer, data, require_finite=True))
+                        cpu = time.process_time()
+                        step = timed_step(model, optimizer, data, require_finite=True)
+                        step["cpu_s"] = time.process_time() - cpu
+                        times[mode, b].append(step)
                         if tier is not None:
                             nvme_bytes[mode] = {k: tier.moved_bytes[k] - before[k] for k in before}
                     modes_seen[mode] = tierwise.engine_of(model).stats()["optimizer_mode"]
@@ -205,6 +210,8 @@ def emit_batch(common: dict, b: int, times: dict, nvme_bytes: dict, modes_seen: 
             optimizer_step_s=round(med(mode, "optimizer_step_s"), 3),
             backward_step_s=round(backward_step, 3),
             iteration_s=round(med(mode, "iteration_s"), 3),
+            iteration_cpu_s=round(med(mode, "cpu_s"), 3),
+            host_iteration_cpu_s=round(med("host", "cpu_s"), 3),
             nvme_bytes_per_step=nvme_bytes[mode],
             ratio=round(backward_step / max(backward_compute, nvme_transfer), 3),
             ratio_cpu=round(

@@ -28,6 +28,7 @@ VOCAB = 50257
 def _rank(rank: int, world: int, kind: str, dims: dict, steps: int, bsz: int, seq: int):
     torch.manual_seed(0)
     model = gpt2_model(**dims)
+    info = {}
     if kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -42,10 +43,15 @@ def _rank(rank: int, world: int, kind: str, dims: dict, steps: int, bsz: int, se
         import tierwise
 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        # the granularity FSDP2 gets from wrapping each block: one block's parameters per chunk
+        # (the embedding, larger, gets a chunk of its own); rCache at its minimum (ZeRO-3-like)
+        block = sum(p.numel() for p in model.transformer.h[0].parameters())
         model, opt = tierwise.setup(
             model, opt, precision="fp32", device="cpu", param_placement="host",
-            optimizer_placement="host", cache_blocks=3,
+            optimizer_placement="host", chunk_size=block,
         )
+        engine = tierwise.engine_of(model)
+        info = dict(chunk_size=block, chunks=engine.stats()["n_chunks"], cache_blocks=len(engine.cache))
     times = []
     for step in range(steps + 1):
         data = batch(bsz, seq, VOCAB, seed=100 * step + rank)
@@ -57,7 +63,7 @@ def _rank(rank: int, world: int, kind: str, dims: dict, steps: int, bsz: int, se
         if step:  # the first step warms up (and records tierwise's access trace)
             times.append(time.perf_counter() - start)
     return {"times": times, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "loss": float(loss)}
+            "loss": float(loss), "info": info}
 
 
 def main() -> None:
@@ -72,19 +78,22 @@ def main() -> None:
     kinds = ("ddp", "fsdp2-cpu-offload", "tierwise-zero3-host")
     times = {k: [] for k in kinds}
     rss = {k: [] for k in kinds}
+    info = {}
     for _ in range(args.rounds):
         for kind in kinds:
             results = run_ranks(_rank, 2, kind, dims, args.steps, args.batch, args.seq, timeout=3600)
             for r in results:
                 times[kind] += r["times"]
             rss[kind].append(max(r["peak_rss_mib"] for r in results))
+            info[kind] = results[0]["info"]
     base = median(times["fsdp2-cpu-offload"])
     params = sum(p.numel() for p in gpt2_model(**dims).parameters())
     for kind in kinds:
         emit(bench="dp", config=kind, ranks=2, backend="gloo", params=params, batch_per_rank=args.batch,
              seq=args.seq, median_step_s=round(median(times[kind]), 4),
              ratio_vs_fsdp2_cpu_offload=round(median(times[kind]) / base, 3),
-             per_rank_peak_rss_mib=round(median(rss[kind]), 1))
+             per_rank_peak_rss_mib=round(median(rss[kind]), 1),
+             rss_vs_fsdp2=round(median(rss[kind]) / median(rss["fsdp2-cpu-offload"]), 3), **info[kind])
 
 
 if __name__ == "__main__":

@@ -426,13 +426,16 @@ class Engine:
 
     # ------------------------------------------------------------------ gradients
     def _take_staging(self, chunk: Chunk) -> torch.Tensor:
-        if self._staging_free:
-            return self._staging_free.pop()[: chunk.capacity]
-        device_tier = self.tiers["device"]
-        largest = max(c.capacity for c in self.chunks())
-        slab = device_tier.allocate(largest, self.dtype, what="gradient staging buffer")
+        """A device buffer of at least ``chunk.capacity`` elements: the smallest free one that
+        fits, else a new one of exactly that size (an oversize chunk, e.g. an embedding, must
+        not make every staging buffer as large as itself)."""
+        fitting = [i for i, b in enumerate(self._staging_free) if b.numel() >= chunk.capacity]
+        if fitting:
+            best = min(fitting, key=lambda i: self._staging_free[i].numel())
+            return self._staging_free.pop(best)[: chunk.capacity]
+        slab = self.tiers["device"].allocate(chunk.capacity, self.dtype, what="gradient staging buffer")
         self._staging_slabs.append(slab)
-        return slab.tensor[: chunk.capacity]
+        return slab.tensor
 
     def _give_back_staging(self, chunk: Chunk) -> None:
         base = chunk.staging._base if chunk.staging._base is not None else chunk.staging

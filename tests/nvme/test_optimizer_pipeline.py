@@ -15,6 +15,7 @@ from nvme_helpers import FailingBackend  # noqa: E402
 from tierwise_nvme import NVMeIOError, StagingPool  # noqa: E402
 from tierwise_nvme.backends import ThreadPoolBackend  # noqa: E402
 from tierwise_nvme.optimizer_pipeline import OptimizerPipeline  # noqa: E402
+from tierwise_nvme.tier import MAX_LOOKAHEAD  # noqa: E402
 
 SIZES = [1000, 4097, 30_001, 7, 65_536, 12_345]
 
@@ -82,8 +83,37 @@ def test_pipelined_updates_equal_in_memory_updates(make_tier, pool_buffers, pref
             for got, want in zip(read_states(tier, slabs), states, strict=True):
                 assert torch.equal(got, want)
     assert pipeline.updated == 2 * len(chunks)
-    assert pool.lent == 0
+    # drain read ahead the next step's first chunks (5, 4) where the pool could spare buffers
+    assert pool.lent == (6 if pool_buffers == 9 else 0)
     pipeline.close()
+    assert pool.lent == 0
+
+
+def test_drain_reads_the_next_steps_first_chunks_ahead(make_tier):
+    tier = make_tier("libaio")
+    chunks = setup_states(tier, torch.Generator().manual_seed(7))
+    pipeline = OptimizerPipeline(
+        tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=12), lookahead=2
+    )
+    steps_ref = [torch.zeros(()) for _ in chunks]
+    steps = [torch.zeros(()) for _ in chunks]
+    order = [2, 0, 5, 1, 4, 3]
+    for step in range(2):
+        reads_before_submit = tier.moves["nvme->host"]
+        for i in order:
+            slabs, states, grads = chunks[i]
+            adamw(grads[step], steps_ref[i])(states)
+            pipeline.submit(i, slabs, adamw(grads[step], steps[i]))
+        pipeline.drain()
+        # after the drain, the reads of the first chunks of this order (2, 0, 5) are in flight:
+        # room for 3 chunks' states while one more chunk still fits (12 buffers)
+        assert sorted(pipeline._prefetched) == [0, 2, 5]
+        assert tier.moves["nvme->host"] - reads_before_submit == 3 * (len(chunks) + 3 - 3 * step)
+        for slabs, states, _ in chunks:  # (step 2 updates from the read-ahead copies)
+            for got, want in zip(read_states(tier, slabs), states, strict=True):
+                assert torch.equal(got, want)
+    pipeline.close()
+    assert tier.moves["nvme->host"] > 0
 
 
 def test_updates_run_on_the_worker_while_the_caller_continues(make_tier):
@@ -209,8 +239,17 @@ def test_failed_read_stops_updates_and_is_reported(make_tier):
 
 
 def test_tier_builds_a_pipeline_sized_for_three_stages(make_tier):
-    tier = make_tier("libaio")
-    pipeline = tier.optimizer_pipeline(buffer_bytes=max(SIZES) * 4)
+    tier = make_tier("libaio", block_size=1 << 20, queue_depth=16)
+    # reads of 16 MiB keep the disk's queue full: 16 MiB / (3 states * 4 MiB) -> 2 chunks ahead
+    deep = tier.optimizer_pipeline(buffer_bytes=4 << 20)
+    assert deep.lookahead == 2 and deep.pool.count == 3 * 4
+    huge = tier.optimizer_pipeline(buffer_bytes=1 << 30)  # one chunk's states already fill it
+    assert huge.lookahead == 1 and huge.pool.count == 9
+    tiny = tier.optimizer_pipeline(buffer_bytes=4096)
+    assert tiny.lookahead == MAX_LOOKAHEAD
+    for pipeline in (deep, huge, tiny):
+        pipeline.close()
+    pipeline = tier.optimizer_pipeline(buffer_bytes=max(SIZES) * 4, lookahead=1)
     assert pipeline.pool.count == 9 and pipeline.lookahead == 1 and pipeline.tier is tier
     slabs, states, grads = setup_states(tier, torch.Generator().manual_seed(4))[0]
     pipeline.submit("c", slabs, adamw(grads[0], torch.zeros(())))

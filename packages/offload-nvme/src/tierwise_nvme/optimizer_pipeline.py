@@ -13,6 +13,10 @@ buffers only when that leaves room for one more chunk, so the worker can always 
 A prefetched chunk stays valid until it is submitted, however long that takes (a skipped step),
 unless one of its slabs is written by someone else (e.g. a checkpoint load): the tier calls
 ``slab_written`` on every write, which drops such a prefetch so the chunk is read again.
+Reading states does not need gradients, so ``drain`` ends by prefetching, for the next step,
+the chunks submitted first in the step just drained (its writes are complete, so the reads see
+them), as many as the pool can spare: their reads run during the next forward pass, while the
+disk would otherwise idle, instead of delaying the first updates of the next backward.
 
 Staging buffers come from a StagingPool; a chunk's buffers return to the pool when its writes
 are complete. For full overlap the pool needs ``states * (lookahead + 2)`` buffers.
@@ -66,6 +70,8 @@ class OptimizerPipeline:
         self._error: BaseException | None = None
         self._closing = False
         self._worker: threading.Thread | None = None
+        self._order: list[tuple[Hashable, tuple[Slab, ...]]] = []
+        """Chunks submitted since the last drain, in order (read ahead for the next step)."""
 
     # -- caller side ------------------------------------------------------------------------
     def prefetch(self, key: Hashable, slabs: Sequence[Slab]) -> bool:
@@ -88,6 +94,7 @@ class OptimizerPipeline:
             job = self._prefetched.pop(key, None) or _Job(key, tuple(slabs))
             job.update = update
             self._queue.append(job)
+            self._order.append((key, job.slabs))
             if self._worker is None:
                 self._worker = threading.Thread(
                     target=self._run, name="tierwise-nvme-optimizer", daemon=True
@@ -105,7 +112,16 @@ class OptimizerPipeline:
             self._discard(job)
 
     def drain(self) -> None:
-        """Wait until every submitted chunk is updated and written; re-raise the first error."""
+        """Wait until every submitted chunk is updated and written; re-raise the first error.
+        Then start reading the next step's first chunks (see the Note)."""
+        self._finish_all()
+        with self._cond:
+            order, self._order = self._order, []
+        for key, slabs in order:
+            if not self.prefetch(key, slabs):
+                break
+
+    def _finish_all(self) -> None:
         with self._cond:
             while self._queue or self._busy:
                 self._cond.wait()
@@ -113,12 +129,14 @@ class OptimizerPipeline:
         while self._finish_oldest_write():
             pass
         if error is not None:
+            with self._cond:
+                self._order = []
             raise error
 
     def close(self) -> None:
         """Finish everything, stop the worker and return unused prefetched buffers."""
         try:
-            self.drain()
+            self._finish_all()
         finally:
             with self._cond:
                 self._closing = True

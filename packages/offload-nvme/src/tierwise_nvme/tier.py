@@ -17,12 +17,15 @@ from tierwise.tiers import DONE, IOHandle, Slab, Tier
 from tierwise_nvme.backends import IOBackend, open_backend
 from tierwise_nvme.options import NVMeOptions
 from tierwise_nvme.staged_read import StagedReads
-from tierwise_nvme.staging import StagingPool
+from tierwise_nvme.staging import HOST_FRACTION, StagingPool, host_bytes
 from tierwise_nvme.swapfile import SwapFile, align_up, remove_stale_files, swap_file_name
 from tierwise_nvme.transfer import Transfers
 
 if TYPE_CHECKING:
     from tierwise.config import Config
+
+MAX_LOOKAHEAD = 4
+"""Most chunks an optimizer pipeline reads ahead of the one it updates (auto lookahead)."""
 
 _instances = itertools.count()
 _open_tiers: weakref.WeakSet[NVMeTier] = weakref.WeakSet()
@@ -200,13 +203,25 @@ class NVMeTier(Tier):
             file.close()
         _open_tiers.discard(self)
 
-    def optimizer_pipeline(self, *, buffer_bytes: int, states: int = 3, lookahead: int = 1):
+    def optimizer_pipeline(
+        self, *, buffer_bytes: int, states: int = 3, lookahead: int | None = None
+    ):
         """An OptimizerPipeline over this tier with its own staging pool of
-        ``states * (lookahead + 2)`` buffers of ``buffer_bytes`` (pinned on CUDA): enough for
-        the read of chunk i+1, the update of chunk i and the write of chunk i-1 at once.
-        See [Note: optimizer pipeline]."""
+        ``states * (lookahead + 2)`` buffers of ``buffer_bytes`` (pinned on CUDA): the reads of
+        the next ``lookahead`` chunks, the update of one and the write of another at once.
+        See [Note: optimizer pipeline]. ``lookahead`` None (the engine's call) picks enough
+        chunks to keep the disk's queue full (``queue_depth * block_size`` bytes of reads), at
+        most 4, fewer where the pool would exceed HOST_FRACTION of the host memory."""
         from tierwise_nvme.optimizer_pipeline import OptimizerPipeline
 
+        if lookahead is None:
+            queue_bytes = self.options.queue_depth * self.options.block_size
+            lookahead = min(MAX_LOOKAHEAD, max(1, -(-queue_bytes // (states * buffer_bytes))))
+            host = host_bytes(self.config)
+            while host is not None and lookahead > 1:
+                if states * (lookahead + 2) * buffer_bytes <= host * HOST_FRACTION:
+                    break
+                lookahead -= 1
         pool = StagingPool(
             buffer_bytes=buffer_bytes,
             count=states * (lookahead + 2),
@@ -227,4 +242,4 @@ def _close_open_tiers() -> None:
         tier.close()
 
 
-__all__ = ["NVMeTier", "current_rank", "kind_of"]
+__all__ = ["MAX_LOOKAHEAD", "NVMeTier", "current_rank", "kind_of"]

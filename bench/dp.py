@@ -44,11 +44,12 @@ def _rank(rank: int, world: int, kind: str, dims: dict, steps: int, bsz: int, se
 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         # the granularity FSDP2 gets from wrapping each block: one block's parameters per chunk
-        # (the embedding, larger, gets a chunk of its own); rCache at its minimum (ZeRO-3-like)
+        # (the embedding, larger, gets a chunk of its own); 3 rCache blocks: the embedding, the block in
+        # use and the next (ZeRO-3-like, as FSDP2 keeps the root gathered and prefetches a block)
         block = sum(p.numel() for p in model.transformer.h[0].parameters())
         model, opt = tierwise.setup(
             model, opt, precision="fp32", device="cpu", param_placement="host",
-            optimizer_placement="host", chunk_size=block,
+            optimizer_placement="host", chunk_size=block, cache_blocks=3,
         )
         engine = tierwise.engine_of(model)
         info = dict(chunk_size=block, chunks=engine.stats()["n_chunks"], cache_blocks=len(engine.cache))

@@ -69,6 +69,8 @@ class Chunk:
     """How many parameters of this chunk are in COMPUTE (resident while > 0)."""
     staging: torch.Tensor | None = None
     """Full-chunk gradient buffer on the device while this backward fills it."""
+    staging_borrowed: bool = False
+    """``staging`` is autograd's gradient tensor itself (a parameter filling the chunk)."""
     pending: int = 0
     """Trainable parameters whose gradient this backward has not delivered yet."""
     grads_done: bool = False

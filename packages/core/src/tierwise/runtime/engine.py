@@ -370,6 +370,17 @@ class Engine:
         if chunk.grads_done:  # late delivery after the chunk was reduced: reduce it on its own
             self._late_grad(chunk, slot, grad)
             return
+        if chunk.staging is None and self._can_borrow(chunk, grad):
+            # the gradient fills the whole chunk (an embedding): reduce it where autograd put it
+            # instead of copying it into a staging buffer (which would hold it twice)
+            chunk.staging, chunk.staging_borrowed = grad.reshape(-1), True
+            slot.got_grad = True
+            chunk.pending -= 1
+            if chunk.pending == 0 and self._streams(chunk):
+                self._hand_to_reducer(chunk)
+            if slot.state is not TensorState.COMPUTE:
+                slot.set_state(TensorState.HOLD_AFTER_BWD)
+            return
         if chunk.staging is None:
             chunk.staging = self._take_staging(chunk)
         segment = chunk.staging[slot.offset : slot.offset + slot.numel]
@@ -437,7 +448,17 @@ class Engine:
         self._staging_slabs.append(slab)
         return slab.tensor
 
+    def _can_borrow(self, chunk: Chunk, grad: torch.Tensor) -> bool:
+        return (
+            len(chunk.slots) == 1 and chunk.slots[0].numel == chunk.capacity
+            and grad.is_contiguous() and grad.dtype == self.dtype
+            and grad.device == self.tiers["device"].device
+        )
+
     def _give_back_staging(self, chunk: Chunk) -> None:
+        if chunk.staging_borrowed:  # autograd's own gradient tensor: just drop it
+            chunk.staging, chunk.staging_borrowed = None, False
+            return
         base = chunk.staging._base if chunk.staging._base is not None else chunk.staging
         self._staging_free.append(base)
         chunk.staging = None

@@ -6,8 +6,10 @@ its storage would hold garbage and training would diverge from the all-on-device
 """
 
 import pytest
+import tierwise
 import torch
 from helpers.train import run_tierwise
+from tierwise.runtime.transfer import ChunkLoads
 from tierwise.tiers.base import IOHandle
 from tierwise.tiers.memory import HostTier
 
@@ -38,8 +40,16 @@ def deferred_host_reads(monkeypatch):
     return log
 
 
+@pytest.fixture
+def no_copy_thread(monkeypatch):
+    """Loads issued on the calling thread, so the log shows when each is issued and waited."""
+    original = ChunkLoads.__init__
+    monkeypatch.setattr(ChunkLoads, "__init__",
+                        lambda self, device, copy_thread=True: original(self, device, copy_thread=False))
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
-def test_deferred_loads_train_exactly_like_all_on_device(deferred_host_reads, prefetch):
+def test_deferred_loads_train_exactly_like_all_on_device(deferred_host_reads, no_copy_thread, prefetch):
     plan = dict(param_placement="host", optimizer_placement="host", cache_blocks=3,
                 chunk_size=5000, prefetch=prefetch)
     losses, model = run_tierwise("gpt2", 4, device="cpu", **plan)
@@ -62,3 +72,18 @@ def test_deferred_loads_train_exactly_like_all_on_device(deferred_host_reads, pr
         assert overlapped, "with prefetch some loads must still be in flight when others start"
     else:
         assert not overlapped, "without prefetch every load is waited on before the next"
+
+
+def test_loads_on_the_copy_thread_train_exactly_like_all_on_device(deferred_host_reads):
+    """The default on CPU: loads run (and complete) on the background copy thread."""
+    plan = dict(param_placement="host", optimizer_placement="host", cache_blocks=3,
+                chunk_size=5000, prefetch=2)
+    losses, model = run_tierwise("gpt2", 4, device="cpu", **plan)
+    assert tierwise.engine_of(model).loads.copy_thread
+    ref_losses, ref_model = run_tierwise("gpt2", 4, device="cpu", param_placement="device",
+                                         optimizer_placement="device")
+    assert losses == ref_losses
+    ref = ref_model.state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, ref[name]), name
+    assert deferred_host_reads and all(h.copied for kind, h in deferred_host_reads if kind == "issue")

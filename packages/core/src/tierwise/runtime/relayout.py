@@ -23,6 +23,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from tierwise.chunks import (
     Chunk,
@@ -66,20 +67,37 @@ def relayout(engine: Engine, order: list[str]) -> list[str]:
     """
     engine.loads.finish_all()
     engine.invalidate_cache()
-    changed = []
+    candidates = []
     for group in engine.groups:
         chunks = new_chunks(group, order, engine.plan.chunk_size)
-        if chunks is None:
-            continue
-        reason = _cannot_move(engine, group, chunks)
-        if reason:
-            engine.layout_note = f"{group.name} kept its setup layout: {reason}"
-            continue
+        if chunks is not None:
+            candidates.append((group, chunks, _cannot_move(engine, group, chunks)))
+    refused = _agreed_refusals([reason is not None for _, _, reason in candidates], engine)
+    moves = []
+    for (group, chunks, reason), no in zip(candidates, refused, strict=True):
+        if no:
+            why = reason or "another rank could not re-pack it"
+            engine.layout_note = f"{group.name} kept its setup layout: {why}"
+        else:
+            moves.append((group, chunks))
+    if not moves:
+        return []
+    for pipeline in engine.pipelines.values():  # no state read-ahead may outlive the old slabs
+        pipeline.close()
+    engine.pipelines = {}
+    for group, chunks in moves:
         _move_group(engine, group, chunks)
-        changed.append(group.name)
-    if changed:
-        engine.rebuild_indexes()
-    return changed
+    engine.rebuild_indexes()
+    return [group.name for group, _ in moves]
+
+
+def _agreed_refusals(refusals: list[bool], engine: Engine) -> list[bool]:
+    """A group is re-packed only when every rank can (all ranks must gather alike)."""
+    if not engine.multi_rank or not refusals:
+        return refusals
+    flags = torch.tensor(refusals, dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=engine.world_group)
+    return [bool(f) for f in flags.tolist()]
 
 
 def _tiers_for(group: ChunkGroup, chunks: list[Chunk], tier_of) -> list[str]:

@@ -60,3 +60,15 @@ def test_measured_peak_grows_linearly_with_batch():
     small = max(b for _, b in warm_up("llama", batch_size=2)[0].memory_moments)
     large = max(b for _, b in warm_up("llama", batch_size=4)[0].memory_moments)
     assert 1.6 * small <= large <= 2.4 * small
+
+
+def test_an_engine_that_never_runs_backward_does_not_leave_its_tracer_behind():
+    """The CPU tracer is a dispatch mode: an abandoned warm-up must not stay on the stack."""
+    depth = torch._C._len_torch_dispatch_stack()
+    first = tiny_model("llama")
+    first, _ = tierwise.setup(first, torch.optim.AdamW(first.parameters()), device="cpu")
+    first(**tiny_batch())  # records a graph, never runs backward, is dropped
+    del first
+    second, _, _ = warm_up("llama")  # the next engine to trace stops the abandoned trace
+    assert torch._C._len_torch_dispatch_stack() == depth
+    assert any(m.startswith("backward:") for m, _ in second.memory_moments)

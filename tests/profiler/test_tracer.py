@@ -33,8 +33,11 @@ RSS_STEP = textwrap.dedent(
     x = torch.randn(8192, 2048)
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    for _ in range(2):  # warm-up: lazy one-time allocations of the first steps
+    for _ in range(2):  # warm-up: lazy one-time allocations of the first steps, and the
+        warm = MemoryTracer("cpu")  # tracer's own code paged in (file-backed pages count in RSS)
+        warm.start()
         model(x).sum().backward()
+        warm.stop()
     open("/proc/self/clear_refs", "w").write("5")  # reset the RSS high-water mark
     before = status("VmRSS:")
     tracer = MemoryTracer("cpu")

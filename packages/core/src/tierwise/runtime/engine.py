@@ -8,6 +8,7 @@ gradients follow [Note: gradient path].
 from __future__ import annotations
 
 import time
+import weakref
 from collections import Counter, defaultdict
 from contextlib import contextmanager
 
@@ -37,6 +38,21 @@ _PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torc
 # (reduce-scatter when sharded, all-reduce when replicated) and accumulated into the gradient
 # shard. Under ``no_sync`` the unreduced full-chunk gradients accumulate locally instead.
 # Parameters that got no gradient are finalised as zeros.
+
+
+_TRACING: list = [None]
+"""(tracer, weak reference to its engine) of the warm-up trace running now, if any
+([Note: warm-up tracing])."""
+
+
+def _stop_other_tracing() -> None:
+    if _TRACING[0] is not None:
+        tracer, engine_ref = _TRACING[0]
+        _TRACING[0] = None
+        tracer.stop()
+        engine = engine_ref()
+        if engine is not None:  # it keeps its setup estimate
+            engine._tracer = engine.make_tracer = None
 
 
 class Engine:
@@ -115,6 +131,7 @@ class Engine:
         """Non-model bytes per moment of the warm-up step, measured ([Note: warm-up tracing])."""
         self.estimated_peak_activation_bytes: int | None = None
         self._tracer = None
+        self._tracer_ended = False
         self._module_names = {m: n for n, m in model.named_modules()}
         self.loads = ChunkLoads(self.device)
         """rCache loads in flight ([Note: prefetch overlap])."""
@@ -229,12 +246,16 @@ class Engine:
     def begin_forward(self) -> None:
         if self._step_started is None:
             self._step_started = time.perf_counter()
+        self._finish_tracing_if_ended()
         if not self.trace.recording:
             self.trace.restart()
-        elif self.memory_moments is None and self._tracer is None and self.make_tracer is not None:
+        elif (self.memory_moments is None and self._tracer is None and torch.is_grad_enabled()
+              and self.make_tracer is not None):
+            _stop_other_tracing()
             self._tracer = self.make_tracer()
             if self._tracer is not None:
                 self._tracer.start()
+                _TRACING[0] = (self._tracer, weakref.ref(self))
 
     # [Note: warm-up tracing]
     # During the warm-up step a tracer (tierwise-profiler's MemoryTracer, through the
@@ -243,6 +264,15 @@ class Engine:
     # and staging buffers are not mistaken for activations. At the end of the warm-up backward the
     # measured peak replaces the profile's estimate (``profile.peak_activation_bytes``; the estimate
     # stays in ``estimated_peak_activation_bytes``) and the moments stay in ``memory_moments``.
+    # On CPU the tracer is a dispatch mode, pushed when the warm-up forward begins; it must be on
+    # the stack when ``backward()`` is called (autograd runs every node, and its end-of-backward
+    # callback, with a copy of the thread-local state of that moment), so the end of the first
+    # backward only closes the last moment, and the mode is popped on the caller's thread at the
+    # next ``optimizer.step()`` or forward (popping it inside autograd would change the copy
+    # only and leave the mode behind for good). It starts only for a forward
+    # that records a graph; an engine whose traced forward is never followed by a backward
+    # (set up, run forward, dropped: common in tests) would leave its mode behind, so at most one
+    # engine traces at a time: the next engine to start tracing stops the previous one.
     def _mark(self, phase: str, module: torch.nn.Module) -> None:
         if self.trace.recording and not self._relayout_checked:  # the first warm-up only
             names = [slot.name for slot in self.modules[module]]
@@ -258,8 +288,15 @@ class Engine:
             with self._tracer.paused():
                 yield
 
+    def _finish_tracing_if_ended(self) -> None:
+        if self._tracer is not None and self._tracer_ended:
+            self._tracer_ended = False
+            self._finish_tracing()
+
     def _finish_tracing(self) -> None:
-        moments = self._tracer.stop()
+        moments = [m for m in self._tracer.stop() if m[0] != "stop"]
+        if _TRACING[0] is not None and _TRACING[0][0] is self._tracer:
+            _TRACING[0] = None
         self._tracer = None
         self.memory_moments = moments
         profile = getattr(self, "profile", None)
@@ -344,6 +381,7 @@ class Engine:
         if not self._callback_queued:
             self._callback_queued = True
             self._in_backward = True
+
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def on_grad(self, param: torch.nn.Parameter) -> None:
@@ -397,8 +435,9 @@ class Engine:
 
     def end_backward(self) -> None:
         """Runs when autograd finishes a backward: finalise every chunk, release everything."""
-        if self._tracer is not None:
-            self._finish_tracing()
+        if self._tracer is not None:  # stopped later, outside autograd: [Note: warm-up tracing]
+            self._tracer.mark("backward:end")
+            self._tracer_ended = True
         self._callback_queued = False
         self._in_backward = False
         self._backwards_this_step += 1
@@ -683,6 +722,7 @@ class Engine:
     def step(self) -> None:
         if self._in_backward:
             raise RuntimeError("tierwise: optimizer.step() called during backward")
+        self._finish_tracing_if_ended()
         try:
             self._step()
         finally:

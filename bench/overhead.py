@@ -3,8 +3,8 @@
 GPT-2 style model (~50M params, seq 256, batch 4). For fp32 and bf16: plain PyTorch (fused
 AdamW; bf16 = autocast with fp32 params), for bf16 also plain PyTorch with bf16 parameters and
 fp32 master weights (the same arithmetic as tierwise's bf16), tierwise with everything on the
-device, and tierwise with parameters on host behind a 2-block rCache (its loads on the default
-background copy thread, and synchronous on the calling thread). Runs alternate; we report median step times,
+device, and tierwise with parameters on host behind a 2-block rCache (its loads synchronous, the
+default, and on a background copy thread). Runs alternate; we report median step times,
 ratios to plain PyTorch, and moved bytes per step against 2 × parameter bytes.
 
     python bench/overhead.py [--steps 3] [--rounds 3] [--small]
@@ -56,10 +56,10 @@ def make(kind: str, precision: str, dims: dict):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     host = dict(param_placement="host", optimizer_placement="host", cache_blocks=2, prefetch=1)
     plan = {"device": dict(param_placement="device", optimizer_placement="device"),
-            "host-2blocks": host, "host-2blocks-sync-copy": host}[kind]
+            "host-2blocks": host, "host-2blocks-copy-thread": host}[kind]
     model, opt = tierwise.setup(model, opt, precision=precision, device="cpu", **plan)
-    if kind == "host-2blocks-sync-copy":  # [Note: prefetch overlap]: no copy thread
-        tierwise.engine_of(model).loads.copy_thread = False
+    if kind == "host-2blocks-copy-thread":  # [Note: prefetch overlap]: CPU copies on a thread
+        tierwise.engine_of(model).loads.copy_thread = True
     return model, opt
 
 
@@ -84,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     dims = dict(n_embd=256, n_layer=4, n_head=4) if args.small else dict(n_embd=512, n_layer=8, n_head=8)
     for precision in ("fp32", "bf16"):
-        kinds = ("pytorch", "device", "host-2blocks", "host-2blocks-sync-copy")
+        kinds = ("pytorch", "device", "host-2blocks", "host-2blocks-copy-thread")
         if precision == "bf16":
             kinds = ("pytorch", "pytorch-bf16-params", *kinds[1:])
         runs = {k: make(k, precision, dims) for k in kinds}

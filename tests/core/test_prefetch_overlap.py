@@ -41,15 +41,15 @@ def deferred_host_reads(monkeypatch):
 
 
 @pytest.fixture
-def no_copy_thread(monkeypatch):
-    """Loads issued on the calling thread, so the log shows when each is issued and waited."""
+def copy_thread(monkeypatch):
+    """Loads run on the background copy thread (an option on CPU)."""
     original = ChunkLoads.__init__
     monkeypatch.setattr(ChunkLoads, "__init__",
-                        lambda self, device, copy_thread=True: original(self, device, copy_thread=False))
+                        lambda self, device, copy_thread=False: original(self, device, copy_thread=True))
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
-def test_deferred_loads_train_exactly_like_all_on_device(deferred_host_reads, no_copy_thread, prefetch):
+def test_deferred_loads_train_exactly_like_all_on_device(deferred_host_reads, prefetch):
     plan = dict(param_placement="host", optimizer_placement="host", cache_blocks=3,
                 chunk_size=5000, prefetch=prefetch)
     losses, model = run_tierwise("gpt2", 4, device="cpu", **plan)
@@ -74,8 +74,8 @@ def test_deferred_loads_train_exactly_like_all_on_device(deferred_host_reads, no
         assert not overlapped, "without prefetch every load is waited on before the next"
 
 
-def test_loads_on_the_copy_thread_train_exactly_like_all_on_device(deferred_host_reads):
-    """The default on CPU: loads run (and complete) on the background copy thread."""
+def test_loads_on_the_copy_thread_train_exactly_like_all_on_device(deferred_host_reads, copy_thread):
+    """Loads run (and complete) on the background copy thread."""
     plan = dict(param_placement="host", optimizer_placement="host", cache_blocks=3,
                 chunk_size=5000, prefetch=2)
     losses, model = run_tierwise("gpt2", 4, device="cpu", **plan)

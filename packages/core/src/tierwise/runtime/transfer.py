@@ -14,11 +14,12 @@ may be memory that queued kernels still read; compute waits for the side stream'
 ``finish``. Storage is allocated and freed on the compute stream only, so the caching allocator
 never hands memory in flight on the side stream to another tensor. Tensors a transfer reads
 (e.g. a device copy of a shard) stay referenced here until it is finished.
-On CPU the "device" is host RAM: a host->device load is a memcpy. It runs on one background
-copy thread (``copy_thread``, the default on CPU): bench/overhead.py measured it side by side
-with a synchronous copy on the calling thread, GPT-2 51M, params on host behind 2 blocks: 0.90x
-the synchronous step time in fp32 and 0.82x in bf16 (the copy is memory-bound and overlaps
-compute that is not). Loads with collectives never go to the thread (see ``start``).
+On CPU the "device" is host RAM: a host->device load is a memcpy on the calling thread.
+``copy_thread=True`` runs such loads on one background thread instead. bench/overhead.py
+measures both side by side (GPT-2 51M, params on host behind 2 blocks): the thread was 1.0%
+(fp32) and 2.1% (bf16) slower than the synchronous copy, so the synchronous copy is the default:
+compute already keeps both cores busy. Loads with collectives never go to the thread (see
+``start``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class _Pending:
 class ChunkLoads:
     """Transfers into rCache blocks that are in flight, by chunk key."""
 
-    def __init__(self, device: torch.device, *, copy_thread: bool = True):
+    def __init__(self, device: torch.device, *, copy_thread: bool = False):
         self.device = device
         self.side_stream = None
         if device.type not in ("cpu", "meta"):

@@ -2,7 +2,8 @@
 
 The engine is driven by the access hooks (see [Note: access hooks]), the gradient hooks and the
 optimizer returned by ``tierwise.setup``. Residency follows [Note: rCache replacement];
-gradients follow [Note: gradient path].
+gradients follow [Note: gradient path] (``gradients.py``); the optimizer step is in
+``stepping.py``.
 """
 
 from __future__ import annotations
@@ -17,28 +18,17 @@ import torch.distributed as dist
 
 from tierwise.chunks import Chunk, ChunkGroup, ParamSlot, TensorState
 from tierwise.config import Config
-from tierwise.optim import AdamHyper, DynamicLossScaler, adam_update
+from tierwise.optim import DynamicLossScaler
 from tierwise.parallel.collectives import Collectives
 from tierwise.plan import Plan
 from tierwise.runtime.cache import AccessTrace, RCache
+from tierwise.runtime.gradients import GradientPath
 from tierwise.runtime.reduce import StreamingReducer
+from tierwise.runtime.stepping import OptimizerStep
 from tierwise.runtime.transfer import ChunkLoads
 from tierwise.tiers.base import Tier
 
 _PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-# [Note: gradient path]
-# A parameter's post-accumulate-grad hook takes its gradient and sets ``p.grad = None``.
-# Single process: the gradient is added straight into its slot of the chunk's gradient shard
-# (next to the optimizer states; zeroed on the first gradient after zero_grad, so the sum is
-# exactly PyTorch's accumulation). Several ranks: it is copied into the chunk's *staging* buffer
-# (a full-chunk device buffer from a pool); at the end of backward, in a fixed chunk order
-# (ranks may complete chunks in different orders, e.g. an expert routed on one rank only, and
-# collectives must match), each staging buffer is reduced across the chunk's data-parallel group
-# (reduce-scatter when sharded, all-reduce when replicated) and accumulated into the gradient
-# shard. Under ``no_sync`` the unreduced full-chunk gradients accumulate locally instead.
-# Parameters that got no gradient are finalised as zeros.
-
 
 _TRACING: list = [None]
 """(tracer, weak reference to its engine) of the warm-up trace running now, if any
@@ -55,7 +45,7 @@ def _stop_other_tracing() -> None:
             engine._tracer = engine.make_tracer = None
 
 
-class Engine:
+class Engine(GradientPath, OptimizerStep):
     """Owns the chunk groups, tiers, rCache and optimizer states of one model."""
 
     def __init__(
@@ -384,55 +374,6 @@ class Engine:
 
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
-    def on_grad(self, param: torch.nn.Parameter) -> None:
-        """post-accumulate-grad hook: move the gradient into the chunk's staging buffer."""
-        with self._untraced():
-            self._on_grad(param)
-
-    def _on_grad(self, param: torch.nn.Parameter) -> None:
-        self._enter_backward()
-        chunk = self.slot_chunk[id(param)]
-        slot = next(s for s in chunk.slots if s.param is param)
-        grad = param.grad
-        param.grad = None
-        if chunk.group.world == 1:
-            self._add_to_grad_shard(chunk, slot, grad)
-            return
-        if self._streams(chunk) and (chunk.handed_over or chunk.grads_done):
-            raise RuntimeError(
-                f"tierwise: parameter {slot.name} received a second gradient after its chunk was "
-                "handed to the gradient reduction in this backward (a parameter reused across "
-                "re-entrant checkpoint segments); with several ranks use non-re-entrant "
-                "checkpointing (use_reentrant=False)"
-            )
-        if chunk.grads_done:  # late delivery after the chunk was reduced: reduce it on its own
-            self._late_grad(chunk, slot, grad)
-            return
-        if chunk.staging is None and self._can_borrow(chunk, grad):
-            # the gradient fills the whole chunk (an embedding): reduce it where autograd put it
-            # instead of copying it into a staging buffer (which would hold it twice)
-            chunk.staging, chunk.staging_borrowed = grad.reshape(-1), True
-            slot.got_grad = True
-            chunk.pending -= 1
-            if chunk.pending == 0 and self._streams(chunk):
-                self._hand_to_reducer(chunk)
-            if slot.state is not TensorState.COMPUTE:
-                slot.set_state(TensorState.HOLD_AFTER_BWD)
-            return
-        if chunk.staging is None:
-            chunk.staging = self._take_staging(chunk)
-        segment = chunk.staging[slot.offset : slot.offset + slot.numel]
-        if slot.got_grad:  # a second delivery in one backward (re-entrant checkpoint reuse)
-            segment.add_(grad.reshape(-1))
-        else:
-            segment.copy_(grad.reshape(-1))
-            slot.got_grad = True
-            chunk.pending -= 1
-            if chunk.pending == 0 and self._streams(chunk):
-                self._hand_to_reducer(chunk)
-        if slot.state is not TensorState.COMPUTE:
-            slot.set_state(TensorState.HOLD_AFTER_BWD)
-
     def end_backward(self) -> None:
         """Runs when autograd finishes a backward: finalise every chunk, release everything."""
         if self._tracer is not None:  # stopped later, outside autograd: [Note: warm-up tracing]
@@ -474,251 +415,7 @@ class Engine:
         if self.trace.recording:
             self.trace.freeze()
 
-    # ------------------------------------------------------------------ gradients
-    def _take_staging(self, chunk: Chunk) -> torch.Tensor:
-        """A device buffer of at least ``chunk.capacity`` elements: the smallest free one that
-        fits, else a new one of exactly that size (an oversize chunk, e.g. an embedding, must
-        not make every staging buffer as large as itself)."""
-        fitting = [i for i, b in enumerate(self._staging_free) if b.numel() >= chunk.capacity]
-        if fitting:
-            best = min(fitting, key=lambda i: self._staging_free[i].numel())
-            return self._staging_free.pop(best)[: chunk.capacity]
-        slab = self.tiers["device"].allocate(chunk.capacity, self.dtype, what="gradient staging buffer")
-        self._staging_slabs.append(slab)
-        return slab.tensor
-
-    def _can_borrow(self, chunk: Chunk, grad: torch.Tensor) -> bool:
-        return (
-            len(chunk.slots) == 1 and chunk.slots[0].numel == chunk.capacity
-            and grad.is_contiguous() and grad.dtype == self.dtype
-            and grad.device == self.tiers["device"].device
-        )
-
-    def _give_back_staging(self, chunk: Chunk) -> None:
-        if chunk.staging_borrowed:  # autograd's own gradient tensor: just drop it
-            chunk.staging, chunk.staging_borrowed = None, False
-            return
-        base = chunk.staging._base if chunk.staging._base is not None else chunk.staging
-        self._staging_free.append(base)
-        chunk.staging = None
-
-    def _add_to_grad_shard(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
-        """Single process: accumulate straight into the gradient shard (no staging needed)."""
-        optim = chunk.optim
-        target = optim.grad.tensor
-        if not optim.grad_filled:  # first gradient since zero_grad: 0 + g == g
-            target.zero_()
-            optim.grad_filled = True
-        if chunk.key in self._early_hyper:
-            raise RuntimeError(
-                "tierwise: a gradient arrived for a chunk whose optimizer update already ran "
-                f"during backward ({self._overlap_reason('had one backward pass')}); with "
-                "gradient accumulation or re-entrant checkpoint reuse set "
-                "optimizer_overlap='after-backward'"
-            )
-        target[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1).to(target.device))
-        tier = optim.grad.tier.name
-        if tier != "device":
-            self.moved_bytes[f"device->{tier}"] += grad.numel() * grad.element_size()
-            self.moves[f"device->{tier}"] += 1
-        if not slot.got_grad:
-            slot.got_grad = True
-            chunk.pending -= 1
-            if chunk.pending == 0:
-                self._grads_final(chunk)
-        if slot.state is not TensorState.COMPUTE:
-            slot.set_state(TensorState.HOLD_AFTER_BWD)
-
-    def _streams(self, chunk: Chunk) -> bool:
-        """Whether this chunk's reduction goes through the streaming reducer."""
-        return (
-            self.reducer is not None
-            and not self._no_sync
-            and chunk.group.process_group is self.world_group
-        )
-
-    def _hand_to_reducer(self, chunk: Chunk, *, at_end: bool = False) -> None:
-        self._zero_fill_missing(chunk)
-        if chunk.local_grad is not None:  # micro-batches accumulated under no_sync
-            chunk.staging.add_(chunk.local_grad)
-            chunk.local_grad = None
-        chunk.handed_over = True
-        if not at_end:
-            self.reducer.chunk_complete(chunk, self._by_key)
-
-    def _reduced(self, chunk: Chunk, shard: torch.Tensor) -> None:
-        """The streaming reducer finished ``chunk``: its shard of averaged gradients."""
-        self._accumulate_grad_shard(chunk, shard)
-        chunk.grads_done = True
-        self._grads_final(chunk)
-
-    def _zero_fill_missing(self, chunk: Chunk) -> None:
-        full = chunk.staging
-        used_end = 0
-        for slot in chunk.slots:
-            if not slot.got_grad:
-                full[slot.offset : slot.offset + slot.numel].zero_()
-            used_end = max(used_end, slot.offset + slot.numel)
-        full[used_end:].zero_()
-
-    def _late_grad(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
-        """A gradient arriving after its chunk was finished (a parameter reused across
-        re-entrant checkpoint segments): reduce a chunk-sized buffer holding only it."""
-        chunk.grads_done = False
-        chunk.staging = self._take_staging(chunk)
-        saved = [(s, s.got_grad) for s in chunk.slots]
-        for other in chunk.slots:
-            other.got_grad = other is slot
-        chunk.staging[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
-        self._finish_chunk_grads(chunk)
-        for other, got in saved:
-            other.got_grad = got
-
-    def _finish_chunk_grads(self, chunk: Chunk) -> None:
-        """Zero-fill missing gradients, reduce across ranks, accumulate into the grad shard."""
-        self._zero_fill_missing(chunk)
-        full = chunk.staging
-        if self._no_sync:
-            if chunk.local_grad is None:
-                chunk.local_grad = full.clone()
-            else:
-                chunk.local_grad.add_(full)
-            self._give_back_staging(chunk)
-            chunk.grads_done = True
-            return
-        if chunk.local_grad is not None:
-            full = chunk.local_grad.add_(full)
-        group = chunk.group
-        if group.world > 1:
-            full.div_(group.world)
-            if group.sharded:
-                shard = torch.empty(chunk.shard_size, dtype=full.dtype, device=full.device)
-                self.collectives.reduce_scatter(shard, full, group.process_group)
-            else:
-                self.collectives.all_reduce(full, group.process_group)
-                shard = full
-        else:
-            shard = full
-        self._accumulate_grad_shard(chunk, shard)
-        chunk.local_grad = None
-        self._give_back_staging(chunk)
-        chunk.grads_done = True
-        self._grads_final(chunk)
-
-    def _accumulate_grad_shard(self, chunk: Chunk, shard: torch.Tensor) -> None:
-        optim = chunk.optim
-        slab = optim.grad
-        if slab.tier.name != "device":
-            self.moved_bytes[f"device->{slab.tier.name}"] += shard.numel() * shard.element_size()
-            self.moves[f"device->{slab.tier.name}"] += 1
-        if not optim.grad_filled:
-            slab.tier.write(slab, shard).wait()
-            optim.grad_filled = True
-        else:
-            slab.tensor.add_(shard.to(slab.tensor.device))
-
-    @contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally, without communication, until the context exits."""
-        previous, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = previous
-
-    # ------------------------------------------------------------------ optimizer
-    def _grad_shards(self):
-        for chunk in self.chunks():
-            if chunk.trainable and chunk.optim.grad_filled:
-                yield chunk, chunk.optim.grad.tensor
-
-    def _all_reduce_scalar(self, value: torch.Tensor, op) -> torch.Tensor:
-        if self.world_group is not None or (dist.is_available() and dist.is_initialized()):
-            if dist.is_initialized() and dist.get_world_size(self.world_group) > 1:
-                self.collectives.all_reduce(value, self.world_group, op=op)
-        return value
-
-    def _total_norm(self) -> torch.Tensor:
-        """2-norm of all gradients as stored (still loss-scaled in fp16).
-
-        One process: per-parameter norms, then the norm of those, exactly as
-        ``torch.nn.utils.clip_grad_norm_`` computes it. Several ranks: sums of squares of each
-        rank's shards (replicated chunks counted once), all-reduced.
-        """
-        if not self.multi_rank:  # in model.parameters() order, whatever the chunk layout
-            norms = sorted(
-                (self._param_order[id(s.param)], torch.linalg.vector_norm(grad[s.offset : s.offset + s.numel], 2.0))
-                for chunk, grad in self._grad_shards()
-                for s in chunk.slots
-            )
-            if not norms:
-                return torch.zeros((), dtype=torch.float32)
-            return torch.linalg.vector_norm(torch.stack([n for _, n in norms]), 2.0).float().cpu()
-        total = torch.zeros((), dtype=torch.float64)
-        for chunk, grad in self._grad_shards():
-            sq = grad.double().pow(2).sum().cpu()
-            total += sq if chunk.group.sharded else sq / chunk.group.world
-        return self._all_reduce_scalar(total, dist.ReduceOp.SUM).sqrt().float()
-
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        if norm_type != 2.0:
-            raise ValueError("tierwise.clip_grad_norm_ supports norm_type=2.0 only")
-        total = self._total_norm()
-        if self.scaler is not None:
-            total = total / self.loss_scale
-        coef = max_norm / (total + 1e-6)
-        self._clip_coef = torch.clamp(coef, max=1.0)
-        return total
-
-    def _found_overflow(self) -> bool:
-        flag = torch.zeros((), dtype=torch.float32)
-        for _, grad in self._grad_shards():
-            if not torch.isfinite(grad).all():
-                flag.fill_(1.0)
-                break
-        return bool(self._all_reduce_scalar(flag, dist.ReduceOp.MAX) > 0)
-
-    def _make_pipelines(self) -> dict:
-        """One optimizer pipeline per storage tier holding optimizer states (e.g. nvme)."""
-        pipelines = {}
-        shard = max((c.shard_size for c in self.chunks()), default=0)
-        for chunk in self.chunks():
-            tier = chunk.optim.tier if chunk.optim is not None else None
-            if tier is not None and not tier.ADDRESSABLE and tier.name not in pipelines:
-                pipeline = tier.optimizer_pipeline(buffer_bytes=shard * 4)
-                if pipeline is not None:
-                    pipelines[tier.name] = pipeline
-        return pipelines
-
-    def _hyper(self, chunk: Chunk) -> AdamHyper:
-        group = self.optimizer_groups[chunk.group.param_group]
-        return AdamHyper.from_group(group, decoupled=self.decoupled)
-
-    def _update_in_backward(self) -> bool:
-        """Whether storage-tier updates run as soon as a chunk's gradients are final."""
-        if not self.pipelines or self.multi_rank or self.scaler is not None:
-            return False
-        if self.config.optimizer_overlap == "in-backward":
-            return True
-        return self.config.optimizer_overlap == "auto" and self.optimizer_mode == "in-backward"
-
-    def _grads_final(self, chunk: Chunk) -> None:
-        """A chunk's gradients for this backward are in its gradient shard: start its update
-        (LoHan's active gradient offloading) or at least the read of its optimizer states."""
-        pipeline = self.pipelines.get(chunk.optim.tier.name) if chunk.optim else None
-        if pipeline is None:
-            return
-        slabs = (chunk.optim.master, chunk.optim.exp_avg, chunk.optim.exp_avg_sq)
-        if self._update_in_backward() and self._backwards_this_step == 0:
-            hyper = self._hyper(chunk)
-            self._early_hyper[chunk.key] = hyper
-            # its cached copy goes stale, but nothing reads it again in this backward: all of
-            # its gradients are in; step() drops every cached copy
-            pipeline.submit(chunk.key, slabs, self._chunk_update(chunk, hyper, None))
-            self._count_update_traffic(chunk)
-        else:
-            pipeline.prefetch(chunk.key, slabs)
-
+    # ------------------------------------------------------------------ step
     def step(self) -> None:
         if self._in_backward:
             raise RuntimeError("tierwise: optimizer.step() called during backward")
@@ -758,124 +455,6 @@ class Engine:
         self.trace = AccessTrace()  # chunk keys mean other chunks now: record again
         if self.reducer is not None:
             self.reducer.order = None
-
-    def _step(self) -> None:
-        if self.scaler is not None:
-            overflow = self._found_overflow()
-            self.scaler.update(overflow=overflow)
-            if overflow:
-                self._clip_coef = None
-                self._finish_step()
-                return
-        multiplier = self._grad_multiplier()
-        if self._early_hyper and multiplier is not None:
-            raise RuntimeError(
-                "tierwise: clip_grad_norm_ was called after the optimizer already updated chunks "
-                f"during backward ({self._overlap_reason('did not clip')}); set "
-                "optimizer_overlap='after-backward' when clipping only some steps"
-            )
-        for chunk, _grad in list(self._grad_shards()):
-            hyper = self._hyper(chunk)
-            if chunk.key in self._early_hyper:
-                if self._early_hyper[chunk.key] != hyper:
-                    raise RuntimeError(
-                        "tierwise: hyper-parameters changed between backward and step after an "
-                        "in-backward update; change them before backward, or set "
-                        "optimizer_overlap='after-backward'"
-                    )
-                continue
-            self._update_chunk(chunk, hyper, multiplier)
-        for pipeline in self.pipelines.values():
-            pipeline.drain()
-        ran_in_backward = bool(self._early_hyper)
-        next_in_backward = (
-            self._backwards_this_step == 1 and self._clip_coef is None and self.scaler is None
-        )
-        if self.config.optimizer_overlap == "auto":
-            self.optimizer_mode = "in-backward" if next_in_backward else "after-backward"
-        else:
-            self.optimizer_mode = self.config.optimizer_overlap
-        self.last_update_mode = "in-backward" if ran_in_backward else "after-backward"
-        self._clip_coef = None
-        self.invalidate_cache()
-        self._finish_step()
-
-    def _grad_multiplier(self) -> list | None:
-        """Factors applied to fp32 gradients before the update: 1/loss scale (fp16), then the
-        clip coefficient — in that order, as GradScaler.unscale_ + clip_grad_norm_ do."""
-        factors = []
-        if self.scaler is not None:
-            factors.append(torch.tensor(1.0 / self.loss_scale, dtype=torch.float32))
-        if self._clip_coef is not None:
-            factors.append(self._clip_coef)
-        return factors or None
-
-    def _chunk_update(self, chunk: Chunk, hyper: AdamHyper, multiplier: list | None):
-        """The update of one chunk, given its fp32 (master, exp_avg, exp_avg_sq) tensors."""
-        optim = chunk.optim
-
-        def update(states: list[torch.Tensor]) -> None:
-            master, m, v = states
-            grad = optim.grad.tensor.to(device=master.device, dtype=torch.float32)
-            for factor in multiplier or ():
-                grad = grad * factor.to(grad.device)
-            adam_update(master=master, grad=grad, exp_avg=m, exp_avg_sq=v,
-                        step=self._steps[chunk.key], hyper=hyper)
-            if chunk.home is not optim.master:
-                chunk.home.tier.write(chunk.home, master.to(self.dtype)).wait()
-
-        return update
-
-    def _update_chunk(self, chunk: Chunk, hyper: AdamHyper, multiplier: list | None) -> None:
-        optim = chunk.optim
-        update = self._chunk_update(chunk, hyper, multiplier)
-        slabs = (optim.master, optim.exp_avg, optim.exp_avg_sq)
-        pipeline = self.pipelines.get(optim.tier.name)
-        self._count_update_traffic(chunk)
-        if pipeline is not None:
-            pipeline.submit(chunk.key, slabs, update)
-        elif optim.tier.ADDRESSABLE:
-            update([slab.tensor for slab in slabs])
-        else:  # a storage tier without a pipeline: read, update, write in turn
-            states = [torch.empty(chunk.shard_size, dtype=torch.float32) for _ in slabs]
-            for slab, out in zip(slabs, states, strict=True):
-                optim.tier.read(slab, out).wait()
-            update(states)
-            for handle in [optim.tier.write(s, t) for s, t in zip(slabs, states, strict=True)]:
-                handle.wait()
-
-    def _count_update_traffic(self, chunk: Chunk) -> None:
-        """Count what one chunk's update moves (on the calling thread, before it runs): states
-        on a storage tier are read into host buffers and written back; the new low-precision
-        values go to the parameter home when it is on another tier than the states."""
-        optim = chunk.optim
-        where = optim.tier.name if optim.tier.ADDRESSABLE else "host"
-        if where != optim.tier.name:
-            nbytes = sum(s.nbytes for s in (optim.master, optim.exp_avg, optim.exp_avg_sq))
-            for direction in (f"{optim.tier.name}->host", f"host->{optim.tier.name}"):
-                self.moved_bytes[direction] += nbytes
-                self.moves[direction] += 3
-        if chunk.home is not optim.master and chunk.home.tier.name != where:
-            direction = f"{where}->{chunk.home.tier.name}"
-            self.moved_bytes[direction] += chunk.home.nbytes
-            self.moves[direction] += 1
-
-    def _overlap_reason(self, previous_step: str) -> str:
-        """Why updates ran during backward, for error messages."""
-        if self.config.optimizer_overlap == "auto":
-            return f"optimizer_overlap='auto' and the previous step {previous_step}"
-        return f"optimizer_overlap={self.config.optimizer_overlap!r}"
-
-    def _finish_step(self) -> None:
-        for chunk in self.chunks():
-            for slot in chunk.slots:
-                if slot.state is not TensorState.HOLD and slot.compute_refs == 0:
-                    slot.set_state(TensorState.HOLD)
-        self.steps_taken += 1
-        self._backwards_this_step = 0
-        if self._step_started is not None:
-            self.step_time_s = time.perf_counter() - self._step_started
-            self._step_started = None
 
     def close(self) -> None:
         """Stop pipelines and release tier resources (files of storage tiers)."""

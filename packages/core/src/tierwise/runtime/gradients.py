@@ -1,0 +1,229 @@
+"""The gradient path of the engine: capture, staging, reduction across ranks, gradient shards.
+
+Mixed into :class:`tierwise.runtime.engine.Engine` (it uses the engine's chunks, tiers, reducer
+and counters); see [Note: gradient path].
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from tierwise.chunks import Chunk, ParamSlot, TensorState
+
+# [Note: gradient path]
+# A parameter's post-accumulate-grad hook takes its gradient and sets ``p.grad = None``.
+# Single process: the gradient is added straight into its slot of the chunk's gradient shard
+# (next to the optimizer states; zeroed on the first gradient after zero_grad, so the sum is
+# exactly PyTorch's accumulation). Several ranks: it is copied into the chunk's *staging* buffer
+# (a full-chunk device buffer from a pool); at the end of backward, in a fixed chunk order
+# (ranks may complete chunks in different orders, e.g. an expert routed on one rank only, and
+# collectives must match), each staging buffer is reduced across the chunk's data-parallel group
+# (reduce-scatter when sharded, all-reduce when replicated) and accumulated into the gradient
+# shard. Under ``no_sync`` the unreduced full-chunk gradients accumulate locally instead.
+# Parameters that got no gradient are finalised as zeros.
+
+
+class GradientPath:
+    """Engine methods that move gradients from autograd into the chunks' gradient shards."""
+
+    def on_grad(self, param: torch.nn.Parameter) -> None:
+        """post-accumulate-grad hook: move the gradient into the chunk's staging buffer."""
+        with self._untraced():
+            self._on_grad(param)
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        self._enter_backward()
+        chunk = self.slot_chunk[id(param)]
+        slot = next(s for s in chunk.slots if s.param is param)
+        grad = param.grad
+        param.grad = None
+        if chunk.group.world == 1:
+            self._add_to_grad_shard(chunk, slot, grad)
+            return
+        if self._streams(chunk) and (chunk.handed_over or chunk.grads_done):
+            raise RuntimeError(
+                f"tierwise: parameter {slot.name} received a second gradient after its chunk was "
+                "handed to the gradient reduction in this backward (a parameter reused across "
+                "re-entrant checkpoint segments); with several ranks use non-re-entrant "
+                "checkpointing (use_reentrant=False)"
+            )
+        if chunk.grads_done:  # late delivery after the chunk was reduced: reduce it on its own
+            self._late_grad(chunk, slot, grad)
+            return
+        if chunk.staging is None and self._can_borrow(chunk, grad):
+            # the gradient fills the whole chunk (an embedding): reduce it where autograd put it
+            # instead of copying it into a staging buffer (which would hold it twice)
+            chunk.staging, chunk.staging_borrowed = grad.reshape(-1), True
+            slot.got_grad = True
+            chunk.pending -= 1
+            if chunk.pending == 0 and self._streams(chunk):
+                self._hand_to_reducer(chunk)
+            if slot.state is not TensorState.COMPUTE:
+                slot.set_state(TensorState.HOLD_AFTER_BWD)
+            return
+        if chunk.staging is None:
+            chunk.staging = self._take_staging(chunk)
+        segment = chunk.staging[slot.offset : slot.offset + slot.numel]
+        if slot.got_grad:  # a second delivery in one backward (re-entrant checkpoint reuse)
+            segment.add_(grad.reshape(-1))
+        else:
+            segment.copy_(grad.reshape(-1))
+            slot.got_grad = True
+            chunk.pending -= 1
+            if chunk.pending == 0 and self._streams(chunk):
+                self._hand_to_reducer(chunk)
+        if slot.state is not TensorState.COMPUTE:
+            slot.set_state(TensorState.HOLD_AFTER_BWD)
+
+    def _take_staging(self, chunk: Chunk) -> torch.Tensor:
+        """A device buffer of at least ``chunk.capacity`` elements: the smallest free one that
+        fits, else a new one of exactly that size (an oversize chunk, e.g. an embedding, must
+        not make every staging buffer as large as itself)."""
+        fitting = [i for i, b in enumerate(self._staging_free) if b.numel() >= chunk.capacity]
+        if fitting:
+            best = min(fitting, key=lambda i: self._staging_free[i].numel())
+            return self._staging_free.pop(best)[: chunk.capacity]
+        slab = self.tiers["device"].allocate(chunk.capacity, self.dtype, what="gradient staging buffer")
+        self._staging_slabs.append(slab)
+        return slab.tensor
+
+    def _can_borrow(self, chunk: Chunk, grad: torch.Tensor) -> bool:
+        return (
+            len(chunk.slots) == 1 and chunk.slots[0].numel == chunk.capacity
+            and grad.is_contiguous() and grad.dtype == self.dtype
+            and grad.device == self.tiers["device"].device
+        )
+
+    def _give_back_staging(self, chunk: Chunk) -> None:
+        if chunk.staging_borrowed:  # autograd's own gradient tensor: just drop it
+            chunk.staging, chunk.staging_borrowed = None, False
+            return
+        base = chunk.staging._base if chunk.staging._base is not None else chunk.staging
+        self._staging_free.append(base)
+        chunk.staging = None
+
+    def _add_to_grad_shard(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """Single process: accumulate straight into the gradient shard (no staging needed)."""
+        optim = chunk.optim
+        target = optim.grad.tensor
+        if not optim.grad_filled:  # first gradient since zero_grad: 0 + g == g
+            target.zero_()
+            optim.grad_filled = True
+        if chunk.key in self._early_hyper:
+            raise RuntimeError(
+                "tierwise: a gradient arrived for a chunk whose optimizer update already ran "
+                f"during backward ({self._overlap_reason('had one backward pass')}); with "
+                "gradient accumulation or re-entrant checkpoint reuse set "
+                "optimizer_overlap='after-backward'"
+            )
+        target[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1).to(target.device))
+        tier = optim.grad.tier.name
+        if tier != "device":
+            self.moved_bytes[f"device->{tier}"] += grad.numel() * grad.element_size()
+            self.moves[f"device->{tier}"] += 1
+        if not slot.got_grad:
+            slot.got_grad = True
+            chunk.pending -= 1
+            if chunk.pending == 0:
+                self._grads_final(chunk)
+        if slot.state is not TensorState.COMPUTE:
+            slot.set_state(TensorState.HOLD_AFTER_BWD)
+
+    def _streams(self, chunk: Chunk) -> bool:
+        """Whether this chunk's reduction goes through the streaming reducer."""
+        return (
+            self.reducer is not None
+            and not self._no_sync
+            and chunk.group.process_group is self.world_group
+        )
+
+    def _hand_to_reducer(self, chunk: Chunk, *, at_end: bool = False) -> None:
+        self._zero_fill_missing(chunk)
+        if chunk.local_grad is not None:  # micro-batches accumulated under no_sync
+            chunk.staging.add_(chunk.local_grad)
+            chunk.local_grad = None
+        chunk.handed_over = True
+        if not at_end:
+            self.reducer.chunk_complete(chunk, self._by_key)
+
+    def _reduced(self, chunk: Chunk, shard: torch.Tensor) -> None:
+        """The streaming reducer finished ``chunk``: its shard of averaged gradients."""
+        self._accumulate_grad_shard(chunk, shard)
+        chunk.grads_done = True
+        self._grads_final(chunk)
+
+    def _zero_fill_missing(self, chunk: Chunk) -> None:
+        full = chunk.staging
+        used_end = 0
+        for slot in chunk.slots:
+            if not slot.got_grad:
+                full[slot.offset : slot.offset + slot.numel].zero_()
+            used_end = max(used_end, slot.offset + slot.numel)
+        full[used_end:].zero_()
+
+    def _late_grad(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """A gradient arriving after its chunk was finished (a parameter reused across
+        re-entrant checkpoint segments): reduce a chunk-sized buffer holding only it."""
+        chunk.grads_done = False
+        chunk.staging = self._take_staging(chunk)
+        saved = [(s, s.got_grad) for s in chunk.slots]
+        for other in chunk.slots:
+            other.got_grad = other is slot
+        chunk.staging[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
+        self._finish_chunk_grads(chunk)
+        for other, got in saved:
+            other.got_grad = got
+
+    def _finish_chunk_grads(self, chunk: Chunk) -> None:
+        """Zero-fill missing gradients, reduce across ranks, accumulate into the grad shard."""
+        self._zero_fill_missing(chunk)
+        full = chunk.staging
+        if self._no_sync:
+            if chunk.local_grad is None:
+                chunk.local_grad = full.clone()
+            else:
+                chunk.local_grad.add_(full)
+            self._give_back_staging(chunk)
+            chunk.grads_done = True
+            return
+        if chunk.local_grad is not None:
+            full = chunk.local_grad.add_(full)
+        group = chunk.group
+        if group.world > 1:
+            full.div_(group.world)
+            if group.sharded:
+                shard = torch.empty(chunk.shard_size, dtype=full.dtype, device=full.device)
+                self.collectives.reduce_scatter(shard, full, group.process_group)
+            else:
+                self.collectives.all_reduce(full, group.process_group)
+                shard = full
+        else:
+            shard = full
+        self._accumulate_grad_shard(chunk, shard)
+        chunk.local_grad = None
+        self._give_back_staging(chunk)
+        chunk.grads_done = True
+        self._grads_final(chunk)
+
+    def _accumulate_grad_shard(self, chunk: Chunk, shard: torch.Tensor) -> None:
+        optim = chunk.optim
+        slab = optim.grad
+        if slab.tier.name != "device":
+            self.moved_bytes[f"device->{slab.tier.name}"] += shard.numel() * shard.element_size()
+            self.moves[f"device->{slab.tier.name}"] += 1
+        if not optim.grad_filled:
+            slab.tier.write(slab, shard).wait()
+            optim.grad_filled = True
+        else:
+            slab.tensor.add_(shard.to(slab.tensor.device))
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally, without communication, until the context exits."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous

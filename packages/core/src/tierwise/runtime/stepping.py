@@ -1,0 +1,229 @@
+"""The optimizer step of the engine: global checks, chunked Adam(W) on each tier, pipelines.
+
+Mixed into :class:`tierwise.runtime.engine.Engine` (it uses the engine's chunks, tiers, scaler
+and counters).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from tierwise.chunks import Chunk, TensorState
+from tierwise.optim import AdamHyper, adam_update
+
+
+class OptimizerStep:
+    """Engine methods that clip, check for overflow and update every chunk's optimizer states."""
+
+    def _grad_shards(self):
+        for chunk in self.chunks():
+            if chunk.trainable and chunk.optim.grad_filled:
+                yield chunk, chunk.optim.grad.tensor
+
+    def _all_reduce_scalar(self, value: torch.Tensor, op) -> torch.Tensor:
+        if self.world_group is not None or (dist.is_available() and dist.is_initialized()):
+            if dist.is_initialized() and dist.get_world_size(self.world_group) > 1:
+                self.collectives.all_reduce(value, self.world_group, op=op)
+        return value
+
+    def _total_norm(self) -> torch.Tensor:
+        """2-norm of all gradients as stored (still loss-scaled in fp16).
+
+        One process: per-parameter norms, then the norm of those, exactly as
+        ``torch.nn.utils.clip_grad_norm_`` computes it. Several ranks: sums of squares of each
+        rank's shards (replicated chunks counted once), all-reduced.
+        """
+        if not self.multi_rank:  # in model.parameters() order, whatever the chunk layout
+            norms = sorted(
+                (self._param_order[id(s.param)], torch.linalg.vector_norm(grad[s.offset : s.offset + s.numel], 2.0))
+                for chunk, grad in self._grad_shards()
+                for s in chunk.slots
+            )
+            if not norms:
+                return torch.zeros((), dtype=torch.float32)
+            return torch.linalg.vector_norm(torch.stack([n for _, n in norms]), 2.0).float().cpu()
+        total = torch.zeros((), dtype=torch.float64)
+        for chunk, grad in self._grad_shards():
+            sq = grad.double().pow(2).sum().cpu()
+            total += sq if chunk.group.sharded else sq / chunk.group.world
+        return self._all_reduce_scalar(total, dist.ReduceOp.SUM).sqrt().float()
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        if norm_type != 2.0:
+            raise ValueError("tierwise.clip_grad_norm_ supports norm_type=2.0 only")
+        total = self._total_norm()
+        if self.scaler is not None:
+            total = total / self.loss_scale
+        coef = max_norm / (total + 1e-6)
+        self._clip_coef = torch.clamp(coef, max=1.0)
+        return total
+
+    def _found_overflow(self) -> bool:
+        flag = torch.zeros((), dtype=torch.float32)
+        for _, grad in self._grad_shards():
+            if not torch.isfinite(grad).all():
+                flag.fill_(1.0)
+                break
+        return bool(self._all_reduce_scalar(flag, dist.ReduceOp.MAX) > 0)
+
+    def _make_pipelines(self) -> dict:
+        """One optimizer pipeline per storage tier holding optimizer states (e.g. nvme)."""
+        pipelines = {}
+        shard = max((c.shard_size for c in self.chunks()), default=0)
+        for chunk in self.chunks():
+            tier = chunk.optim.tier if chunk.optim is not None else None
+            if tier is not None and not tier.ADDRESSABLE and tier.name not in pipelines:
+                pipeline = tier.optimizer_pipeline(buffer_bytes=shard * 4)
+                if pipeline is not None:
+                    pipelines[tier.name] = pipeline
+        return pipelines
+
+    def _hyper(self, chunk: Chunk) -> AdamHyper:
+        group = self.optimizer_groups[chunk.group.param_group]
+        return AdamHyper.from_group(group, decoupled=self.decoupled)
+
+    def _update_in_backward(self) -> bool:
+        """Whether storage-tier updates run as soon as a chunk's gradients are final."""
+        if not self.pipelines or self.multi_rank or self.scaler is not None:
+            return False
+        if self.config.optimizer_overlap == "in-backward":
+            return True
+        return self.config.optimizer_overlap == "auto" and self.optimizer_mode == "in-backward"
+
+    def _grads_final(self, chunk: Chunk) -> None:
+        """A chunk's gradients for this backward are in its gradient shard: start its update
+        (LoHan's active gradient offloading) or at least the read of its optimizer states."""
+        pipeline = self.pipelines.get(chunk.optim.tier.name) if chunk.optim else None
+        if pipeline is None:
+            return
+        slabs = (chunk.optim.master, chunk.optim.exp_avg, chunk.optim.exp_avg_sq)
+        if self._update_in_backward() and self._backwards_this_step == 0:
+            hyper = self._hyper(chunk)
+            self._early_hyper[chunk.key] = hyper
+            # its cached copy goes stale, but nothing reads it again in this backward: all of
+            # its gradients are in; step() drops every cached copy
+            pipeline.submit(chunk.key, slabs, self._chunk_update(chunk, hyper, None))
+            self._count_update_traffic(chunk)
+        else:
+            pipeline.prefetch(chunk.key, slabs)
+
+    def _step(self) -> None:
+        if self.scaler is not None:
+            overflow = self._found_overflow()
+            self.scaler.update(overflow=overflow)
+            if overflow:
+                self._clip_coef = None
+                self._finish_step()
+                return
+        multiplier = self._grad_multiplier()
+        if self._early_hyper and multiplier is not None:
+            raise RuntimeError(
+                "tierwise: clip_grad_norm_ was called after the optimizer already updated chunks "
+                f"during backward ({self._overlap_reason('did not clip')}); set "
+                "optimizer_overlap='after-backward' when clipping only some steps"
+            )
+        for chunk, _grad in list(self._grad_shards()):
+            hyper = self._hyper(chunk)
+            if chunk.key in self._early_hyper:
+                if self._early_hyper[chunk.key] != hyper:
+                    raise RuntimeError(
+                        "tierwise: hyper-parameters changed between backward and step after an "
+                        "in-backward update; change them before backward, or set "
+                        "optimizer_overlap='after-backward'"
+                    )
+                continue
+            self._update_chunk(chunk, hyper, multiplier)
+        for pipeline in self.pipelines.values():
+            pipeline.drain()
+        ran_in_backward = bool(self._early_hyper)
+        next_in_backward = (
+            self._backwards_this_step == 1 and self._clip_coef is None and self.scaler is None
+        )
+        if self.config.optimizer_overlap == "auto":
+            self.optimizer_mode = "in-backward" if next_in_backward else "after-backward"
+        else:
+            self.optimizer_mode = self.config.optimizer_overlap
+        self.last_update_mode = "in-backward" if ran_in_backward else "after-backward"
+        self._clip_coef = None
+        self.invalidate_cache()
+        self._finish_step()
+
+    def _grad_multiplier(self) -> list | None:
+        """Factors applied to fp32 gradients before the update: 1/loss scale (fp16), then the
+        clip coefficient — in that order, as GradScaler.unscale_ + clip_grad_norm_ do."""
+        factors = []
+        if self.scaler is not None:
+            factors.append(torch.tensor(1.0 / self.loss_scale, dtype=torch.float32))
+        if self._clip_coef is not None:
+            factors.append(self._clip_coef)
+        return factors or None
+
+    def _chunk_update(self, chunk: Chunk, hyper: AdamHyper, multiplier: list | None):
+        """The update of one chunk, given its fp32 (master, exp_avg, exp_avg_sq) tensors."""
+        optim = chunk.optim
+
+        def update(states: list[torch.Tensor]) -> None:
+            master, m, v = states
+            grad = optim.grad.tensor.to(device=master.device, dtype=torch.float32)
+            for factor in multiplier or ():
+                grad = grad * factor.to(grad.device)
+            adam_update(master=master, grad=grad, exp_avg=m, exp_avg_sq=v,
+                        step=self._steps[chunk.key], hyper=hyper)
+            if chunk.home is not optim.master:
+                chunk.home.tier.write(chunk.home, master.to(self.dtype)).wait()
+
+        return update
+
+    def _update_chunk(self, chunk: Chunk, hyper: AdamHyper, multiplier: list | None) -> None:
+        optim = chunk.optim
+        update = self._chunk_update(chunk, hyper, multiplier)
+        slabs = (optim.master, optim.exp_avg, optim.exp_avg_sq)
+        pipeline = self.pipelines.get(optim.tier.name)
+        self._count_update_traffic(chunk)
+        if pipeline is not None:
+            pipeline.submit(chunk.key, slabs, update)
+        elif optim.tier.ADDRESSABLE:
+            update([slab.tensor for slab in slabs])
+        else:  # a storage tier without a pipeline: read, update, write in turn
+            states = [torch.empty(chunk.shard_size, dtype=torch.float32) for _ in slabs]
+            for slab, out in zip(slabs, states, strict=True):
+                optim.tier.read(slab, out).wait()
+            update(states)
+            for handle in [optim.tier.write(s, t) for s, t in zip(slabs, states, strict=True)]:
+                handle.wait()
+
+    def _count_update_traffic(self, chunk: Chunk) -> None:
+        """Count what one chunk's update moves (on the calling thread, before it runs): states
+        on a storage tier are read into host buffers and written back; the new low-precision
+        values go to the parameter home when it is on another tier than the states."""
+        optim = chunk.optim
+        where = optim.tier.name if optim.tier.ADDRESSABLE else "host"
+        if where != optim.tier.name:
+            nbytes = sum(s.nbytes for s in (optim.master, optim.exp_avg, optim.exp_avg_sq))
+            for direction in (f"{optim.tier.name}->host", f"host->{optim.tier.name}"):
+                self.moved_bytes[direction] += nbytes
+                self.moves[direction] += 3
+        if chunk.home is not optim.master and chunk.home.tier.name != where:
+            direction = f"{where}->{chunk.home.tier.name}"
+            self.moved_bytes[direction] += chunk.home.nbytes
+            self.moves[direction] += 1
+
+    def _overlap_reason(self, previous_step: str) -> str:
+        """Why updates ran during backward, for error messages."""
+        if self.config.optimizer_overlap == "auto":
+            return f"optimizer_overlap='auto' and the previous step {previous_step}"
+        return f"optimizer_overlap={self.config.optimizer_overlap!r}"
+
+    def _finish_step(self) -> None:
+        for chunk in self.chunks():
+            for slot in chunk.slots:
+                if slot.state is not TensorState.HOLD and slot.compute_refs == 0:
+                    slot.set_state(TensorState.HOLD)
+        self.steps_taken += 1
+        self._backwards_this_step = 0
+        if self._step_started is not None:
+            self.step_time_s = time.perf_counter() - self._step_started
+            self._step_started = None

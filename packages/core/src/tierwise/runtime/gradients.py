@@ -56,20 +56,14 @@ class GradientPath:
             # the gradient fills the whole chunk (an embedding): reduce it where autograd put it
             # instead of copying it into a staging buffer (which would hold it twice)
             chunk.staging, chunk.staging_borrowed = grad.reshape(-1), True
-            slot.got_grad = True
-            chunk.pending -= 1
-            if chunk.pending == 0 and self._streams(chunk):
-                self._hand_to_reducer(chunk)
-            if slot.state is not TensorState.COMPUTE:
-                slot.set_state(TensorState.HOLD_AFTER_BWD)
-            return
-        if chunk.staging is None:
+        elif chunk.staging is None:
             chunk.staging = self._take_staging(chunk)
         segment = chunk.staging[slot.offset : slot.offset + slot.numel]
         if slot.got_grad:  # a second delivery in one backward (re-entrant checkpoint reuse)
             segment.add_(grad.reshape(-1))
         else:
-            segment.copy_(grad.reshape(-1))
+            if not chunk.staging_borrowed:  # a borrowed staging buffer is this gradient
+                segment.copy_(grad.reshape(-1))
             slot.got_grad = True
             chunk.pending -= 1
             if chunk.pending == 0 and self._streams(chunk):

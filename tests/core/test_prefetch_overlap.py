@@ -48,6 +48,16 @@ def copy_thread(monkeypatch):
                         lambda self, device, copy_thread=False: original(self, device, copy_thread=True))
 
 
+def assert_trains_like_all_on_device(losses, model) -> None:
+    """Losses and parameters bitwise equal to the same 4 steps with everything on the device."""
+    ref_losses, ref_model = run_tierwise("gpt2", 4, device="cpu", param_placement="device",
+                                         optimizer_placement="device")
+    assert losses == ref_losses
+    ref = ref_model.state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, ref[name]), name
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_deferred_loads_train_exactly_like_all_on_device(deferred_host_reads, prefetch):
     plan = dict(param_placement="host", optimizer_placement="host", cache_blocks=3,
@@ -55,12 +65,7 @@ def test_deferred_loads_train_exactly_like_all_on_device(deferred_host_reads, pr
     losses, model = run_tierwise("gpt2", 4, device="cpu", **plan)
     log = list(deferred_host_reads)
     deferred_host_reads.clear()
-    ref_losses, ref_model = run_tierwise("gpt2", 4, device="cpu", param_placement="device",
-                                         optimizer_placement="device")
-    assert losses == ref_losses
-    ref = ref_model.state_dict()
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, ref[name]), name
+    assert_trains_like_all_on_device(losses, model)
     issued = {id(h): i for i, (kind, h) in enumerate(log) if kind == "issue"}
     waited = {id(h): i for i, (kind, h) in enumerate(log) if kind == "wait"}
     assert issued.keys() == waited.keys(), "every load is finished"
@@ -80,10 +85,5 @@ def test_loads_on_the_copy_thread_train_exactly_like_all_on_device(deferred_host
                 chunk_size=5000, prefetch=2)
     losses, model = run_tierwise("gpt2", 4, device="cpu", **plan)
     assert tierwise.engine_of(model).loads.copy_thread
-    ref_losses, ref_model = run_tierwise("gpt2", 4, device="cpu", param_placement="device",
-                                         optimizer_placement="device")
-    assert losses == ref_losses
-    ref = ref_model.state_dict()
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, ref[name]), name
+    assert_trains_like_all_on_device(losses, model)
     assert deferred_host_reads and all(h.copied for kind, h in deferred_host_reads if kind == "issue")

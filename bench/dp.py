@@ -64,7 +64,7 @@ def _rank(rank: int, world: int, kind: str, dims: dict, steps: int, bsz: int, se
         if step:  # the first step warms up (and records tierwise's access trace)
             times.append(time.perf_counter() - start)
     return {"times": times, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "loss": float(loss), "info": info}
+            "loss": loss.item(), "info": info}
 
 
 def main() -> None:

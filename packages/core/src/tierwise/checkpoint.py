@@ -197,7 +197,7 @@ def load_rank_state(engine: Engine, state: dict) -> None:
             engine._steps[chunk.key].copy_(entry["step"])
             if chunk.home is not chunk.optim.master:
                 _write(chunk.home, entry["master"].to(engine.dtype))
-            chunk.optim.grad_filled = False
+            chunk.optim.clear_grad()
         else:
             _write(chunk.home, entry["home"])
     if engine.scaler is not None and state["scaler"] is not None:

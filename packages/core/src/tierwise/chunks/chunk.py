@@ -45,6 +45,29 @@ class OptimSlabs:
     grad_filled: bool = False
     """The gradient shard holds data since the last zero_grad (accumulate by adding)."""
 
+    def start_grad(self) -> torch.Tensor:
+        """The gradient shard, with memory again if ``clear_grad`` gave it back (the caller
+        writes the first gradient since zero_grad into it next)."""
+        storage = self.grad.tensor.untyped_storage()
+        if storage.nbytes() < self.grad.nbytes:
+            storage.resize_(self.grad.nbytes)
+        return self.grad.tensor
+
+    def clear_grad(self) -> None:
+        """zero_grad: no gradient until the next backward delivers one.
+
+        [Note: gradient memory between steps]
+        Like PyTorch's ``zero_grad(set_to_none=True)``, the gradient shard's memory goes back to
+        the allocator until the next backward's first gradient for the chunk (``start_grad``):
+        the forward pass, where activations peak, then runs without gradient memory. The tier
+        keeps the bytes counted against its budget, so the plan's memory accounting is unchanged.
+        Only a slab that owns its storage is shrunk (a view into a shared buffer is left alone).
+        """
+        self.grad_filled = False
+        tensor = self.grad.tensor
+        if tensor is not None and tensor._base is None and tensor.storage_offset() == 0:
+            tensor.untyped_storage().resize_(0)
+
 
 @dataclass(eq=False)
 class Chunk:

@@ -155,6 +155,7 @@ def allocate_payloads(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_al
                     grad = grad_tier.allocate(chunk.shard_size, group.dtype, what=f"{what} grad")
                     allocated.append(grad)
                     chunk.optim = OptimSlabs(*slabs, grad, opt_tier)
+                    chunk.optim.clear_grad()  # [Note: gradient memory between steps]
                     # fp32 with params and optimizer in one tier: the master is the home payload
                     if fp32_alias and home_tier is opt_tier:
                         chunk.home = master

@@ -389,7 +389,7 @@ class Engine(GradientPath, OptimizerStep):
         for chunk in self.chunks():
             if chunk.trainable and chunk.group.world == 1:
                 if not chunk.optim.grad_filled:  # no gradient at all since zero_grad: zeros
-                    chunk.optim.grad.tensor.zero_()
+                    chunk.optim.start_grad().zero_()
                     chunk.optim.grad_filled = True
             elif chunk.trainable and not chunk.grads_done and not chunk.handed_over:
                 if chunk.staging is None:  # got no gradient at all: finalised as zero
@@ -406,6 +406,7 @@ class Engine(GradientPath, OptimizerStep):
         if self.reducer is not None and not self._no_sync:
             streamed = [c for c in self.chunks() if c.trainable and self._streams(c)]
             self.reducer.finish(streamed, self._by_key)
+        self._release_staging_memory()
         for chunk in self.chunks():
             chunk.pending = len(chunk.slots) if chunk.trainable else 0
             chunk.grads_done = False
@@ -467,7 +468,7 @@ class Engine(GradientPath, OptimizerStep):
     def zero_grad(self) -> None:
         for chunk in self.chunks():
             if chunk.optim is not None:
-                chunk.optim.grad_filled = False
+                chunk.optim.clear_grad()  # [Note: gradient memory between steps]
             chunk.local_grad = None
 
     def optimizer_state_dict(self) -> dict:

@@ -77,11 +77,21 @@ class GradientPath:
         not make every staging buffer as large as itself)."""
         fitting = [i for i, b in enumerate(self._staging_free) if b.numel() >= chunk.capacity]
         if fitting:
-            best = min(fitting, key=lambda i: self._staging_free[i].numel())
-            return self._staging_free.pop(best)[: chunk.capacity]
+            best = self._staging_free.pop(min(fitting, key=lambda i: self._staging_free[i].numel()))
+            storage = best.untyped_storage()
+            if storage.nbytes() == 0:  # given back at the end of the last backward
+                storage.resize_(best.numel() * best.element_size())
+            return best[: chunk.capacity]
         slab = self.tiers["device"].allocate(chunk.capacity, self.dtype, what="gradient staging buffer")
         self._staging_slabs.append(slab)
         return slab.tensor
+
+    def _release_staging_memory(self) -> None:
+        """End of backward: the free staging buffers give their memory back until the next
+        backward needs them (they stay counted in the device tier's budget), as gradient
+        shards do between steps: [Note: gradient memory between steps]."""
+        for buffer in self._staging_free:
+            buffer.untyped_storage().resize_(0)
 
     def _can_borrow(self, chunk: Chunk, grad: torch.Tensor) -> bool:
         return (
@@ -103,7 +113,7 @@ class GradientPath:
         optim = chunk.optim
         target = optim.grad.tensor
         if not optim.grad_filled:  # first gradient since zero_grad: 0 + g == g
-            target.zero_()
+            optim.start_grad().zero_()
             optim.grad_filled = True
         if chunk.key in self._early_hyper:
             raise RuntimeError(
@@ -208,6 +218,7 @@ class GradientPath:
             self.moved_bytes[f"device->{slab.tier.name}"] += shard.numel() * shard.element_size()
             self.moves[f"device->{slab.tier.name}"] += 1
         if not optim.grad_filled:
+            optim.start_grad()
             slab.tier.write(slab, shard).wait()
             optim.grad_filled = True
         else:

@@ -220,6 +220,8 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> None:
             opt_tier = engine.tiers[tiers["master"][i]]
             chunk.optim = OptimSlabs(*(new_slabs[k][i] for k in (*_STATE_KINDS, "grad")), opt_tier,
                                      grad_filled=grads_filled)
+            if not grads_filled:
+                chunk.optim.clear_grad()
             chunk.home = new_slabs["home"][i] if "home" in new_slabs else chunk.optim.master
         else:
             chunk.home = new_slabs["home"][i]

@@ -116,6 +116,39 @@ def _memory_both(rank, world):
     return _memory(rank, world, True), _memory(rank, world, False)
 
 
+def _gradient_memory(rank, world):
+    """Bytes of gradient memory held (shards plus staging buffers) at each point of two steps."""
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", shard=True,
+                                param_placement="host", optimizer_placement="host", cache_blocks=3)
+    engine = tierwise.engine_of(model)
+
+    def held():
+        shards = sum(c.optim.grad.tensor.untyped_storage().nbytes() for c in engine.chunks())
+        staging = sum(s.tensor.untyped_storage().nbytes() for s in engine._staging_slabs)
+        return shards, staging
+
+    points = [("setup", held())]
+    for step in range(2):
+        model(**rank_batch(rank, step)).loss.backward()
+        points.append(("backward", held()))
+        opt.step()
+        opt.zero_grad()
+        points.append(("zero_grad", held()))
+    shard_bytes = sum(c.optim.grad.nbytes for c in engine.chunks())
+    return points, shard_bytes
+
+
+def test_gradient_memory_is_released_between_steps_as_set_to_none_does():
+    # PyTorch's zero_grad() sets every .grad to None: no gradient memory until backward makes it.
+    # tierwise's gradient shards follow that, and its staging buffers are freed after backward.
+    for points, shard_bytes in run_ranks(_gradient_memory, 2):
+        for where, (shards, staging) in points:
+            assert staging == 0, where
+            assert shards == (shard_bytes if where == "backward" else 0), where
+
+
 def test_per_rank_model_data_is_one_over_n():
     both = run_ranks(_memory_both, 2)
     sharded, replicated = [b[0] for b in both], [b[1] for b in both]

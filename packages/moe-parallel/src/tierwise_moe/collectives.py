@@ -94,19 +94,3 @@ def copy_to_group(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Ten
 def reduce_from_group(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Output of a row-parallel layer: partial sums of all ranks are added."""
     return x if group is None else _ReduceFromGroup.apply(x, group)
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
-
-
-def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
-    """Identity forward; the gradient flowing back to ``x`` is multiplied by ``factor``."""
-    return x if factor == 1 else _ScaleGrad.apply(x, factor)

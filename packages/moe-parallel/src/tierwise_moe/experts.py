@@ -30,9 +30,8 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from tierwise_moe.collectives import all_to_all, exchange_counts, scale_grad
+from tierwise_moe.collectives import all_to_all, exchange_counts
 from tierwise_moe.shards import ShardSpec, shard_param_, swap_class_
 
 FUSED_PARAMS = ("gate_up_proj", "down_proj")
@@ -148,14 +147,70 @@ class ShardedExperts(torch.nn.Module):
         return order[keep], counts.clamp(max=limit)
 
     def _run_local_experts(self, rows: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
-        # [Note: expert gradient scale]
-        gate_up = scale_grad(self.gate_up_proj, 1.0 / self.ep_size)
-        down = scale_grad(self.down_proj, 1.0 / self.ep_size)
-        outputs = []
-        for expert, expert_rows in enumerate(rows.split(rows_per_expert)):
-            gate, up = F.linear(expert_rows, gate_up[expert]).chunk(2, dim=-1)
-            outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
-        return torch.cat(outputs)
+        return _LocalExperts.apply(
+            rows, self.gate_up_proj, self.down_proj, rows_per_expert, self.act_fn,
+            1.0 / self.ep_size,  # [Note: expert gradient scale]
+        )
+
+
+class _LocalExperts(torch.autograd.Function):
+    """Every local expert's gated MLP on its rows (rows grouped by expert).
+
+    [Note: fused expert gradients]
+    Indexing ``gate_up_proj[e]`` per expert under autograd gives each expert's weight gradient
+    as a zero-filled tensor the size of the *whole* parameter, which autograd then sums: E/P
+    full-size fills and additions per parameter per backward, plus a full-size multiply for the
+    1/P scale. Here each expert's weight gradient is written by one matmul straight into its
+    slice of a single gradient tensor (an expert with no rows gets zeros from the empty product),
+    scaled on the way. Work stays per expert so that an expert's rows stay in cache between its
+    matmuls and its activation; backward recomputes the activation from the saved gate rather
+    than keeping it. The products are autograd's (up to the order of summation in a matmul).
+    """
+
+    @staticmethod
+    def forward(ctx, rows, gate_up, down, rows_per_expert, act_fn, grad_scale):
+        gate_up_out = rows.new_empty((rows.shape[0], gate_up.shape[1]))
+        result = rows.new_empty((rows.shape[0], down.shape[1]))
+        for e, (x, gu, out) in enumerate(_per_expert(rows_per_expert, rows, gate_up_out, result)):
+            torch.mm(x, gate_up[e].t(), out=gu)
+            gate, up = gu.chunk(2, dim=-1)
+            torch.mm(act_fn(gate) * up, down[e].t(), out=out)
+        ctx.save_for_backward(rows, gate_up_out, gate_up, down)
+        ctx.rows_per_expert, ctx.act_fn, ctx.grad_scale = rows_per_expert, act_fn, grad_scale
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_result):
+        rows, gate_up_out, gate_up, down = ctx.saved_tensors
+        need_rows, need_gate_up, need_down = ctx.needs_input_grad[:3]
+        scale = ctx.grad_scale
+        grad_gate_up = torch.empty_like(gate_up) if need_gate_up else None
+        grad_down = torch.empty_like(down) if need_down else None
+        grad_rows = torch.empty_like(rows)
+        grad_gu_all = torch.empty_like(gate_up_out)
+        for e, (x, gu, g_out, g_gu, g_x) in enumerate(_per_expert(
+            ctx.rows_per_expert, rows, gate_up_out, grad_result.contiguous(), grad_gu_all, grad_rows
+        )):
+            gate, up = gu.chunk(2, dim=-1)
+            with torch.enable_grad():
+                gate = gate.detach().requires_grad_()
+                activated = ctx.act_fn(gate)
+            if need_down:
+                hidden = activated.detach() * up
+                torch.addmm(grad_down[e], g_out.t(), hidden, beta=0, alpha=scale, out=grad_down[e])
+            grad_hidden = torch.mm(g_out, down[e])
+            grad_gate, grad_up = g_gu.chunk(2, dim=-1)
+            torch.mul(grad_hidden, activated.detach(), out=grad_up)
+            grad_gate.copy_(torch.autograd.grad(activated, gate, grad_hidden.mul_(up))[0])
+            if need_gate_up:
+                torch.addmm(grad_gate_up[e], g_gu.t(), x, beta=0, alpha=scale, out=grad_gate_up[e])
+            torch.mm(g_gu, gate_up[e], out=g_x)
+        return grad_rows if need_rows else None, grad_gate_up, grad_down, None, None, None
+
+
+def _per_expert(rows_per_expert: list[int], *tensors: torch.Tensor):
+    """Per expert, its consecutive rows of each tensor."""
+    return zip(*(t.split(rows_per_expert) for t in tensors), strict=True)
 
 
 def shard_experts_(

@@ -15,7 +15,7 @@ of a shared machine hits both; medians are over every timed step of every round.
 Prints one JSON line per model (median step time, tokens/s, each rank's model-data bytes per
 tier, the plan's placement, the parameters a token computes with) and one line with the
 side-by-side ratio. On a machine where the "offload" is a copy within RAM, training is
-compute-bound, so the ratio of the models' per-token matmul FLOPs
+compute-bound, so the ratio of the models' per-token matmul work
 (``compute_bound`` in that line) is the ratio's ceiling.
 
     python bench/moe.py [--hidden 256] [--layers 4] [--steps 4] [--rounds 3]
@@ -67,12 +67,13 @@ def build(kind: str, args) -> torch.nn.Module:
     return tf.AutoModelForCausalLM.from_config(config).train()
 
 
-def matmul_params_per_token(kind: str, args) -> int:
-    """Weights one token multiplies by in a forward pass (the embedding lookup is free; the
-    router and the top-k of the experts count): the per-token matmul FLOPs over 2."""
+def matmul_macs_per_token(kind: str, args) -> int:
+    """Multiply-adds of one token's forward pass: the weights it multiplies by (the embedding
+    lookup is free; the router and the top-k of the experts count) plus its attention scores and
+    weighted values (eager attention computes all ``seq`` positions, masked or not)."""
     hidden, heads_dim = args.hidden, 64
     kv = (args.hidden // 128) * heads_dim
-    attention = hidden * hidden * 2 + hidden * kv * 2
+    attention = hidden * hidden * 2 + hidden * kv * 2 + 2 * args.seq * hidden
     expert = 3 * hidden * args.expert_intermediate
     mlp = TOP_K * expert + hidden * EXPERTS if kind == "moe" else EXPERTS * expert
     return args.layers * (attention + mlp) + hidden * args.vocab
@@ -168,7 +169,7 @@ def main() -> None:
             backend="gloo",
             threads_per_rank=1,
             total_params=ranks[0]["total_params"],
-            matmul_params_per_token=matmul_params_per_token(kind, args),
+            matmul_macs_per_token=matmul_macs_per_token(kind, args),
             tokens_per_step=tokens_per_step,
             timed_steps=len(steps[kind]),
             rounds=args.rounds,
@@ -189,7 +190,7 @@ def main() -> None:
         ratio="moe_tokens_per_s / dense_tokens_per_s",
         value=round(tokens_per_s["moe"] / tokens_per_s["dense"], 3),
         compute_bound=round(
-            matmul_params_per_token("dense", args) / matmul_params_per_token("moe", args), 3
+            matmul_macs_per_token("dense", args) / matmul_macs_per_token("moe", args), 3
         ),
         target=2.5,
         elixir_reported=5.3,

@@ -61,11 +61,14 @@ class OptimSlabs:
         the allocator until the next backward's first gradient for the chunk (``start_grad``):
         the forward pass, where activations peak, then runs without gradient memory. The tier
         keeps the bytes counted against its budget, so the plan's memory accounting is unchanged.
-        Only a slab that owns its storage is shrunk (a view into a shared buffer is left alone).
+        Only a slab that owns its storage is shrunk (a view into a shared buffer is left alone),
+        and not pinned host memory: its caching allocator keeps freed blocks for later pinned
+        allocations only, so shrinking would save nothing.
         """
         self.grad_filled = False
         tensor = self.grad.tensor
-        if tensor is not None and tensor._base is None and tensor.storage_offset() == 0:
+        if (tensor is not None and tensor._base is None and tensor.storage_offset() == 0
+                and not tensor.is_pinned()):
             tensor.untyped_storage().resize_(0)
 
 

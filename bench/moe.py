@@ -24,6 +24,7 @@ compute-bound, so the ratio of the models' per-token matmul work
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -95,7 +96,7 @@ def rank_main(rank: int, port: int, kind: str, args, out_dir: str) -> None:
         device="cpu",
         param_placement="host",
         optimizer_placement="host",
-        parallel={"expert": WORLD} if kind == "moe" else None,
+        parallel={"expert": WORLD} if kind == "moe" and not os.environ.get("MOE_DP") else None,
     )
     engine = tierwise.engine_of(model)
     times = []
@@ -120,6 +121,8 @@ def rank_main(rank: int, port: int, kind: str, args, out_dir: str) -> None:
         "chunk_size": engine.plan.chunk_size,
     }
     Path(out_dir, f"{kind}-rank{rank}.json").write_text(json.dumps(result))
+    del model, opt, engine
+    gc.collect()  # [Note: destroying process groups] in tierwise.train.distributed
     dist.destroy_process_group()
 
 

@@ -119,6 +119,42 @@ def test_unused_parameter_does_not_hang_and_gets_zero_gradient():
     assert torch.equal(model.state_dict()["unused.weight"], unused_before)
 
 
+def test_gradient_shard_memory_content_never_leaks_into_gradients(monkeypatch):
+    """[Note: first gradient is a copy]: the first gradients after zero_grad are copied into
+    memory that may hold anything, so poison that memory with NaN and check that training
+    (an unused parameter, gradient accumulation, several steps) still equals plain PyTorch."""
+    from tierwise.chunks.chunk import OptimSlabs
+
+    start_grad = OptimSlabs.start_grad
+
+    def poisoned_start_grad(self):
+        grad = start_grad(self)
+        return grad.fill_(float("nan"))
+
+    monkeypatch.setattr(OptimSlabs, "start_grad", poisoned_start_grad)
+
+    def build():
+        torch.manual_seed(0)
+        model = WithUnused()
+        # no weight decay: PyTorch skips a parameter without gradient, tierwise gives it zeros
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+
+    def run(model, opt):
+        for step in range(3):
+            for micro in range(2):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + micro))
+                model(x).backward()
+            opt.step()
+            opt.zero_grad()
+        return model.state_dict()
+
+    expected = run(*build())
+    model, opt = build()
+    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu")
+    got = run(model, opt)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
 def test_lora_style_frozen_base_trains_only_the_adapters():
     def build():
         torch.manual_seed(0)
@@ -172,3 +208,22 @@ def test_inference_between_training_steps():
             assert torch.equal(model(**data).logits, ref(**data).logits)
         model.train()
         ref.train()
+
+
+def test_dropping_model_and_optimizer_frees_the_engine():
+    """[Note: parameter hooks hold the engine weakly]: once the user drops the model and the
+    optimizer, the engine and its chunks are garbage like any PyTorch model (no cycle through
+    the parameters' C++-held hooks keeps them alive)."""
+    import gc
+    import weakref
+
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(model, opt, **HOST_PLAN)
+    train(model, opt, 1)
+    engine = weakref.ref(tierwise.engine_of(model))
+    params = [weakref.ref(p) for p in model.parameters()]
+    del model, opt
+    gc.collect()
+    assert engine() is None
+    assert all(p() is None for p in params)

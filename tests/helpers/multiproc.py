@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import socket
@@ -39,6 +40,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) 
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            gc.collect()  # [Note: destroying process groups] in tierwise.train.distributed
             dist.destroy_process_group()
 
 

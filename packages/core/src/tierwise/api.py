@@ -24,7 +24,7 @@ from tierwise.runtime.build import (
     static_profile,
 )
 from tierwise.runtime.engine import _PRECISION_DTYPES
-from tierwise.runtime.hooks import install_hooks
+from tierwise.runtime.hooks import grad_ready_hook, install_hooks
 from tierwise.runtime.reduce import StreamingReducer
 
 _ENGINE_ATTR = "_tierwise_engine"
@@ -153,13 +153,12 @@ def setup(
             release=engine._give_back_staging,
         )
     engine.hook_handles = install_hooks(engine, model, list(modules))
+    on_grad = grad_ready_hook(engine)
     for group in groups:
         if group.trainable:
             for chunk in group.chunks:
                 for slot in chunk.slots:
-                    engine.hook_handles.append(
-                        slot.param.register_post_accumulate_grad_hook(engine.on_grad)
-                    )
+                    engine.hook_handles.append(slot.param.register_post_accumulate_grad_hook(on_grad))
     if config.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     setattr(model, _ENGINE_ATTR, engine)

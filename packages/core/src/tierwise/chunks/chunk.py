@@ -44,6 +44,10 @@ class OptimSlabs:
     tier: Tier
     grad_filled: bool = False
     """The gradient shard holds data since the last zero_grad (accumulate by adding)."""
+    grad_fresh: bool = False
+    """The first backward since zero_grad is filling the shard slot by slot: a slot's first
+    gradient is copied in, and what got none is zeroed when the chunk is finished
+    ([Note: first gradient is a copy])."""
 
     def start_grad(self) -> torch.Tensor:
         """The gradient shard, with memory again if ``clear_grad`` gave it back (the caller
@@ -65,7 +69,7 @@ class OptimSlabs:
         and not pinned host memory: its caching allocator keeps freed blocks for later pinned
         allocations only, so shrinking would save nothing.
         """
-        self.grad_filled = False
+        self.grad_filled = self.grad_fresh = False
         tensor = self.grad.tensor
         if (tensor is not None and tensor._base is None and tensor.storage_offset() == 0
                 and not tensor.is_pinned()):

@@ -388,9 +388,7 @@ class Engine(GradientPath, OptimizerStep):
         self.loads.finish_all()  # prefetched but not used: [Note: prefetch overlap]
         for chunk in self.chunks():
             if chunk.trainable and chunk.group.world == 1:
-                if not chunk.optim.grad_filled:  # no gradient at all since zero_grad: zeros
-                    chunk.optim.start_grad().zero_()
-                    chunk.optim.grad_filled = True
+                self._finish_fresh_grad(chunk)  # [Note: first gradient is a copy]
             elif chunk.trainable and not chunk.grads_done and not chunk.handed_over:
                 if chunk.staging is None:  # got no gradient at all: finalised as zero
                     chunk.staging = self._take_staging(chunk)

@@ -109,12 +109,21 @@ class GradientPath:
         chunk.staging = None
 
     def _add_to_grad_shard(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
-        """Single process: accumulate straight into the gradient shard (no staging needed)."""
+        """Single process: accumulate straight into the gradient shard (no staging needed).
+
+        [Note: first gradient is a copy]
+        The first backward after zero_grad copies each parameter's gradient into its slot, as
+        PyTorch assigns ``.grad`` on first accumulation, instead of zero-filling the whole shard
+        and adding (one pass over the memory instead of two, and the pass that faults in a shard
+        whose memory was given back: [Note: gradient memory between steps]). Slots that got no
+        gradient, and the padding after the last slot, are zeroed when the chunk is finished
+        (``_finish_fresh_grad``): when its last gradient arrives, or at the end of backward.
+        """
         optim = chunk.optim
         target = optim.grad.tensor
-        if not optim.grad_filled:  # first gradient since zero_grad: 0 + g == g
-            optim.start_grad().zero_()
-            optim.grad_filled = True
+        if not optim.grad_filled:  # first gradient since zero_grad
+            target = optim.start_grad()
+            optim.grad_filled = optim.grad_fresh = True
         if chunk.key in self._early_hyper:
             raise RuntimeError(
                 "tierwise: a gradient arrived for a chunk whose optimizer update already ran "
@@ -122,7 +131,11 @@ class GradientPath:
                 "gradient accumulation or re-entrant checkpoint reuse set "
                 "optimizer_overlap='after-backward'"
             )
-        target[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1).to(target.device))
+        segment = target[slot.offset : slot.offset + slot.numel]
+        if optim.grad_fresh and not slot.got_grad:
+            segment.copy_(grad.reshape(-1))
+        else:
+            segment.add_(grad.reshape(-1).to(target.device))
         tier = optim.grad.tier.name
         if tier != "device":
             self.moved_bytes[f"device->{tier}"] += grad.numel() * grad.element_size()
@@ -131,9 +144,21 @@ class GradientPath:
             slot.got_grad = True
             chunk.pending -= 1
             if chunk.pending == 0:
+                self._finish_fresh_grad(chunk)
                 self._grads_final(chunk)
         if slot.state is not TensorState.COMPUTE:
             slot.set_state(TensorState.HOLD_AFTER_BWD)
+
+    def _finish_fresh_grad(self, chunk: Chunk) -> None:
+        """Zero what the first backward since zero_grad left unwritten in the gradient shard:
+        [Note: first gradient is a copy]."""
+        optim = chunk.optim
+        if not optim.grad_filled:  # no gradient at all since zero_grad: zeros
+            optim.start_grad().zero_()
+            optim.grad_filled = True
+        elif optim.grad_fresh:
+            self._zero_unwritten(chunk, optim.grad.tensor)
+        optim.grad_fresh = False
 
     def _streams(self, chunk: Chunk) -> bool:
         """Whether this chunk's reduction goes through the streaming reducer."""
@@ -159,7 +184,11 @@ class GradientPath:
         self._grads_final(chunk)
 
     def _zero_fill_missing(self, chunk: Chunk) -> None:
-        full = chunk.staging
+        self._zero_unwritten(chunk, chunk.staging)
+
+    @staticmethod
+    def _zero_unwritten(chunk: Chunk, full: torch.Tensor) -> None:
+        """Zero the slots of ``full`` whose gradient did not arrive, and the padding."""
         used_end = 0
         for slot in chunk.slots:
             if not slot.got_grad:

@@ -17,6 +17,7 @@ is valid again once the chunk is re-fetched.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,3 +68,24 @@ def install_hooks(engine: Engine, model: torch.nn.Module, modules: list[torch.nn
     handles.append(model.register_forward_pre_hook(root_pre_forward, with_kwargs=True, prepend=True))
     handles.append(model.register_forward_hook(root_post_forward, with_kwargs=True))
     return handles
+
+
+def grad_ready_hook(engine: Engine):
+    """The post-accumulate-grad hook of every managed parameter: hands the gradient to
+    ``engine.on_grad``.
+
+    [Note: parameter hooks hold the engine weakly]
+    A tensor keeps its hooks in C++, where Python's garbage collector cannot follow references:
+    a hook holding the engine would make parameter -> hook -> engine -> model -> parameter an
+    uncollectable cycle, keeping the model, every chunk and the engine's process groups alive
+    after the user drops them (and the process groups' worker threads running into interpreter
+    shutdown). The hook holds a weak reference instead.
+    """
+    engine_ref = weakref.ref(engine)
+
+    def hook(param: torch.nn.Parameter) -> None:
+        owner = engine_ref()
+        if owner is not None:
+            owner.on_grad(param)
+
+    return hook

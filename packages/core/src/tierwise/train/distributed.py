@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -57,5 +58,17 @@ def mean_over_ranks(value: float, world: World) -> float:
 
 
 def close_world(world: World) -> None:
+    """Destroy the process groups while the interpreter is fully alive.
+
+    [Note: destroying process groups]
+    A gloo worker thread can drop the last reference to a tensor of a finished collective
+    slightly after the collective returned; when that tensor's Python object is gone by then,
+    dropping it takes the GIL, and a thread doing that while the interpreter shuts down aborts
+    the process ("terminate called without an active exception", a PyTorch bug). Destroying a
+    process group joins its worker threads, but only once nothing else holds the group: the
+    model and its engine (which form reference cycles) are collected first, so that
+    ``destroy_process_group`` really destroys the groups now rather than at interpreter exit.
+    """
     if world.size > 1 and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from tierwise_moe.collectives import all_to_all, exchange_counts
+from tierwise_moe.rows import gather_rows, inverse_permutation, permute_rows
 from tierwise_moe.shards import ShardSpec, shard_param_, swap_class_
 
 FUSED_PARAMS = ("gate_up_proj", "down_proj")
@@ -115,7 +116,7 @@ class ShardedExperts(torch.nn.Module):
         counts = torch.bincount(pair_expert, minlength=self.num_experts)
         if self.capacity_factor is not None:
             order, counts = self._drop_over_capacity(order, pair_expert[order], counts)
-        send_rows = hidden_states[order // top_k]
+        send_rows = gather_rows(hidden_states, order // top_k)
 
         # counts[e] for the experts of rank r form block r: after the exchange, block r holds
         # what rank r sends to each of this rank's experts.
@@ -128,14 +129,21 @@ class ShardedExperts(torch.nn.Module):
         local_expert = torch.arange(self.local_experts, device=recv_counts.device)
         row_expert = local_expert.repeat(self.ep_size).repeat_interleave(recv_counts.reshape(-1))
         by_expert = torch.argsort(row_expert, stable=True)
+        source_major = inverse_permutation(by_expert)
         rows_per_expert = recv_counts.sum(0)
         self.last_tokens_per_expert = rows_per_expert.detach().cpu()
-        out_rows = self._run_local_experts(recv_rows[by_expert], rows_per_expert.tolist())
-        out_rows = out_rows[torch.argsort(by_expert)]  # back to source-major order
+        out_rows = self._run_local_experts(
+            permute_rows(recv_rows, by_expert, source_major), rows_per_expert.tolist()
+        )
+        out_rows = permute_rows(out_rows, source_major, by_expert)
 
         back_rows = all_to_all(out_rows, send_splits, recv_splits, self.ep_group)
-        pair_out = hidden_states.new_zeros((num_tokens * top_k, hidden_states.shape[-1]))
-        pair_out = pair_out.index_copy(0, order, back_rows.to(pair_out.dtype))
+        back_rows = back_rows.to(hidden_states.dtype)
+        if order.numel() == num_tokens * top_k:  # nothing dropped: ``order`` is a permutation
+            pair_out = permute_rows(back_rows, inverse_permutation(order), order)
+        else:  # dropped pairs add nothing
+            pair_out = back_rows.new_zeros((num_tokens * top_k, back_rows.shape[-1]))
+            pair_out = pair_out.index_copy(0, order, back_rows)
         weighted = pair_out * top_k_weights.reshape(-1, 1)
         return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 

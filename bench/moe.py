@@ -18,7 +18,10 @@ side-by-side ratio. On a machine where the "offload" is a copy within RAM, train
 compute-bound, so the ratio of the models' per-token matmul work
 (``compute_bound`` in that line) is the ratio's ceiling.
 
-    python bench/moe.py [--hidden 256] [--layers 4] [--steps 4] [--rounds 3]
+Default shape: hidden 256, 4 layers, expert intermediate 3.5 x hidden (Mixtral-8x7B's
+proportion), 8 experts, top-2; the dense model's MLP intermediate is 8 x that.
+
+    python bench/moe.py [--hidden 256] [--layers 4] [--expert-intermediate N] [--steps 4] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from _common import Timer, batch, emit, median
 WORLD = 2
 EXPERTS = 8
 TOP_K = 2
+MIXTRAL_EXPERT_RATIO = 14336 / 4096  # Mixtral-8x7B: expert intermediate / hidden
 
 
 def build(kind: str, args) -> torch.nn.Module:
@@ -96,7 +100,7 @@ def rank_main(rank: int, port: int, kind: str, args, out_dir: str) -> None:
         device="cpu",
         param_placement="host",
         optimizer_placement="host",
-        parallel={"expert": WORLD} if kind == "moe" and not os.environ.get("MOE_DP") else None,
+        parallel={"expert": WORLD} if kind == "moe" else None,
     )
     engine = tierwise.engine_of(model)
     times = []
@@ -142,7 +146,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--expert-intermediate", type=int, default=512)
+    parser.add_argument(
+        "--expert-intermediate", type=int, default=None,
+        help="each expert's intermediate size (default 3.5 x hidden: Mixtral-8x7B's 14336/4096)",
+    )
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--seq", type=int, default=128)
@@ -150,6 +157,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.expert_intermediate is None:
+        args.expert_intermediate = round(MIXTRAL_EXPERT_RATIO * args.hidden)
 
     tokens_per_step = WORLD * args.batch * args.seq
     names = {"moe": f"mixtral-{EXPERTS}x-top{TOP_K}-ep{WORLD}", "dense": "llama-dense-dp2"}

@@ -21,7 +21,7 @@ compute-bound, so the ratio of the models' per-token matmul work
 Default shape: hidden 256, 4 layers, expert intermediate 3.5 x hidden (Mixtral-8x7B's
 proportion), 8 experts, top-2; the dense model's MLP intermediate is 8 x that.
 
-    python bench/moe.py [--hidden 256] [--layers 4] [--expert-intermediate N] [--steps 4] [--rounds 3]
+    python bench/moe.py [--hidden 256] [--layers 4] [--expert-intermediate N] [--rounds 3]
 """
 
 from __future__ import annotations

@@ -158,7 +158,8 @@ def setup(
         if group.trainable:
             for chunk in group.chunks:
                 for slot in chunk.slots:
-                    engine.hook_handles.append(slot.param.register_post_accumulate_grad_hook(on_grad))
+                    handle = slot.param.register_post_accumulate_grad_hook(on_grad)
+                    engine.hook_handles.append(handle)
     if config.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     setattr(model, _ENGINE_ATTR, engine)

@@ -169,7 +169,7 @@ class GradientPath:
         )
 
     def _hand_to_reducer(self, chunk: Chunk, *, at_end: bool = False) -> None:
-        self._zero_fill_missing(chunk)
+        self._zero_unwritten(chunk, chunk.staging)
         if chunk.local_grad is not None:  # micro-batches accumulated under no_sync
             chunk.staging.add_(chunk.local_grad)
             chunk.local_grad = None
@@ -182,9 +182,6 @@ class GradientPath:
         self._accumulate_grad_shard(chunk, shard)
         chunk.grads_done = True
         self._grads_final(chunk)
-
-    def _zero_fill_missing(self, chunk: Chunk) -> None:
-        self._zero_unwritten(chunk, chunk.staging)
 
     @staticmethod
     def _zero_unwritten(chunk: Chunk, full: torch.Tensor) -> None:
@@ -211,7 +208,7 @@ class GradientPath:
 
     def _finish_chunk_grads(self, chunk: Chunk) -> None:
         """Zero-fill missing gradients, reduce across ranks, accumulate into the grad shard."""
-        self._zero_fill_missing(chunk)
+        self._zero_unwritten(chunk, chunk.staging)
         full = chunk.staging
         if self._no_sync:
             if chunk.local_grad is None:

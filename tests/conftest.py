@@ -1,10 +1,40 @@
-"""Shared pytest setup: deterministic CPU math and a fresh plugin host per test."""
+"""Shared pytest setup: deterministic CPU math, a fresh plugin host per test, and which tox env
+runs which test.
+
+[Note: one env per test]
+Each test runs in exactly one tox env. A test that needs several plugins together is marked
+``combined`` (``pytestmark = pytest.mark.combined`` or on the test) and runs only in the ``all``
+env (``TIERWISE_TEST_SCOPE=combined``); every other test runs in the env of its package
+(``TIERWISE_TEST_SCOPE=single``). ``tests/integration`` drives ``tierwise train`` as the README's
+install leaves it, with every plugin, so it counts as combined. ``tests/plugins`` checks the plugin
+set of the env it runs in, so it runs in every env. Without the variable (a developer's ``pytest tests``) everything runs.
+"""
 
 import os
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+_PLUGIN_TESTS = Path(__file__).parent / "plugins"
+_COMBINED_TESTS = Path(__file__).parent / "integration"
+
+
+def pytest_collection_modifyitems(config, items):
+    scope = os.environ.get("TIERWISE_TEST_SCOPE")
+    if scope not in ("single", "combined"):
+        return
+    keep, drop = [], []
+    for item in items:
+        parents = Path(item.fspath).parents
+        combined = item.get_closest_marker("combined") is not None or _COMBINED_TESTS in parents
+        in_plugin_tests = _PLUGIN_TESTS in parents
+        wanted = in_plugin_tests or (combined if scope == "combined" else not combined)
+        (keep if wanted else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(autouse=True)

@@ -51,6 +51,7 @@ def mlp(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
 
 
+@pytest.mark.combined  # search + profiler (+ nvme)
 @pytest.mark.parametrize("use_nvme", [False, True])
 def test_engine_trains_at_the_stated_host_minimum_and_not_below(use_nvme, tmp_path):
     pytest.importorskip("tierwise_profiler")

@@ -6,6 +6,7 @@ import pytest
 
 pytest.importorskip("tierwise_search")
 pytest.importorskip("tierwise_profiler")
+pytestmark = pytest.mark.combined  # search + profiler
 
 import torch  # noqa: E402
 from tierwise import Config  # noqa: E402

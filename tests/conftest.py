@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# cuBLAS picks reproducible reductions only with a fixed workspace, read when CUDA first starts;
+# the device-parametrized tests (tests/helpers/devices.py) compare CUDA runs bitwise
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 _PLUGIN_TESTS = Path(__file__).parent / "plugins"
 _COMBINED_TESTS = Path(__file__).parent / "integration"

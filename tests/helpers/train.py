@@ -11,12 +11,15 @@ from helpers.models import tiny_batch, tiny_model
 def train(model, optimizer, steps: int, *, clip: float | None = None, accum: int = 1,
           batch: int = 2, seq: int = 16, first_seed: int = 0, tierwise_model: bool = True,
           scheduler=None) -> list[float]:
-    """A plain PyTorch loop; returns the per-step losses (mean over micro-batches)."""
+    """A plain PyTorch loop; returns the per-step losses (mean over micro-batches). Batches go to
+    the model's compute device (the engine's for a tierwise model)."""
+    device = model_device(model, tierwise_model)
     losses = []
     for step in range(steps):
         total = 0.0
         for micro in range(accum):
             data = tiny_batch(batch=batch, seq=seq, seed=first_seed + step * accum + micro)
+            data = {key: value.to(device) for key, value in data.items()}
             loss = model(**data).loss / accum
             loss.backward()
             total += loss.item()
@@ -31,6 +34,13 @@ def train(model, optimizer, steps: int, *, clip: float | None = None, accum: int
             scheduler.step()
         losses.append(total)
     return losses
+
+
+def model_device(model, tierwise_model: bool = True) -> torch.device:
+    """Where ``model`` computes: the engine's device for a tierwise model, else its parameters'."""
+    if tierwise_model:
+        return tierwise.engine_of(model).device
+    return next(model.parameters()).device
 
 
 def params_of(model) -> dict[str, torch.Tensor]:
@@ -49,8 +59,9 @@ def run_tierwise(kind: str, steps: int, *, lr: float = 1e-2, opt_cls=torch.optim
 
 
 def run_reference(kind: str, steps: int, *, lr: float = 1e-2, opt_cls=torch.optim.AdamW,
-                  model_kwargs: dict | None = None, train_kwargs: dict | None = None):
-    model = tiny_model(kind, **(model_kwargs or {}))
+                  model_kwargs: dict | None = None, train_kwargs: dict | None = None,
+                  device: str = "cpu"):
+    model = tiny_model(kind, **(model_kwargs or {})).to(device)
     opt = opt_cls(model.parameters(), lr=lr, weight_decay=0.01, fused=True)
     losses = train(model, opt, steps, tierwise_model=False, **(train_kwargs or {}))
     return losses, model

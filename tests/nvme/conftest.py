@@ -18,21 +18,23 @@ def nvme_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def make_tier(nvme_dir):
-    """``make_tier(backend="libaio"|"threads"|"buffered", **options)`` -> a closed-after-test tier."""
+    """``make_tier(backend="libaio"|"threads"|"buffered", device="cpu", **options)`` -> a tier
+    closed after the test; ``device`` is the compute device (pinned staging on "cuda")."""
     from tierwise.config import Config
     from tierwise_nvme import NVMeOptions, NVMeTier
 
     tiers = []
 
     def make(
-        backend: str = "libaio", *, directory: Path | None = None, budget=None, io=None, **options
+        backend: str = "libaio", *, directory: Path | None = None, budget=None, io=None,
+        device: str = "cpu", **options
     ):
         if backend == "libaio":
             require_libaio()
         tier = NVMeTier(
-            device=torch.device("cpu"),
+            device=torch.device(device),
             budget=budget,
-            config=Config(nvme_path=str(directory or nvme_dir), device="cpu"),
+            config=Config(nvme_path=str(directory or nvme_dir), device=device),
             options=NVMeOptions(backend=backend, **options),
             backend=io,
         )

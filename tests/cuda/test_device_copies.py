@@ -1,0 +1,96 @@
+"""Asynchronous copies between pinned host memory and the device are waited for before their
+data is used ([Note: pinned copies] in tierwise.tiers.memory, [Note: prefetch overlap] in
+tierwise.runtime.transfer).
+
+Each copy is made slow: it moves a large tensor and is queued behind seconds' worth of matrix
+products on the stream that issues it. Reading the destination without the copy's event then
+sees the old contents (zeros here), so a missing or misplaced wait fails the value checks.
+On CPU the copies are synchronous and the same checks hold trivially.
+"""
+
+import pytest
+import torch
+from helpers.devices import DEVICES, synchronize
+from tierwise.config import Config
+from tierwise.runtime.transfer import ChunkLoads
+from tierwise.tiers import HostTier
+
+BIG = 64 * 2**20  # elements: 256 MiB of fp32
+
+
+def _numel(device: str) -> int:
+    return BIG if device == "cuda" else 2**16
+
+
+def _delay_current_stream(device: str) -> torch.Tensor:
+    """Queue long-running matrix products on the current stream of ``device``; returns a
+    scalar that depends on all of them and equals zero (CPU: nothing queued, a plain zero)."""
+    if device == "cpu":
+        return torch.zeros(())
+    a = torch.randn(8192, 8192, device=device) / 8192
+    for _ in range(30):  # fp32 without TF32: tens of milliseconds each
+        a = a @ a
+    return a[0, 0] * 0
+
+
+def _host_tier(device: str) -> HostTier:
+    return HostTier(device=torch.device(device), budget=None, config=Config(device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_to_host_copy_is_complete_after_wait(device):
+    tier = _host_tier(device)
+    assert tier.pin == (device == "cuda")
+    n = _numel(device)
+    slab = tier.allocate(n, torch.float32, what="optim_chunk 0")
+    slab.tensor.zero_()
+    zero = _delay_current_stream(device)
+    src = torch.arange(n, dtype=torch.float32, device=device) + zero  # ready only after the delay
+    handle = tier.write(slab, src)
+    handle.wait()  # host code reads the slab next: wait() must block until the copy is done
+    assert handle.done()
+    expected = torch.arange(n, dtype=torch.float32)
+    assert torch.equal(slab.tensor, expected), "the host slab was read before its copy finished"
+    tier.release(slab)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_to_device_copy_is_ordered_before_compute(device):
+    tier = _host_tier(device)
+    n = _numel(device)
+    slab = tier.allocate(n, torch.float32, what="param_chunk 0")
+    slab.tensor.copy_(torch.arange(n, dtype=torch.float32))
+    out = torch.zeros(n, device=device)
+    synchronize(device)
+    handle = tier.read(slab, out)
+    handle.wait()  # the current stream waits for the copy; the sum below runs after it
+    assert float(out.sum(dtype=torch.float64)) == float(n * (n - 1) // 2)
+    tier.release(slab)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefetch_on_the_side_stream_is_finished_before_compute_reads(device):
+    """A load issued by ChunkLoads.start runs on the side stream (CUDA); compute may read the
+    destination only after finish(). The load is delayed on the side stream itself, so compute
+    running ahead of it would read zeros."""
+    tier = _host_tier(device)
+    loads = ChunkLoads(torch.device(device))
+    assert (loads.side_stream is not None) == (device == "cuda")
+    n = _numel(device)
+    slab = tier.allocate(n, torch.float32, what="param_chunk 0")
+    slab.tensor.copy_(torch.arange(n, dtype=torch.float32))
+    out = torch.zeros(n, device=device)
+    synchronize(device)
+
+    def issue():
+        zero = _delay_current_stream(device)  # inside start: the side stream on CUDA
+        return [tier.read(slab, out)], [zero]
+
+    loads.start(("group", 0), issue, collective=False)
+    assert ("group", 0) in loads
+    loads.finish(("group", 0))
+    total = out.sum(dtype=torch.float64)  # queued on the compute stream after finish()
+    assert float(total) == float(n * (n - 1) // 2), "compute read the chunk before its load finished"
+    assert float(out[-1]) == n - 1
+    loads.close()
+    tier.release(slab)

@@ -75,3 +75,13 @@ def test_resume_continues_bitwise_on_device(tmp_path, device, plan):
         assert train(resumed, resumed_opt, 3, first_seed=3) == straight
     for key, value in _cpu_state(resumed).items():
         assert torch.equal(value, final[key]), key
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_buffers_follow_the_compute_device(device):
+    model = tiny_model("llama")  # rotary inv_freq: a non-persistent buffer built on cpu
+    assert any(True for _ in model.buffers())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(model, opt, device=device, param_placement="host", cache_blocks=3)
+    assert {b.device.type for b in model.buffers()} == {device}
+    assert len(train(model, opt, 1)) == 1

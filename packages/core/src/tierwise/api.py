@@ -21,6 +21,7 @@ from tierwise.runtime.build import (
     collect_params,
     fill_payloads,
     layout_groups,
+    move_buffers,
     static_profile,
 )
 from tierwise.runtime.engine import _PRECISION_DTYPES
@@ -114,6 +115,7 @@ def setup(
     dtype = _PRECISION_DTYPES[config.precision]
     # --- from here on the model is changed -----------------------------------------------
     fill_payloads(groups, dtype, model)
+    move_buffers(model, tiers["device"].device)
     slot_chunk = {}
     for group in groups:
         for chunk in group.chunks:

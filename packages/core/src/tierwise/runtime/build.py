@@ -210,6 +210,16 @@ def fill_payloads(groups: list[ChunkGroup], dtype: torch.dtype, model: torch.nn.
             p.data = torch.empty(0, dtype=p.dtype)
 
 
+def move_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Put the model's buffers (rotary tables, position ids, masks) on the compute device, where
+    the forward pass combines them with chunk-backed parameters and the inputs. Buffers still on
+    the meta device are left as they are."""
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if not buffer.is_meta and buffer.device != device:
+                setattr(module, name, buffer.to(device))  # keeps the buffer's persistence
+
+
 def _initialise(model: torch.nn.Module, module: torch.nn.Module) -> None:
     init = getattr(model, "_init_weights", None)
     if callable(init):

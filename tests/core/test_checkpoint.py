@@ -8,6 +8,8 @@ import tierwise
 import torch
 from helpers.models import tiny_batch, tiny_model
 from helpers.train import train
+from tierwise.checkpoint_manifest import CheckpointError
+from tierwise.checkpoint_reader import CheckpointReader
 
 PLANS = {
     "device": dict(precision="bf16", device="cpu"),
@@ -81,11 +83,88 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     shutil.rmtree(tmp_path / "ckpt.tmp", ignore_errors=True)
 
 
-def test_checkpoint_from_another_layout_is_refused(tmp_path):
-    model, opt = build("gpt2", "host")
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    model, opt = build("llama", "host")
     tierwise.save_checkpoint(tmp_path / "ckpt", model, opt)
-    other = tiny_model("gpt2")
-    other, other_opt = tierwise.setup(other, torch.optim.AdamW(other.parameters()), precision="fp32",
-                                      device="cpu", chunk_size=9000)
-    with pytest.raises(ValueError, match="does not match this model's layout"):
+    other, other_opt = build("gpt2", "host")
+    with pytest.raises(CheckpointError, match="has no transformer"):
         tierwise.load_checkpoint(tmp_path / "ckpt", other, other_opt)
+
+
+def test_reader_gives_each_parameter_by_name(tmp_path):
+    model, opt = build("gpt2", "host")
+    train(model, opt, 2)
+    tierwise.save_checkpoint(tmp_path / "ckpt", model, opt)
+    state = model.state_dict()
+    reader = CheckpointReader(tmp_path / "ckpt")
+    assert reader.world_size == 1 and reader.steps_taken == 2
+    assert reader.aliases() == {"lm_head.weight": "transformer.wte.weight"}
+    for name in [*reader.names(), "lm_head.weight"]:
+        assert torch.equal(reader.tensor(name), state[name]), name
+        assert torch.equal(reader.read(name, "exp_avg_sq", 1, 3),
+                           reader.tensor(name, "exp_avg_sq").reshape(-1)[1:3])
+        assert reader.step(name) == 2.0
+
+
+def _save_then_die(path):
+    import os
+    import signal
+
+    import tierwise.checkpoint as ckpt
+
+    model, opt = build("gpt2", "host")
+    train(model, opt, 2)
+    tierwise.save_checkpoint(path, model, opt)
+    train(model, opt, 1, first_seed=2)
+    real = ckpt.describe
+
+    def killed_after_first_file(file):
+        real(file)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    ckpt.describe = killed_after_first_file
+    tierwise.save_checkpoint(path, model, opt)
+
+
+def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):
+    import multiprocessing
+
+    process = multiprocessing.get_context("spawn").Process(target=_save_then_die, args=(tmp_path / "ckpt",))
+    process.start()
+    process.join(timeout=300)
+    assert process.exitcode == -9
+    assert (tmp_path / "ckpt.tmp").is_dir()  # the killed save's files
+    model, opt = build("gpt2", "host")
+    train(model, opt, 2)
+    resumed, resumed_opt = build("gpt2", "host")
+    tierwise.load_checkpoint(tmp_path / "ckpt", resumed, resumed_opt)
+    assert train(resumed, resumed_opt, 2, first_seed=2) == train(model, opt, 2, first_seed=2)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [("truncate", "has .* bytes, the manifest says"), ("flip", "does not match its checksum"),
+     ("no-manifest", "incomplete: it has no manifest.json"), ("missing", "incomplete: engine.pt is missing")],
+)
+def test_damaged_checkpoint_is_refused_in_one_line(tmp_path, damage, message):
+    model, opt = build("gpt2", "host")
+    train(model, opt, 1)
+    path = tmp_path / "ckpt"
+    tierwise.save_checkpoint(path, model, opt)
+    rank_file = path / "rank00000-of-00001.pt"
+    if damage == "truncate":
+        rank_file.write_bytes(rank_file.read_bytes()[:-100])
+    elif damage == "flip":
+        data = bytearray(rank_file.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        rank_file.write_bytes(bytes(data))
+    elif damage == "no-manifest":
+        (path / "manifest.json").unlink()
+    else:
+        (path / "engine.pt").unlink()
+    fresh, fresh_opt = build("gpt2", "host")
+    before = fresh.state_dict()
+    with pytest.raises(CheckpointError, match=message) as err:
+        tierwise.load_checkpoint(path, fresh, fresh_opt)
+    assert "\n" not in str(err.value)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())  # nothing written

@@ -194,11 +194,7 @@ def test_checkpoint_resume_and_consolidated_state_dict(tmp_path):
     fresh.load_state_dict(state)
     for name, p in fresh.named_parameters():
         assert torch.equal(p.detach(), state[name])
-    assert len(list((tmp_path / "ckpt").glob("rank*.pt"))) == 2
-    with pytest.raises(FileNotFoundError, match="rank 0 of 1"):
-        model = tiny_model("gpt2")
-        model, opt = tierwise.setup(model, torch.optim.AdamW(model.parameters()), device="cpu")
-        tierwise.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert len(list((tmp_path / "ckpt").glob("rank*.pt"))) == 2  # other world sizes: test_resharding
 
 
 def _no_sync(rank, world, use_no_sync):

@@ -142,6 +142,7 @@ def setup(
         optimizer_groups=optimizer.param_groups, world_group=world,
     )
     engine.profile = profile
+    engine.patterns = patterns  # checkpoints rebuild whole-model values through them
     engine.hardware = hardware
     engine.make_tracer = lambda: host.memory_tracer(
         device=engine.device, model_bytes=engine.model_bytes_on_device

@@ -1,4 +1,5 @@
-"""Checkpoints (one file per rank, written atomically) and full state dicts under original names."""
+"""Checkpoints (by parameter name, one file per rank, written atomically) and full state dicts
+under original names."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from tierwise.checkpoint_manifest import FORMAT_VERSION, CheckpointError, describe, write_manifest
+from tierwise.checkpoint_reader import CheckpointReader
 from tierwise.chunks import Chunk
 from tierwise.parallel.collectives import _all_gather
 
@@ -20,7 +23,6 @@ if TYPE_CHECKING:
     from tierwise.parallel import ParallelPattern
     from tierwise.runtime.engine import Engine
 
-FORMAT_VERSION = 1
 
 
 def _read(slab, numel: int | None = None) -> torch.Tensor:
@@ -143,87 +145,141 @@ def full_state_names(engine: Engine) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def rank_state(engine: Engine) -> dict:
-    """This rank's shards of everything needed to resume bitwise."""
-    chunks = {}
+def _splits(pattern: ParallelPattern | None) -> bool:
+    """Whether ``pattern`` holds parameters as per-rank blocks of a whole-model tensor."""
+    from tierwise.parallel import ParallelPattern
+
+    return pattern is not None and type(pattern).full_tensor is not ParallelPattern.full_tensor
+
+
+def _slabs(chunk: Chunk) -> dict:
+    """A chunk's stored kinds ([Note: checkpoint by parameter name]) and the slabs holding them."""
+    if chunk.optim is None:
+        return {"master": chunk.home}
+    return {"master": chunk.optim.master, "exp_avg": chunk.optim.exp_avg,
+            "exp_avg_sq": chunk.optim.exp_avg_sq}
+
+
+def _chunk_step(engine: Engine, chunk: Chunk) -> float:
+    return float(engine._steps[chunk.key]) if chunk.optim is not None else 0.0
+
+
+def _overlap(chunk: Chunk, slot) -> tuple[int, int]:
+    """The part of ``slot`` in this rank's shard of ``chunk``, in the parameter's flat indices."""
+    start, end = chunk.shard_range()
+    lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+    return (lo - slot.offset, hi - slot.offset) if lo < hi else (0, 0)
+
+
+def rank_pieces(engine: Engine, rank: int, world: int) -> tuple[dict, dict]:
+    """This rank's pieces of every parameter by name, and their index entries.
+
+    Data-parallel chunks: the part of each parameter in this rank's shard (rank 0 alone writes
+    chunks that are not sharded). Model-parallel chunks: the whole-model value is rebuilt
+    (collective, every rank in the same order) and this rank writes its 1/world share of it.
+    """
+    pattern_of = {pattern.key: pattern for pattern in engine.patterns}
+    pieces, index = {}, {}
     for chunk in engine.chunks():
-        key = f"{chunk.group.name}#{chunk.index}"
-        entry = {"capacity": chunk.capacity, "names": [s.name for s in chunk.slots]}
-        if chunk.optim is not None:
-            entry["master"] = _read(chunk.optim.master)
-            entry["exp_avg"] = _read(chunk.optim.exp_avg)
-            entry["exp_avg_sq"] = _read(chunk.optim.exp_avg_sq)
-            entry["step"] = engine._steps[chunk.key].detach().cpu().clone()
-        else:
-            entry["home"] = _read(chunk.home)
-        chunks[key] = entry
+        pattern = pattern_of.get(chunk.group.pattern_key)
+        step = _chunk_step(engine, chunk)
+        for kind, slab in _slabs(chunk).items():
+            shard = _read(slab).float()
+            if _splits(pattern):
+                full = _full_chunk(chunk, shard)
+                for slot in chunk.slots:
+                    local = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                    value = pattern.full_tensor(slot.name, slot.param, local)
+                    n = value.numel()
+                    lo, hi = rank * n // world, (rank + 1) * n // world
+                    if lo < hi:
+                        pieces[f"{slot.name}/{kind}"] = value.reshape(-1)[lo:hi].clone()
+                        index[slot.name] = {"shape": list(value.shape), "lo": lo, "hi": hi}
+            elif chunk.group.sharded or chunk.group.rank == 0:
+                start, _ = chunk.shard_range()
+                for slot in chunk.slots:
+                    lo, hi = _overlap(chunk, slot)
+                    if lo < hi:
+                        a = slot.offset + lo - start
+                        pieces[f"{slot.name}/{kind}"] = shard[a : a + hi - lo].clone()
+                        index[slot.name] = {"shape": list(slot.shape), "lo": lo, "hi": hi}
+        for slot in chunk.slots:
+            if slot.name in index:
+                index[slot.name].update(trainable=chunk.optim is not None, step=step)
+    return pieces, index
+
+
+def _gather_objects(value):
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+    return [value]
+
+
+def _engine_state(engine: Engine) -> dict:
     return {
-        "format": FORMAT_VERSION,
-        "world": [g.world for g in engine.groups],
-        "chunks": chunks,
-        "order": [s.name for chunk in engine.chunks() for s in chunk.slots],
         "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "steps_taken": engine.steps_taken,
         "param_groups": [
             {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer_groups
         ],
+        "order": [s.name for chunk in engine.chunks() for s in chunk.slots],
     }
 
 
-def load_rank_state(engine: Engine, state: dict) -> None:
-    worlds = [g.world for g in engine.groups]
-    if state["world"] != worlds:
-        raise ValueError(
-            f"checkpoint was written with data-parallel sizes {state['world']}, this run has "
-            f"{worlds}: resume with the same world size (resharding is not supported yet)"
-        )
-    if "order" in state and state["order"] != [s.name for c in engine.chunks() for s in c.slots]:
-        from tierwise.runtime.relayout import relayout
-
-        relayout(engine, state["order"])  # the run re-packed after warm-up: the same layout here
-    engine._relayout_checked = state["steps_taken"] >= 1
-    for chunk in engine.chunks():
-        key = f"{chunk.group.name}#{chunk.index}"
-        entry = state["chunks"].get(key)
-        if entry is None or entry["names"] != [s.name for s in chunk.slots]:
-            raise ValueError(
-                f"checkpoint chunk {key} does not match this model's layout (different model, "
-                "chunk_size or plan): resume with the same model and chunk_size"
-            )
-        if chunk.optim is not None:
-            _write(chunk.optim.master, entry["master"])
-            _write(chunk.optim.exp_avg, entry["exp_avg"])
-            _write(chunk.optim.exp_avg_sq, entry["exp_avg_sq"])
-            engine._steps[chunk.key].copy_(entry["step"])
-            if chunk.home is not chunk.optim.master:
-                _write(chunk.home, entry["master"].to(engine.dtype))
-            chunk.optim.clear_grad()
-        else:
-            _write(chunk.home, entry["home"])
-    if engine.scaler is not None and state["scaler"] is not None:
-        engine.scaler.load_state_dict(state["scaler"])
-    engine.steps_taken = state["steps_taken"]
-    for group, saved in zip(engine.optimizer_groups, state["param_groups"], strict=False):
-        group.update(saved)
-    engine.invalidate_cache()
+def _rank_file(rank: int, world: int) -> str:
+    return f"rank{rank:05d}-of-{world:05d}.pt"
 
 
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def _write_files(folder: Path, engine: Engine, rank: int, world: int, extra) -> tuple[dict, dict]:
+    """Write this rank's files; return their manifest entries and this rank's piece index."""
+    pieces, index = rank_pieces(engine, rank, world)
+    files = {_rank_file(rank, world): pieces}
+    if extra is not None:
+        files[f"extra-rank{rank:05d}.pt"] = extra
+    if rank == 0:
+        files["engine.pt"] = _engine_state(engine)
+    described = {}
+    for name, value in files.items():
+        torch.save(value, folder / name)
+        described[name] = describe(folder / name)
+    return described, index
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def _manifest(engine: Engine, world: int, gathered: list) -> dict:
+    from tierwise._version import __version__
+
+    files, params = {}, {}
+    for rank, (described, index) in enumerate(gathered):
+        files.update(described)
+        for name, entry in index.items():
+            param = params.setdefault(name, {
+                "shape": entry["shape"], "trainable": entry["trainable"], "step": entry["step"],
+                "pieces": [],
+            })
+            param["pieces"].append([_rank_file(rank, world), entry["lo"], entry["hi"]])
+    for param in params.values():
+        param["pieces"].sort(key=lambda piece: piece[1])
+    aliases = {alias: info.name for info in engine.profile.params for alias in info.aliases}
+    return {
+        "format": FORMAT_VERSION, "tierwise_version": __version__, "world_size": world,
+        "step": engine.steps_taken, "files": files, "params": params, "aliases": aliases,
+        "plan": {"chunk_size": engine.plan.chunk_size, "cache_blocks": engine.plan.cache_blocks,
+                 "parallel": dict(engine.config.parallel or {})},
+    }
 
 
-def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Path:
-    """Write a resumable checkpoint directory: one file per rank, replaced atomically.
+def save_checkpoint(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *, extra: dict | None = None
+) -> Path:
+    """Write a resumable checkpoint directory by parameter name ([Note: checkpoint by parameter
+    name]); collective, every rank calls it. ``extra``: this rank's own picklable state, given
+    back by :func:`load_checkpoint`.
 
-    Files go to ``<path>.tmp`` first; rank 0 swaps it in only after every rank has written, so
-    a crash mid-write leaves the previous checkpoint intact.
+    Files go to ``<path>.tmp`` first; each rank writes and hashes its own, rank 0 writes the
+    manifest last ([Note: checkpoint manifest]) and swaps the directory in, so a crash mid-write
+    leaves the previous checkpoint intact.
     """
     from tierwise.api import engine_of
 
@@ -235,33 +291,169 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    file = tmp / f"rank{rank:05d}-of-{world:05d}.pt"
-    torch.save(rank_state(engine), file)
-    with open(file, "rb") as handle:
-        os.fsync(handle.fileno())
-    _barrier()
+    gathered = _gather_objects(_write_files(tmp, engine, rank, world, extra))
     if rank == 0:
+        write_manifest(tmp, _manifest(engine, world, gathered))
         old = target.with_name(target.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         if target.exists():
             target.rename(old)
         tmp.rename(target)
+        _fsync_dir(target.parent)
         shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return target
 
 
-def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> None:
-    """Restore what ``save_checkpoint`` wrote (same model, chunk size and world size)."""
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=None):
+    """Restore what ``save_checkpoint`` wrote, by parameter name: the saving run's world size,
+    chunk size, tiers, rCache and model-parallel sizes may differ from this one's. Collective.
+    Returns what this rank passed as ``extra`` when saving (None when it has none, e.g. a rank
+    the saving run did not have). Raises CheckpointError for an incomplete or corrupt one."""
     from tierwise.api import engine_of
 
     engine = engine_of(model)
-    rank, world = _rank_and_world()
-    file = Path(path) / f"rank{rank:05d}-of-{world:05d}.pt"
-    if not file.is_file():
-        found = sorted(p.name for p in Path(path).glob("rank*.pt")) if Path(path).is_dir() else []
-        raise FileNotFoundError(
-            f"checkpoint {path}: no file {file.name} for rank {rank} of {world} (found: "
-            f"{', '.join(found) or 'nothing'}); resume with the world size it was saved with"
+    rank, _ = _rank_and_world()
+    reader = CheckpointReader(path)
+    load_from_reader(engine, reader)
+    return reader.extra(rank)
+
+
+def _check_names(engine: Engine, reader: CheckpointReader) -> None:
+    names = [s.name for c in engine.chunks() for s in c.slots]
+    missing = [n for n in names if n not in reader]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {reader.path} has no {', '.join(missing[:3])}"
+            f"{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''}: load a checkpoint "
+            "of the same model"
         )
-    load_rank_state(engine, torch.load(file, weights_only=False))
+    pattern_of = {pattern.key: pattern for pattern in engine.patterns}
+    for chunk in engine.chunks():
+        for slot in chunk.slots:
+            if chunk.optim is not None and not reader.trainable(slot.name):
+                raise CheckpointError(
+                    f"checkpoint {reader.path} saved {slot.name} frozen (no Adam moments), this "
+                    "run trains it: load it with the same parameters trainable"
+                )
+            if not _splits(pattern_of.get(chunk.group.pattern_key)) and reader.shape(slot.name) != slot.shape:
+                raise CheckpointError(
+                    f"checkpoint {reader.path}: {slot.name} has shape {tuple(reader.shape(slot.name))}"
+                    f", this model's has {tuple(slot.shape)}: load a checkpoint of the same model"
+                )
+
+
+def load_from_reader(engine: Engine, reader: CheckpointReader) -> None:
+    """Write a checkpoint's values into this rank's payloads, re-sliced by parameter name."""
+    _check_names(engine, reader)
+    state = reader.engine_state()
+    pattern_of = {pattern.key: pattern for pattern in engine.patterns}
+    needed = set()
+    for chunk in engine.chunks():  # every file this rank reads is checked before any write
+        whole = _splits(pattern_of.get(chunk.group.pattern_key))
+        for slot in chunk.slots:
+            lo, hi = _overlap(chunk, slot)
+            if lo < hi:
+                needed |= reader.files_for(slot.name) if whole else reader.files_for(slot.name, lo, hi)
+    reader.open_files(needed)
+    current = [s.name for c in engine.chunks() for s in c.slots]
+    if state["order"] != current and sorted(state["order"]) == sorted(current):
+        from tierwise.runtime.relayout import relayout
+
+        relayout(engine, state["order"])  # the run re-packed after warm-up: the same order here
+    engine._relayout_checked = state["steps_taken"] >= 1
+    for chunk in engine.chunks():
+        start, end = chunk.shard_range()
+        pattern = pattern_of.get(chunk.group.pattern_key)
+        values = {}
+        for kind in _slabs(chunk):
+            shard = torch.zeros(end - start, dtype=torch.float32)
+            for slot in chunk.slots:
+                lo, hi = _overlap(chunk, slot)
+                if lo == hi:
+                    continue
+                if _splits(pattern):
+                    whole = reader.tensor(slot.name, kind)
+                    part = pattern.local_tensor(slot.name, slot.param, whole).reshape(-1)[lo:hi]
+                else:
+                    part = reader.read(slot.name, kind, lo, hi)
+                a = slot.offset + lo - start
+                shard[a : a + hi - lo] = part
+            values[kind] = shard
+        if chunk.optim is not None:
+            steps = {reader.step(slot.name) for slot in chunk.slots}
+            if len(steps) > 1:
+                raise CheckpointError(
+                    f"checkpoint {reader.path}: the parameters of chunk {chunk.key} have different "
+                    f"Adam step counts {sorted(steps)}; this tierwise keeps one per chunk"
+                )
+            engine._steps[chunk.key].fill_(steps.pop())
+            for kind, slab in _slabs(chunk).items():
+                _write(slab, values[kind])
+            if chunk.home is not chunk.optim.master:
+                _write(chunk.home, values["master"].to(engine.dtype))
+            chunk.optim.clear_grad()
+        else:
+            _write(chunk.home, values["master"])
+    if engine.scaler is not None and state["scaler"] is not None:
+        engine.scaler.load_state_dict(state["scaler"])
+    engine.steps_taken = state["steps_taken"]
+    for group, saved in zip(engine.optimizer_groups, state["param_groups"], strict=False):
+        group.update(saved)
+    engine.invalidate_cache()
+
+
+# ----------------------------------------------------------------------------- in memory
+def rank_state(engine: Engine) -> dict:
+    """This rank's pieces by parameter name, in memory (``optimizer.state_dict()``; collective
+    when model-parallel patterns rebuild whole-model values)."""
+    rank, world = _rank_and_world()
+    pieces, index = rank_pieces(engine, rank, world)
+    return {"format": FORMAT_VERSION, "world_size": world, "rank": rank, "pieces": pieces,
+            "index": index, "engine": _engine_state(engine)}
+
+
+class _InMemoryReader(CheckpointReader):
+    """One rank's ``rank_state`` read like a checkpoint directory: it holds this rank's pieces
+    only, so it loads into the layout and world size that produced it."""
+
+    def __init__(self, state: dict):
+        self.path = Path(f"<state_dict of rank {state['rank']}>")
+        params = {name: {**{k: v for k, v in entry.items() if k not in ("lo", "hi")},
+                         "pieces": [["memory", entry["lo"], entry["hi"]]]}
+                  for name, entry in state["index"].items()}
+        self.manifest = {"world_size": state["world_size"], "step": state["engine"]["steps_taken"],
+                         "params": params, "files": {}}
+        self._params, self._aliases = params, {}
+        self._files = {"memory": state["pieces"]}
+        self._engine = state["engine"]
+
+    def engine_state(self) -> dict:
+        return self._engine
+
+
+def load_rank_state(engine: Engine, state: dict) -> None:
+    """Inverse of :func:`rank_state` on the same layout and world size."""
+    if state.get("format") != FORMAT_VERSION:
+        raise CheckpointError("optimizer state dict from another tierwise version: save and load "
+                              "a checkpoint directory instead")
+    load_from_reader(engine, _InMemoryReader(state))
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

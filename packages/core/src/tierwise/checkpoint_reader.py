@@ -1,0 +1,150 @@
+"""Read a tierwise checkpoint by parameter name, one piece at a time.
+
+[Note: checkpoint by parameter name]
+A checkpoint stores, per parameter (under its original, whole-model name), flat fp32 pieces of
+its master weights and Adam moments: piece ``[lo, hi)`` of the parameter's flattened whole-model
+value, in the file of the rank that wrote it. Which rank wrote which piece follows from the
+layout it ran with (its data-parallel shard of each chunk, or a 1/world share of a
+model-parallel parameter), and the manifest's ``params`` index lists them. Reading by name and
+range therefore needs no knowledge of the writer's world size, chunk size, tiers or
+model-parallel layout. Files are opened memory-mapped, so a read touches only the pages of the
+pieces it asks for: a rank resuming on another world size reads its own share, never the whole
+model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierwise.checkpoint_manifest import CheckpointError, check_file, read_manifest
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+"""What is stored per parameter: fp32 master weights (a frozen parameter's value) and, for
+trainable parameters, the two Adam moments."""
+
+
+class CheckpointReader:
+    """A checkpoint directory written by :func:`tierwise.save_checkpoint`, read by parameter name.
+
+    >>> reader = CheckpointReader("ckpt")
+    >>> for name in reader.names():
+    ...     weight = reader.tensor(name)             # whole-model fp32 master, original shape
+    ...     m = reader.read(name, "exp_avg", 0, 10)  # the first 10 elements of its first moment
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self._params: dict[str, dict[str, Any]] = self.manifest["params"]
+        self._aliases: dict[str, str] = self.manifest.get("aliases", {})
+        self._files: dict[str, dict[str, torch.Tensor]] = {}
+
+    # -- what is in it ------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """How many ranks wrote it."""
+        return self.manifest["world_size"]
+
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps the run had taken when it was saved."""
+        return self.manifest["step"]
+
+    def names(self) -> list[str]:
+        """Parameter names (a tied parameter once, under its first name; see :meth:`aliases`)."""
+        return list(self._params)
+
+    def aliases(self) -> dict[str, str]:
+        """Other names of tied parameters -> the name they are stored under."""
+        return dict(self._aliases)
+
+    def __contains__(self, name: str) -> bool:
+        return self._aliases.get(name, name) in self._params
+
+    def shape(self, name: str) -> torch.Size:
+        """The whole-model shape of ``name``."""
+        return torch.Size(self._entry(name)["shape"])
+
+    def numel(self, name: str) -> int:
+        return self.shape(name).numel()
+
+    def trainable(self, name: str) -> bool:
+        """Whether Adam moments are stored for ``name``."""
+        return self._entry(name)["trainable"]
+
+    def step(self, name: str) -> float:
+        """The Adam step count of ``name`` (its bias correction)."""
+        return float(self._entry(name)["step"])
+
+    # -- values -------------------------------------------------------------------------------
+    def read(self, name: str, kind: str = "master", start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Elements ``[start, end)`` of ``name``'s flattened whole-model ``kind`` (fp32, a copy).
+
+        Only the files holding those elements are opened (and checked against the manifest).
+        """
+        entry = self._entry(name)
+        if kind not in KINDS or (kind != "master" and not entry["trainable"]):
+            raise KeyError(f"checkpoint {self.path}: {name} has no {kind!r} (it has: "
+                           f"{', '.join(KINDS if entry['trainable'] else KINDS[:1])})")
+        numel = self.numel(name)
+        end = numel if end is None else end
+        if not 0 <= start <= end <= numel:
+            raise IndexError(f"{name}: range [{start}, {end}) is outside its {numel} elements")
+        out = torch.empty(end - start, dtype=torch.float32)
+        covered = 0
+        for file, lo, hi in entry["pieces"]:
+            a, b = max(lo, start), min(hi, end)
+            if a >= b:
+                continue
+            piece = self._open(file)[f"{self._aliases.get(name, name)}/{kind}"]
+            out[a - start : b - start] = piece[a - lo : b - lo]
+            covered += b - a
+        if covered != end - start:
+            raise CheckpointError(f"checkpoint {self.path}: the pieces of {name} do not cover "
+                                  f"[{start}, {end})")
+        return out
+
+    def files_for(self, name: str, start: int = 0, end: int | None = None) -> set[str]:
+        """The files holding elements ``[start, end)`` of ``name``."""
+        end = self.numel(name) if end is None else end
+        return {file for file, lo, hi in self._entry(name)["pieces"] if max(lo, start) < min(hi, end)}
+
+    def open_files(self, files: set[str]) -> None:
+        """Open (and check against the manifest) ``files`` now: a caller that writes what it
+        reads checks everything before the first write."""
+        for file in sorted(files):
+            self._open(file)
+
+    def tensor(self, name: str, kind: str = "master") -> torch.Tensor:
+        """The whole-model ``kind`` of ``name`` in its original shape (fp32)."""
+        return self.read(name, kind).view(self.shape(name))
+
+    def engine_state(self) -> dict[str, Any]:
+        """Loss scaler, step counter and optimizer hyper-parameters of the run."""
+        return torch.load(self._checked("engine.pt"), weights_only=False)
+
+    def extra(self, rank: int) -> dict[str, Any] | None:
+        """What ``save_checkpoint(extra=...)`` stored for ``rank`` (None if nothing)."""
+        name = f"extra-rank{rank:05d}.pt"
+        if name not in self.manifest["files"]:
+            return None
+        return torch.load(self._checked(name), weights_only=False)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _entry(self, name: str) -> dict[str, Any]:
+        key = self._aliases.get(name, name)
+        if key not in self._params:
+            raise KeyError(f"checkpoint {self.path} has no parameter {name!r}")
+        return self._params[key]
+
+    def _checked(self, file: str) -> Path:
+        return check_file(self.path, file, self.manifest)
+
+    def _open(self, file: str) -> dict[str, torch.Tensor]:
+        if file not in self._files:
+            self._files[file] = torch.load(self._checked(file), mmap=True, weights_only=True)
+        return self._files[file]

@@ -15,6 +15,7 @@ from tierwise.optim import TierwiseOptimizer, check_optimizer
 from tierwise.parallel.base import snapshot_model
 from tierwise.plugins import get_plugin_host
 from tierwise.runtime import Engine, RCache
+from tierwise.runtime.activations import ActivationManager, find_blocks, resolve_policy
 from tierwise.runtime.build import (
     allocate_payloads,
     check_chunk_size,
@@ -105,7 +106,7 @@ def setup(
     try:
         for pattern in patterns:  # model-parallel patterns shard modules before anything is sized
             pattern.prepare(model)
-        profile, hardware, plan, groups, tiers, cache = _plan_and_allocate(
+        profile, hardware, plan, groups, tiers, cache, blocks = _plan_and_allocate(
             model, optimizer, config, host, patterns, example_batch
         )
     except BaseException:
@@ -163,7 +164,13 @@ def setup(
                 for slot in chunk.slots:
                     handle = slot.param.register_post_accumulate_grad_hook(on_grad)
                     engine.hook_handles.append(handle)
-    if config.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+    if blocks:
+        engine.activations = ActivationManager(
+            model=model, blocks=blocks, policy=plan.activation_policy, device=engine.device,
+            nvme=tiers.get("nvme"), untraced=engine.untraced,
+        )
+        engine.activations.install()
+    elif config.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     setattr(model, _ENGINE_ATTR, engine)
     from tierwise.checkpoint import install_state_dict_hooks
@@ -196,8 +203,10 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
                  "chunks": len(g.chunks), "trainable": g.trainable}
         for g in groups
     }
+    blocks = _activation_blocks(model, config, host, plan)
     needed = {plan.param_tier_of(g.name, c.index) for g in groups for c in g.chunks}
     needed |= {plan.optim_tier_of(g.name, c.index) for g in groups if g.trainable for c in g.chunks}
+    needed |= {a for a in plan.activation_policy.values() if a == "nvme"}
     tiers = _make_tiers(host, config, plan, needed)
     allocated = allocate_payloads(groups, plan, tiers, fp32_alias=config.precision == "fp32")
     try:
@@ -213,7 +222,38 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
         for slab in allocated:
             slab.tier.release(slab)
         raise
-    return profile, hardware, plan, groups, tiers, cache
+    return profile, hardware, plan, groups, tiers, cache, blocks
+
+
+def _activation_blocks(model, config: Config, host, plan) -> dict:
+    """The model's transformer blocks; sets ``plan.activation_policy`` to the action each one
+    gets (see ``tierwise.runtime.activations.resolve_policy``). Raises before anything changes."""
+    blocks = find_blocks(model)
+    if not blocks:
+        if config.activation_policy or config.activation_offload in ("host", "nvme"):
+            raise ConfigError(
+                "activation_policy / activation_offload need transformer blocks, and this model "
+                "has none tierwise recognises (no _no_split_modules classes, no nn.ModuleList of "
+                "layers); use activation_checkpointing or leave activations on 'none'"
+            )
+        return blocks
+    hf_checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+    try:
+        policy = resolve_policy(
+            list(blocks), policy=config.activation_policy, offload=config.activation_offload,
+            checkpointing=config.activation_checkpointing or hf_checkpointing,
+            plan_policy=plan.activation_policy,
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    on_nvme = [b for b, a in policy.items() if a == "nvme"]
+    if on_nvme and "nvme" not in host.tier_classes():
+        raise ConfigError(
+            f"the activation policy swaps {len(on_nvme)} block(s) ({on_nvme[0]}, ...) to nvme, "
+            "which needs the tierwise-nvme plugin: pip install tierwise-nvme (and set nvme_path)"
+        )
+    plan.activation_policy = policy
+    return blocks
 
 
 def _home_is_compute_buffer(chunk) -> bool:

@@ -68,6 +68,12 @@ class Config:
     activation_offload: str = "none"
     """Where saved activations go: "none" | "host" | "nvme" | "auto" (planner decides)."""
 
+    activation_policy: dict[str, str] | None = None
+    """Per transformer block, what happens to its saved activations: a dict of block name or
+    fnmatch pattern (e.g. "model.layers.*") to "keep" | "recompute" | "host" | "nvme". It wins
+    over ``activation_offload`` and ``activation_checkpointing`` for the blocks it matches (a
+    later entry over an earlier one); a pattern matching no block is an error."""
+
     shard: bool = True
     """Shard chunks across data-parallel ranks (ZeRO). False keeps full replicas (DDP-like)."""
 
@@ -124,6 +130,17 @@ class Config:
                     object.__setattr__(self, name, parse_bytes(value, what=name))
                 except ValueError as err:
                     raise ConfigError(f"Config.{err}") from None
+        if self.activation_policy is not None:
+            from tierwise.runtime.activations import check_policy_entries
+
+            problem = check_policy_entries(self.activation_policy)
+            if problem:
+                fail("activation_policy", problem)
+            object.__setattr__(self, "activation_policy", dict(self.activation_policy))
+        swaps_to_nvme = "nvme" in (self.activation_policy or {}).values()
+        if swaps_to_nvme and not self.nvme_path:
+            fail("activation_policy", "swapping activations to nvme needs nvme_path set to a "
+                 "directory on a fast disk (and the tierwise-nvme plugin)")
         if "nvme" in (self.param_placement, self.optimizer_placement, self.activation_offload):
             if not self.nvme_path:
                 fail(

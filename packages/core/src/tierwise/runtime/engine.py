@@ -127,6 +127,8 @@ class Engine(GradientPath, OptimizerStep):
         """rCache loads in flight ([Note: prefetch overlap])."""
         self.reducer: StreamingReducer | None = None
         """Streams reductions of chunks sharded over ``world_group`` ([Note: streaming reduction])."""
+        self.activations = None
+        """The ActivationManager executing the per-block activation policy (set by setup)."""
 
     # ------------------------------------------------------------------ properties
     @property
@@ -269,6 +271,10 @@ class Engine(GradientPath, OptimizerStep):
             self.recorded_order[phase].extend(dict.fromkeys(names))
         if self._tracer is not None:
             self._tracer.mark(f"{phase}:{self._module_names.get(module, '?')}")
+
+    def untraced(self):
+        """A context in which the warm-up tracer does not count allocations (engine work)."""
+        return self._untraced()
 
     @contextmanager
     def _untraced(self):
@@ -423,6 +429,8 @@ class Engine(GradientPath, OptimizerStep):
             self._step()
         finally:
             self._early_hyper.clear()
+        if self.activations is not None:
+            self.activations.end_step()
         if not self._relayout_checked and not self.trace.recording:
             self._relayout_checked = True
             self._relayout_in_recorded_order()
@@ -458,6 +466,8 @@ class Engine(GradientPath, OptimizerStep):
     def close(self) -> None:
         """Stop pipelines and release tier resources (files of storage tiers)."""
         self.loads.close()
+        if self.activations is not None:
+            self.activations.close()
         for pipeline in self.pipelines.values():
             pipeline.close()
         for tier in self.tiers.values():
@@ -486,10 +496,13 @@ class Engine(GradientPath, OptimizerStep):
         for name, tier in self.tiers.items():
             by_tier[name] = tier.used_bytes
             peak[name] = tier.peak_bytes
+        moved = Counter(self.moved_bytes)
+        if self.activations is not None:
+            moved.update(self.activations.moved_bytes)  # keys "act:<from>-><to>"
         return {
             "bytes_by_tier": dict(by_tier),
             "peak_bytes_by_tier": peak,
-            "moved_bytes": dict(self.moved_bytes),
+            "moved_bytes": dict(moved),
             "moves": dict(self.moves),
             "comm_bytes": dict(self.collectives.bytes),
             "step_time_s": self.step_time_s,
@@ -500,6 +513,7 @@ class Engine(GradientPath, OptimizerStep):
             "loss_scale": self.loss_scale,
             "skipped_steps": self.scaler.skipped_steps if self.scaler else 0,
             "optimizer_mode": getattr(self, "last_update_mode", "after-backward"),
+            "activations": self.activations.stats() if self.activations is not None else None,
             "non_model_peak_bytes": max((b for _, b in self.memory_moments), default=0)
             if self.memory_moments else None,
         }

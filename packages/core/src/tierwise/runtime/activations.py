@@ -1,0 +1,607 @@
+"""Activation memory at runtime: per transformer block, keep / recompute / swap to host / nvme.
+
+A *block* is a transformer layer (``find_blocks``). Each block gets one action (``resolve_policy``,
+from ``Config.activation_policy``, ``activation_offload``, ``activation_checkpointing`` or the
+plan) and the ``ActivationManager`` executes it:
+
+- ``keep``: nothing changes (saved tensors are only counted);
+- ``recompute``: that block alone is checkpointed (non-reentrant), see [Note: per-block recompute];
+- ``host`` / ``nvme``: the tensors the block saves for backward are swapped out while forward
+  runs and swapped back in backward, see [Note: activation swapping].
+
+[Note: activation swapping]
+``torch.autograd.graph.saved_tensors_hooks`` is active while a swapped block's forward runs (and
+only when autograd records: nothing is packed under ``no_grad``). The pack hook leaves a tensor
+alone when it is model data (a parameter or a view of one: chunks are re-fetched for backward
+anyway), lives on another device, or its storage is smaller than ``min_bytes``. Otherwise the
+*storage* is swapped once per block (a storage saved twice, e.g. an input and a view of it, is
+stored once) and the packed value records dtype, offset, size and stride to rebuild the view.
+Swap-out starts as the tensor is saved: on CUDA a copy into pinned host memory on a side stream
+(an event says when it landed), on CPU the nvme tier's asynchronous write (a host swap on a CPU
+device is a plain copy: it is the same RAM). Our reference to the original is dropped when its
+copy has landed, checked at the end of each block and at the end of forward, where every swap-out
+is waited for: an I/O error is raised there, after the forward finished and before any backward,
+so no gradient or optimizer step is half-applied (the graph is dropped, the engine is unchanged).
+In backward, the first unpack of a block's tensor loads that block and prefetches the blocks
+before it (reverse forward order) while the bytes being read stay within ``prefetch_bytes``; a
+loaded storage is dropped by the manager once each of its tensors was unpacked (autograd keeps
+what it still needs), and its nvme room is given back as soon as its read landed.
+
+[Note: per-block recompute]
+A Hugging Face ``GradientCheckpointingLayer`` has its own per-layer switch: setting
+``gradient_checkpointing`` on that layer only (with a non-reentrant checkpoint function) makes
+HF checkpoint that layer alone; the enclosing model's own flag is set too, only so that it stops
+handing layers its KV cache (a recompute would update it twice). Every other block is
+wrapped in ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` through an instance
+``forward``. A block is never checkpointed twice: a layer HF already checkpoints is only
+switched off when its action is not ``recompute``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+ACTIONS = ("keep", "recompute", "host", "nvme")
+MIN_SWAP_BYTES = 1024
+"""Storages smaller than this are never swapped (the bookkeeping would cost more)."""
+
+
+class ActivationPolicyError(ValueError):
+    """An activation policy names blocks that do not exist or an action that cannot run."""
+
+
+# ---------------------------------------------------------------------------------- policy
+def find_blocks(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The transformer blocks of ``model`` in forward order: modules of a class the model lists
+    in ``_no_split_modules`` (Hugging Face), else the entries of every ``nn.ModuleList`` with at
+    least two modules; the outermost ones only."""
+    found: dict[str, torch.nn.Module] = {}
+
+    def inside(name: str) -> bool:
+        return any(name.startswith(block + ".") for block in found)
+
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    for name, module in model.named_modules():
+        if name and type(module).__name__ in classes and not inside(name):
+            found[name] = module
+    if not found:
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.ModuleList) and len(module) >= 2 and not inside(name):
+                for index, child in enumerate(module):
+                    found[f"{name}.{index}" if name else str(index)] = child
+    return found
+
+
+def check_policy_entries(policy: Any) -> str | None:
+    """What is wrong with a ``Config.activation_policy`` value, or None."""
+    if not isinstance(policy, dict) or not all(
+        isinstance(k, str) and k and isinstance(v, str) for k, v in policy.items()
+    ):
+        return 'give a dict of block name or pattern to action, e.g. {"model.layers.*": "host"}'
+    for pattern, action in policy.items():
+        if action not in ACTIONS:
+            return f"{pattern!r} -> {action!r}: choose one of {', '.join(ACTIONS)}"
+    return None
+
+
+def _plan_action(block: str, plan_policy: dict[str, str]) -> str | None:
+    """The plan's action for ``block``: its own entry, else the most common one among entries
+    of modules inside it (a profile can be per innermost module)."""
+    if block in plan_policy:
+        return plan_policy[block]
+    inner = [a for name, a in plan_policy.items() if name.startswith(block + ".")]
+    return Counter(inner).most_common(1)[0][0] if inner else None
+
+
+def resolve_policy(
+    blocks: list[str],
+    *,
+    policy: dict[str, str] | None,
+    offload: str,
+    checkpointing: bool,
+    plan_policy: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """Action per block, in this order of precedence: ``policy`` (name or fnmatch pattern ->
+    action; a later entry wins over an earlier one for the same block), then ``offload``
+    "host"/"nvme" (every block), then ``checkpointing`` (every block recomputed), then for
+    ``offload="auto"`` the plan's per-layer policy; anything left is kept."""
+    if offload in ("host", "nvme"):
+        default = {b: offload for b in blocks}
+    elif checkpointing:
+        default = {b: "recompute" for b in blocks}
+    elif offload == "auto":
+        default = {b: _plan_action(b, plan_policy or {}) or "keep" for b in blocks}
+    else:
+        default = {b: "keep" for b in blocks}
+    for pattern, action in (policy or {}).items():
+        matched = [b for b in blocks if b == pattern or fnmatch.fnmatchcase(b, pattern)]
+        if not matched:
+            shown = ", ".join(blocks) if blocks else "none found"
+            raise ActivationPolicyError(
+                f"Config.activation_policy: {pattern!r} matches no transformer block; the blocks "
+                f"are: {shown}"
+            )
+        for block in matched:
+            default[block] = action
+    return default
+
+
+# ---------------------------------------------------------------------------------- swapping
+@dataclass(eq=False)
+class _Stored:
+    """One storage a swapped block saved, wherever its bytes are now."""
+
+    block: str
+    target: str
+    nbytes: int
+    source: torch.Tensor | None = None
+    """uint8 view of the original storage, held until its copy has landed."""
+    host: torch.Tensor | None = None
+    """The host copy (host target; CUDA nvme staging)."""
+    slab: Any = None
+    """The nvme tier slab (nvme target)."""
+    write: Any = None
+    """IOHandle or CUDA event of the swap-out in flight."""
+    read: Any = None
+    """IOHandle or CUDA event of the swap-in in flight."""
+    loaded: torch.Tensor | None = None
+    """uint8 bytes on the compute device after swap-in."""
+    users: int = 0
+    """Saved tensors packed from it that are still to be unpacked."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Packed:
+    stored: _Stored
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+@dataclass
+class StepStats:
+    saved_peak_bytes: int = 0
+    swapped_out: Counter = field(default_factory=Counter)
+    swapped_in: Counter = field(default_factory=Counter)
+    recomputed_blocks: int = 0
+
+
+class ActivationManager:
+    """Executes a per-block activation policy (see the module docstring).
+
+    Collaborators: the ``model`` (its root forward hook marks the end of forward), its
+    ``blocks``, the compute ``device``, the ``nvme`` tier (a ``tierwise.tiers.Tier`` with
+    asynchronous ``write``/``read``; None when no block swaps to nvme) and ``untraced``, a
+    context manager under which the engine's warm-up memory tracer does not count allocations.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        blocks: dict[str, torch.nn.Module],
+        policy: dict[str, str],
+        device: torch.device,
+        nvme=None,
+        untraced: Callable[[], AbstractContextManager] = nullcontext,
+        min_bytes: int = MIN_SWAP_BYTES,
+        prefetch_bytes: int | None = None,
+    ) -> None:
+        unknown = sorted(set(policy) - set(blocks))
+        if unknown:
+            raise ActivationPolicyError(f"activation policy names unknown blocks {unknown}")
+        if "nvme" in policy.values() and nvme is None:
+            raise ActivationPolicyError(
+                "activation policy swaps to nvme but no nvme tier was given: install "
+                "tierwise-nvme and set Config.nvme_path"
+            )
+        self.model, self.blocks, self.policy = model, blocks, dict(policy)
+        self.device = torch.device(device)
+        self.nvme, self.untraced = nvme, untraced
+        self.min_bytes = min_bytes
+        self.prefetch_bytes = prefetch_bytes
+        """Most bytes being swapped in at once (None: twice the largest block's)."""
+        self.order = list(blocks)
+        self.moved_bytes: Counter[str] = Counter()
+        """Activation traffic so far, keys ``act:<from>-><to>`` (cumulative, like the engine's)."""
+        self.last = StepStats()
+        """Stats of the last finished step."""
+        self._now = StepStats()
+        self._stored: dict[str, list[_Stored]] = {b: [] for b in blocks}
+        self._open: dict[int, _Stored] = {}  # storage address -> stored, in the running block
+        self._hooks: AbstractContextManager | None = None
+        self._kept_bytes = 0
+        self._resident = 0  # swap bytes on the device held by the manager
+        self._error: BaseException | None = None
+        self._loading: list[str] = []
+        self._handles: list = []
+        self._restore: list[Callable[[], None]] = []
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    # -- installation -------------------------------------------------------------------
+    def install(self) -> None:
+        """Put the policy in place on the blocks (reversed by ``close``)."""
+        for name, block in self.blocks.items():
+            action = self.policy.get(name, "keep")
+            self._set_hf_checkpointing(block, action == "recompute")
+            if action == "recompute" and not _is_hf_layer(block):
+                self._wrap_checkpoint(block)
+            if action == "recompute":
+                self._handles.append(block.register_forward_pre_hook(self._count_recompute))
+            else:
+                self._handles.append(block.register_forward_pre_hook(partial(self._enter, name)))
+                self._handles.append(
+                    block.register_forward_hook(partial(self._exit, name), always_call=True)
+                )
+        if "recompute" in self.policy.values():
+            self._cache_off_for_checkpointing()
+        self._handles.append(self.model.register_forward_hook(self._end_forward))
+
+    def _cache_off_for_checkpointing(self) -> None:
+        """HF models pass their KV cache to layers positionally unless their own
+        ``gradient_checkpointing`` flag is set (then they drop it); a recomputed layer must not
+        update the cache twice, so that flag goes on ([Note: per-block recompute])."""
+        layers = set(map(id, self.blocks.values()))
+        for module in self.model.modules():
+            flag = module.__dict__.get("gradient_checkpointing")
+            if id(module) not in layers and isinstance(flag, bool) and not flag:
+                module.gradient_checkpointing = True
+                self._restore.append(partial(setattr, module, "gradient_checkpointing", False))
+
+    def _set_hf_checkpointing(self, block: torch.nn.Module, on: bool) -> None:
+        if not _is_hf_layer(block):
+            return
+        before = (block.gradient_checkpointing, getattr(block, "_gradient_checkpointing_func", None))
+        if on:  # [Note: per-block recompute]
+            from torch.utils.checkpoint import checkpoint
+
+            block._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+        block.gradient_checkpointing = on
+
+        def restore(block=block, before=before):
+            block.gradient_checkpointing = before[0]
+            if before[1] is not None:
+                block._gradient_checkpointing_func = before[1]
+
+        self._restore.append(restore)
+
+    def _wrap_checkpoint(self, block: torch.nn.Module) -> None:
+        from torch.utils.checkpoint import checkpoint
+
+        original = block.forward
+
+        def forward(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                return original(*args, **kwargs)
+            return checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+        self._restore.append(lambda: block.__dict__.pop("forward", None))
+
+    def close(self) -> None:
+        """Remove hooks, restore the blocks and give back anything still swapped."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for restore in reversed(self._restore):
+            restore()
+        self._restore.clear()
+        self._drop_all()
+
+    # -- forward ------------------------------------------------------------------------
+    def _count_recompute(self, module, args) -> None:
+        if torch.is_grad_enabled():
+            self._now.recomputed_blocks += 1
+
+    def _enter(self, name: str, module, args) -> None:
+        if not torch.is_grad_enabled() or self._hooks is not None:
+            return
+        swap = self.policy.get(name, "keep") in ("host", "nvme")
+        pack = partial(self._pack, name) if swap else partial(self._count_kept, name)
+        unpack = self._unpack if swap else _identity
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        self._hooks.__enter__()
+        self._open.clear()
+
+    def _exit(self, name: str, module, args, output) -> None:
+        if self._hooks is None:
+            return
+        self._hooks.__exit__(None, None, None)
+        self._hooks = None
+        self._open.clear()
+        self._land(name, wait=False)
+
+    def _model_data(self, name: str, tensor: torch.Tensor) -> bool:
+        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+            return True
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(p.untyped_storage().data_ptr() == ptr for p in self.blocks[name].parameters())
+
+    def _worth(self, name: str, tensor: torch.Tensor) -> bool:
+        return (
+            tensor.device.type == self.device.type
+            and tensor.untyped_storage().nbytes() >= self.min_bytes
+            and not self._model_data(name, tensor)
+        )
+
+    def _count_kept(self, name: str, tensor: torch.Tensor):
+        if self._worth(name, tensor):
+            ptr = tensor.untyped_storage().data_ptr()
+            if ptr not in self._open:
+                self._open[ptr] = None  # counted once per block, like a swap
+                self._kept_bytes += tensor.untyped_storage().nbytes()
+        return tensor
+
+    def _pack(self, name: str, tensor: torch.Tensor):
+        if self._error is not None or not self._worth(name, tensor):
+            return tensor
+        storage = tensor.untyped_storage()
+        stored = self._open.get(storage.data_ptr())
+        if stored is None:
+            try:
+                with self.untraced():
+                    stored = self._swap_out(name, storage)
+            except Exception as err:  # raised at the end of forward: [Note: activation swapping]
+                self._error = _with_block(err, name, "swapping out")
+                return tensor
+            self._open[storage.data_ptr()] = stored
+            self._stored[name].append(stored)
+        stored.users += 1
+        return _Packed(stored, tensor.dtype, tuple(tensor.size()), tuple(tensor.stride()),
+                       tensor.storage_offset())
+
+    def _swap_out(self, name: str, storage: torch.UntypedStorage) -> _Stored:
+        target = self.policy[name]
+        nbytes = storage.nbytes()
+        source = _bytes_of(storage, self.device)
+        stored = _Stored(name, target, nbytes, source=source)
+        self._resident += nbytes
+        on_cuda = self._stream is not None
+        if target == "host" or on_cuda:
+            if on_cuda:
+                stored.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._stream):
+                    stored.host.copy_(source, non_blocking=True)
+                    stored.write = torch.cuda.Event()
+                    stored.write.record(self._stream)
+            else:
+                stored.host = source.clone()
+            self.moved_bytes["act:device->host"] += nbytes
+        if target == "nvme":
+            stored.slab = self.nvme.allocate(nbytes, torch.uint8, what="activation")
+            if not on_cuda:  # CUDA: written from the host copy once it landed (_land)
+                stored.write = self.nvme.write(stored.slab, source)
+                self.moved_bytes["act:device->nvme"] += nbytes
+        self._now.swapped_out[target] += nbytes
+        return stored
+
+    def _land(self, name: str, *, wait: bool) -> None:
+        """Drop the originals whose copies have landed (all of them when ``wait``)."""
+        for stored in self._stored[name]:
+            if stored.source is None:
+                continue
+            if stored.write is not None:
+                if not wait and not _done(stored.write):
+                    continue
+                try:
+                    _wait(stored.write)
+                except Exception as err:
+                    self._error = self._error or _with_block(err, name, "swapping out")
+                    continue
+                stored.write = None
+                if stored.target == "nvme" and stored.host is not None:  # CUDA: host -> nvme
+                    stored.source = None
+                    self._resident -= stored.nbytes
+                    stored.write = self.nvme.write(stored.slab, stored.host)
+                    self.moved_bytes["act:host->nvme"] += stored.nbytes
+                    if wait:
+                        self._land(name, wait=True)
+                    continue
+            if stored.source is not None:
+                stored.source = None
+                self._resident -= stored.nbytes
+            if stored.target == "nvme" and stored.write is None:
+                stored.host = None
+
+    def _end_forward(self, module, args, output) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self._now.saved_peak_bytes = max(self._now.saved_peak_bytes,
+                                         self._kept_bytes + self._resident)
+        self._kept_bytes = 0  # kept activations are freed by their backward
+        for name in self.order:
+            self._land(name, wait=True)
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._drop_all()
+            raise error
+        self._loading = [b for b in reversed(self.order) if self._stored[b]]
+        self._prefetch()
+
+    # -- backward -----------------------------------------------------------------------
+    def _budget(self) -> int:
+        if self.prefetch_bytes is not None:
+            return self.prefetch_bytes
+        largest = max((sum(s.nbytes for s in stored) for stored in self._stored.values()), default=0)
+        return 2 * largest
+
+    def _in_flight(self) -> int:
+        return sum(s.nbytes for b in self.order for s in self._stored[b] if s.read is not None)
+
+    def _prefetch(self) -> None:
+        """Start swap-ins of the next blocks in backward order within the budget."""
+        while self._loading:
+            name = self._loading[0]
+            need = sum(s.nbytes for s in self._stored[name] if s.loaded is None and s.read is None)
+            in_flight = self._in_flight()
+            if in_flight and in_flight + need > self._budget():
+                return
+            self._loading.pop(0)
+            with self.untraced():
+                for stored in self._stored[name]:
+                    if stored.loaded is None and stored.read is None:
+                        self._swap_in(stored)
+
+    def _swap_in(self, stored: _Stored) -> None:
+        nbytes = stored.nbytes
+        if stored.target == "nvme":
+            stored.host = torch.empty(
+                nbytes, dtype=torch.uint8, device="cpu" if self._stream else self.device,
+                pin_memory=self._stream is not None,
+            )
+            stored.read = self.nvme.read(stored.slab, stored.host)
+            self.moved_bytes[f"act:nvme->{'host' if self._stream else 'device'}"] += nbytes
+            if self._stream is None:
+                stored.loaded = stored.host
+        if self._stream is not None:
+            if stored.read is not None:  # nvme: the host buffer must be full first
+                stored.read.wait()
+            loaded = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            with torch.cuda.stream(self._stream):
+                loaded.copy_(stored.host, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            stored.read, stored.loaded = event, loaded
+            self.moved_bytes["act:host->device"] += nbytes
+        elif stored.target == "host":
+            stored.loaded = stored.host  # a CPU device: the copy is already where compute is
+            self.moved_bytes["act:host->device"] += nbytes
+        self._now.swapped_in[stored.target] += nbytes
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _Packed):
+            return packed
+        stored = packed.stored
+        if stored.loaded is None and stored.read is None:
+            if stored.block in self._loading:
+                self._loading.remove(stored.block)
+                self._loading.insert(0, stored.block)
+            with self.untraced():
+                for other in self._stored[stored.block]:
+                    if other.loaded is None and other.read is None:
+                        self._swap_in(other)
+        if stored.read is not None:
+            try:
+                if self._stream is not None:
+                    torch.cuda.current_stream(self.device).wait_event(stored.read)
+                else:
+                    stored.read.wait()
+            except Exception as err:
+                self._drop_all()
+                raise _with_block(err, stored.block, "swapping in") from None
+            stored.read = None
+            self._finish_read(stored)
+        loaded = stored.loaded
+        tensor = torch.empty(0, dtype=packed.dtype, device=self.device).set_(
+            loaded.untyped_storage(), packed.offset, packed.size, packed.stride
+        )
+        if self._stream is not None:
+            loaded.record_stream(torch.cuda.current_stream(self.device))
+        stored.users -= 1
+        if stored.users == 0:  # autograd holds what it still needs
+            stored.loaded = stored.host = None
+            self._stored[stored.block].remove(stored)
+        self._prefetch()
+        return tensor
+
+    def _finish_read(self, stored: _Stored) -> None:
+        if stored.slab is not None:  # its room on disk is free as soon as the read landed
+            self.nvme.release(stored.slab)
+            stored.slab = None
+        if self._stream is not None:  # CUDA: the device copy is what compute uses
+            stored.host = None
+
+    # -- steps --------------------------------------------------------------------------
+    def end_step(self) -> None:
+        """The optimizer stepped: publish this step's stats and start counting the next."""
+        self.last, self._now = self._now, StepStats()
+        self._kept_bytes = 0
+        self._drop_all()
+
+    def swapped_now(self) -> dict[str, int]:
+        """Bytes of activations the manager holds now, by where they are (0 between steps)."""
+        held: Counter[str] = Counter()
+        for stored_list in self._stored.values():
+            for s in stored_list:
+                held["device"] += (s.source is not None) * s.nbytes + (
+                    s.loaded is not None and s.loaded is not s.host) * s.nbytes
+                held["host"] += (s.host is not None) * s.nbytes
+                held["nvme"] += (s.slab is not None) * s.nbytes
+        return {k: held[k] for k in ("device", "host", "nvme")}
+
+    def _drop_all(self) -> None:
+        """Forget every swapped storage (a graph dropped without backward, an error)."""
+        for stored_list in self._stored.values():
+            for stored in stored_list:
+                for handle in (stored.write, stored.read):
+                    if handle is not None:
+                        try:
+                            _wait(handle)
+                        except Exception:  # the error was (or is being) reported
+                            pass
+                if stored.slab is not None:
+                    self.nvme.release(stored.slab)
+                stored.slab = stored.host = stored.source = stored.loaded = None
+            stored_list.clear()
+        self._resident = 0
+        self._loading.clear()
+
+    def stats(self) -> dict:
+        """The last step's activation stats (``engine.stats()["activations"]``)."""
+        last = self.last
+        return {
+            "saved_peak_bytes": last.saved_peak_bytes,
+            "swapped_out_bytes": {t: last.swapped_out[t] for t in ("host", "nvme")},
+            "swapped_in_bytes": {t: last.swapped_in[t] for t in ("host", "nvme")},
+            "recomputed_blocks": last.recomputed_blocks,
+            "policy": dict(Counter(self.policy.get(b, "keep") for b in self.order)),
+        }
+
+
+def _is_hf_layer(module: torch.nn.Module) -> bool:
+    return isinstance(getattr(type(module), "gradient_checkpointing", None), bool)
+
+
+def _identity(x):
+    return x
+
+
+def _done(handle) -> bool:
+    return handle.query() if isinstance(handle, torch.cuda.Event) else handle.done()
+
+
+def _wait(handle) -> None:
+    if isinstance(handle, torch.cuda.Event):
+        handle.synchronize()
+    else:
+        handle.wait()
+
+
+def _with_block(err: BaseException, block: str, doing: str) -> BaseException:
+    if hasattr(err, "add_note"):
+        err.add_note(f"tierwise: while {doing} the activations of block {block}")
+    return err
+
+
+__all__ = [
+    "ACTIONS",
+    "ActivationManager",
+    "ActivationPolicyError",
+    "check_policy_entries",
+    "find_blocks",
+    "resolve_policy",
+]

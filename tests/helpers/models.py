@@ -29,6 +29,11 @@ def _config(kind: str, **overrides):
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, **common,
         )
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, **common,
+        )
     elif kind == "mixtral":
         cfg = tf.MixtralConfig(
             hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -51,7 +56,7 @@ def _config(kind: str, **overrides):
 
 
 def tiny_model(kind: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
-    """A tiny causal LM of ``kind`` ("gpt2", "opt", "llama", "mixtral", "qwen2_moe")."""
+    """A tiny causal LM of ``kind`` ("gpt2", "opt", "llama", "qwen2", "mixtral", "qwen2_moe")."""
     import transformers as tf
 
     torch.manual_seed(seed)

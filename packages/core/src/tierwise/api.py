@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 from contextlib import contextmanager
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 
 from tierwise.config import Config, ConfigError
 from tierwise.hardware import Hardware
+from tierwise.integrations.hf_save import install_save_pretrained
 from tierwise.optim import TierwiseOptimizer, check_optimizer
 from tierwise.parallel.base import snapshot_model
 from tierwise.plugins import get_plugin_host
@@ -176,7 +178,15 @@ def setup(
     from tierwise.checkpoint import install_state_dict_hooks
 
     install_state_dict_hooks(engine, model, patterns)
+    model.zero_grad = types.MethodType(_zero_grad, model)  # Trainer calls model.zero_grad()
+    install_save_pretrained(model)  # [Note: the dtype save_pretrained records]
     return model, TierwiseOptimizer(engine, optimizer)
+
+
+def _zero_grad(model: torch.nn.Module, set_to_none: bool = True) -> None:
+    """``model.zero_grad()`` on a managed model clears tierwise's gradient shards, as
+    ``optimizer.zero_grad()`` does (parameters' ``.grad`` is always None)."""
+    engine_of(model).zero_grad()
 
 
 def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example_batch):

@@ -1,0 +1,3 @@
+import pytest
+
+pytest.importorskip("transformers", reason="the Hugging Face integration needs transformers")

@@ -1,0 +1,90 @@
+"""TierwiseTrainer against plain transformers.Trainer: losses, grad norms and weights."""
+
+import pytest
+import tierwise
+import torch
+from helpers.train import max_rel_diff
+from hf_helpers import TokenBlocks, logged, run_plain, run_tierwise, training_args
+
+
+def _assert_close(ours, ref, what):
+    assert len(ours) == len(ref) > 0, what
+    for a, b in zip(ours, ref, strict=True):
+        assert abs(a - b) <= 1e-5 * max(abs(b), 1e-12), (what, ours, ref)
+
+
+@pytest.mark.parametrize("kind,accum", [("qwen2", 1), ("llama", 1), ("qwen2", 2), ("llama", 3)])
+def test_trainer_parity_with_plain_trainer_under_offload(tmp_path, kind, accum):
+    data = TokenBlocks()
+    ref = run_plain(kind, training_args(tmp_path / "ref", gradient_accumulation_steps=accum), data)
+    ours = run_tierwise(kind, training_args(tmp_path / "ours", gradient_accumulation_steps=accum), data)
+    engine = tierwise.engine_of(ours.model)
+    assert engine.stats()["moved_bytes"].get("host->device", 0) > 0  # the budget forced offload
+    _assert_close(logged(ours, "loss"), logged(ref, "loss"), "loss")
+    _assert_close(logged(ours, "grad_norm"), logged(ref, "grad_norm"), "grad_norm")
+    _assert_close(logged(ours, "learning_rate"), logged(ref, "learning_rate"), "learning_rate")
+    assert max(logged(ref, "grad_norm")) > 0.5  # clipping was active
+    assert max_rel_diff(ours.model.state_dict(), ref.model) <= 1e-5
+
+
+class _StopAt(transformers_callback := __import__("transformers").TrainerCallback):
+    """Stops training after ``step`` optimizer steps (an interruption, the schedule unchanged)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+        return control
+
+
+def test_resume_from_checkpoint_continues_bitwise(tmp_path):
+    data = TokenBlocks()
+    whole = run_tierwise("llama", training_args(tmp_path / "whole", gradient_accumulation_steps=2), data)
+    args = training_args(tmp_path / "parts", gradient_accumulation_steps=2, save_strategy="steps",
+                         save_steps=3)
+    first = run_tierwise("llama", args, data, callbacks=[_StopAt(3)])
+    assert first.state.global_step == 3
+    checkpoint = tmp_path / "parts" / "checkpoint-3"
+    assert (checkpoint / "tierwise").is_dir() and (checkpoint / "model.safetensors").is_file()
+
+    from helpers.models import tiny_model
+    from hf_helpers import budget_config
+    from tierwise.integrations.hf import TierwiseTrainer
+
+    model = tiny_model("llama", seed=123)  # other initial values: the checkpoint replaces them
+    second = TierwiseTrainer(model=model, args=args, train_dataset=data,
+                             tierwise_config=budget_config(model))
+    second.train(resume_from_checkpoint=str(checkpoint))
+    # the log history holds the first run's 3 steps (restored) and the 3 resumed ones
+    assert logged(second, "loss") == logged(whole, "loss")
+    assert logged(second, "grad_norm") == logged(whole, "grad_norm")
+    ours, ref = second.model.state_dict(), whole.model.state_dict()
+    assert all(torch.equal(ours[name], ref[name]) for name in ref)
+
+
+def test_unsupported_optim_is_one_line(tmp_path):
+    from helpers.models import tiny_model
+    from tierwise.integrations.hf import TierwiseTrainer, TierwiseTrainerError
+
+    model = tiny_model("llama")
+    with pytest.raises(TierwiseTrainerError) as err:
+        TierwiseTrainer(model=model, args=training_args(tmp_path, optim="adafactor"),
+                        train_dataset=TokenBlocks())
+    message = str(err.value)
+    assert "\n" not in message and "adafactor" in message and "adamw_torch_fused" in message
+    assert not hasattr(model, "_tierwise_engine")  # nothing was set up
+
+
+def test_conflicting_precision_is_one_line(tmp_path):
+    from helpers.models import tiny_model
+    from tierwise.integrations.hf import TierwiseTrainer, TierwiseTrainerError
+
+    model = tiny_model("llama")
+    with pytest.raises(TierwiseTrainerError) as err:
+        TierwiseTrainer(model=model, args=training_args(tmp_path, bf16=True),
+                        train_dataset=TokenBlocks(), tierwise_config={"precision": "fp32"})
+    message = str(err.value)
+    assert "\n" not in message and "bf16" in message and "precision='fp32'" in message
+    assert not hasattr(model, "_tierwise_engine")

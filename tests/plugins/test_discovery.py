@@ -174,6 +174,32 @@ def test_duplicate_of_a_core_name_is_rejected():
         _host_with(ClashPlugin()).tier_classes()
 
 
+def test_misspelled_hookimpl_is_rejected_naming_it(monkeypatch):
+    import types
+
+    from tierwise import plugins
+
+    misspelled = types.ModuleType("misspelled_plugin")
+
+    @hookimpl
+    def tierwise_register_tierz():  # the real hook is tierwise_register_tiers
+        return []
+
+    misspelled.tierwise_register_tierz = tierwise_register_tierz
+
+    class EntryPoint:
+        name, dist = "misspelled", None
+
+        def load(self):
+            return misspelled
+
+    monkeypatch.setattr(plugins.metadata, "entry_points", lambda group: [EntryPoint()])
+    with pytest.raises(PluginError) as err:
+        build_plugin_manager()
+    assert "'misspelled'" in str(err.value) and "tierwise_register_tierz" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
 def test_missing_plugin_name_is_rejected():
     with pytest.raises(PluginError, match="without a PLUGIN_NAME"):
         _host_with(_PluginNoName()).pattern_classes()

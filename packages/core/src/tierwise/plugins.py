@@ -197,9 +197,23 @@ def build_plugin_manager(*, load_entry_points: bool = True) -> PluginHost:
             pm.register(module, name=ep.name)
             if ep.dist is not None:
                 dists[ep.name] = (ep.dist.name, ep.dist.version)
+    _check_hook_names(pm)
     if os.environ.get("TIERWISE_TRACE_PLUGINS") == "1":
         _trace(pm)
     return PluginHost(pm, dists)
+
+
+def _check_hook_names(pm: pluggy.PluginManager) -> None:
+    """A hookimpl whose name matches no hookspec (a misspelling) would never be called: refuse it."""
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as err:
+        plugin = pm.get_name(err.plugin) if err.plugin is not None else "?"
+        known = ", ".join(sorted(n for n in dir(hookspecs) if n.startswith("tierwise_")))
+        raise PluginError(
+            f"plugin {plugin!r} implements a hook tierwise does not define ({err}); "
+            f"hooks are: {known}"
+        ) from None
 
 
 @lru_cache(maxsize=1)

@@ -165,3 +165,51 @@ def test_a_pattern_matching_no_block_lists_the_blocks():
 def test_bad_activation_policies_are_one_line_errors(policy, match):
     with pytest.raises(ConfigError, match=match):
         tierwise.Config(device="cpu", activation_policy=policy)
+
+
+def _stack_profile(blocks: int, numel: int, act: int):
+    from tierwise import ParamInfo, Profile
+
+    names = [f"layers.{b}.w" for b in range(blocks)]
+    return Profile(
+        params=[ParamInfo(name=n, shape=(numel,), numel=numel) for n in names],
+        forward_order=names, backward_order=names[::-1],
+        module_params={n[:-2]: [n] for n in names},
+        layer_activation_bytes={f"layers.{b}": act for b in range(blocks)},
+        peak_activation_bytes=blocks * act,
+    )
+
+
+def test_core_auto_recomputes_blocks_only_when_keeping_them_pushes_model_data_off_the_device():
+    from tierwise import Config, Hardware
+    from tierwise.planner import default_plan
+
+    profile = _stack_profile(4, 1 << 20, 100 << 20)  # model data 4 Mi elements, activations 400 MiB
+    need = 4 * (1 << 20) * (2 + 14)  # bf16 params + fp32 master/moments + bf16 grads: 64 MiB
+    def plan_for(capacity):
+        return default_plan(profile=profile, config=Config(device="cpu", activation_offload="auto"),
+                            hardware=Hardware(device_type="cuda", device_memory=capacity))
+    roomy = plan_for(2 * (400 << 20) + 4 * need)
+    assert set(roomy.activation_policy.values()) == {"keep"}
+    assert roomy.param_tier == roomy.optim_tier == "device"
+    tight = plan_for(int(1.25 * (400 << 20)) + need // 2)  # keeping them leaves no room
+    assert tight.activation_policy == {f"layers.{b}": "recompute" for b in range(4)}
+    assert tight.param_tier == tight.optim_tier == "device"
+    assert any("recompute all 4 blocks" in r for r in tight.reasons)
+
+
+def test_saved_activations_over_the_plans_allotment_name_the_block():
+    from tierwise.plan import PlanError
+
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(model, opt, device="cpu", precision="fp32",
+                                activation_policy={"transformer.h.0": "host"})
+    engine = tierwise.engine_of(model)
+    engine.activations.allowance = 4096  # as a plan that under-counted activations would
+    with pytest.raises(PlanError, match=r"over the 4\.00 KiB the plan allotted them \(Invariant 4\); "
+                       r"block transformer\.h\.1 keeps the most"):
+        model(**tiny_batch())
+    assert engine.activations.swapped_now() == {"device": 0, "host": 0, "nvme": 0}
+    engine.activations.allowance = None
+    train(model, opt, 1)

@@ -39,7 +39,11 @@ class Plan(JsonDataclass):
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward."""
     activation_policy: dict[str, str] = field(default_factory=dict)
-    """Per layer: "keep", "recompute", "host" or "nvme" (swap target)."""
+    """Per transformer block (or layer, or fnmatch pattern, as planners give it): "keep",
+    "recompute", "host" or "nvme" (swap target). After setup: the action each block runs with."""
+    activation_allowance: int | None = None
+    """Bytes of saved activations the plan lets stay on the compute device (Invariant 4: the
+    warm-up forward measures them); None: not bounded by the plan."""
     predicted_step_s: dict[str, float] = field(default_factory=dict)
     """Predicted step-time breakdown in seconds (compute, h2d, d2h, nvme_read, nvme_write,
     optimizer, comm, total)."""
@@ -102,6 +106,9 @@ class Plan(JsonDataclass):
             rows.append((f"group {group}", where))
         if self.activation_policy:
             rows.append(("activations", _count(list(self.activation_policy.values()))))
+            rows += [(f"  {name}", action) for name, action in self.activation_policy.items()]
+        if self.activation_allowance is not None:
+            rows.append(("activation allowance", format_bytes(self.activation_allowance)))
         for key, value in self.predicted_step_s.items():
             rows.append((f"predicted {key}", f"{value * 1e3:.1f} ms"))
         width = max(len(k) for k, _ in rows)

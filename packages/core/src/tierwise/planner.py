@@ -13,7 +13,7 @@ from tierwise.chunks import first_use_order, pack
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError
-from tierwise.profile import Profile
+from tierwise.profile import Profile, activation_blocks
 from tierwise.units import format_bytes
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -58,6 +58,31 @@ def _min_blocks(profile: Profile, layout) -> int:
     return most
 
 
+def _auto_activations(profile: Profile, budget, budget_for, need_on_device: int, reasons: list):
+    """Core's ``activation_offload="auto"``: recompute every block when keeping their
+    activations would push model data off the device and recomputing lets it stay; keep them
+    otherwise. (The search plugin weighs swapping against recomputing, LoHan's choice.)"""
+    blocks = activation_blocks(profile)
+    sizes = [sum(profile.layer_activation_bytes[x] for x in layers) for layers in blocks.values()]
+    if not blocks:
+        reasons.append("activations: auto, but the profile has no per-block activations: kept")
+        return budget, {}
+    recomputing = profile.peak_activation_bytes - sum(sizes) + max(sizes)
+    budget_recompute = budget_for(recomputing)
+    if budget is not None and budget < need_on_device <= budget_recompute:
+        reasons.append(
+            f"activations: recompute all {len(blocks)} blocks: keeping them "
+            f"({format_bytes(profile.peak_activation_bytes)}) leaves {format_bytes(budget)} for "
+            f"model data, which needs {format_bytes(need_on_device)} on the device"
+        )
+        return budget_recompute, {b: "recompute" for b in blocks}
+    why = "device memory unknown" if budget is None else (
+        "model data fits beside them" if budget >= need_on_device
+        else "recomputing would not keep model data on the device either")
+    reasons.append(f"activations: keep all {len(blocks)} blocks ({why})")
+    return budget, {b: "keep" for b in blocks}
+
+
 def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Plan:
     lc = BYTES[config.precision]
     chunk_size = config.chunk_size if isinstance(config.chunk_size, int) else auto_chunk_size(profile)
@@ -79,10 +104,6 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
     staging_blocks = sum(1 for _, t, dp, _ in caps if t and dp > 1)
     min_blocks = _min_blocks(profile, layout)
 
-    budget = config.device_memory
-    if budget is None and hardware.device_type == "cuda" and hardware.device_memory is not None:
-        budget = int(config.alloc_fraction * (hardware.device_memory - profile.buffer_bytes
-                                              - config.frag_factor * profile.peak_activation_bytes))
     reasons = []
 
     def device_need(param_tier: str, optim_tier: str, blocks: int) -> int:
@@ -100,6 +121,21 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
             return n_sharded
         return min(n_chunks, min_blocks + config.prefetch)
 
+    def budget_for(activation_bytes: int) -> int | None:
+        if config.device_memory is not None:
+            return config.device_memory
+        if hardware.device_type == "cuda" and hardware.device_memory is not None:
+            return int(config.alloc_fraction * (hardware.device_memory - profile.buffer_bytes
+                                                - config.frag_factor * activation_bytes))
+        return None
+
+    budget = budget_for(profile.peak_activation_bytes)
+    activation_policy: dict[str, str] = {}
+    if config.activation_offload == "auto":
+        budget, activation_policy = _auto_activations(
+            profile, budget, budget_for, device_need("device", "device", blocks_for("device")),
+            reasons,
+        )
     fits = lambda p, o, b: budget is None or device_need(p, o, b) <= budget  # noqa: E731
     forced_p = None if config.param_placement == "auto" else config.param_placement
     forced_o = None if config.optimizer_placement == "auto" else config.optimizer_placement
@@ -152,6 +188,7 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
         optim_tier=optim_tier,
         shard=config.shard,
         activation_checkpointing=config.activation_checkpointing,
+        activation_policy=activation_policy,
         device_allowance=need,
         planner="core",
         reasons=reasons,

@@ -77,3 +77,38 @@ class Profile(JsonDataclass):
             if info.name == name or name in info.aliases:
                 return info
         raise KeyError(name)
+
+
+def activation_blocks(profile: Profile) -> dict[str, list[str]]:
+    """Transformer blocks of a profile and the layers (``layer_activation_bytes`` keys) inside
+    each, in profile order: the runtime swaps or recomputes whole blocks, never a lone layer.
+
+    A block is the longest common module prefix of a checkpoint block's parameters; without
+    checkpoint blocks, the numbered entry of a module list (``model.layers.3`` of
+    ``model.layers.3.mlp``), which is what ``tierwise.runtime.activations.find_blocks`` finds.
+    Layers outside every block (embeddings, the LM head) are not listed."""
+    import re
+
+    names: list[str] = []
+    for block in profile.checkpoint_blocks:
+        parts = [name.split(".")[:-1] for name in block]
+        common = []
+        for pieces in zip(*parts, strict=False):  # the shortest name bounds the prefix
+            if len(set(pieces)) > 1:
+                break
+            common.append(pieces[0])
+        if common:
+            names.append(".".join(common))
+    if not names:
+        numbered = re.compile(r"^(.+?\.\d+)(?=\.|$)")
+        for layer in profile.layer_activation_bytes:
+            match = numbered.match(layer)
+            if match and match.group(1) not in names:
+                names.append(match.group(1))
+    blocks: dict[str, list[str]] = {name: [] for name in names}
+    for layer in profile.layer_activation_bytes:
+        for name in names:
+            if layer == name or layer.startswith(name + "."):
+                blocks[name].append(layer)
+                break
+    return {name: layers for name, layers in blocks.items() if layers}

@@ -1,13 +1,18 @@
-"""Activation policy (LoHan's traffic-aware activation swapping), per layer.
+"""Activation policy (LoHan's traffic-aware activation swapping), per transformer block.
 
-A layer's saved activations are kept on the device, recomputed in backward, or swapped to host
-or NVMe. Layers that are not kept are ordered by offloading benefit, forward FLOPs (here: the
-layer's forward seconds, measured or FLOPs / FLOP/s, see ``tierwise_search.compute``) per saved
-byte: swapping a layer with much compute per byte saves the most recomputation per byte moved.
-The first ``x`` layers in that order are swapped and the rest recomputed; ``x`` is the one that
-minimises the predicted step time (compute grows as x falls, link time as x grows; the maximum
-of the two is convex in x, LoHan section 4). Swapped and recomputed layers free the same device
-memory, so the choice of ``x`` does not change the model-data placement.
+A block's saved activations are kept on the device, recomputed in backward, or swapped to host
+or NVMe; the runtime (core's ActivationManager) acts on whole blocks
+(``tierwise.profile.activation_blocks``), so layers are summed per block and layers outside
+every block (embeddings, the LM head) are always kept. Blocks that are not kept are ordered by
+offloading benefit, recompute time saved per byte swapped (the block's forward seconds,
+measured or FLOPs / FLOP/s, see ``tierwise_search.compute``, over its saved bytes): swapping a
+block with much compute per byte saves the most recomputation per byte moved. The first ``x``
+blocks in that order are swapped and the rest recomputed; ``x`` is the one that minimises the
+predicted step time, where the cost model adds the swap traffic to the PCIe and SSD traffic of
+the plan's model data (chunk fetches, gradient offload, the NVMe optimizer pipeline) and the
+recompute time to compute (LoHan section 4). Swapped and recomputed blocks free the same device
+memory, so the choice of ``x`` does not change the model-data placement; keeping every block
+(no swap, no recompute) is a choice of its own, with less device memory left for model data.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tierwise.profile import Profile
+from tierwise.profile import Profile, activation_blocks
 
 from tierwise_search.cost import ActivationTraffic, Prediction
 
@@ -36,36 +41,35 @@ class ActivationChoice:
     """Host bytes reserved for swapped activations (all leaving layers, an upper bound)."""
 
 
-def block_layers(profile: Profile) -> list[str]:
-    """Layers that are activation-checkpoint blocks (every parameter of a block under it)."""
-    layers = []
-    for layer in profile.layer_activation_bytes:
-        prefix = layer + "."
-        if any(
-            block and all(n.startswith(prefix) for n in block)
-            for block in profile.checkpoint_blocks
-        ):
-            layers.append(layer)
-    return layers
+def block_usage(profile: Profile, seconds: dict[str, float]) -> dict[str, tuple[int, float]]:
+    """Per block: (saved bytes, forward seconds), summed over its layers."""
+    return {
+        block: (
+            sum(profile.layer_activation_bytes[layer] for layer in layers),
+            sum(seconds.get(layer, 0.0) for layer in layers),
+        )
+        for block, layers in activation_blocks(profile).items()
+    }
 
 
-def _by_benefit(profile: Profile, layers: list[str], seconds: dict[str, float]) -> tuple[str, ...]:
-    def benefit(layer: str) -> float:
-        nbytes = profile.layer_activation_bytes.get(layer, 0)
-        return seconds.get(layer, 0.0) / nbytes if nbytes else 0.0
+def benefit(usage: tuple[int, float]) -> float:
+    """Offloading benefit: recompute seconds saved per byte swapped."""
+    nbytes, secs = usage
+    return secs / nbytes if nbytes else 0.0
 
-    return tuple(sorted(layers, key=lambda layer: (-benefit(layer), layer)))
+
+def _by_benefit(usage: dict[str, tuple[int, float]], blocks) -> tuple[str, ...]:
+    return tuple(sorted(blocks, key=lambda block: (-benefit(usage[block]), block)))
 
 
 def _choice(
-    profile: Profile, seconds: dict[str, float], name: str, leaving: list[str], target: str | None
+    profile: Profile, usage: dict[str, tuple[int, float]], name: str, leaving, target: str | None
 ) -> ActivationChoice:
-    sizes = profile.layer_activation_bytes
-    freed = sum(sizes[layer] for layer in leaving)
-    working = max((sizes[layer] for layer in leaving), default=0)  # one layer at a time
+    freed = sum(usage[block][0] for block in leaving)
+    working = max((usage[block][0] for block in leaving), default=0)  # one block at a time
     device = max(profile.peak_activation_bytes - freed, 0) + working
     reserve = freed if target == "host" else 0
-    return ActivationChoice(name, _by_benefit(profile, leaving, seconds), target, device, reserve)
+    return ActivationChoice(name, _by_benefit(usage, leaving), target, device, reserve)
 
 
 def activation_choices(
@@ -73,18 +77,19 @@ def activation_choices(
 ):
     """Candidate choices for Config.activation_offload ("none" | "host" | "nvme" | "auto");
     ``seconds``: forward seconds per layer."""
-    layers = [layer for layer, nbytes in profile.layer_activation_bytes.items() if nbytes > 0]
-    if checkpointing:
-        base = _choice(profile, seconds, "checkpointing", block_layers(profile), None)
+    usage = block_usage(profile, seconds)
+    blocks = [block for block, (nbytes, _) in usage.items() if nbytes > 0]
+    if checkpointing and offload not in ("host", "nvme"):
+        base = _choice(profile, usage, "checkpointing", blocks, None)
     else:
-        base = _choice(profile, seconds, "keep", [], None)
-    if offload == "none" or not layers:
+        base = _choice(profile, usage, "keep", [], None)
+    if offload == "none" or not blocks:
         return [base]
     if offload in ("host", "nvme"):
-        return [_choice(profile, seconds, f"swap to {offload}", layers, offload)]
-    choices = [base, _choice(profile, seconds, "swap to host", layers, "host")]
+        return [_choice(profile, usage, f"swap to {offload}", blocks, offload)]
+    choices = [base, _choice(profile, usage, "swap to host", blocks, "host")]
     if nvme:
-        choices.append(_choice(profile, seconds, "swap to nvme", layers, "nvme"))
+        choices.append(_choice(profile, usage, "swap to nvme", blocks, "nvme"))
     return choices
 
 
@@ -95,10 +100,10 @@ def traffic_for(
     recomputed: tuple[str, ...],
     target: str | None,
 ) -> ActivationTraffic:
-    sizes = profile.layer_activation_bytes
-    moved = float(sum(sizes[layer] for layer in swapped))
+    usage = block_usage(profile, seconds)
+    moved = float(sum(usage[block][0] for block in swapped))
     return ActivationTraffic(
-        recompute_s=float(sum(seconds.get(layer, 0.0) for layer in recomputed)),
+        recompute_s=float(sum(usage[block][1] for block in recomputed)),
         d2h=moved,
         h2d=moved,
         nvme_read=moved if target == "nvme" else 0.0,
@@ -113,7 +118,7 @@ def best_split(
     choice: ActivationChoice,
     evaluate: Callable[[ActivationTraffic], Prediction],
 ) -> tuple[dict[str, str], ActivationTraffic, Prediction]:
-    """The per-layer policy minimising the predicted step under ``choice``."""
+    """The per-block policy minimising the predicted step under ``choice``."""
     order = choice.leaving
     counts = range(len(order) + 1) if choice.target else [0]
     best = None
@@ -124,16 +129,44 @@ def best_split(
         if best is None or prediction.total < best[2].total:
             best = (swapped_count, traffic, prediction)
     swapped_count, traffic, prediction = best
-    policy = {layer: "keep" for layer in profile.layer_activation_bytes}
-    for index, layer in enumerate(order):
-        policy[layer] = choice.target if index < swapped_count else "recompute"
+    policy = {block: "keep" for block in block_usage(profile, seconds)}
+    for index, block in enumerate(order):
+        policy[block] = choice.target if index < swapped_count else "recompute"
     return policy, traffic, prediction
+
+
+def block_reasons(
+    profile: Profile, seconds: dict[str, float], choice: ActivationChoice, policy: dict[str, str]
+) -> list[str]:
+    """One line per block: its action and why."""
+    usage = block_usage(profile, seconds)
+    rank = {block: i + 1 for i, block in enumerate(choice.leaving)}
+    swapped = sum(1 for b in choice.leaving if policy.get(b) in ("host", "nvme"))
+    lines = []
+    for block, action in policy.items():
+        nbytes, secs = usage[block]
+        head = (f"activations of {block}: {action} ({nbytes / 2**20:.1f} MiB saved, "
+                f"{secs * 1e3:.2f} ms to recompute, {benefit(usage[block]) * 2**20 * 1e3:.3g} ms/MiB")
+        if action == "keep":
+            why = (f"{choice.name}: nothing leaves the device" if not choice.leaving
+                   else "outside the blocks that leave")
+        elif action == "recompute" and choice.target is None:
+            why = "checkpointing: every block is recomputed"
+        elif action == "recompute":
+            why = (f"benefit rank {rank[block]}/{len(choice.leaving)}: swapping more than the top "
+                   f"{swapped} to {choice.target} would cost more link time than it saves compute")
+        else:
+            why = (f"benefit rank {rank[block]}/{len(choice.leaving)}: among the top {swapped}, "
+                   "whose swap hides behind compute better than recomputing them")
+        lines.append(f"{head}): {why}")
+    return lines
 
 
 __all__ = [
     "ActivationChoice",
     "activation_choices",
     "best_split",
-    "block_layers",
+    "block_reasons",
+    "block_usage",
     "traffic_for",
 ]

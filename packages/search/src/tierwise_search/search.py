@@ -25,6 +25,7 @@ from tierwise_search.activations import (
     ActivationChoice,
     activation_choices,
     best_split,
+    block_reasons,
     traffic_for,
 )
 from tierwise_search.compute import layer_times
@@ -379,8 +380,9 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
         f"params {_counts(all_params)}; optimizer {_counts(all_optims)}",
         f"model data: device {format_bytes(memory.device)}, host {format_bytes(memory.host)}, "
         f"nvme {format_bytes(memory.nvme)}",
-        f"activations: {best.choice.name}; {_counts(list(best.policy.values())) or 'no layers profiled'}",
+        f"activations: {best.choice.name}; {_counts(list(best.policy.values())) or 'no blocks profiled'}",
     ]
+    reasons += block_reasons(search.profile, search.times.layers, best.choice, best.policy)
     used = {
         "h2d_bandwidth",
         "d2h_bandwidth",
@@ -425,6 +427,12 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
         shard=config.shard,
         activation_checkpointing=config.activation_checkpointing,
         activation_policy=best.policy,
+        activation_allowance=(
+            int(config.frag_factor * best.choice.device_bytes)
+            if config.device_memory is None and search.hardware.device_memory is not None
+            and search.profile.peak_activation_bytes > 0  # activations profiled
+            else None
+        ),
         predicted_step_s=best.prediction.seconds,
         device_allowance=int(memory.device),
         planner="search",

@@ -199,6 +199,7 @@ class ActivationManager:
         untraced: Callable[[], AbstractContextManager] = nullcontext,
         min_bytes: int = MIN_SWAP_BYTES,
         prefetch_bytes: int | None = None,
+        allowance: int | None = None,
     ) -> None:
         unknown = sorted(set(policy) - set(blocks))
         if unknown:
@@ -214,6 +215,11 @@ class ActivationManager:
         self.min_bytes = min_bytes
         self.prefetch_bytes = prefetch_bytes
         """Most bytes being swapped in at once (None: twice the largest block's)."""
+        self.allowance = allowance
+        """Bytes of saved activations the plan allots on the device (``Plan.activation_allowance``),
+        checked at the first forward that records a graph (Invariant 4); None: unchecked."""
+        self._checked = False
+        self._kept_by_block: Counter[str] = Counter()
         self.order = list(blocks)
         self.moved_bytes: Counter[str] = Counter()
         """Activation traffic so far, keys ``act:<from>-><to>`` (cumulative, like the engine's)."""
@@ -343,6 +349,7 @@ class ActivationManager:
             if ptr not in self._open:
                 self._open[ptr] = None  # counted once per block, like a swap
                 self._kept_bytes += tensor.untyped_storage().nbytes()
+                self._kept_by_block[name] += tensor.untyped_storage().nbytes()
         return tensor
 
     def _pack(self, name: str, tensor: torch.Tensor):
@@ -420,9 +427,15 @@ class ActivationManager:
     def _end_forward(self, module, args, output) -> None:
         if not torch.is_grad_enabled():
             return
-        self._now.saved_peak_bytes = max(self._now.saved_peak_bytes,
-                                         self._kept_bytes + self._resident)
+        saved = self._kept_bytes + self._resident
+        self._now.saved_peak_bytes = max(self._now.saved_peak_bytes, saved)
         self._kept_bytes = 0  # kept activations are freed by their backward
+        kept_by_block, self._kept_by_block = self._kept_by_block, Counter()
+        if not self._checked:  # the warm-up forward (until one fits)
+            if self.allowance is not None and saved > self.allowance:
+                self._drop_all()
+                raise _over_allowance(saved, self.allowance, kept_by_block)
+            self._checked = True
         for name in self.order:
             self._land(name, wait=True)
         if self._error is not None:
@@ -570,6 +583,19 @@ class ActivationManager:
             "recomputed_blocks": last.recomputed_blocks,
             "policy": dict(Counter(self.policy.get(b, "keep") for b in self.order)),
         }
+
+
+def _over_allowance(saved: int, allowance: int, kept: Counter) -> Exception:
+    from tierwise.plan import PlanError
+    from tierwise.units import format_bytes
+
+    block, most = kept.most_common(1)[0] if kept else ("?", 0)
+    return PlanError(
+        f"tierwise: the warm-up forward saved {format_bytes(saved)} of activations on the device, "
+        f"over the {format_bytes(allowance)} the plan allotted them (Invariant 4); block {block} "
+        f"keeps the most ({format_bytes(most)}): set activation_policy={{{block!r}: 'recompute'}} "
+        "(or 'host'), use activation_offload='auto', or shrink the batch or sequence length"
+    )
 
 
 def _is_hf_layer(module: torch.nn.Module) -> bool:

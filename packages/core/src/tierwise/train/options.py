@@ -12,6 +12,9 @@ from typing import Any
 from tierwise.train.errors import TrainError
 from tierwise.train.presets import FAMILIES, SIZES
 
+DEFAULT_SAVE_EVERY = 100
+"""Checkpoint interval in steps when --save-every is not given."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainOptions:
@@ -64,9 +67,12 @@ class TrainOptions:
     resume: str | None = None
     """Continue the run in this directory from its latest checkpoint, exactly."""
     save_every: int | None = None
-    """Write a checkpoint every this many steps (always at the end)."""
+    """Write a checkpoint every this many steps (and at the end, at --stop-after and on Ctrl-C);
+    default: 100."""
+    save_minutes: float = 30.0
+    """Also write one when this many minutes passed since the last (0: only by steps)."""
     eval_every: int | None = None
-    """Held-out loss every this many steps (and at the start and end); default: --steps/4."""
+    """Held-out loss every this many steps (and at the end); default: --steps/4."""
     eval_batches: int = 4
     """Micro-batches in each eval."""
     sample_tokens: int = 200
@@ -115,6 +121,8 @@ class TrainOptions:
             value = getattr(self, flag.replace("-", "_"))
             if value is not None and value < 1:
                 fail(flag, "must be at least 1")
+        if self.save_minutes < 0:
+            fail("save-minutes", "must be ≥ 0 (0: checkpoints by step count only)")
         if self.sample_tokens < 0:
             fail("sample-tokens", "must be ≥ 0")
         if self.temperature < 0:
@@ -123,6 +131,10 @@ class TrainOptions:
     @property
     def warmup_steps(self) -> int:
         return self.warmup if self.warmup is not None else self.steps // 10
+
+    @property
+    def checkpoint_interval(self) -> int:
+        return self.save_every if self.save_every is not None else DEFAULT_SAVE_EVERY
 
     @property
     def eval_interval(self) -> int:

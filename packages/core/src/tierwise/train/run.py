@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import statistics
 import sys
 import time
@@ -28,6 +29,7 @@ from tierwise.tiers import TierBudgetError
 from tierwise.train import checkpoints, data, presets
 from tierwise.train.distributed import World, barrier, close_world, init_world, mean_over_ranks
 from tierwise.train.errors import TrainError
+from tierwise.train.interrupts import Agreement, StopRequest, exit_status
 from tierwise.train.metrics import MetricsLog, read_metrics, step_record
 from tierwise.train.options import RUN_IDENTITY, TrainOptions
 from tierwise.train.plot import plot_memory
@@ -58,6 +60,10 @@ def main(train_given: dict[str, Any], config_given: dict[str, Any]) -> int:
     except (TrainError, ConfigError) as err:
         print(f"tierwise train: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside the training loop ([Note: stopping between steps])
+        print("tierwise train: interrupted (outside the training steps; checkpoints written so "
+              "far are kept)", file=sys.stderr)
+        return exit_status(signal.SIGINT)
 
 
 # -- inputs -----------------------------------------------------------------------------------
@@ -104,6 +110,13 @@ def resolve(train_given: dict[str, Any], config_given: dict[str, Any]) -> Reques
     saved_config = json.loads((run_dir / CONFIG_FILE).read_text())
     for name in RUN_IDENTITY:
         if name in train_given and _plain(train_given[name]) != saved.get(name):
+            if name == "steps":
+                raise TrainError(
+                    f"--resume {run_dir} cannot change --steps from {saved['steps']} to "
+                    f"{train_given['steps']}: the learning-rate warmup and cosine decay span "
+                    "--steps, so the steps already taken belong to another schedule; start a new "
+                    f"run (--out) or resume with --steps {saved['steps']}"
+                )
             flag = "--" + name.replace("_", "-")
             raise TrainError(
                 f"--resume {run_dir} continues the run as it was started with {flag} "
@@ -239,7 +252,9 @@ def _train(request: Request, world: World) -> int:
 
     step, micro_step = 0, 0
     if request.resuming:
-        loaded = checkpoints.latest(run_dir)
+        loaded, fallback = checkpoints.latest(run_dir, world)
+        if fallback:
+            console.note(fallback)
         state = checkpoints.load(loaded, model=model, optimizer=optimizer, world=world)
         scheduler.load_state_dict(state["scheduler"])
         step, micro_step = state["step"], state["micro_step"]
@@ -256,13 +271,39 @@ def _train(request: Request, world: World) -> int:
     metrics = MetricsLog(run_dir, keep_through=step) if world.is_main else None
     budgets = {"device": config.device_memory, "host": config.host_memory}
     trace_step = min(step + 2, last_step)  # after the engine's warm-up step
-    tracer, trace = None, None
     first_step = step
     tokens_per_step = options.batch * options.seq * options.grad_accum * world.size
     step_seconds = []
     console.start_progress(start=step, total=last_step)
     started = time.perf_counter()
     model.train()
+    agreement = Agreement(world, options.save_minutes)
+    with StopRequest() as stop:
+        step, micro_step, trace, stopped = _loop(
+            options, model, optimizer, scheduler, engine, corpus, sampler, world, device, run_dir,
+            metrics, console, budgets, agreement, stop, step=step, micro_step=micro_step,
+            last_step=last_step, trace_step=trace_step, step_seconds=step_seconds,
+            tokens_per_step=tokens_per_step,
+        )
+    if stopped is not None:
+        console.stop_progress()
+        if metrics:
+            metrics.close()
+        if world.is_main:
+            print(f"tierwise train: {signal.Signals(stopped).name} after step {step} of "
+                  f"{last_step}; checkpoint written; resume with: tierwise train --resume "
+                  f"{run_dir}", file=sys.stderr)
+        return exit_status(stopped)
+    return _finish(options, model, engine, tokenizer, corpus, world, device, run_dir, metrics,
+                   console, budgets, trace, step, first_step, step_seconds, tokens_per_step,
+                   started, model_name, n_params)
+
+
+def _loop(options, model, optimizer, scheduler, engine, corpus, sampler, world, device, run_dir,
+          metrics, console, budgets, agreement, stop, *, step, micro_step, last_step, trace_step,
+          step_seconds, tokens_per_step):
+    """Steps until ``last_step`` or a stop request; returns (step, micro_step, trace, signal)."""
+    tracer, trace = None, None
     while step < last_step:
         if world.is_main and step + 1 == trace_step:
             tracer = StepTracer(model, engine.stats, step=step + 1, budgets=budgets)
@@ -316,11 +357,22 @@ def _train(request: Request, world: World) -> int:
             if metrics:
                 metrics.write({"kind": "eval", "step": step, "eval_loss": eval_loss})
             console.note(f"step {step}: held-out loss {eval_loss:.4f}", step=step, eval_loss=eval_loss)
-        if (options.save_every and step % options.save_every == 0) or step == last_step:
+        stopped, time_due = agreement.after_step(stop)
+        if step % options.checkpoint_interval == 0 or step == last_step or stopped or time_due:
             checkpoints.save(
                 run_dir, step=step, model=model, optimizer=optimizer, world=world,
                 loop_state={"micro_step": micro_step, "scheduler": scheduler.state_dict()},
             )
+            agreement.saved()
+        if stopped:
+            return step, micro_step, trace, stopped
+    return step, micro_step, trace, None
+
+
+def _finish(options, model, engine, tokenizer, corpus, world, device, run_dir, metrics, console,
+            budgets, trace, step, first_step, step_seconds, tokens_per_step, started, model_name,
+            n_params) -> int:
+    """The end of a run: sample, plot, summary."""
     console.stop_progress()
     elapsed = time.perf_counter() - started
     if metrics:
@@ -348,7 +400,7 @@ def _train(request: Request, world: World) -> int:
     this_run = lines[-(step - first_step):]
     steady = step_seconds[1:] or step_seconds
     rows = [
-        ("", "value", ""),
+        ("metric", "value", "note"),
         ("steps", f"{first_step} → {step} of {options.steps}", ""),
         ("loss", f"{this_run[0]['loss']:.4f} → {this_run[-1]['loss']:.4f}", "train, this process"),
         ("held-out loss", f"{evals[0]:.4f} → {evals[-1]:.4f}" if evals else "-",

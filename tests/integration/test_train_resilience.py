@@ -1,0 +1,126 @@
+"""`tierwise train` under interrupts and damaged checkpoints: Ctrl-C / SIGTERM stop after the step
+with a checkpoint and one line, --resume finishes with the uninterrupted run's losses, and a
+corrupt newest checkpoint falls back to the previous one."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from tierwise.cli import main
+from tierwise.train.metrics import train_losses
+
+TINY = ["--model", "llama", "--size", "tiny", "--batch", "4", "--seq", "64", "--sample-tokens", "0"]
+STEPS = 8
+PICK = random.Random(19)  # the interrupted steps: drawn once, the same on every run of the suite
+
+
+def _train(tmp_path, capsys, *args):
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        code = main(["train", *args])
+    finally:
+        os.chdir(cwd)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted run's losses by step."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    assert main(["train", *TINY, "--steps", str(STEPS), "--out", str(run)]) == 0
+    return train_losses(run / "metrics.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("signum", "after_step"),
+    [(signal.SIGINT, PICK.randint(1, STEPS - 2)), (signal.SIGTERM, PICK.randint(1, STEPS - 2))],
+    ids=["SIGINT", "SIGTERM"],
+)
+def test_signal_stops_after_the_step_with_a_checkpoint_and_resume_finishes(
+    tmp_path, capsys, straight, signum, after_step
+):
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the real signal, sent to the child by itself while step `after_step` is finishing (a
+    # parent watching stdout could not stop a run of 50 ms steps at a chosen step)
+    script = textwrap.dedent(f"""
+        import os, sys
+        import tierwise.train.run as run
+        from tierwise.cli import main
+        record = run.step_record
+        def signal_at_step(**kwargs):
+            if kwargs["step"] == {after_step}:
+                os.kill(os.getpid(), {int(signum)})
+            return record(**kwargs)
+        run.step_record = signal_at_step
+        sys.exit(main(sys.argv[1:]))
+    """)
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, "train", *TINY, "--steps", str(STEPS), "--json",
+         "--out", str(run)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env,
+    )
+    stdout, stderr = child.communicate(timeout=600)
+    assert child.returncode == 128 + signum, stdout + stderr
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and f"resume with: tierwise train --resume {run}" in lines[0], stderr
+    stopped_at = int((run / "checkpoints" / "latest").read_text().removeprefix("step-"))
+    assert stopped_at == after_step  # the step finished, then the run stopped
+
+    code, out, err = _train(tmp_path, capsys, "--resume", str(run))
+    assert code == 0, err
+    assert f"at step {stopped_at}" in out
+    assert train_losses(run / "metrics.jsonl") == straight  # float equality: bitwise
+
+
+def test_corrupt_newest_checkpoint_falls_back_with_one_line(tmp_path, capsys, straight):
+    run = tmp_path / "run"
+    code, _, err = _train(tmp_path, capsys, *TINY, "--steps", str(STEPS), "--stop-after", "4",
+                          "--save-every", "2", "--out", str(run))
+    assert code == 0, err
+    newest = run / "checkpoints" / "step-000004" / "rank00000-of-00001.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a torn write
+    code, out, err = _train(tmp_path, capsys, "--resume", str(run))
+    assert code == 0, err
+    notes = [line for line in out.splitlines() if "step-000004" in line]
+    assert len(notes) == 1 and "resuming from step-000002" in notes[0], out
+    assert "bytes, the manifest says" in notes[0]
+    assert "at step 2" in out
+    assert train_losses(run / "metrics.jsonl") == straight
+
+
+def test_changing_steps_on_resume_is_refused_in_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _train(tmp_path, capsys, *TINY, "--steps", "2", "--out", str(run))[0] == 0
+    code, _, err = _train(tmp_path, capsys, "--resume", str(run), "--steps", "4")
+    assert code == 2 and err.strip().count("\n") == 0
+    assert "cannot change --steps from 2 to 4" in err and "cosine" in err
+
+
+def test_second_interrupt_aborts_at_once(tmp_path):
+    script = textwrap.dedent("""
+        import os, signal
+        from tierwise.train.interrupts import StopRequest
+        with StopRequest() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            while stop.signum is None:  # the handler runs between bytecodes
+                pass
+            print("first recorded", flush=True)
+            os.kill(os.getpid(), signal.SIGINT)
+            while True:
+                pass
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 130
+    assert done.stdout == "first recorded\n"
+    assert done.stderr.strip().count("\n") == 0 and "aborted at once" in done.stderr

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_train_command(subparsers)
+        from tierwise.train.export import add_export_command
+
+        add_export_command(subparsers)
     get_plugin_host().add_cli_commands(subparsers=subparsers)
     return parser
 

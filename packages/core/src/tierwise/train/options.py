@@ -30,6 +30,14 @@ class TrainOptions:
     from_pretrained: str | None = None
     """A local Hugging Face checkpoint directory to fine-tune (uses its tokenizer when it has one)."""
 
+    lora: int | None = None
+    """Train LoRA adapters of this rank (PEFT) on the frozen model instead of every weight."""
+    lora_alpha: float | None = None
+    """LoRA scaling: updates are multiplied by alpha / rank; default: 2 × --lora."""
+    lora_targets: str | None = None
+    """Comma-separated module names LoRA adapts (e.g. q_proj,v_proj); default: PEFT's choice
+    for the model type."""
+
     # -- data -------------------------------------------------------------------------------
     data: tuple[str, ...] = ()
     """Text files, quoted globs, .jsonl files (field 'text') or a datasets save_to_disk directory;
@@ -98,6 +106,12 @@ class TrainOptions:
                 f"unknown --model {self.model!r}: choose one of {', '.join(FAMILIES)}, "
                 "or give --model-config path/to/config.json"
             )
+        if self.lora is not None and self.lora < 1:
+            fail("lora", "the adapter rank must be at least 1")
+        if self.lora is None and (self.lora_alpha is not None or self.lora_targets is not None):
+            raise TrainError("--lora-alpha and --lora-targets need --lora R (the adapter rank)")
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            fail("lora-alpha", "must be positive")
         if self.size not in SIZES:
             raise TrainError(f"unknown --size {self.size!r}: choose one of {', '.join(SIZES)}")
         for flag in ("steps", "batch", "grad-accum", "eval-batches"):
@@ -146,7 +160,8 @@ class TrainOptions:
 
 RUN_IDENTITY = (
     "model", "size", "model_config", "from_pretrained", "data", "tokenizer", "steps", "batch",
-    "seq", "grad_accum", "lr", "warmup", "lr_floor", "weight_decay", "clip", "seed",
+    "seq", "grad_accum", "lr", "warmup", "lr_floor", "weight_decay", "clip", "seed", "lora",
+    "lora_alpha", "lora_targets",
 )
 """Options a resumed run must keep: changing them would not continue the same run."""
 

@@ -26,7 +26,7 @@ from tierwise.planner import BYTES as PRECISION_BYTES
 from tierwise.planner import OPTIM_BYTES
 from tierwise.plugins import get_plugin_host
 from tierwise.tiers import TierBudgetError
-from tierwise.train import checkpoints, data, presets
+from tierwise.train import checkpoints, data, lora, presets
 from tierwise.train.distributed import World, barrier, close_world, init_world, mean_over_ranks
 from tierwise.train.errors import TrainError
 from tierwise.train.interrupts import Agreement, StopRequest, exit_status
@@ -197,6 +197,11 @@ def _train(request: Request, world: World) -> int:
         max_eval_blocks=options.eval_batches * options.batch * world.size,
     )
     model, model_name = _build_model(options, tokenizer)
+    if options.lora:
+        model = lora.apply_lora(
+            model, rank=options.lora, alpha=options.lora_alpha, targets=options.lora_targets
+        )
+        model_name += f", LoRA rank {options.lora} (base frozen)"
     n_params = presets.count_parameters(model)
     config = request.config.replace(device=world.device)
     data_bytes = model_data_bytes(n_params, config.precision)
@@ -248,6 +253,7 @@ def _train(request: Request, world: World) -> int:
         _write_json(run_dir / OPTIONS_FILE, options.to_dict())
         _write_json(run_dir / CONFIG_FILE, config.to_dict())
         engine.plan.to_json(run_dir / PLAN_FILE)
+        lora.describe_model(run_dir, model)  # what `tierwise export` needs
     console.block("plan", engine.plan.table(), plan=engine.plan.to_dict())
 
     step, micro_step = 0, 0
@@ -418,10 +424,12 @@ def _finish(options, model, engine, tokenizer, corpus, world, device, run_dir, m
     console.block(
         "summary",
         table(rows) + "\n\n" + table(memory_rows) + f"\n\noutputs in {run_dir}/: {OPTIONS_FILE}, "
-        f"{CONFIG_FILE}, {PLAN_FILE}, metrics.jsonl, checkpoints/, {PLOT_FILE}",
+        f"{CONFIG_FILE}, {PLAN_FILE}, metrics.jsonl, checkpoints/, {PLOT_FILE}\n"
+        f"export a Hugging Face model: {export_command(run_dir, options)}",
         steps=step, first_step=first_step, tokens_per_s=tokens_per_step / statistics.median(steady),
         wall_s=elapsed, peak_bytes_by_tier=stats.get("peak_bytes_by_tier", {}), budgets=budgets,
         moved_bytes=stats.get("moved_bytes", {}), run_dir=str(run_dir),
+        export_command=export_command(run_dir, options),
     )
     return 0
 
@@ -462,6 +470,12 @@ def _build_model(options: TrainOptions, tokenizer) -> tuple[torch.nn.Module, str
         )
         name = f"{options.model} {options.size} (random init)"
     return presets.build_random(config, seed=options.seed), name
+
+
+def export_command(run_dir: Path, options: TrainOptions) -> str:
+    """The `tierwise export` command for this run (LoRA runs merge their adapters)."""
+    merge = " --merge-lora" if options.lora else ""
+    return f"tierwise export {run_dir} {run_dir / 'hf-model'}{merge}"
 
 
 def _has_tokenizer(path: str) -> bool:

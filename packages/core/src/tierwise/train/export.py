@@ -1,0 +1,200 @@
+"""`tierwise export RUN_DIR OUT_DIR [--dtype bf16|fp32] [--merge-lora]`: a from_pretrained folder
+from a `tierwise train` run's latest checkpoint.
+
+One process reads the checkpoint by parameter name (``tierwise.checkpoint_reader``: any world
+size, chunk size or tiers the run had) one parameter at a time and streams the values into
+safetensors shards of at most 5 GB, so it holds at most one output shard plus one parameter
+(LoRA merging also holds the adapters, which are small). The model's config comes from the run's
+``hf/config.json`` (written by `tierwise train`), with the dtype written recorded in it.
+
+A LoRA run exports its adapters as PEFT writes them (``adapter_model.safetensors``,
+``adapter_config.json``; load with ``PeftModel.from_pretrained``), or with ``--merge-lora`` a
+plain model whose adapted weights are ``W + scaling · B @ A``, as PEFT's ``merge_and_unload``
+computes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from tierwise.checkpoint_manifest import CheckpointError
+from tierwise.checkpoint_reader import CheckpointReader
+from tierwise.integrations.hf_save import DTYPES, record_dtype
+from tierwise.integrations.safetensors_shards import ShardWriter
+from tierwise.train.checkpoints import CHECKPOINTS, LATEST
+from tierwise.train.errors import TrainError
+from tierwise.train.lora import MODEL_FOLDER
+
+PEFT_PREFIX = "base_model.model."
+"""What PEFT puts before the base model's parameter names."""
+ADAPTER = "default"
+"""The adapter name `tierwise train --lora` trains."""
+
+
+def add_export_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "export",
+        help="write a Hugging Face (from_pretrained) folder from a `tierwise train` run",
+        description="Write a folder AutoModelForCausalLM.from_pretrained loads (or, for a LoRA "
+        "run, PEFT adapter files) from the latest checkpoint of a `tierwise train` run. One "
+        "process, whatever world size the run had; memory: one output shard plus one parameter.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the --out directory of a run")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write (new or empty)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                        help="dtype of the weights written (default fp32, the master weights)")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="LoRA run: merge the adapters into the base weights and write a "
+                        "plain model (default: write the adapter files)")
+    parser.set_defaults(func=_run)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        out = export(args.run_dir, args.out_dir, dtype=args.dtype, merge_lora=args.merge_lora)
+    except (TrainError, CheckpointError) as err:
+        print(f"tierwise export: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    pointer = run_dir / CHECKPOINTS / LATEST
+    if not pointer.is_file():
+        raise TrainError(
+            f"{run_dir}: no checkpoint in it (no {CHECKPOINTS}/{LATEST}); a run writes one at its "
+            "end, at --stop-after and every --save-every steps"
+        )
+    return pointer.parent / pointer.read_text().strip()
+
+
+def export(run_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
+           merge_lora: bool = False) -> Path:
+    """Write the export of ``run_dir`` into ``out_dir``; return ``out_dir``."""
+    run, out = Path(run_dir), Path(out_dir)
+    model_folder = run / MODEL_FOLDER
+    if not (model_folder / "config.json").is_file():
+        raise TrainError(
+            f"{run}: no {MODEL_FOLDER}/config.json; give the --out directory of a `tierwise train` "
+            "run (runs from before `tierwise export` existed lack it)"
+        )
+    checkpoint = latest_checkpoint(run)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise TrainError(f"OUT_DIR {out} exists and is not empty; choose a new directory")
+    lora = _read_json(model_folder / "adapter_config.json")
+    if merge_lora and lora is None:
+        raise TrainError(f"--merge-lora: {run} trained no LoRA adapters (it has no --lora)")
+    reader = CheckpointReader(checkpoint)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        if lora is not None and not merge_lora:
+            _write_adapters(reader, out, lora, DTYPES[dtype], _options(run))
+        else:
+            _write_model(reader, out, model_folder, lora, DTYPES[dtype])
+            _copy_tokenizer(_options(run), out)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return out
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _options(run: Path) -> dict:
+    return _read_json(run / "options.json") or {}
+
+
+def _write_model(reader: CheckpointReader, out: Path, model_folder: Path, lora: dict | None,
+                 dtype: torch.dtype) -> None:
+    adapters = _adapters(reader) if lora is not None else {}
+    writer = ShardWriter(out)
+    for name in reader.names():
+        if lora is not None:
+            if ".lora_" in name:
+                continue
+            if not name.startswith(PEFT_PREFIX):
+                raise TrainError(f"checkpoint parameter {name} is not under {PEFT_PREFIX!r}")
+            module = name.removeprefix(PEFT_PREFIX).removesuffix(".weight")
+            out_name = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+            value = reader.tensor(name)
+            if module.endswith(".base_layer") and name.endswith(".weight"):
+                value = _merged(value, adapters, module.removesuffix(".base_layer"), lora)
+        else:
+            out_name, value = name, reader.tensor(name)
+        writer.add(out_name, value.to(dtype))
+        del value
+    writer.close()
+    shutil.copyfile(model_folder / "config.json", out / "config.json")
+    record_dtype(out, dtype)
+
+
+def _adapters(reader: CheckpointReader) -> dict[str, torch.Tensor]:
+    """Every LoRA tensor (small next to the base), by name."""
+    out = {}
+    for name in reader.names():
+        if ".lora_" in name:
+            kind = name.rsplit(".lora_", 1)[1].split(".", 1)[0]
+            if kind not in ("A", "B"):
+                raise TrainError(
+                    f"--merge-lora: {name} is a lora_{kind} adapter; only linear-layer LoRA "
+                    "(lora_A, lora_B) can be merged"
+                )
+            out[name] = reader.tensor(name)
+    return out
+
+
+def _merged(weight: torch.Tensor, adapters: dict[str, torch.Tensor], module: str,
+            lora: dict) -> torch.Tensor:
+    """``weight + (B @ A) · scaling`` in PEFT's order (transposed for fan_in_fan_out)."""
+    a_name = f"{PEFT_PREFIX}{module}.lora_A.{ADAPTER}.weight"
+    b_name = f"{PEFT_PREFIX}{module}.lora_B.{ADAPTER}.weight"
+    if a_name not in adapters:
+        return weight  # not an adapted layer
+    if lora.get("use_dora"):
+        raise TrainError("--merge-lora: DoRA adapters are not supported; export without merging")
+    rank = lora["r"]
+    scaling = lora["lora_alpha"] / (math.sqrt(rank) if lora.get("use_rslora") else rank)
+    delta = adapters[b_name] @ adapters[a_name]
+    if lora.get("fan_in_fan_out"):
+        delta = delta.T
+    return weight + delta * scaling
+
+
+def _write_adapters(reader: CheckpointReader, out: Path, lora: dict, dtype: torch.dtype,
+                    options: dict) -> None:
+    """The files ``PeftModel.save_pretrained`` writes: adapter weights without the adapter name."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        name.replace(f".{ADAPTER}.", "."): reader.tensor(name).to(dtype).contiguous()
+        for name in reader.names() if ".lora_" in name
+    }
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = dict(lora)
+    config["base_model_name_or_path"] = options.get("from_pretrained") or config.get(
+        "base_model_name_or_path"
+    )
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _copy_tokenizer(options: dict, out: Path) -> None:
+    """The run's Hugging Face tokenizer, if it had one (the default byte tokenizer has none)."""
+    source = options.get("tokenizer") or options.get("from_pretrained")
+    if not source or not any(
+        (Path(source) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        return
+    import transformers
+
+    transformers.AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(out)

@@ -1,0 +1,60 @@
+"""`tierwise train --lora R`: LoRA adapters (PEFT) on a frozen base, and what `tierwise export`
+needs to know about the model afterwards.
+
+The frozen base goes into chunks like any parameter, but in chunk groups of its own with no
+optimizer states and no gradient memory (they can sit on host or NVMe); only the adapters train.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tierwise.train.errors import TrainError
+
+MODEL_FOLDER = "hf"
+"""Run sub-folder describing the model: its config.json and, for LoRA, adapter_config.json."""
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise TrainError("--lora needs peft: pip install 'tierwise[peft]'") from None
+    return peft
+
+
+def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float | None,
+               targets: str | None) -> torch.nn.Module:
+    """``model`` with LoRA adapters of ``rank`` on ``targets`` (comma-separated module names;
+    None: PEFT's default for the model type); everything else frozen."""
+    peft = _peft()
+    target_modules = [t.strip() for t in targets.split(",") if t.strip()] if targets else None
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
+        target_modules=target_modules, task_type="CAUSAL_LM",
+    )
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as err:  # no target module found, or no default for this model type
+        first = str(err).strip().splitlines()[0]
+        raise TrainError(
+            f"--lora-targets {targets or '(PEFT default)'}: {first}; name the model's linear "
+            "layers, e.g. --lora-targets q_proj,v_proj"
+        ) from None
+
+
+def describe_model(run_dir: Path, model: torch.nn.Module) -> None:
+    """Write ``run_dir/hf/config.json`` (and ``adapter_config.json`` for a LoRA run), which
+    `tierwise export` turns into a from_pretrained folder."""
+    folder = Path(run_dir) / MODEL_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    peft_config = getattr(model, "peft_config", None)
+    base = model.get_base_model() if peft_config else model
+    config = json.loads(base.config.to_json_string(use_diff=False))
+    config["architectures"] = [type(base).__name__]
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if peft_config:
+        peft_config["default"].save_pretrained(folder)

@@ -160,10 +160,6 @@ def _slabs(chunk: Chunk) -> dict:
             "exp_avg_sq": chunk.optim.exp_avg_sq}
 
 
-def _chunk_step(engine: Engine, chunk: Chunk) -> float:
-    return float(engine._steps[chunk.key]) if chunk.optim is not None else 0.0
-
-
 def _overlap(chunk: Chunk, slot) -> tuple[int, int]:
     """The part of ``slot`` in this rank's shard of ``chunk``, in the parameter's flat indices."""
     start, end = chunk.shard_range()
@@ -182,7 +178,6 @@ def rank_pieces(engine: Engine, rank: int, world: int) -> tuple[dict, dict]:
     pieces, index = {}, {}
     for chunk in engine.chunks():
         pattern = pattern_of.get(chunk.group.pattern_key)
-        step = _chunk_step(engine, chunk)
         for kind, slab in _slabs(chunk).items():
             shard = _read(slab).float()
             if _splits(pattern):
@@ -205,6 +200,8 @@ def rank_pieces(engine: Engine, rank: int, world: int) -> tuple[dict, dict]:
                         index[slot.name] = {"shape": list(slot.shape), "lo": lo, "hi": hi}
         for slot in chunk.slots:
             if slot.name in index:
+                # [Note: unused parameters are skipped]: one Adam step count per parameter
+                step = float(engine.step_counts[slot.name]) if chunk.optim is not None else 0.0
                 index[slot.name].update(trainable=chunk.optim is not None, step=step)
     return pieces, index
 
@@ -389,13 +386,8 @@ def load_from_reader(engine: Engine, reader: CheckpointReader) -> None:
                 shard[a : a + hi - lo] = part
             values[kind] = shard
         if chunk.optim is not None:
-            steps = {reader.step(slot.name) for slot in chunk.slots}
-            if len(steps) > 1:
-                raise CheckpointError(
-                    f"checkpoint {reader.path}: the parameters of chunk {chunk.key} have different "
-                    f"Adam step counts {sorted(steps)}; this tierwise keeps one per chunk"
-                )
-            engine._steps[chunk.key].fill_(steps.pop())
+            engine.step_counts.load_state_dict(
+                {"counts": {slot.name: int(reader.step(slot.name)) for slot in chunk.slots}})
             for kind, slab in _slabs(chunk).items():
                 _write(slab, values[kind])
             if chunk.home is not chunk.optim.master:
@@ -403,6 +395,8 @@ def load_from_reader(engine: Engine, reader: CheckpointReader) -> None:
             chunk.optim.clear_grad()
         else:
             _write(chunk.home, values["master"])
+        for slot in chunk.slots:
+            slot.has_grad = False
     if engine.scaler is not None and state["scaler"] is not None:
         engine.scaler.load_state_dict(state["scaler"])
     engine.steps_taken = state["steps_taken"]

@@ -27,6 +27,9 @@ class ParamSlot:
     compute_refs: int = 0
     got_grad: bool = False
     """Its gradient for the current backward has arrived."""
+    has_grad: bool = False
+    """A gradient arrived since the last zero_grad, in any backward: the optimizer updates it
+    only then ([Note: unused parameters are skipped])."""
 
     def set_state(self, new: TensorState) -> None:
         check_transition(self.name, self.state, new)

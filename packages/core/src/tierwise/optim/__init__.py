@@ -1,7 +1,11 @@
 """Chunked optimizers, loss scaling."""
 
-from tierwise.optim.adam import AdamHyper, adam_update, check_optimizer
+from tierwise.optim.adam import AdamHyper, adam_update, adam_update_ranges, check_optimizer
 from tierwise.optim.optimizer import TierwiseOptimizer
 from tierwise.optim.scaler import DynamicLossScaler
+from tierwise.optim.step_counts import StepCounts
 
-__all__ = ["AdamHyper", "DynamicLossScaler", "TierwiseOptimizer", "adam_update", "check_optimizer"]
+__all__ = [
+    "AdamHyper", "DynamicLossScaler", "StepCounts", "TierwiseOptimizer", "adam_update",
+    "adam_update_ranges", "check_optimizer",
+]

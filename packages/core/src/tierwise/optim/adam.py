@@ -82,3 +82,32 @@ def adam_update(
         lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
         eps=hyper.eps, amsgrad=False, maximize=False,
     )
+
+
+def adam_update_ranges(
+    *,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    ranges: list[tuple[int, int, int]],
+    hyper: AdamHyper,
+) -> None:
+    """Fused Adam(W) on ``(start, end, step)`` ranges of flat fp32 tensors, in place, in one
+    kernel call; ``step`` is each range's count after this update (what PyTorch's ``step``
+    tensor holds when its kernel runs). Elements outside the ranges are left alone:
+    [Note: unused parameters are skipped]."""
+    if not ranges:
+        return
+    steps: dict[int, torch.Tensor] = {}
+    for _, _, step in ranges:
+        if step not in steps:
+            steps[step] = torch.full((), float(step), dtype=torch.float32, device=master.device)
+    kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
+    kernel(
+        [master[a:b] for a, b, _ in ranges], [grad[a:b] for a, b, _ in ranges],
+        [exp_avg[a:b] for a, b, _ in ranges], [exp_avg_sq[a:b] for a, b, _ in ranges], [],
+        [steps[s] for _, _, s in ranges],
+        lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
+        eps=hyper.eps, amsgrad=False, maximize=False,
+    )

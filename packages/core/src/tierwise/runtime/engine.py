@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from tierwise.chunks import Chunk, ChunkGroup, ParamSlot, TensorState
 from tierwise.config import Config
-from tierwise.optim import DynamicLossScaler
+from tierwise.optim import DynamicLossScaler, StepCounts
 from tierwise.parallel.collectives import Collectives
 from tierwise.plan import Plan
 from tierwise.runtime.cache import AccessTrace, RCache
@@ -90,11 +90,9 @@ class Engine(GradientPath, OptimizerStep):
         self._clip_coef: float | None = None
         self._staging_free: list[torch.Tensor] = []
         self._staging_slabs: list = []
-        self._steps = {  # one Adam step counter per trainable chunk
-            chunk.key: torch.zeros((), dtype=torch.float32, device=chunk.optim.master.tensor.device
-                                   if chunk.optim.master.tensor is not None else "cpu")
-            for group in groups if group.trainable for chunk in group.chunks
-        }
+        self.step_counts = StepCounts(  # [Note: unused parameters are skipped]
+            s.name for group in groups if group.trainable for c in group.chunks for s in c.slots
+        )
         self.hook_handles: list = []
         self._by_key = {chunk.key: chunk for chunk in self.chunks()}
         self.pipelines = self._make_pipelines()
@@ -478,6 +476,8 @@ class Engine(GradientPath, OptimizerStep):
             if chunk.optim is not None:
                 chunk.optim.clear_grad()  # [Note: gradient memory between steps]
             chunk.local_grad = None
+            for slot in chunk.slots:
+                slot.has_grad = False
 
     def optimizer_state_dict(self) -> dict:
         from tierwise.checkpoint import rank_state

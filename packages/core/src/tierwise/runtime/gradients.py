@@ -37,6 +37,7 @@ class GradientPath:
         self._enter_backward()
         chunk = self.slot_chunk[id(param)]
         slot = next(s for s in chunk.slots if s.param is param)
+        slot.has_grad = True  # [Note: unused parameters are skipped]
         grad = param.grad
         param.grad = None
         if chunk.group.world == 1:

@@ -55,7 +55,8 @@ def new_chunks(group: ChunkGroup, order: list[str], chunk_size: int) -> list[Chu
         capacity = -(-spec.capacity // group.world) * group.world if group.sharded else spec.capacity
         shard = capacity // group.world if group.sharded else capacity
         chunk_slots = [ParamSlot(s.name, slots[s.name].param, s.offset, s.numel, slots[s.name].shape,
-                                 state=TensorState.HOLD) for s in spec.slots]
+                                 state=TensorState.HOLD, has_grad=slots[s.name].has_grad)
+                       for s in spec.slots]
         chunks.append(Chunk(group, spec.index, capacity, shard, chunk_slots))
     return chunks
 
@@ -171,10 +172,6 @@ def _cannot_move(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> str 
         c.home is c.optim.master for c in group.chunks
     ):
         return "some of its chunks share the fp32 master as parameter payload and some do not"
-    if group.trainable:
-        steps = {float(engine._steps[c.key]) for c in group.chunks}
-        if len(steps) > 1:
-            return "its chunks have taken different numbers of optimizer steps"
     return None
 
 
@@ -196,7 +193,6 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> None:
     tiers = _plan_tiers(engine, group, chunks)
     where = {s.name: (c, s) for c in chunks for s in c.slots}
     grads_filled = group.trainable and any(c.optim.grad_filled for c in group.chunks)
-    steps = engine._steps[group.chunks[0].key].clone() if group.trainable else None
     new_slabs: dict[str, list[Slab]] = {}
     for kind in _kinds(engine, group):
         if kind == "grad" and not grads_filled:
@@ -233,11 +229,6 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> None:
         chunk.bind_params()
         if not chunk.resident:
             chunk.free_storage()
-    for old in group.chunks:
-        engine._steps.pop(old.key, None)
-    for chunk in chunks:  # keys are (group, index): re-add after popping the old ones
-        if group.trainable:
-            engine._steps[chunk.key] = steps.clone()
     group.chunks = chunks
     engine.plan.param_tiers[group.name] = list(tiers["home"])
     if group.trainable:

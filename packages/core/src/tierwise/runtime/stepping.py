@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tierwise.chunks import Chunk, TensorState
-from tierwise.optim import AdamHyper, adam_update
+from tierwise.optim import AdamHyper, adam_update_ranges
 
 
 class OptimizerStep:
@@ -41,6 +41,7 @@ class OptimizerStep:
                 (self._param_order[id(s.param)], torch.linalg.vector_norm(grad[s.offset : s.offset + s.numel], 2.0))
                 for chunk, grad in self._grad_shards()
                 for s in chunk.slots
+                if s.has_grad  # clip_grad_norm_ skips parameters whose grad is None
             )
             if not norms:
                 return torch.zeros((), dtype=torch.float32)
@@ -125,7 +126,10 @@ class OptimizerStep:
                 f"during backward ({self._overlap_reason('did not clip')}); set "
                 "optimizer_overlap='after-backward' when clipping only some steps"
             )
+        self._agree_on_grads()
         for chunk, _grad in list(self._grad_shards()):
+            if not any(slot.has_grad for slot in chunk.slots):
+                continue  # [Note: unused parameters are skipped]
             hyper = self._hyper(chunk)
             if chunk.key in self._early_hyper:
                 if self._early_hyper[chunk.key] != hyper:
@@ -161,17 +165,50 @@ class OptimizerStep:
             factors.append(self._clip_coef)
         return factors or None
 
+    def _agree_on_grads(self) -> None:
+        """Several ranks: a parameter has a gradient when it got one on any rank of its chunk's
+        data-parallel group (DDP reduces it to every rank): [Note: unused parameters are
+        skipped]. One small all-reduce per replicated or sharded trainable group."""
+        for group in self.groups:
+            if not group.trainable or group.world == 1:
+                continue
+            slots = [slot for chunk in group.chunks for slot in chunk.slots]
+            flags = torch.tensor([slot.has_grad for slot in slots], dtype=torch.float32,
+                                 device=self.device)
+            self.collectives.all_reduce(flags, group.process_group, op=dist.ReduceOp.MAX)
+            for slot, flag in zip(slots, flags.tolist(), strict=True):
+                slot.has_grad = flag > 0
+
+    def _update_ranges(self, chunk: Chunk) -> list[tuple[int, int, int]]:
+        """Advance the step counts of the chunk's parameters that have a gradient and return
+        the (start, end, step) ranges of this rank's shard to update: the whole shard when all
+        of them have one and their counts agree ([Note: unused parameters are skipped])."""
+        updated = [slot for slot in chunk.slots if slot.has_grad]
+        self.step_counts.advance(slot.name for slot in updated)
+        steps = {self.step_counts[slot.name] for slot in updated}
+        if len(updated) == len(chunk.slots) and len(steps) == 1:
+            return [(0, chunk.shard_size, steps.pop())]
+        start, end = chunk.shard_range()
+        ranges = []
+        for slot in updated:
+            lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
+            if lo < hi:
+                ranges.append((lo - start, hi - start, self.step_counts[slot.name]))
+        return ranges
+
     def _chunk_update(self, chunk: Chunk, hyper: AdamHyper, multiplier: list | None):
-        """The update of one chunk, given its fp32 (master, exp_avg, exp_avg_sq) tensors."""
+        """The update of one chunk, given its fp32 (master, exp_avg, exp_avg_sq) tensors (it
+        advances the step counts now, on the calling thread)."""
         optim = chunk.optim
+        ranges = self._update_ranges(chunk)
 
         def update(states: list[torch.Tensor]) -> None:
             master, m, v = states
             grad = optim.grad.tensor.to(device=master.device, dtype=torch.float32)
             for factor in multiplier or ():
                 grad = grad * factor.to(grad.device)
-            adam_update(master=master, grad=grad, exp_avg=m, exp_avg_sq=v,
-                        step=self._steps[chunk.key], hyper=hyper)
+            adam_update_ranges(master=master, grad=grad, exp_avg=m, exp_avg_sq=v,
+                               ranges=ranges, hyper=hyper)
             if chunk.home is not optim.master:
                 chunk.home.tier.write(chunk.home, master.to(self.dtype)).wait()
 

@@ -95,3 +95,18 @@ def test_auto_frees_device_memory_for_model_data_when_activations_crowd_it():
     assert auto.predicted_step_s["total"] <= keep.predicted_step_s["total"]
     assert auto.device_allowance > keep.device_allowance
     assert any(alt["summary"].startswith("activations:") for alt in auto.alternatives)
+
+
+def test_plan_table_and_reasons_give_every_blocks_choice():
+    profile = profile_with_layers()
+    plan = search_plan(
+        profile,
+        gpu_hardware(h2d_bandwidth=1e9, d2h_bandwidth=1e9),
+        config(activation_offload="host"),
+    )
+    table = plan.table()
+    for block, action in plan.activation_policy.items():
+        assert f"  {block}" in table
+        line = next(r for r in plan.reasons if r.startswith(f"activations of {block}: "))
+        assert line.startswith(f"activations of {block}: {action} (")
+        assert "benefit rank" in line

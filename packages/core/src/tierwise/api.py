@@ -18,6 +18,7 @@ from tierwise.parallel.base import snapshot_model
 from tierwise.plugins import get_plugin_host
 from tierwise.runtime import Engine, RCache
 from tierwise.runtime.activations import ActivationManager, find_blocks, resolve_policy
+from tierwise.runtime.activations import plan_action as _planned_action
 from tierwise.runtime.build import (
     allocate_payloads,
     check_chunk_size,
@@ -263,6 +264,11 @@ def _activation_blocks(model, config: Config, host, plan) -> dict:
             f"the activation policy swaps {len(on_nvme)} block(s) ({on_nvme[0]}, ...) to nvme, "
             "which needs the tierwise-nvme plugin: pip install tierwise-nvme (and set nvme_path)"
         )
+    planned = {b: _planned_action(b, plan.activation_policy) for b in blocks}
+    for block, action in policy.items():
+        if action != planned[block]:  # the planner's reason for this block no longer holds
+            plan.reasons = [r for r in plan.reasons if not r.startswith(f"activations of {block}:")]
+            plan.reasons.append(f"activations of {block}: {action} (as Config asked)")
     plan.activation_policy = policy
     return blocks
 

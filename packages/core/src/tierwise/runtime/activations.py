@@ -92,7 +92,7 @@ def check_policy_entries(policy: Any) -> str | None:
     return None
 
 
-def _plan_action(block: str, plan_policy: dict[str, str]) -> str | None:
+def plan_action(block: str, plan_policy: dict[str, str]) -> str | None:
     """The plan's action for ``block``: its own entry, else the most common one among entries
     of modules inside it (a profile can be per innermost module)."""
     if block in plan_policy:
@@ -118,7 +118,7 @@ def resolve_policy(
     elif checkpointing:
         default = {b: "recompute" for b in blocks}
     elif offload == "auto":
-        default = {b: _plan_action(b, plan_policy or {}) or "keep" for b in blocks}
+        default = {b: plan_action(b, plan_policy or {}) or "keep" for b in blocks}
     else:
         default = {b: "keep" for b in blocks}
     for pattern, action in (policy or {}).items():
@@ -230,6 +230,7 @@ class ActivationManager:
         self._open: dict[int, _Stored] = {}  # storage address -> stored, in the running block
         self._hooks: AbstractContextManager | None = None
         self._kept_bytes = 0
+        self._kept_live: dict[int, list[int]] = {}  # storage -> [bytes, users not yet unpacked]
         self._resident = 0  # swap bytes on the device held by the manager
         self._error: BaseException | None = None
         self._loading: list[str] = []
@@ -317,7 +318,7 @@ class ActivationManager:
             return
         swap = self.policy.get(name, "keep") in ("host", "nvme")
         pack = partial(self._pack, name) if swap else partial(self._count_kept, name)
-        unpack = self._unpack if swap else _identity
+        unpack = self._unpack if swap else self._unpack_kept
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._hooks.__enter__()
         self._open.clear()
@@ -346,10 +347,21 @@ class ActivationManager:
     def _count_kept(self, name: str, tensor: torch.Tensor):
         if self._worth(name, tensor):
             ptr = tensor.untyped_storage().data_ptr()
+            live = self._kept_live.setdefault(ptr, [tensor.untyped_storage().nbytes(), 0])
+            live[1] += 1
             if ptr not in self._open:
                 self._open[ptr] = None  # counted once per block, like a swap
                 self._kept_bytes += tensor.untyped_storage().nbytes()
                 self._kept_by_block[name] += tensor.untyped_storage().nbytes()
+        return tensor
+
+    def _unpack_kept(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A kept tensor reaches its backward: counted as freed once all its users did."""
+        live = self._kept_live.get(tensor.untyped_storage().data_ptr())
+        if live is not None:
+            live[1] -= 1
+            if live[1] <= 0:
+                del self._kept_live[tensor.untyped_storage().data_ptr()]
         return tensor
 
     def _pack(self, name: str, tensor: torch.Tensor):
@@ -543,18 +555,29 @@ class ActivationManager:
         """The optimizer stepped: publish this step's stats and start counting the next."""
         self.last, self._now = self._now, StepStats()
         self._kept_bytes = 0
+        self._kept_live.clear()
         self._drop_all()
 
     def swapped_now(self) -> dict[str, int]:
-        """Bytes of activations the manager holds now, by where they are (0 between steps)."""
+        """Bytes of swapped activations the manager holds now, by where they are: "device"
+        (originals whose copy is in flight, copies loaded back), "host", "nvme" (0 between
+        steps)."""
         held: Counter[str] = Counter()
         for stored_list in self._stored.values():
             for s in stored_list:
-                held["device"] += (s.source is not None) * s.nbytes + (
-                    s.loaded is not None and s.loaded is not s.host) * s.nbytes
-                held["host"] += (s.host is not None) * s.nbytes
+                on_device = [s.source, s.loaded]
+                held["device"] += sum(s.nbytes for t in on_device if t is not None)
+                if s.host is not None and s.host is not s.loaded:
+                    held["host"] += s.nbytes
                 held["nvme"] += (s.slab is not None) * s.nbytes
         return {k: held[k] for k in ("device", "host", "nvme")}
+
+    def live_bytes(self) -> dict[str, int]:
+        """Saved activations of the blocks alive now, by where they are: on the device (kept
+        ones not yet used by backward, swap copies in flight or loaded), host and nvme."""
+        held = self.swapped_now()
+        held["device"] += sum(nbytes for nbytes, _ in self._kept_live.values())
+        return held
 
     def _drop_all(self) -> None:
         """Forget every swapped storage (a graph dropped without backward, an error)."""
@@ -582,6 +605,7 @@ class ActivationManager:
             "swapped_in_bytes": {t: last.swapped_in[t] for t in ("host", "nvme")},
             "recomputed_blocks": last.recomputed_blocks,
             "policy": dict(Counter(self.policy.get(b, "keep") for b in self.order)),
+            "live_bytes": self.live_bytes(),
         }
 
 
@@ -600,10 +624,6 @@ def _over_allowance(saved: int, allowance: int, kept: Counter) -> Exception:
 
 def _is_hf_layer(module: torch.nn.Module) -> bool:
     return isinstance(getattr(type(module), "gradient_checkpointing", None), bool)
-
-
-def _identity(x):
-    return x
 
 
 def _done(handle) -> bool:
@@ -629,5 +649,6 @@ __all__ = [
     "ActivationPolicyError",
     "check_policy_entries",
     "find_blocks",
+    "plan_action",
     "resolve_policy",
 ]

@@ -496,6 +496,8 @@ class Engine(GradientPath, OptimizerStep):
         for name, tier in self.tiers.items():
             by_tier[name] = tier.used_bytes
             peak[name] = tier.peak_bytes
+        if self.activations is not None and "nvme" in by_tier:  # activations are not model data
+            by_tier["nvme"] -= self.activations.swapped_now()["nvme"]
         moved = Counter(self.moved_bytes)
         if self.activations is not None:
             moved.update(self.activations.moved_bytes)  # keys "act:<from>-><to>"

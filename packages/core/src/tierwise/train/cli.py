@@ -22,6 +22,8 @@ examples:
   tierwise train --model llama --size tiny --steps 50 --device-memory 2MiB
   tierwise train --data 'notes/*.md' --tokenizer ./tok --from-pretrained ./my-model
   tierwise train --host-memory 4MiB --nvme-path /mnt/nvme/tierwise   # needs tierwise-nvme
+  tierwise train --activation-offload auto --seq 2048          # keep/recompute/swap per block
+  tierwise train --activation-policy 'transformer.h.*=host' --activation-policy 'transformer.h.0=keep'
   tierwise train --resume runs/train-20250101-120000
 """
 
@@ -42,6 +44,39 @@ def _parallel(text: str) -> dict[str, int]:
         name, _, size = part.partition("=")
         sizes[name.strip()] = int(size)
     return sizes
+
+
+def _policy_entries(text: str) -> dict[str, str]:
+    """'model.layers.*=nvme' -> {"model.layers.*": "nvme"}; a .toml file -> its table (top
+    level, or under [activation_policy])."""
+    if text.endswith(".toml"):
+        from pathlib import Path
+
+        import tomllib
+
+        try:
+            table = tomllib.loads(Path(text).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise argparse.ArgumentTypeError(f"cannot read {text}: {err}") from None
+        table = table.get("activation_policy", table)
+        if not isinstance(table, dict):
+            raise argparse.ArgumentTypeError(f"{text}: expected a table of block pattern = action")
+        return {str(k): v for k, v in table.items()}
+    pattern, sep, action = text.rpartition("=")
+    if not sep or not pattern:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give PATTERN=ACTION (e.g. 'model.layers.*=nvme') or a .toml file"
+        )
+    return {pattern.strip(): action.strip()}
+
+
+class _MergePolicy(argparse.Action):
+    """--activation-policy is repeatable: later entries are added after (and win over) earlier."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        merged = dict(getattr(namespace, self.dest, None) or {})
+        merged.update(values)
+        setattr(namespace, self.dest, merged)
 
 
 CONFIG_PARSERS = {
@@ -74,6 +109,11 @@ def _add_option(group, name: str, hint: typing.Any, doc: str, dest: str) -> None
         group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
     elif hint is bool:
         group.add_argument(flag, action="store_true", **common)
+    elif name == "activation_policy":
+        group.add_argument(flag, type=_policy_entries, action=_MergePolicy,
+                           metavar="PATTERN=ACTION|FILE.toml", **common)
+    elif name == "activation_offload":
+        group.add_argument(flag, choices=("none", "host", "nvme", "auto"), **common)
     elif name == "data":
         group.add_argument(flag, nargs="+", action="extend", metavar="PATH", **common)
     else:

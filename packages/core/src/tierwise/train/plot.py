@@ -50,6 +50,11 @@ def plot_memory(
                        color=TIER_COLOURS.get(tier), linewidth=2)
     memory_ax.step(times_ms, [s.activation_bytes / MIB for s in trace.samples], where="post",
                    label="activations (saved for backward)", color="tab:purple", linestyle="-.")
+    swapped_to = sorted({t for s in trace.samples for t in s.swapped_bytes})
+    for tier in swapped_to:
+        memory_ax.step(times_ms, [s.swapped_bytes.get(tier, 0) / MIB for s in trace.samples],
+                       where="post", label=f"activations swapped to {tier}",
+                       color=TIER_COLOURS.get(tier), linestyle="--")
     for tier, budget in trace.budgets.items():
         if budget:
             memory_ax.axhline(budget / MIB, color=TIER_COLOURS.get(tier, "grey"), linestyle=":",

@@ -10,7 +10,10 @@ model data per tier (``stats()["bytes_by_tier"]``), the bytes moved so far in th
 already counted are skipped). Each is charged to the block running when it was saved (or to
 "outside blocks": embeddings, head, loss) and counted as freed when that block's backward ends
 (outside blocks: at the end of backward). Tensors the engine packs away itself (activation
-offload) are not seen, which is right: they are not on the compute device.
+offload) are not seen, which is right: they are not on the compute device. Inside the blocks
+the engine's ActivationManager has hooks of its own (innermost hooks win), so a sample adds its
+``stats()["activations"]["live_bytes"]``: the blocks' saved tensors still on the device, and
+those swapped to host or nvme (drawn apart in memory.png).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class Sample:
     """Activations alive (see [Note: activation accounting])."""
     moved_bytes: dict[str, int]
     """Bytes moved since the step started, per direction."""
+    swapped_bytes: dict[str, int] = field(default_factory=dict)
+    """Activations swapped out of the device and not yet back, per tier ("host", "nvme")."""
 
 
 @dataclass(kw_only=True)
@@ -101,14 +106,16 @@ class StepTracer:
     # -- samples ----------------------------------------------------------------------------
     def mark(self, phase: str, label: str) -> None:
         stats = self.stats()
+        live = (stats.get("activations") or {}).get("live_bytes") or {}
         self.trace.samples.append(
             Sample(
                 t=time.perf_counter() - self._t0,
                 phase=phase,
                 label=label,
                 bytes_by_tier=dict(stats.get("bytes_by_tier", {})),
-                activation_bytes=sum(self._charged.values()),
+                activation_bytes=sum(self._charged.values()) + live.get("device", 0),
                 moved_bytes=counter_delta(stats.get("moved_bytes", {}), self._moved0),
+                swapped_bytes={t: live[t] for t in ("host", "nvme") if live.get(t)},
             )
         )
 

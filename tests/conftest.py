@@ -40,6 +40,17 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
+@pytest.fixture(scope="session")
+def _session_cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tierwise_cache")
+
+
+@pytest.fixture(autouse=True)
+def _private_cache_dir(_session_cache_dir, monkeypatch):
+    """Probe caches (hardware, NVMe bandwidth per path) go to a temp dir, never the user's."""
+    monkeypatch.setenv("TIERWISE_CACHE_DIR", str(_session_cache_dir))
+
+
 @pytest.fixture(autouse=True)
 def _fresh_plugin_host():
     from tierwise.plugins import _cached_host

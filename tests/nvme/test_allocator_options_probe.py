@@ -95,3 +95,35 @@ def test_probe_hook_measures_once_per_path(nvme_dir, monkeypatch):
     assert len(calls) == 1
     assert list(nvme_dir.iterdir()) == []  # the probe leaves no files behind
     assert get_plugin_host().probe_hardware(config=Config(device="cpu")).get("nvme_free") is None
+
+
+def test_nvme_measurement_is_cached_per_path_on_disk_and_used_by_plans(nvme_dir, monkeypatch):
+    import tierwise_nvme.probe as probe
+    from tierwise.probe import cached_nvme
+    from tierwise.target import target_hardware
+
+    calls = []
+
+    def fake_measure(directory, nbytes=probe.PROBE_BYTES):  # a disk of known speed
+        calls.append(directory)
+        return 2.5e9 + len(calls), 1.5e9
+
+    monkeypatch.setattr(probe, "measure_bandwidth", fake_measure)
+    first, second = nvme_dir / "a", nvme_dir / "b"
+    assert probe.probe_nvme(first)["nvme_read_bandwidth"] == 2.5e9 + 1
+    assert probe.probe_nvme(first)["nvme_read_bandwidth"] == 2.5e9 + 1  # cached: not measured
+    assert probe.probe_nvme(second)["nvme_read_bandwidth"] == 2.5e9 + 2  # another path
+    assert len(calls) == 2
+    stored = cached_nvme(first)  # on disk, for the next process
+    assert stored["nvme_write_bandwidth"] == 1.5e9 and stored["measured_at"]
+    assert probe.probe_nvme(first, refresh=True)["nvme_read_bandwidth"] == 2.5e9 + 3
+    # a plan for another machine with --nvme on this path uses the measurement and says so
+    target = target_hardware(spec="a100-40gb,pcie4-nvme", device=None, gpus=1, nvme_path=str(first))
+    assert target.hardware.nvme_read_bandwidth == 2.5e9 + 3  # measured beats the preset
+    assert any(f"measured for {first}" in note for note in target.notes)
+    unmeasured = target_hardware(spec="a100-40gb", device=None, gpus=1, nvme_path=str(nvme_dir / "c"))
+    assert unmeasured.hardware.nvme_read_bandwidth is None
+    assert any("not measured" in n and "tierwise probe --nvme-path" in n for n in unmeasured.notes)
+    preset = target_hardware(spec="a100-40gb,pcie4-nvme", device=None, gpus=1, nvme_path=str(nvme_dir / "c"))
+    assert preset.hardware.nvme_read_bandwidth == 6.0e9
+    assert any("from --hardware" in n for n in preset.notes)

@@ -88,3 +88,30 @@ def test_probe_uses_the_cache(tmp_path, monkeypatch, capsys):
     assert main(["probe", "--device", "cpu", "--precision", "fp32"]) == 0
     table = capsys.readouterr().out
     assert first["measured_at"] in table and "host_memcpy" in table
+
+
+@pytest.mark.combined  # profiler (probe) + nvme (the measurement) + search (the plan)
+def test_probe_nvme_path_is_cached_and_the_plan_says_it_used_it(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("tierwise_nvme")
+    pytest.importorskip("tierwise_search")
+    from tierwise.probe import cached_nvme
+
+    disk = tmp_path / "nvme"
+    assert main(["probe", "--device", "cpu", "--nvme-path", str(disk), "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)["nvme"]
+    assert measured["nvme_read_bandwidth"] > 0 and cached_nvme(disk) == {
+        k: v for k, v in measured.items() if k != "path"
+    }
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 64})
+    )
+    code = main(
+        ["plan", "--model", str(config), "--seq", "16", "--hardware", "l4", "--nvme", str(disk),
+         "--host-memory", "1GiB", "--device-memory", "1MiB", "--json"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    reasons = json.loads(out)["plan"]["reasons"]
+    assert any(f"measured for {disk}" in r and measured["measured_at"] in r for r in reasons)
+    assert not any("nvme_read_bandwidth unknown" in r for r in reasons)

@@ -11,6 +11,7 @@ pytest.importorskip("tierwise_profiler")
 from tierwise.config import Config  # noqa: E402
 from tierwise.hardware import Hardware  # noqa: E402
 from tierwise.plugins import get_plugin_host  # noqa: E402
+from tierwise.probe import cache_dir  # noqa: E402
 from tierwise_profiler import hardware_probe  # noqa: E402
 
 
@@ -72,10 +73,10 @@ def test_refresh_measures_again_and_replaces_the_entry(cache, monkeypatch):
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("TIERWISE_CACHE_DIR", str(tmp_path / "explicit"))
-    assert hardware_probe.cache_dir() == tmp_path / "explicit"
+    assert cache_dir() == tmp_path / "explicit"
     monkeypatch.delenv("TIERWISE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert hardware_probe.cache_dir() == tmp_path / "xdg" / "tierwise"
+    assert cache_dir() == tmp_path / "xdg" / "tierwise"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert hardware_probe.cache_dir() == tmp_path / "home" / ".cache" / "tierwise"
+    assert cache_dir() == tmp_path / "home" / ".cache" / "tierwise"

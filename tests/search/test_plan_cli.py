@@ -53,11 +53,22 @@ def test_plan_command_prints_a_json_plan(run_plan, config_json, tmp_path):
         "--json",
     )
     assert code == 0, err
-    plan = Plan.from_json(out)
+    result = json.loads(out)
+    plan = Plan.from_dict(result["plan"])
+    assert result["n_params"] == sum(p.numel() for p in plan_profile_params(config_json))
     assert plan.planner == "search"
     assert plan.predicted_step_s["total"] > 0
     fallbacks = [r for r in plan.reasons if "unknown" in r]
     assert fallbacks and not any("h2d_bandwidth" in r for r in fallbacks)
+
+
+def plan_profile_params(config_json):
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(config_json.parent)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config).parameters()
 
 
 def test_plan_command_table_and_too_small_device(run_plan, config_json):
@@ -70,4 +81,4 @@ def test_plan_command_table_and_too_small_device(run_plan, config_json):
         "--model", str(config_json), "--seq", "16", "--device", "cpu", "--device-memory", "4KiB"
     )
     assert code == 2
-    assert "minimum device memory is" in err
+    assert "device memory binds" in err and "short" in err

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
 
 from tierwise.jsonable import JsonDataclass
 
@@ -38,3 +41,63 @@ class Hardware(JsonDataclass):
     """Collective bandwidth between data-parallel ranks, bytes/s."""
     world_size: int = 1
     """Number of data-parallel ranks."""
+
+
+class HardwareError(ValueError):
+    """A hardware preset or file that cannot be used; the message says what to pass instead."""
+
+
+PRESET_DIR = Path(__file__).parent / "hardware_presets"
+"""One ``<name>.toml`` per preset: Hardware fields, each number with its source in a comment."""
+
+
+def preset_names() -> list[str]:
+    """The shipped presets: GPUs (device fields) and NVMe classes (NVMe fields)."""
+    return sorted(path.stem for path in PRESET_DIR.glob("*.toml"))
+
+
+def hardware_facts(spec: str) -> dict[str, Any]:
+    """Hardware fields from ``spec``: preset names and/or JSON/TOML files, comma-separated,
+    later ones overriding earlier ones (``"a100-80gb,pcie4-nvme"``). Raises HardwareError."""
+    facts: dict[str, Any] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        facts.update(_read_one(part))
+    if not facts:
+        raise HardwareError(f"--hardware {spec!r}: give a preset ({', '.join(preset_names())}) or a JSON file")
+    return facts
+
+
+def _read_one(part: str) -> dict[str, Any]:
+    path = PRESET_DIR / f"{part}.toml"
+    if not path.is_file():
+        path = Path(part)
+        if path.suffix.lower() not in (".json", ".toml") or not path.is_file():
+            raise HardwareError(
+                f"--hardware {part!r}: no such preset or file; presets: {', '.join(preset_names())}"
+                " (or a JSON file of tierwise.hardware.Hardware fields)"
+            )
+    try:
+        if path.suffix.lower() == ".toml":
+            import tomllib
+
+            data = tomllib.loads(path.read_text())
+        else:
+            data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise HardwareError(f"--hardware {part}: cannot read it ({err})") from None
+    if not isinstance(data, dict):
+        raise HardwareError(f"--hardware {part}: expected an object of Hardware fields")
+    known = {f.name for f in fields(Hardware)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise HardwareError(
+            f"--hardware {part}: unknown field(s) {', '.join(unknown)}; Hardware fields are "
+            f"{', '.join(sorted(known))}"
+        )
+    for name, value in data.items():
+        expected = str if name == "device_type" else (int, float)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, expected)):
+            raise HardwareError(f"--hardware {part}: {name}={value!r} is not a {'string' if expected is str else 'number'}")
+    return data

@@ -12,7 +12,24 @@ ACTIVATION_ACTIONS = ("keep", "recompute", "host", "nvme")
 
 
 class PlanError(ValueError):
-    """The requested plan cannot fit or is inconsistent; the message says the limit."""
+    """The requested plan cannot fit or is inconsistent; the message says the limit.
+
+    When a memory tier is what binds, ``tier`` names it ("device", "host" or "nvme") and ``need``
+    and ``limit`` are the bytes the smallest plan needs there and the bytes there are."""
+
+    def __init__(
+        self, message: str, *, tier: str | None = None, need: int | None = None,
+        limit: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.tier, self.need, self.limit = tier, need, limit
+
+    @property
+    def shortfall(self) -> int | None:
+        """Bytes missing on the binding tier (None when no tier binds)."""
+        if self.need is None or self.limit is None:
+            return None
+        return max(0, self.need - self.limit)
 
 
 @dataclass(kw_only=True)
@@ -47,6 +64,11 @@ class Plan(JsonDataclass):
     predicted_step_s: dict[str, float] = field(default_factory=dict)
     """Predicted step-time breakdown in seconds (compute, h2d, d2h, nvme_read, nvme_write,
     optimizer, comm, total)."""
+    predicted_tflops: float | None = None
+    """Predicted model TFLOP/s per rank: forward and backward FLOPs of one step (recomputation
+    not counted) over the predicted step time."""
+    predicted_tokens_per_s: float | None = None
+    """Predicted training tokens per second over all ranks."""
     device_allowance: int | None = None
     """Bytes of model data the compute tier may hold (Invariant 4)."""
     groups: dict[str, dict] = field(default_factory=dict)
@@ -110,7 +132,11 @@ class Plan(JsonDataclass):
         if self.activation_allowance is not None:
             rows.append(("activation allowance", format_bytes(self.activation_allowance)))
         for key, value in self.predicted_step_s.items():
-            rows.append((f"predicted {key}", f"{value * 1e3:.1f} ms"))
+            rows.append((f"predicted {key}", f"{value * 1e3:.4g} ms"))
+        if self.predicted_tflops is not None:
+            rows.append(("predicted TFLOPS per rank", f"{self.predicted_tflops:.1f}"))
+        if self.predicted_tokens_per_s is not None:
+            rows.append(("predicted tokens/s", f"{self.predicted_tokens_per_s:,.0f}"))
         width = max(len(k) for k, _ in rows)
         lines = [f"{k:<{width}}  {v}" for k, v in rows]
         lines += [f"  why: {r}" for r in self.reasons]

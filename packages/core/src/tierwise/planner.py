@@ -14,7 +14,7 @@ from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError
 from tierwise.profile import Profile, activation_blocks
-from tierwise.units import format_bytes
+from tierwise.units import format_bytes, format_gib
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 OPTIM_BYTES = 12
@@ -169,12 +169,13 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
     if budget is not None and need > budget:
         minimum = device_need("host", "host", min_blocks)
         raise PlanError(
-            f"device_memory {format_bytes(budget)} is too small for this plan: it needs "
-            f"{format_bytes(need)} (params on {param_tier}, optimizer on {optim_tier}, "
-            f"{cache_blocks} rCache blocks + {staging_blocks} gradient staging blocks of "
-            f"{format_bytes(block_bytes)}). The smallest plan (everything on host, {min_blocks} "
-            f"blocks) needs {format_bytes(minimum)}: raise device_memory to at least that, or "
-            "use a smaller chunk_size"
+            f"device memory binds: this plan needs {format_gib(need)} on the device (params on "
+            f"{param_tier}, optimizer on {optim_tier}, {cache_blocks} rCache blocks + "
+            f"{staging_blocks} gradient staging blocks of {format_bytes(block_bytes)}), "
+            f"device_memory allows {format_gib(budget)}: {format_gib(need - budget)} short. The "
+            f"smallest plan (everything on host, {min_blocks} blocks) needs {format_gib(minimum)}: "
+            "raise device_memory to at least that, or use a smaller chunk_size",
+            tier="device", need=minimum, limit=budget,
         )
     reasons.append(
         f"{cache_blocks} rCache blocks of {chunk_size:,} elements (one module touches at most "

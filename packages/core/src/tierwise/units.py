@@ -48,3 +48,10 @@ def format_bytes(n: float) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def format_gib(n: float) -> str:
+    """Bytes as GiB for messages people read (``format_bytes`` below 1 GiB)."""
+    if abs(n) < 1024**3:
+        return format_bytes(n)
+    return f"{n / 1024**3:.2f} GiB"

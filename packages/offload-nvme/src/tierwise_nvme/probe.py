@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from tierwise.config import Config
+from tierwise.probe import cache_nvme, cached_nvme, nvme_key
 
 from tierwise_nvme.buffers import aligned_empty
 from tierwise_nvme.swapfile import free_bytes
@@ -16,7 +17,6 @@ from tierwise_nvme.swapfile import free_bytes
 PROBE_BYTES = 128 << 20
 """Bytes written then read once per directory (a quick, page-cache-free measurement)."""
 
-_cache: dict[str, dict[str, Any]] = {}
 _lock = threading.Lock()
 
 
@@ -44,15 +44,21 @@ def measure_bandwidth(directory: str | Path, nbytes: int = PROBE_BYTES) -> tuple
     return nbytes / read_s, nbytes / write_s
 
 
-def probe_nvme(directory: str | Path) -> dict[str, Any]:
-    """Hardware facts for ``directory``; the bandwidths are measured once per process."""
-    key = str(Path(directory).expanduser().resolve())
+def probe_nvme(directory: str | Path, *, refresh: bool = False) -> dict[str, Any]:
+    """Hardware facts for ``directory``. The bandwidths are measured once per directory and
+    cached on disk (core's ``tierwise.probe.cached_nvme``; ``refresh`` measures again); free
+    space is read each time."""
+    key = nvme_key(directory)
     Path(key).mkdir(parents=True, exist_ok=True)
     with _lock:
-        if key not in _cache:
-            read, write = measure_bandwidth(key)
-            _cache[key] = {"nvme_read_bandwidth": read, "nvme_write_bandwidth": write}
-    return {**_cache[key], "nvme_free": free_bytes(Path(key))}
+        entry = None if refresh else cached_nvme(key)
+        if entry is None:
+            entry = cache_nvme(key, *measure_bandwidth(key))
+    return {
+        "nvme_read_bandwidth": entry["nvme_read_bandwidth"],
+        "nvme_write_bandwidth": entry["nvme_write_bandwidth"],
+        "nvme_free": free_bytes(Path(key)),
+    }
 
 
 __all__ = ["PROBE_BYTES", "measure_bandwidth", "probe_nvme"]

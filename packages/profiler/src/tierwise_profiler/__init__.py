@@ -55,8 +55,12 @@ def tierwise_profile_model(
 
 @hookimpl
 def tierwise_probe_hardware(config: Config) -> dict[str, Any] | None:
+    from tierwise.probe import device_present
+
     from tierwise_profiler.hardware_probe import probe
 
+    if not device_present(config.device):  # nothing to measure (and no CUDA call to make)
+        return None
     return dict(probe(config.device, config.precision)["hardware"])
 
 

@@ -14,7 +14,7 @@ TOP = 5
 
 
 def add_commands(subparsers: Any) -> None:
-    from tierwise_profiler.presets import FAMILIES, SIZES
+    from tierwise_profiler.presets import FAMILIES, size_names
 
     profile = subparsers.add_parser(
         "profile",
@@ -27,7 +27,9 @@ def add_commands(subparsers: Any) -> None:
         required=True,
         help=f"a preset family ({', '.join(FAMILIES)}) or the path of an HF config.json",
     )
-    profile.add_argument("--size", default="125m", choices=sorted(SIZES), help="preset size")
+    profile.add_argument(
+        "--size", default="125m", choices=size_names(), help="preset size (default 125m)"
+    )
     profile.add_argument("--seq", type=int, default=1024, help="sequence length")
     profile.add_argument("--batch", type=int, default=1, help="batch size")
     profile.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
@@ -45,6 +47,11 @@ def add_commands(subparsers: Any) -> None:
     )
     probe.add_argument("--device", default=None, help="compute device (default: cuda if any)")
     probe.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    probe.add_argument(
+        "--nvme-path", default=None, metavar="DIR",
+        help="also measure the NVMe tier's bandwidth in DIR (tierwise-nvme); cached per path and "
+        "used by tierwise plan --nvme DIR",
+    )
     probe.add_argument("--refresh", action="store_true", help="measure again, replace the cache")
     probe.add_argument("--json", action="store_true", help="machine-readable output")
     probe.set_defaults(func=run_probe)
@@ -148,29 +155,47 @@ def run_probe(args: argparse.Namespace) -> int:
 
     from tierwise_profiler.hardware_probe import probe
 
+    from tierwise.probe import cached_nvme, device_present, forget_nvme
+
     try:
         config = Config(
-            precision=args.precision, **({"device": args.device} if args.device else {})
+            precision=args.precision, nvme_path=args.nvme_path,
+            **({"device": args.device} if args.device else {}),
         )
     except ConfigError as err:
         print(f"tierwise probe: {err}")
         return 2
+    host = get_plugin_host()
+    if not device_present(config.device):
+        print(f"tierwise probe: no {config.device} device on this machine; probe a device it has")
+        return 2
+    if args.nvme_path:
+        if "nvme" not in host.tier_classes():
+            print("tierwise probe: --nvme-path needs the tierwise-nvme plugin: pip install tierwise-nvme")
+            return 2
+        if args.refresh:
+            forget_nvme(args.nvme_path)
     entry = probe(config.device, config.precision, refresh=args.refresh)  # fills the cache
-    hardware = Hardware(**get_plugin_host().probe_hardware(config=config))
+    try:
+        hardware = Hardware(**host.probe_hardware(config=config))
+    except OSError as err:
+        print(f"tierwise probe: cannot measure --nvme-path {args.nvme_path}: {err}")
+        return 2
+    nvme = cached_nvme(args.nvme_path) if args.nvme_path else None
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "hardware": hardware.to_dict(),
-                    "curves": entry["curves"],
-                    "measured_at": entry["measured_at"],
-                    "key": entry["key"],
-                },
-                indent=1,
-            )
-        )
+        result = {
+            "hardware": hardware.to_dict(),
+            "curves": entry["curves"],
+            "measured_at": entry["measured_at"],
+            "key": entry["key"],
+        }
+        if nvme is not None:
+            result["nvme"] = {"path": args.nvme_path, **nvme}
+        print(json.dumps(result, indent=1))
         return 0
     print(hardware_table(hardware, entry))
+    if nvme is not None:
+        print(f"nvme measured {nvme['measured_at']}; cached for {args.nvme_path}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Hardware probe: copy bandwidths by size, AdamW velocity, matmul throughput (about 1-3 s).
 
-Results are cached per machine in ``<cache dir>/hardware.json`` (see :func:`cache_dir`), keyed by
+Results are cached per machine in ``<cache dir>/hardware.json`` (see
+:func:`tierwise.probe.cache_dir`), keyed by
 host name, device, compute dtype, thread count and torch version; ``refresh=True`` (``tierwise
 probe --refresh``) measures again. Free memory is never cached: core's probe reads it each time.
 
@@ -12,17 +13,15 @@ device AdamW velocity is the host one.
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 from tierwise.optim import AdamHyper, adam_update
+from tierwise.probe import device_present, read_cache, write_cache
 
 from tierwise_profiler.model_profile import DTYPES
 
@@ -33,15 +32,6 @@ ADAM_NUMEL = 1 << 22
 """Elements of the flat fp32 parameter the AdamW velocity is measured on."""
 MIN_SECONDS = 0.05
 """Each measurement repeats until it has run this long (and at least twice)."""
-
-
-def cache_dir() -> Path:
-    """``$TIERWISE_CACHE_DIR``, else ``$XDG_CACHE_HOME/tierwise``, else ``~/.cache/tierwise``."""
-    explicit = os.environ.get("TIERWISE_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tierwise"
 
 
 def machine_key(device: torch.device, precision: str) -> str:
@@ -61,14 +51,12 @@ def probe(device: str | torch.device, precision: str, *, refresh: bool = False) 
     ``{"key", "measured_at", "seconds", "hardware": {Hardware field: value}, "curves": {...}}``."""
     device = _compute_device(device)
     key = machine_key(device, precision)
-    path = cache_dir() / CACHE_FILE
-    entries = _read(path)
+    entries = read_cache(CACHE_FILE)
     if not refresh and key in entries:
         return entries[key]
     entry = measure(device, precision)
     entry["key"] = key
-    entries[key] = entry
-    _write(path, entries)
+    write_cache(CACHE_FILE, key, entry)
     return entry
 
 
@@ -174,6 +162,11 @@ def _buffer(size: int, device: torch.device, pinned: bool) -> torch.Tensor:
 # -- helpers ----------------------------------------------------------------------------------
 def _compute_device(device: str | torch.device) -> torch.device:
     device = torch.device(device)
+    if not device_present(device):
+        raise ValueError(
+            f"no {device} device on this machine to probe; plan for another machine with "
+            "--hardware NAME|FILE.json (tierwise plan --help lists the presets)"
+        )
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -188,18 +181,3 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write(path: Path, entries: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
-    os.replace(temporary, path)

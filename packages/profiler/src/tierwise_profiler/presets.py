@@ -10,10 +10,15 @@ from pathlib import Path
 
 import torch
 from tierwise.train.errors import TrainError
-from tierwise.train.presets import FAMILIES, SIZES, config_from_file, preset_config
+from tierwise.train.presets import (
+    FAMILIES,
+    FAMILY_VOCAB,
+    config_from_file,
+    preset_config,
+    size_names,
+)
 
-VOCAB = {"gpt2": 50257, "opt": 50272, "llama": 32000, "mixtral": 32000}
-"""Vocabulary size of each family's released tokenizer."""
+VOCAB = FAMILY_VOCAB
 
 
 def model_config(model: str, *, size: str = "125m", seq: int = 1024):
@@ -55,4 +60,4 @@ def meta_batch(*, batch: int, seq: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-__all__ = ["FAMILIES", "SIZES", "VOCAB", "meta_batch", "meta_model", "model_config"]
+__all__ = ["FAMILIES", "VOCAB", "meta_batch", "meta_model", "model_config", "size_names"]

@@ -5,50 +5,64 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from tierwise.config import Config, ConfigError
-from tierwise.hardware import Hardware
+from tierwise.hardware import HardwareError
 from tierwise.plan import PlanError
 from tierwise.units import parse_bytes
 
 
 def add_plan_command(subparsers) -> None:
+    from tierwise.hardware import preset_names
+    from tierwise.train.presets import FAMILIES, size_names
+
     parser = subparsers.add_parser(
         "plan",
         help="search the best plan for a model",
         description="Profile a Hugging Face causal LM on the meta device and print the plan the "
-        "search predicts fastest, with the step-time breakdown and rejected alternatives.",
+        "search predicts fastest, with the step-time breakdown and rejected alternatives. "
+        "Plan for another machine with --hardware; without it the probe runs for a device this "
+        "machine has.",
     )
     parser.add_argument(
-        "--model", required=True, help="gpt2 | opt | llama | mixtral | path/to/config.json"
+        "--model", required=True, help=f"{' | '.join(FAMILIES)} | path/to/config.json"
     )
-    parser.add_argument("--size", default=None, help="preset size, e.g. 10b for gpt2, 175b for opt")
+    parser.add_argument(
+        "--size", default="125m", choices=size_names(), help="preset size (default 125m)"
+    )
     parser.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
     parser.add_argument("--batch", type=int, default=1, help="batch size per rank (default 1)")
-    parser.add_argument("--device-memory", required=True, help="device capacity, e.g. 40GiB")
     parser.add_argument(
-        "--host-memory", default=None, help="host budget, e.g. 64GiB (default: this machine's)"
+        "--hardware",
+        default=None,
+        metavar="NAME|FILE",
+        help=f"the machine to plan for: presets {', '.join(preset_names())}, or a JSON file of "
+        "tierwise.hardware.Hardware fields; comma-separate to combine (a100-80gb,pcie4-nvme). "
+        "Default: probe this machine's --device",
+    )
+    parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (default 1)")
+    parser.add_argument(
+        "--device-memory", default=None, help="device capacity, e.g. 40GiB (default: the "
+        "preset's, or the probed device's free memory)"
+    )
+    parser.add_argument(
+        "--host-memory", default=None, help="host budget, e.g. 64GiB (default: this machine's "
+        "when probing, unlimited with --hardware)"
     )
     parser.add_argument("--nvme", default=None, metavar="PATH", help="directory for the NVMe tier")
-    parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (default 1)")
-    parser.add_argument("--device", default="cuda", help="compute device type (default cuda)")
+    parser.add_argument(
+        "--device", default=None, help="device to probe without --hardware (default cuda)"
+    )
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     parser.add_argument(
         "--activation-offload", default="none", choices=("none", "host", "nvme", "auto")
     )
-    parser.add_argument(
-        "--hardware",
-        default=None,
-        metavar="JSON",
-        help="Hardware fields as a JSON file (bandwidths, velocities); default: probe this machine",
-    )
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--json", action="store_true", help="print totals and the plan as JSON")
     parser.set_defaults(func=run_plan)
 
 
-def _profile(args, config: Config):
+def plan_profile(args, config: Config):
     """Ask a profiler plugin first; without one (or if it fails) use the analytic profile."""
     import torch
     from tierwise.plugins import get_plugin_host
@@ -74,54 +88,69 @@ def _profile(args, config: Config):
             batch=args.batch,
             seq_len=args.seq,
             precision=args.precision,
-            checkpointing=args.checkpointing,
+            checkpointing=config.activation_checkpointing,
             model=model,
         )
     return profile
 
 
-def _hardware(args, config: Config, device_capacity: int) -> Hardware:
-    """Probed (or --hardware) facts, with the device's capacity from --device-memory: the search
-    subtracts buffers and activations from it (U = F_alloc·(capacity − buffers − F_frag·act))."""
-    from tierwise.plugins import get_plugin_host
-
-    if args.hardware:
-        facts = json.loads(Path(args.hardware).read_text())
-    else:
-        facts = get_plugin_host().probe_hardware(config=config)
-    facts["device_type"] = config.device.split(":")[0]
-    facts["world_size"] = args.gpus
-    facts["device_memory"] = device_capacity
-    return Hardware.from_dict(facts)
+def plan_config(args, device_type: str) -> Config:
+    return Config(
+        device=device_type,
+        precision=args.precision,
+        host_memory=args.host_memory,
+        nvme_path=args.nvme,
+        activation_checkpointing=args.checkpointing,
+        activation_offload=args.activation_offload,
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from tierwise.target import target_hardware
+    from tierwise.totals import plan_totals
+
+    from tierwise_search.remedies import remedies
     from tierwise_search.search import search_plan
 
     try:
-        config = Config(
-            device=args.device,
-            precision=args.precision,
-            host_memory=args.host_memory,
-            nvme_path=args.nvme,
-            activation_checkpointing=args.checkpointing,
-            activation_offload=args.activation_offload,
+        if args.seq < 1 or args.batch < 1:
+            raise ValueError(f"--seq {args.seq} --batch {args.batch}: both must be ≥ 1")
+        capacity = (
+            parse_bytes(args.device_memory, what="--device-memory") if args.device_memory else None
         )
-        profile = _profile(args, config)
-        capacity = parse_bytes(args.device_memory, what="--device-memory")
-        plan = search_plan(profile, _hardware(args, config, capacity), config)
-    except (ConfigError, PlanError, ValueError) as err:
+        target = target_hardware(
+            spec=args.hardware, device=args.device, gpus=args.gpus, device_memory=capacity,
+            nvme_path=args.nvme, precision=args.precision,
+        )
+        config = plan_config(args, target.hardware.device_type)
+        profile = plan_profile(args, config)
+        try:
+            plan = search_plan(profile, target.hardware, config)
+        except PlanError as err:
+            print(f"tierwise plan: {err}", file=sys.stderr)
+            for line in remedies(args, target.hardware, err):
+                print(f"  {line}", file=sys.stderr)
+            return 2
+    except (ConfigError, HardwareError, PlanError, ValueError) as err:
         print(f"tierwise plan: {err}", file=sys.stderr)
         return 2
+    plan.reasons += target.notes
     if args.json:
-        print(plan.to_json())
+        print(json.dumps({**plan_totals(profile, plan, args.precision), "plan": plan.to_dict()}, indent=1))
     else:
         print(
-            f"model {args.model} {args.size or ''} · {profile.total_numel:,} parameters · "
-            f"batch {args.batch} x seq {args.seq} · {args.gpus} rank(s) · profile {profile.source}"
+            f"model {args.model} {args.size if args.model in _families() else ''} · "
+            f"{profile.total_numel:,} parameters · batch {args.batch} x seq {args.seq} · "
+            f"{args.gpus} rank(s) · profile {profile.source}"
         )
         print(plan.table())
     return 0
 
 
-__all__ = ["add_plan_command", "run_plan"]
+def _families():
+    from tierwise.train.presets import FAMILIES
+
+    return FAMILIES
+
+
+__all__ = ["add_plan_command", "plan_config", "plan_profile", "run_plan"]

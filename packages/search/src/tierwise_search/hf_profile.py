@@ -22,86 +22,31 @@ from typing import Any
 
 from tierwise.profile import ParamInfo, Profile
 
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "gpt2": {  # Elixir's GPT-2 sizes (4B..20B) after the released ones
-        "small": dict(n_embd=768, n_layer=12, n_head=12),
-        "medium": dict(n_embd=1024, n_layer=24, n_head=16),
-        "large": dict(n_embd=1280, n_layer=36, n_head=20),
-        "xl": dict(n_embd=1600, n_layer=48, n_head=25),
-        "4b": dict(n_embd=2304, n_layer=64, n_head=16),
-        "10b": dict(n_embd=4096, n_layer=50, n_head=16),
-        "15b": dict(n_embd=4096, n_layer=78, n_head=16),
-        "20b": dict(n_embd=8192, n_layer=25, n_head=16),
-    },
-    "opt": {
-        "125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12),
-        "1.3b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32),
-        "6.7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32),
-        "13b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40),
-        "30b": dict(hidden_size=7168, num_hidden_layers=48, num_attention_heads=56),
-        "66b": dict(hidden_size=9216, num_hidden_layers=64, num_attention_heads=72),
-        "175b": dict(hidden_size=12288, num_hidden_layers=96, num_attention_heads=96),
-    },
-    "llama": {
-        "7b": dict(
-            hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32
-        ),
-        "13b": dict(
-            hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40
-        ),
-        "70b": dict(
-            hidden_size=8192,
-            intermediate_size=28672,
-            num_hidden_layers=80,
-            num_attention_heads=64,
-            num_key_value_heads=8,
-        ),
-    },
-    "mixtral": {
-        "8x7b": dict(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-        ),
-    },
-}
-DEFAULT_SIZE = {"gpt2": "small", "opt": "125m", "llama": "7b", "mixtral": "8x7b"}
-
 
 def hf_config(model: str, size: str | None = None, *, seq_len: int = 1024):
-    """A transformers config for a preset family ("gpt2", "opt", "llama", "mixtral") and size,
-    or from a local config.json path."""
+    """A transformers config for a preset family and ``--size`` (core's presets, the same as
+    ``tierwise train`` and ``tierwise profile``, with the family's released vocabulary), or
+    from a local config.json path."""
     import transformers as tf
+    from tierwise.train.errors import TrainError
+    from tierwise.train.presets import FAMILIES, FAMILY_VOCAB, preset_config
 
-    if model not in PRESETS:
+    if model not in FAMILIES:
         path = Path(model)
         if not path.is_file():
             raise ValueError(
-                f"--model {model!r}: use one of {', '.join(PRESETS)} or a path to a config.json"
+                f"--model {model!r}: use one of {', '.join(FAMILIES)} or a path to a config.json"
             )
         data = json.loads(path.read_text())
         return tf.AutoConfig.for_model(data.pop("model_type"), **data)
-    size = (size or DEFAULT_SIZE[model]).lower()
-    if size not in PRESETS[model]:
-        raise ValueError(f"--size {size!r} for {model}: choose one of {', '.join(PRESETS[model])}")
-    fields = dict(PRESETS[model][size])
-    if model == "gpt2":
-        return tf.GPT2Config(n_positions=max(1024, seq_len), **fields)
-    if model == "opt":
-        hidden = fields["hidden_size"]
-        return tf.OPTConfig(
-            ffn_dim=4 * hidden,
-            word_embed_proj_dim=hidden,
-            max_position_embeddings=max(2048, seq_len),
-            **fields,
+    vocab = FAMILY_VOCAB[model]
+    try:
+        return preset_config(
+            model, size or "125m", vocab_size=vocab, eos_id=vocab - 1,
+            max_positions=max(1024, seq_len),
         )
-    if model == "llama":
-        return tf.LlamaConfig(max_position_embeddings=max(4096, seq_len), **fields)
-    return tf.MixtralConfig(max_position_embeddings=max(4096, seq_len), **fields)
+    except TrainError as err:
+        raise ValueError(str(err)) from None
 
 
 def _call_order(model, modules: dict[str, Any]) -> list[str]:
@@ -258,8 +203,6 @@ def profile_hf_model_name(
 
 
 __all__ = [
-    "DEFAULT_SIZE",
-    "PRESETS",
     "hf_config",
     "meta_model",
     "profile_hf_config",

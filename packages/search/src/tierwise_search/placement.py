@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+from tierwise.units import format_gib
 
 from tierwise_search.cost import DEVICE, HOST, NVME, CostModel, Memory, Placement, Prediction
 
@@ -56,11 +57,12 @@ class Step:
 
 
 class PlacementError(ValueError):
-    """The minimum placement does not fit; the message says by how much."""
+    """The minimum placement does not fit; the message says by how much. ``tier`` is the one
+    that binds ("host" or "nvme"), ``need`` and ``limit`` its bytes needed and available."""
 
-    def __init__(self, message: str, host_need: int | None = None):
+    def __init__(self, message: str, *, tier: str = "host", need: int = 0, limit: int = 0):
         super().__init__(message)
-        self.host_need = host_need
+        self.tier, self.need, self.limit = tier, need, limit
 
 
 def _fits_host(memory: Memory, budgets: Budgets) -> bool:
@@ -90,19 +92,32 @@ def minimum_placement(model: CostModel, budgets: Budgets, forced: Forced) -> Pla
     options = [(HOST, HOST)]
     if budgets.nvme_allowed:
         options += [(HOST, NVME), (NVME, NVME)]
-    tried = []
+    tried = []  # (shortfall, tier, need, limit) of each option
     for param, optim in options:
         candidate = placement(param, optim)
         memory = model.memory(candidate)
         if _fits_host(memory, budgets):
             return candidate
-        tried.append(memory.host)
-    need = min(tried)
-    hint = "" if budgets.nvme_allowed else " or set nvme_path to keep model data on NVMe"
+        over = []
+        if budgets.host is not None and memory.host > budgets.host:
+            over.append((memory.host - budgets.host, "host", memory.host, budgets.host))
+        if budgets.nvme is not None and memory.nvme > budgets.nvme:
+            over.append((memory.nvme - budgets.nvme, "nvme", memory.nvme, budgets.nvme))
+        tried.append(max(over))
+    _, tier, need, limit = min(tried)
+    if tier == "host":
+        hint = "raise host_memory" + (
+            "" if budgets.nvme_allowed else " or set nvme_path to keep model data on NVMe"
+        )
+        what = "host_memory"
+    else:
+        hint = "free space on the NVMe disk or use a larger one, or raise host_memory"
+        what = "the NVMe disk's free space"
+    label = {"host": "host memory", "nvme": "NVMe space"}[tier]
     raise PlacementError(
-        f"host_memory {budgets.host} bytes is too small: the smallest plan needs {need} bytes of "
-        f"host memory for model data; raise host_memory{hint}",
-        host_need=need,
+        f"{label} binds: the smallest plan needs {format_gib(need)} of model data in {label}, "
+        f"{what} is {format_gib(limit)}: {format_gib(need - limit)} short; {hint}",
+        tier=tier, need=need, limit=limit,
     )
 
 

@@ -19,7 +19,7 @@ from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError
 from tierwise.profile import Profile
-from tierwise.units import format_bytes
+from tierwise.units import format_bytes, format_gib
 
 from tierwise_search.activations import (
     ActivationChoice,
@@ -28,7 +28,7 @@ from tierwise_search.activations import (
     block_reasons,
     traffic_for,
 )
-from tierwise_search.compute import layer_times
+from tierwise_search.compute import BACKWARD_OVER_FORWARD, layer_times
 from tierwise_search.cost import TIERS, ActivationTraffic, CostModel, Prediction, Setting
 from tierwise_search.layout import ChunkTable, build_chunks, build_trace, largest_param
 from tierwise_search.placement import (
@@ -252,7 +252,7 @@ class _Search:
             moved = float((fetches * s.table.capacity).sum() * s.param_bytes)
             scores.append(SizeScore(size, moved, s.table.padding, int(blocks)))
         if len(host_errors) == len(candidates):
-            raise min(host_errors, key=lambda err: err.host_need)
+            raise min(host_errors, key=lambda err: err.need - err.limit)
         if too_few and len(too_few) + len(host_errors) == len(candidates):
             raise PlanError(
                 f"cache_blocks={self.forced.n_blocks} is too few: the widest module or checkpoint "
@@ -284,7 +284,7 @@ class _Search:
         try:
             scores, least = self.score_sizes(choice, allowed)
         except PlacementError as err:  # the host budget cannot hold even the minimum
-            raise PlanError(str(err)) from None
+            raise PlanError(str(err), tier=err.tier, need=err.need, limit=err.limit) from None
         if not scores:
             self._too_small(allowed, least, choice)
         tried = []
@@ -306,24 +306,26 @@ class _Search:
             for name in ("param_placement", "optimizer_placement", "cache_blocks", "chunk_size")
             if getattr(self.config, name) != "auto"
         ]
-        plan = f"the minimum plan{' with ' + ', '.join(forced) if forced else ''}"
+        plan = f"the smallest plan{' with ' + ', '.join(forced) if forced else ''}"
         if self.config.device_memory is not None:
             raise PlanError(
-                f"device_memory {format_bytes(allowed)} ({allowed} bytes) is too small: {plan} "
-                f"needs {format_bytes(least)} of model data on the device (rCache blocks for the "
-                f"widest module or checkpoint block, and whatever is forced onto the device); "
-                f"the minimum device_memory is {least} bytes: raise device_memory to at least that"
-                + (" or relax the forced settings" if forced else ", or use a smaller chunk_size")
+                f"device memory binds: {plan} needs {format_gib(least)} of model data on the "
+                f"device (rCache blocks for the widest module or checkpoint block, and whatever "
+                f"is forced there), device_memory allows {format_gib(allowed)}: "
+                f"{format_gib(least - allowed)} short; raise device_memory"
+                + (" or relax the forced settings" if forced else " or use a smaller chunk_size"),
+                tier="device", need=least, limit=allowed,
             )
         capacity = _capacity_for(least, self.profile, choice.device_bytes, self.config)
+        have = self.hardware.device_memory
         raise PlanError(
-            f"the device's {format_bytes(self.hardware.device_memory)} leave "
-            f"{format_bytes(max(allowed, 0))} for model data (U = {self.config.alloc_fraction} x "
-            f"(capacity - buffers {format_bytes(self.profile.buffer_bytes)} - "
-            f"{self.config.frag_factor} x activations {format_bytes(choice.device_bytes)})), but "
-            f"{plan} needs {format_bytes(least)}; the minimum device memory is "
-            f"{format_bytes(capacity)} ({capacity} bytes): use a larger device or shrink "
-            "activations (batch, sequence length, activation_checkpointing, activation_offload)"
+            f"device memory binds: {plan} needs a device of {format_gib(capacity)} ("
+            f"{format_gib(least)} of model data / F_alloc {self.config.alloc_fraction} + buffers "
+            f"{format_gib(self.profile.buffer_bytes)} + {self.config.frag_factor} x activations "
+            f"{format_gib(choice.device_bytes)}), the device has {format_gib(have)}: "
+            f"{format_gib(capacity - have)} short; use a larger device or more of them, or shrink "
+            "activations (batch, sequence length, activation checkpointing or offload)",
+            tier="device", need=capacity, limit=have,
         )
 
 
@@ -368,16 +370,25 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
     all_optims = [t for tiers in optim_tiers.values() for t in tiers]
     n_device = all_params.count("device")
     memory = best.step.memory
-    size = best.sizes[0]
+    uses_rcache = search.shard > 1 or n_device < table.n_chunks
+    # [Note: one source] the explanation quotes the values the Plan carries (the table prints
+    # the same fields): cache_blocks and the bytes moved by the final placement, never the
+    # intermediate figures the chunk-size scoring saw
+    cache_blocks = int(placement.n_blocks) if uses_rcache else 0
+    moved = float((best.prediction.fetches * table.capacity).sum() * search.param_bytes)
+    how = (
+        "forced"
+        if isinstance(config.chunk_size, int)
+        else f"fastest of {len(best.sizes)} sizes that fit, each placed in full"
+    )
     reasons = [
         f"allowed device memory U = {format_bytes(best.allowed_device)} "
         f"(F_alloc={config.alloc_fraction}, F_frag={config.frag_factor}, activations "
         f"{format_bytes(best.choice.device_bytes)}, buffers {format_bytes(search.profile.buffer_bytes)})",
-        f"chunk size {table.chunk_size:,}: moves {format_bytes(size.moved_bytes)} per step through "
-        f"{size.blocks} rCache blocks, padding {size.padding:,} elements "
-        f"({'forced' if isinstance(config.chunk_size, int) else f'fastest of {len(best.sizes)} sizes that fit, each placed in full'})",
-        f"{placement.n_blocks} rCache blocks, {n_device}/{table.n_chunks} chunks on the device; "
-        f"params {_counts(all_params)}; optimizer {_counts(all_optims)}",
+        f"chunk size {table.chunk_size:,} ({how}), padding {best.sizes[0].padding:,} elements",
+        f"{cache_blocks} rCache blocks, {n_device}/{table.n_chunks} chunks on the device, "
+        f"{format_bytes(moved)} fetched into the rCache per step; params {_counts(all_params)}; "
+        f"optimizer {_counts(all_optims)}",
         f"model data: device {format_bytes(memory.device)}, host {format_bytes(memory.host)}, "
         f"nvme {format_bytes(memory.nvme)}",
         f"activations: {best.choice.name}; {_counts(list(best.policy.values())) or 'no blocks profiled'}",
@@ -400,11 +411,9 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
     for score, prediction in best.rejected[:3]:
         alternatives.append(
             {
-                "summary": f"chunk size {score.chunk_size:,} ({score.blocks} rCache blocks possible)",
+                "summary": f"chunk size {score.chunk_size:,}",
                 "predicted_s": prediction.total,
-                "why": f"predicted {prediction.total:.4g} s vs {best.prediction.total:.4g} s; moves "
-                f"{format_bytes(score.moved_bytes)} per step through the rCache vs "
-                f"{format_bytes(size.moved_bytes)}",
+                "why": f"predicted {prediction.total:.4g} s vs {best.prediction.total:.4g} s",
             }
         )
     for outcome in other:
@@ -415,10 +424,12 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
                 "why": f"predicted {outcome.prediction.total:.4g} s vs {best.prediction.total:.4g} s",
             }
         )
-    uses_rcache = search.shard > 1 or n_device < table.n_chunks
+    total_s = best.prediction.total
+    step_flops = (1 + BACKWARD_OVER_FORWARD) * sum(search.profile.layer_flops.values())
+    tokens = (search.profile.batch_size or 0) * (search.profile.seq_len or 0)
     return Plan(
         chunk_size=table.chunk_size,
-        cache_blocks=int(placement.n_blocks) if uses_rcache else 0,
+        cache_blocks=cache_blocks,
         prefetch=config.prefetch,
         param_tier=Counter(all_params).most_common(1)[0][0] if all_params else "device",
         optim_tier=Counter(all_optims).most_common(1)[0][0] if all_optims else "device",
@@ -434,6 +445,10 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
             else None
         ),
         predicted_step_s=best.prediction.seconds,
+        predicted_tflops=step_flops / total_s / 1e12 if step_flops and total_s > 0 else None,
+        predicted_tokens_per_s=(
+            tokens * search.rates.world_size / total_s if tokens and total_s > 0 else None
+        ),
         device_allowance=int(memory.device),
         planner="search",
         reasons=reasons,

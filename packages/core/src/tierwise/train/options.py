@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierwise.train.errors import TrainError
-from tierwise.train.presets import FAMILIES, SIZES
+from tierwise.train.presets import FAMILIES, size_names
 
 DEFAULT_SAVE_EVERY = 100
 """Checkpoint interval in steps when --save-every is not given."""
@@ -24,7 +24,9 @@ class TrainOptions:
     model: str = "gpt2"
     """Preset family: gpt2, opt, llama or mixtral (random init)."""
     size: str = "small"
-    """Preset size: tiny, small, 125m, 350m, 1b, 3b, 7b, 13b."""
+    """Preset size: tiny, small, 125m, 350m, 1b, 3b, 7b, 13b, or a family's published size
+    (gpt2 medium..20b, opt 1.3b..175b, llama 70b, mixtral 8x7b); the same choices as ``tierwise
+    profile`` and ``tierwise plan``."""
     model_config: str | None = None
     """A Hugging Face config.json to build the model from (random init) instead of a preset."""
     from_pretrained: str | None = None
@@ -112,8 +114,10 @@ class TrainOptions:
             raise TrainError("--lora-alpha and --lora-targets need --lora R (the adapter rank)")
         if self.lora_alpha is not None and self.lora_alpha <= 0:
             fail("lora-alpha", "must be positive")
-        if self.size not in SIZES:
-            raise TrainError(f"unknown --size {self.size!r}: choose one of {', '.join(SIZES)}")
+        if self.size not in size_names():
+            raise TrainError(
+                f"unknown --size {self.size!r}: choose one of {', '.join(size_names())}"
+            )
         for flag in ("steps", "batch", "grad-accum", "eval-batches"):
             if getattr(self, flag.replace("-", "_")) < 1:
                 fail(flag, "must be at least 1")

@@ -61,6 +61,53 @@ SIZES: dict[str, Shape] = {
 tokenizer the embeddings are tiny, so counts come out lower; gpt2/opt use a 4 × hidden FFN. The
 parameter count `tierwise train` prints is the truth."""
 
+FAMILY_SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    "gpt2": {  # the released sizes, then Elixir's GPT-2 sizes (4B..20B)
+        "medium": dict(n_embd=1024, n_layer=24, n_head=16),
+        "large": dict(n_embd=1280, n_layer=36, n_head=20),
+        "xl": dict(n_embd=1600, n_layer=48, n_head=25),
+        "4b": dict(n_embd=2304, n_layer=64, n_head=16),
+        "10b": dict(n_embd=4096, n_layer=50, n_head=16),
+        "15b": dict(n_embd=4096, n_layer=78, n_head=16),
+        "20b": dict(n_embd=8192, n_layer=25, n_head=16),
+    },
+    "opt": {  # the released OPT sizes (Zhang et al. 2022, table 1)
+        "1.3b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32),
+        "2.7b": dict(hidden_size=2560, num_hidden_layers=32, num_attention_heads=32),
+        "6.7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32),
+        "30b": dict(hidden_size=7168, num_hidden_layers=48, num_attention_heads=56),
+        "66b": dict(hidden_size=9216, num_hidden_layers=64, num_attention_heads=72),
+        "175b": dict(hidden_size=12288, num_hidden_layers=96, num_attention_heads=96),
+    },
+    "llama": {
+        "70b": dict(
+            hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+            num_attention_heads=64, num_key_value_heads=8,
+        ),
+    },
+    "mixtral": {
+        "8x7b": dict(
+            hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+    },
+}
+"""Published sizes of one family (real shapes), next to the shared ``SIZES``; ``--size`` takes
+either, the same choices for ``tierwise train``, ``profile`` and ``plan``."""
+
+FAMILY_VOCAB = {"gpt2": 50257, "opt": 50272, "llama": 32000, "mixtral": 32000}
+"""Vocabulary size of each family's released tokenizer (``profile`` and ``plan`` use it;
+``train`` uses its own tokenizer's)."""
+
+
+def size_names() -> list[str]:
+    """Every ``--size`` choice: the shared sizes, then each family's published ones."""
+    names = list(SIZES)
+    for sizes in FAMILY_SIZES.values():
+        names += [name for name in sizes if name not in names]
+    return names
+
 
 def _transformers():
     try:
@@ -80,11 +127,17 @@ def preset_config(family: str, size: str, *, vocab_size: int, eos_id: int, max_p
             f"unknown --model {family!r}: choose one of {', '.join(FAMILIES)}, "
             "or give --model-config path/to/config.json"
         )
-    if size not in SIZES:
-        raise TrainError(f"unknown --size {size!r}: choose one of {', '.join(SIZES)}")
+    published = FAMILY_SIZES.get(family, {})
+    if size not in SIZES and size not in published:
+        raise TrainError(
+            f"unknown --size {size!r} for {family}: choose one of "
+            f"{', '.join([*SIZES, *published])}"
+        )
     tf = _transformers()
-    s = SIZES[size]
     ids = dict(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+    if size in published:
+        return _published_config(tf, family, published[size], ids, max_positions)
+    s = SIZES[size]
     if family == "gpt2":
         return tf.GPT2Config(
             n_embd=s.hidden, n_layer=s.layers, n_head=s.heads, n_positions=max_positions,
@@ -108,6 +161,28 @@ def preset_config(family: str, size: str, *, vocab_size: int, eos_id: int, max_p
         intermediate_size=2 * s.ffn // s.experts, num_local_experts=s.experts, num_experts_per_tok=2,
         router_jitter_noise=0.0, **common,
     )
+
+
+def _published_config(tf, family: str, fields: dict[str, Any], ids: dict, max_positions: int):
+    """The HF config of a published size (dropout off, like the shared sizes)."""
+    if family == "gpt2":
+        return tf.GPT2Config(
+            n_positions=max_positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            **fields, **ids,
+        )
+    if family == "opt":
+        hidden = fields["hidden_size"]
+        return tf.OPTConfig(
+            ffn_dim=4 * hidden, word_embed_proj_dim=hidden, max_position_embeddings=max_positions,
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, **fields, **ids,
+        )
+    common = dict(
+        max_position_embeddings=max_positions, attention_dropout=0.0, tie_word_embeddings=False,
+        **fields, **ids,
+    )
+    if family == "llama":
+        return tf.LlamaConfig(**common)
+    return tf.MixtralConfig(router_jitter_noise=0.0, **common)
 
 
 def config_from_file(path: str):

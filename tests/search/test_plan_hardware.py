@@ -1,0 +1,193 @@
+"""``tierwise plan`` for hardware this machine does not have: presets and files, no CUDA call on a
+CPU-only machine, errors that name the binding tier with remedies, and explanations that agree
+with the table."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("tierwise_search")
+
+import torch  # noqa: E402
+from helpers.models import _config  # noqa: E402
+from search_helpers import gpu_hardware, make_profile  # noqa: E402
+from tierwise import Config, Plan  # noqa: E402
+from tierwise.cli import main  # noqa: E402
+from tierwise.hardware import Hardware, hardware_facts, preset_names  # noqa: E402
+from tierwise_search.search import search_plan  # noqa: E402
+
+GPU_PRESETS = [
+    "a100-40gb", "a100-80gb", "h100-80gb-sxm", "h100-80gb-pcie", "h200", "l4", "l40s", "rtx3090",
+    "rtx4090",
+]
+NVME_PRESETS = ["pcie3-nvme", "pcie4-nvme", "pcie5-nvme"]
+
+
+@pytest.fixture
+def run_plan(monkeypatch, capsys):
+    monkeypatch.setenv("TIERWISE_DISABLE_PLUGINS", "profiler")  # the analytic profile
+
+    def run(*args: str) -> tuple[int, str, str]:
+        code = main(["plan", *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def config_json(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    path.write_text(_config("llama").to_json_string())
+    return path
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """torch.cuda as on a machine without CUDA, except that every call other than
+    is_available() raises: the test fails on any CUDA call."""
+    calls = []
+
+    def forbidden(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            raise AssertionError(f"torch.cuda.{name} called on a CPU-only machine")
+
+        return call
+
+    for name in dir(torch.cuda):
+        value = getattr(torch.cuda, name)
+        if callable(value) and not isinstance(value, type) and name != "is_available":
+            monkeypatch.setattr(torch.cuda, name, forbidden(name))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    return calls
+
+
+def test_every_shipped_preset_is_listed_and_complete():
+    assert set(preset_names()) == set(GPU_PRESETS) | set(NVME_PRESETS)
+    for name in GPU_PRESETS:
+        hardware = Hardware(**hardware_facts(name))
+        assert hardware.device_type == "cuda"
+        for field in (
+            "device_memory", "h2d_bandwidth", "d2h_bandwidth", "device_adam_velocity",
+            "host_adam_velocity", "device_flops", "interconnect_bandwidth",
+        ):
+            assert getattr(hardware, field) > 0, (name, field)
+    for name in NVME_PRESETS:
+        facts = hardware_facts(name)
+        assert set(facts) == {"nvme_read_bandwidth", "nvme_write_bandwidth"}
+    combined = hardware_facts("a100-80gb,pcie4-nvme")
+    assert combined["device_flops"] == 312e12 and combined["nvme_read_bandwidth"] > 0
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_plan_with_each_preset_makes_no_cuda_call(preset, run_plan, config_json, no_cuda):
+    code, out, err = run_plan(
+        "--model", str(config_json), "--seq", "16", "--batch", "2", "--hardware", preset,
+        "--gpus", "2", "--json",
+    )
+    assert code == 0, err
+    assert no_cuda == []
+    result = json.loads(out)
+    plan = Plan.from_dict(result["plan"])
+    assert plan.planner == "search"
+    assert result["n_params"] == sum(p.numel() for p in _meta_model().parameters())
+    assert result["model_bytes"] > result["n_params"] * 2
+    assert result["peak_activation_bytes"] > 0
+    assert result["predicted_tflops"] == plan.predicted_tflops > 0
+    assert result["predicted_tokens_per_s"] == pytest.approx(2 * 16 * 2 / plan.predicted_step_s["total"])
+    assert any(f"--hardware {preset}" in r for r in plan.reasons)
+    assert not any("unknown" in r and "bandwidth" in r for r in plan.reasons if "nvme" not in r)
+
+
+def _meta_model():
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(_config("llama"))
+
+
+def test_cuda_plan_without_hardware_on_a_cpu_machine_is_one_line(run_plan, config_json, no_cuda):
+    code, out, err = run_plan("--model", str(config_json), "--seq", "16", "--device-memory", "1GiB")
+    assert code == 2 and no_cuda == []
+    assert len(err.strip().splitlines()) == 1
+    assert "pass --hardware NAME or FILE.json" in err
+    assert all(name in err for name in GPU_PRESETS)
+
+
+def test_bad_preset_name_and_unknown_field_are_one_line(run_plan, config_json, tmp_path):
+    code, _, err = run_plan("--model", str(config_json), "--hardware", "a100-99gb")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "'a100-99gb': no such preset or file" in err and "h100-80gb-sxm" in err
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({"device_type": "cuda", "device_flops": 1e14, "pcie_gen": 4}))
+    code, _, err = run_plan("--model", str(config_json), "--hardware", str(path))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "unknown field(s) pcie_gen" in err and "h2d_bandwidth" in err
+
+
+def test_table_shows_predicted_tflops_and_tokens(run_plan, config_json):
+    code, out, err = run_plan(
+        "--model", str(config_json), "--seq", "16", "--batch", "2", "--hardware", "l4"
+    )
+    assert code == 0, err
+    plan_rows = dict(
+        re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in out.splitlines()[1:]
+        if not line.startswith("  ") and re.search(r"\s{2,}", line.strip())
+    )
+    total_s = float(plan_rows["predicted total"].removesuffix(" ms")) / 1e3
+    tokens = float(plan_rows["predicted tokens/s"].replace(",", ""))
+    assert tokens == pytest.approx(2 * 16 / total_s, rel=0.01)
+    assert float(plan_rows["predicted TFLOPS per rank"]) >= 0
+
+
+# -- errors ---------------------------------------------------------------------------------
+def test_host_binding_error_names_the_tier_and_the_remedies(run_plan, config_json):
+    code, _, err = run_plan(
+        "--model", str(config_json), "--seq", "16", "--hardware", "a100-40gb", "--device-memory",
+        "200KiB", "--host-memory", "300KiB",
+    )
+    assert code == 2
+    first, *remedies = err.strip().splitlines()
+    assert re.search(r"host memory binds: .* needs [\d.]+ \w+ .* host_memory is 300\.00 KiB: 119\.00 KiB short", first)
+    assert "bytes" not in first  # sizes for people, not raw byte counts
+    text = "\n".join(remedies)
+    assert "what would make it fit" in text
+    assert re.search(r"--nvme DIR: fits; the search would pick: chunk size [\d,]+, \d+ rCache blocks", text)
+
+
+def test_nvme_space_binding_is_blamed_on_nvme():
+    profile = make_profile([[4096] * 4 for _ in range(4)])
+    config = Config(device="cpu", device_memory=200_000, host_memory=10_000, nvme_path="/tmp")
+    with pytest.raises(Exception, match=r"NVMe space binds: .* short") as info:
+        search_plan(profile, gpu_hardware(nvme_free=50_000), config)
+    assert info.value.tier == "nvme" and info.value.limit == 50_000
+    assert info.value.need > info.value.limit  # the need quoted is above the limit
+
+
+def test_device_binding_error_offers_checkpointing(run_plan, config_json):
+    code, _, err = run_plan(
+        "--model", str(config_json), "--seq", "64", "--batch", "64", "--hardware",
+        "a100-40gb", "--device-memory", "12MiB",
+    )
+    assert code == 2
+    first, *remedies = err.strip().splitlines()
+    assert "device memory binds" in first and "short" in first
+    text = "\n".join(remedies)
+    assert "--checkpointing:" in text and "--batch 32:" in text
+    assert "fits; the search would pick" in text
+
+
+# -- one source ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "device_memory", [10**5, 3 * 10**5, 10**6, 10**8]  # from the minimum to everything on device
+)
+def test_explanations_quote_the_plans_own_rcache_blocks(device_memory):
+    profile = make_profile([[4096, 2048, 4096] for _ in range(6)], head=8192)
+    plan = search_plan(profile, gpu_hardware(), Config(device="cpu", device_memory=device_memory))
+    stated = [int(n) for r in plan.reasons for n in re.findall(r"(\d+) rCache blocks", r)]
+    assert stated and set(stated) == {plan.cache_blocks}
+    assert re.search(rf"^rCache blocks\s+{plan.cache_blocks}$", plan.table(), re.M)

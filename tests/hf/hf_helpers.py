@@ -37,10 +37,11 @@ def training_args(out, **overrides):
 
 
 def budget_config(model: torch.nn.Module, **extra) -> dict:
-    """A tierwise_config whose device budget holds a third of the fp32 model data, so most
-    chunks live on the host and move in and out (offload)."""
+    """A tierwise_config whose device budget holds half the fp32 model data (parameters,
+    gradients, master weights and Adam states), so chunks live on the host and move in and out
+    (offload)."""
     n = sum(p.numel() for p in model.parameters())
-    return {"device_memory": n * 20 // 3, "chunk_size": 2048, **extra}
+    return {"device_memory": n * 20 // 2, "chunk_size": 2048, **extra}
 
 
 def logged(trainer, key: str) -> list[float]:

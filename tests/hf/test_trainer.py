@@ -15,14 +15,18 @@ def _assert_close(ours, ref, what):
 
 @pytest.mark.parametrize("kind,accum", [("qwen2", 1), ("llama", 1), ("qwen2", 2), ("llama", 3)])
 def test_trainer_parity_with_plain_trainer_under_offload(tmp_path, kind, accum):
-    data = TokenBlocks()
-    ref = run_plain(kind, training_args(tmp_path / "ref", gradient_accumulation_steps=accum), data)
-    ours = run_tierwise(kind, training_args(tmp_path / "ours", gradient_accumulation_steps=accum), data)
+    data, held_out = TokenBlocks(), TokenBlocks(n=6, seed=9)
+    settings = dict(gradient_accumulation_steps=accum, eval_strategy="steps", eval_steps=3)
+    ref = run_plain(kind, training_args(tmp_path / "ref", **settings), data, eval_dataset=held_out)
+    ours = run_tierwise(kind, training_args(tmp_path / "ours", **settings), data,
+                        eval_dataset=held_out)
     engine = tierwise.engine_of(ours.model)
     assert engine.stats()["moved_bytes"].get("host->device", 0) > 0  # the budget forced offload
     _assert_close(logged(ours, "loss"), logged(ref, "loss"), "loss")
     _assert_close(logged(ours, "grad_norm"), logged(ref, "grad_norm"), "grad_norm")
     _assert_close(logged(ours, "learning_rate"), logged(ref, "learning_rate"), "learning_rate")
+    _assert_close(logged(ours, "eval_loss"), logged(ref, "eval_loss"), "eval_loss")
+    assert len(logged(ref, "eval_loss")) == 2
     assert max(logged(ref, "grad_norm")) > 0.5  # clipping was active
     assert max_rel_diff(ours.model.state_dict(), ref.model) <= 1e-5
 
@@ -88,3 +92,12 @@ def test_conflicting_precision_is_one_line(tmp_path):
     message = str(err.value)
     assert "\n" not in message and "bf16" in message and "precision='fp32'" in message
     assert not hasattr(model, "_tierwise_engine")
+
+
+def test_bf16_arguments_train_in_tierwise_bf16_without_autocast(tmp_path):
+    ours = run_tierwise("llama", training_args(tmp_path, bf16=True, max_steps=3), TokenBlocks())
+    engine = tierwise.engine_of(ours.model)
+    assert engine.config.precision == "bf16"
+    assert all(p.dtype == torch.bfloat16 for p in ours.model.parameters())
+    assert ours.accelerator.mixed_precision == "no"  # no autocast on top of tierwise's bf16
+    assert all(torch.isfinite(torch.tensor(logged(ours, "loss"))))

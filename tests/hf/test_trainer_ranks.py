@@ -1,0 +1,48 @@
+"""TierwiseTrainer on 2 gloo ranks against DDP transformers.Trainer (what torchrun runs)."""
+
+import pytest
+import tierwise
+from helpers.multiproc import run_ranks
+from hf_helpers import TokenBlocks, logged, run_plain, run_tierwise, training_args
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _both(rank, world, out, kind, accum):
+    data = TokenBlocks()
+    results = []
+    for name, runner in (("ddp", run_plain), ("tierwise", run_tierwise)):
+        args = training_args(out / name, gradient_accumulation_steps=accum, max_steps=4)
+        trainer = runner(kind, args, data)
+        wrapped = type(trainer.model_wrapped).__name__
+        reductions = None
+        if name == "tierwise":  # reduce-scatters per step, and chunks to reduce
+            engine = tierwise.engine_of(trainer.model)
+            chunks = sum(1 for c in engine.chunks() if c.trainable)
+            reductions = (engine.collectives.calls["reduce_scatter"], chunks)
+        state = trainer.model.state_dict()  # tierwise: a collective, every rank calls it
+        results.append({
+            "loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm"),
+            "state": {k: v.detach().clone() for k, v in state.items()}, "wrapped": wrapped,
+            "reductions": reductions,
+        })
+        del trainer
+    return results
+
+
+@pytest.mark.parametrize("kind,accum", [("llama", 2), ("qwen2", 1)])
+def test_two_ranks_match_ddp_trainer(tmp_path, kind, accum):
+    for rank, (ddp, ours) in enumerate(run_ranks(_both, 2, tmp_path, kind, accum)):
+        assert ddp["wrapped"] == "DistributedDataParallel"  # the reference really is DDP
+        assert ours["wrapped"] != "DistributedDataParallel"  # tierwise is not wrapped
+        calls, chunks = ours["reductions"]
+        assert calls == 4 * chunks  # once per step, not per micro-batch: no_sync before the last
+        for key in ("loss", "grad_norm"):
+            assert len(ours[key]) == len(ddp[key]) == 4
+            for a, b in zip(ours[key], ddp[key], strict=True):
+                assert abs(a - b) <= 1e-5 * abs(b), (rank, key, ours[key], ddp[key])
+        for name, value in ddp["state"].items():
+            if name.startswith("module."):
+                name = name.removeprefix("module.")
+            rel = (ours["state"][name] - value).abs().max() / value.abs().max()
+            assert rel <= 1e-5, (rank, name, float(rel))

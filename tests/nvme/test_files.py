@@ -1,12 +1,14 @@
-"""Swap files: one per kind, removed on close, at exit and after a crash; fallbacks warn."""
+"""Swap files: one per kind, removed on close, at exit and after a crash; fallbacks are said once."""
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ import torch
 pytest.importorskip("tierwise_nvme")
 
 from nvme_helpers import require_libaio, swap_files  # noqa: E402
-from tierwise_nvme.backends import NVMeFallbackWarning  # noqa: E402
+from tierwise_nvme import preflight  # noqa: E402
 
 CHILD = textwrap.dedent(
     """
@@ -108,8 +110,12 @@ def test_live_run_files_are_kept(nvme_dir):
     assert not path.exists()
 
 
-def test_file_system_refusing_o_direct_falls_back_to_buffered_io_with_a_warning(
-    nvme_dir, monkeypatch
+def _fallback_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "tierwise.nvme"]
+
+
+def test_file_system_refusing_o_direct_falls_back_to_buffered_io_said_once(
+    nvme_dir, monkeypatch, caplog
 ):
     # tmpfs before Linux 6.6 and many FUSE file systems refuse O_DIRECT opens with EINVAL
     real_open = os.open
@@ -120,8 +126,13 @@ def test_file_system_refusing_o_direct_falls_back_to_buffered_io_with_a_warning(
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", refusing_open)
-    with pytest.warns(NVMeFallbackWarning, match="refuses O_DIRECT"):
+    monkeypatch.setattr(preflight, "_said", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a log line, not a Python warning
         tier = new_tier(nvme_dir)
+        new_tier(nvme_dir).close()
+    lines = _fallback_lines(caplog)
+    assert len(lines) == 1 and "refuses O_DIRECT" in lines[0] and "\n" not in lines[0]
     try:
         assert (tier.backend.name, tier.backend.direct) == ("buffered", False)
         slab = tier.allocate(12_345, torch.float16, what="param_chunk")
@@ -135,17 +146,21 @@ def test_file_system_refusing_o_direct_falls_back_to_buffered_io_with_a_warning(
     assert swap_files(nvme_dir) == []
 
 
-def test_missing_libaio_falls_back_to_thread_pool_with_a_warning(nvme_dir, monkeypatch):
+def test_missing_libaio_falls_back_to_thread_pool_said_once(nvme_dir, monkeypatch, caplog):
     import tierwise_nvme.backends.libaio_backend as libaio_backend
 
     def missing():
         raise OSError("libaio.so.1: cannot open shared object file: No such file or directory")
 
     monkeypatch.setattr(libaio_backend, "load_libaio", missing)
-    with pytest.warns(
-        NVMeFallbackWarning, match=r"libaio\.so\.1: cannot open.*apt-get install libaio1"
-    ):
+    monkeypatch.setattr(preflight, "_said", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         tier = new_tier(nvme_dir)
+        new_tier(nvme_dir).close()
+    lines = _fallback_lines(caplog)
+    assert len(lines) == 1, lines
+    assert re.search(r"libaio\.so\.1: cannot open.*apt-get install libaio1", lines[0])
     try:
         assert (tier.backend.name, tier.backend.direct) == ("threads", True)
         slab = tier.allocate(5000, torch.float32, what="param_chunk")

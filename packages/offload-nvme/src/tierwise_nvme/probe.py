@@ -12,10 +12,15 @@ from tierwise.config import Config
 from tierwise.probe import cache_nvme, cached_nvme, nvme_key
 
 from tierwise_nvme.buffers import aligned_empty
+from tierwise_nvme.options import ALIGNMENT
+from tierwise_nvme.preflight import check_directory
 from tierwise_nvme.swapfile import free_bytes
 
 PROBE_BYTES = 128 << 20
-"""Bytes written then read once per directory (a quick, page-cache-free measurement)."""
+"""Most bytes written then read once per directory (a quick, page-cache-free measurement)."""
+PROBE_SHARE = 8
+"""The probe uses at most 1/PROBE_SHARE of the free space (a nearly full disk still probes; the
+plan's own need is checked against the free space before allocation: [Note: NVMe preflight])."""
 
 _lock = threading.Lock()
 
@@ -45,15 +50,15 @@ def measure_bandwidth(directory: str | Path, nbytes: int = PROBE_BYTES) -> tuple
 
 
 def probe_nvme(directory: str | Path, *, refresh: bool = False) -> dict[str, Any]:
-    """Hardware facts for ``directory``. The bandwidths are measured once per directory and
-    cached on disk (core's ``tierwise.probe.cached_nvme``; ``refresh`` measures again); free
-    space is read each time."""
-    key = nvme_key(directory)
-    Path(key).mkdir(parents=True, exist_ok=True)
+    """Hardware facts for ``directory`` (checked first: [Note: NVMe preflight]). The bandwidths
+    are measured once per directory and cached on disk (core's ``tierwise.probe.cached_nvme``;
+    ``refresh`` measures again); free space is read each time."""
+    key = nvme_key(check_directory(directory))
     with _lock:
         entry = None if refresh else cached_nvme(key)
         if entry is None:
-            entry = cache_nvme(key, *measure_bandwidth(key))
+            share = free_bytes(Path(key)) // PROBE_SHARE // ALIGNMENT * ALIGNMENT
+            entry = cache_nvme(key, *measure_bandwidth(key, max(ALIGNMENT, min(PROBE_BYTES, share))))
     return {
         "nvme_read_bandwidth": entry["nvme_read_bandwidth"],
         "nvme_write_bandwidth": entry["nvme_write_bandwidth"],

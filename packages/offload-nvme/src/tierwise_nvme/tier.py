@@ -16,6 +16,7 @@ from tierwise.tiers import DONE, IOHandle, Slab, Tier
 
 from tierwise_nvme.backends import IOBackend, open_backend
 from tierwise_nvme.options import NVMeOptions
+from tierwise_nvme.preflight import check_directory, check_space
 from tierwise_nvme.staged_read import StagedReads
 from tierwise_nvme.staging import HOST_FRACTION, StagingPool, host_bytes
 from tierwise_nvme.swapfile import SwapFile, align_up, remove_stale_files, swap_file_name
@@ -71,8 +72,7 @@ class NVMeTier(Tier):
             raise ValueError(
                 "the nvme tier needs Config.nvme_path: set it to a directory on a fast local disk"
             )
-        self.directory = Path(config.nvme_path).expanduser().resolve()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory = check_directory(config.nvme_path)  # [Note: NVMe preflight]
         remove_stale_files(self.directory)
         self.options = options or NVMeOptions.from_env()
         self.backend = backend or open_backend(self.options, self.directory)
@@ -126,6 +126,22 @@ class NVMeTier(Tier):
         self._file(kind_of(what)).reserve(nbytes)
 
     # -- Tier interface ---------------------------------------------------------------------
+    @classmethod
+    def environment_note(cls) -> str | None:
+        from tierwise_nvme.backends.libaio_backend import load_libaio
+
+        try:
+            load_libaio()
+        except (OSError, ImportError) as err:
+            return (f"Linux AIO is unavailable ({err}): the nvme tier uses its thread-pool "
+                    "fallback (os.preadv/os.pwritev); install libaio.so.1 (Debian/Ubuntu: "
+                    "apt-get install libaio1, or libaio1t64) for asynchronous kernel I/O")
+        return None
+
+    def check_capacity(self, slab_bytes: list[int]) -> None:
+        """The disk has room for slabs of these sizes, beside what this tier holds already."""
+        check_space(self.directory, slab_bytes)
+
     def allocate(self, numel: int, dtype: torch.dtype, *, what: str) -> Slab:
         slab = Slab(self, numel, dtype, what)
         file = self._file(kind_of(what))

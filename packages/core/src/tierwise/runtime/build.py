@@ -135,8 +135,28 @@ def layout_groups(
     return groups
 
 
+def payload_sizes(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_alias: bool) -> dict:
+    """Tier name -> the byte sizes of the slabs ``allocate_payloads`` will allocate there."""
+    sizes: dict[str, list[int]] = {}
+    for group in groups:
+        for chunk in group.chunks:
+            home = plan.param_tier_of(group.name, chunk.index)
+            dtype_bytes = torch.empty((), dtype=group.dtype).element_size()
+            if group.trainable:
+                opt = plan.optim_tier_of(group.name, chunk.index)
+                sizes.setdefault(opt, []).extend([chunk.shard_size * 4] * 3)
+                grad = opt if tiers[opt].ADDRESSABLE else "host"
+                sizes.setdefault(grad, []).append(chunk.shard_size * dtype_bytes)
+                if fp32_alias and home == opt:
+                    continue
+            sizes.setdefault(home, []).append(chunk.shard_size * dtype_bytes)
+    return sizes
+
+
 def allocate_payloads(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_alias: bool) -> list:
     """Allocate home and optimizer slabs per chunk; on failure release what was allocated."""
+    for name, slab_bytes in payload_sizes(groups, plan, tiers, fp32_alias).items():
+        tiers[name].check_capacity(slab_bytes)  # before the first allocation
     allocated = []
     try:
         for group in groups:

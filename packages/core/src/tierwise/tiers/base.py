@@ -92,6 +92,16 @@ class Tier(ABC):
     def reset_peak(self) -> None:
         self.peak_bytes = self.used_bytes
 
+    @classmethod
+    def environment_note(cls) -> str | None:
+        """One line for ``tierwise plugins`` when this machine makes the tier run on a fallback
+        (a missing system library, say); None when nothing is missing."""
+        return None
+
+    def check_capacity(self, slab_bytes: list[int]) -> None:  # noqa: B027 - optional hook
+        """Raise (one line) before setup allocates slabs of these sizes here when the medium
+        cannot hold them; budgets are checked by ``allocate`` itself. Default: nothing."""
+
     @abstractmethod
     def allocate(self, numel: int, dtype: torch.dtype, *, what: str) -> Slab:
         """Reserve room for ``numel`` elements (contents undefined)."""

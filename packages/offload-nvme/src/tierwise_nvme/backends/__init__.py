@@ -1,11 +1,11 @@
-"""I/O backends of the NVMe tier and the choice between them (with fallbacks that warn)."""
+"""I/O backends of the NVMe tier and the choice between them (fallbacks are said once, in one
+line: [Note: NVMe preflight])."""
 
 from __future__ import annotations
 
 import errno
 import mmap
 import os
-import warnings
 from pathlib import Path
 
 from tierwise_nvme.backends.base import IOBackend, IORequest, PieceTracker
@@ -15,7 +15,7 @@ from tierwise_nvme.options import ALIGNMENT, NVMeOptions
 
 
 class NVMeFallbackWarning(RuntimeWarning):
-    """The NVMe tier runs on a slower I/O path than asked for (and says why)."""
+    """Kept for imports: fallbacks are now logged once (``tierwise.nvme`` logger), not warned."""
 
 
 def o_direct_supported(directory: Path) -> bool:
@@ -41,29 +41,29 @@ def o_direct_supported(directory: Path) -> bool:
 
 
 def open_backend(options: NVMeOptions, directory: Path) -> IOBackend:
-    """The backend ``options.backend`` asks for, or the best fallback, with a warning."""
+    """The backend ``options.backend`` asks for, or the best fallback, said once in one line."""
+    from tierwise_nvme.preflight import say_once
+
     threads = dict(block_size=options.block_size, queue_depth=options.queue_depth)
     if options.backend == "buffered":
         return ThreadPoolBackend(direct=False, **threads)
     if not o_direct_supported(directory):
-        warnings.warn(
+        say_once(
+            directory,
             f"nvme tier: the file system of {directory} refuses O_DIRECT (tmpfs or FUSE?); "
             "using buffered I/O through the page cache, which competes with training for host "
             "RAM: point nvme_path to a directory on a local disk (ext4, xfs) for direct I/O",
-            NVMeFallbackWarning,
-            stacklevel=3,
         )
         return ThreadPoolBackend(direct=False, **threads)
     if options.backend in ("auto", "libaio"):
         try:
             return LibaioBackend(**threads)
         except (OSError, ImportError) as err:
-            warnings.warn(
+            say_once(
+                directory,
                 f"nvme tier: Linux AIO is unavailable ({err}); using a thread pool of "
                 "os.preadv/os.pwritev instead: install libaio.so.1 (Debian/Ubuntu: apt-get "
                 "install libaio1, or libaio1t64 on newer releases) for asynchronous kernel I/O",
-                NVMeFallbackWarning,
-                stacklevel=3,
             )
     return ThreadPoolBackend(direct=True, **threads)
 

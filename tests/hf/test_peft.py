@@ -50,8 +50,9 @@ def test_lora_through_setup_matches_plain_peft_and_keeps_the_base():
     assert all(torch.equal(state[k], v) for k, v in base_before.items())
 
 
-def test_lora_trainer_matches_plain_trainer_and_saves_adapters(tmp_path):
+def test_lora_trainer_matches_plain_trainer_and_saves_adapters(tmp_path, monkeypatch):
     import transformers
+    from tierwise.integrations import hf
     from tierwise.integrations.hf import TierwiseTrainer
 
     data = TokenBlocks()
@@ -71,7 +72,12 @@ def test_lora_trainer_matches_plain_trainer_and_saves_adapters(tmp_path):
     assert max_rel_diff(state, dict(ref.model.named_parameters())) <= 1e-5
     assert all(torch.equal(state[k], v) for k, v in base_before.items())
 
+    gathered = []  # what save_model gathers from the chunks: the adapters, never the base
+    real_full_state = hf.full_state
+    monkeypatch.setattr(hf, "full_state",
+                        lambda *a, **k: gathered.append(real_full_state(*a, **k)) or gathered[-1])
     ours.save_model(str(tmp_path / "adapter"))
+    assert gathered and all(".lora_" in name for name in gathered[0])
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     base = tiny_model("llama")  # the same initial base the run started from

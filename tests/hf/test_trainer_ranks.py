@@ -2,6 +2,8 @@
 
 import pytest
 import tierwise
+import torch
+import transformers
 from helpers.multiproc import run_ranks
 from hf_helpers import TokenBlocks, logged, run_plain, run_tierwise, training_args
 
@@ -20,6 +22,7 @@ def _both(rank, world, out, kind, accum):
             engine = tierwise.engine_of(trainer.model)
             chunks = sum(1 for c in engine.chunks() if c.trainable)
             reductions = (engine.collectives.calls["reduce_scatter"], chunks)
+            trainer.save_model(str(out / "saved"))  # every rank gathers, rank 0 writes
         state = trainer.model.state_dict()  # tierwise: a collective, every rank calls it
         results.append({
             "loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm"),
@@ -41,6 +44,10 @@ def test_two_ranks_match_ddp_trainer(tmp_path, kind, accum):
             assert len(ours[key]) == len(ddp[key]) == 4
             for a, b in zip(ours[key], ddp[key], strict=True):
                 assert abs(a - b) <= 1e-5 * abs(b), (rank, key, ours[key], ddp[key])
+        if rank == 0:  # what rank 0 wrote is the whole model the ranks trained
+            saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+            for name, value in saved.state_dict().items():
+                assert torch.equal(value, ours["state"][name]), name
         for name, value in ddp["state"].items():
             if name.startswith("module."):
                 name = name.removeprefix("module.")

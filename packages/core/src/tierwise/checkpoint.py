@@ -48,8 +48,11 @@ def _full_chunk(chunk: Chunk, shard: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def full_state(engine: Engine, patterns: Sequence[ParallelPattern] = ()) -> dict[str, torch.Tensor]:
-    """Every parameter (all names, tied ones too) as full fp32 tensors from the master copy.
+def full_state(
+    engine: Engine, patterns: Sequence[ParallelPattern] = (), *, trainable_only: bool = False
+) -> dict[str, torch.Tensor]:
+    """Every parameter (all names, tied ones too) as full fp32 tensors from the master copy;
+    with ``trainable_only`` only those that train (a LoRA run's adapters, not its frozen base).
 
     Collective: every rank calls it. Chunks are gathered over their data-parallel group, then
     each pattern in ``patterns`` rebuilds its parameters' whole-model values over its
@@ -60,6 +63,8 @@ def full_state(engine: Engine, patterns: Sequence[ParallelPattern] = ()) -> dict
     aliases = {info.name: info.aliases for info in engine.profile.params}
     pattern_of = {pattern.key: pattern for pattern in patterns}
     for chunk in engine.chunks():
+        if trainable_only and not chunk.trainable:  # the same chunks on every rank
+            continue
         source = chunk.optim.master if chunk.optim is not None else chunk.home
         full = _full_chunk(chunk, _read(source).float())
         pattern = pattern_of.get(chunk.group.pattern_key)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 import tierwise
+from tierwise.checkpoint import full_state
 from tierwise.config import Config, ConfigError
 from tierwise.integrations.hf_save import DTYPES, MAX_SHARD_SIZE
 
@@ -246,7 +247,10 @@ class TierwiseTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Every rank gathers the whole model (a collective); the main process writes it."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if state_dict is None:
+        if state_dict is None and _is_peft(self.model):  # adapters only: never the whole base
+            engine = tierwise.engine_of(self.model)
+            state_dict = full_state(engine, engine.patterns, trainable_only=True)
+        elif state_dict is None:
             state_dict = self.model.state_dict()
         dtype = DTYPES[self.save_dtype]
         state_dict = {
@@ -255,9 +259,18 @@ class TierwiseTrainer(Trainer):
         if not self.args.should_save:
             return
         os.makedirs(output_dir, exist_ok=True)
-        self.model.save_pretrained(
-            output_dir, state_dict=state_dict, max_shard_size=MAX_SHARD_SIZE, is_main_process=True
-        )
+        if _is_peft(self.model):
+            self.model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=True)
+        else:
+            self.model.save_pretrained(
+                output_dir, state_dict=state_dict, max_shard_size=MAX_SHARD_SIZE,
+                is_main_process=True,
+            )
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    """A PEFT model (saves adapter files); checked without importing peft."""
+    return any(cls.__module__.startswith("peft") for cls in type(model).__mro__)

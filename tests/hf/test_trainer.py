@@ -94,10 +94,31 @@ def test_conflicting_precision_is_one_line(tmp_path):
     assert not hasattr(model, "_tierwise_engine")
 
 
-def test_bf16_arguments_train_in_tierwise_bf16_without_autocast(tmp_path):
-    ours = run_tierwise("llama", training_args(tmp_path, bf16=True, max_steps=3), TokenBlocks())
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_arguments_train_in_tierwise_precision_without_autocast(tmp_path, precision):
+    from helpers.models import tiny_model
+    from tierwise.integrations.hf import TierwiseTrainer
+
+    model = tiny_model("llama")
+
+    def moved(*args, **kwargs):
+        raise AssertionError("model.to() was called on a tierwise-managed model")
+
+    model.to = model.cuda = moved  # nothing may move it behind tierwise's back
+    ours = TierwiseTrainer(model=model, train_dataset=TokenBlocks(), eval_dataset=TokenBlocks(n=4),
+                           args=training_args(tmp_path, max_steps=4, eval_strategy="steps",
+                                              eval_steps=2, **{precision: True}),
+                           tierwise_config={"chunk_size": 2048})
     engine = tierwise.engine_of(ours.model)
-    assert engine.config.precision == "bf16"
-    assert all(p.dtype == torch.bfloat16 for p in ours.model.parameters())
-    assert ours.accelerator.mixed_precision == "no"  # no autocast on top of tierwise's bf16
-    assert all(torch.isfinite(torch.tensor(logged(ours, "loss"))))
+    if precision == "fp16":  # a loss scale fp16 cannot hold: the first steps overflow
+        engine.scaler.scale = 2.0**20
+    ours.train()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert engine.config.precision == precision
+    assert all(p.dtype == dtype for p in ours.model.parameters())
+    assert ours.accelerator.mixed_precision == "no"  # no autocast on top of tierwise's precision
+    assert all(torch.isfinite(torch.tensor(logged(ours, "eval_loss"))))
+    skipped = engine.stats()["skipped_steps"]
+    if precision == "fp16":  # the loss scaler's overflowing steps do not advance the schedule
+        assert skipped >= 1
+    assert ours.lr_scheduler.last_epoch == 4 - skipped

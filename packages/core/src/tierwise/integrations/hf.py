@@ -218,6 +218,14 @@ class TierwiseTrainer(Trainer):
             grad_norm = tierwise.clip_grad_norm_(self.model, float("inf"))
         return grad_norm
 
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        engine = tierwise.engine_of(self.model)
+        if (engine.scaler is not None and not isinstance(scheduler, _SkipsOverflowSteps)
+                and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+            self.lr_scheduler = _SkipsOverflowSteps(scheduler, engine.scaler)
+        return self.lr_scheduler
+
     # -- checkpoints ------------------------------------------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         tierwise.save_checkpoint(Path(output_dir) / TIERWISE_CHECKPOINT, self.model)
@@ -274,3 +282,28 @@ class TierwiseTrainer(Trainer):
 def _is_peft(model: torch.nn.Module) -> bool:
     """A PEFT model (saves adapter files); checked without importing peft."""
     return any(cls.__module__.startswith("peft") for cls in type(model).__mro__)
+
+
+class _SkipsOverflowSteps:
+    """fp16: the LR schedule advances only on steps the optimizer took, as Trainer does with
+    GradScaler. tierwise's own loss scaler skips overflowing steps where accelerate cannot see
+    them (``optimizer_step_was_skipped``), so the scheduler checks the scaler's count instead.
+    Everything else is the wrapped scheduler's."""
+
+    def __init__(self, scheduler, scaler):
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.skipped_seen = scaler.skipped_steps
+
+    def step(self, *args, **kwargs):
+        if self.scaler.skipped_steps != self.skipped_seen:  # this step was skipped
+            self.skipped_seen = self.scaler.skipped_steps
+            return None
+        return self.scheduler.step(*args, **kwargs)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state)
+        self.skipped_seen = self.scaler.skipped_steps  # resumed: the scaler's count was loaded
+
+    def __getattr__(self, name):
+        return getattr(self.scheduler, name)

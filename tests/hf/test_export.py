@@ -12,7 +12,7 @@ from helpers.multiproc import run_ranks
 from hf_helpers import logits_of
 from tierwise.checkpoint_reader import CheckpointReader
 from tierwise.cli import main
-from tierwise.train.export import PEFT_PREFIX
+from tierwise.train.export import PEFT_PREFIX, export
 from tierwise.train.lora import describe_model
 
 RUN = ["--model", "llama", "--size", "tiny", "--batch", "2", "--seq", "32", "--sample-tokens", "0",
@@ -68,6 +68,16 @@ def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(tmp_path
     trained = resumed_model(run)
     trained.config._attn_implementation = "eager"
     assert torch.equal(logits_of(loaded, IDS), logits_of(trained, IDS))
+
+    # shards of at most 20 kB: several files and an index, loading to the same model
+    export(run, tmp_path / "sharded", max_shard_bytes=20_000)
+    files = sorted((tmp_path / "sharded").glob("model-*-of-*.safetensors"))
+    assert len(files) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    biggest = max(v.numel() * 4 for v in weights(tmp_path / "fp32").values())
+    assert all(f.stat().st_size <= max(20_000, biggest) + 4096 for f in files)  # + header
+    resharded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sharded",
+                                                                  attn_implementation="eager")
+    assert torch.equal(logits_of(resharded, IDS), logits_of(loaded, IDS))
 
     code, _, err = cli(capsys, "export", run, tmp_path / "bf16", "--dtype", "bf16")
     assert code == 0, err

@@ -27,7 +27,7 @@ import torch
 from tierwise.checkpoint_manifest import CheckpointError
 from tierwise.checkpoint_reader import CheckpointReader
 from tierwise.integrations.hf_save import DTYPES, record_dtype
-from tierwise.integrations.safetensors_shards import ShardWriter
+from tierwise.integrations.safetensors_shards import MAX_SHARD_BYTES, ShardWriter
 from tierwise.train.checkpoints import CHECKPOINTS, LATEST
 from tierwise.train.errors import TrainError
 from tierwise.train.lora import MODEL_FOLDER
@@ -78,8 +78,9 @@ def latest_checkpoint(run_dir: Path) -> Path:
 
 
 def export(run_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
-           merge_lora: bool = False) -> Path:
-    """Write the export of ``run_dir`` into ``out_dir``; return ``out_dir``."""
+           merge_lora: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write the export of ``run_dir`` into ``out_dir`` in safetensors shards of at most
+    ``max_shard_bytes`` (a larger parameter gets a shard of its own); return ``out_dir``."""
     run, out = Path(run_dir), Path(out_dir)
     model_folder = run / MODEL_FOLDER
     if not (model_folder / "config.json").is_file():
@@ -99,7 +100,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
         if lora is not None and not merge_lora:
             _write_adapters(reader, out, lora, DTYPES[dtype], _options(run))
         else:
-            _write_model(reader, out, model_folder, lora, DTYPES[dtype])
+            _write_model(reader, out, model_folder, lora, DTYPES[dtype], max_shard_bytes)
             _copy_tokenizer(_options(run), out)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
@@ -116,9 +117,9 @@ def _options(run: Path) -> dict:
 
 
 def _write_model(reader: CheckpointReader, out: Path, model_folder: Path, lora: dict | None,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, max_shard_bytes: int) -> None:
     adapters = _adapters(reader) if lora is not None else {}
-    writer = ShardWriter(out)
+    writer = ShardWriter(out, max_bytes=max_shard_bytes)
     for name in reader.names():
         if lora is not None:
             if ".lora_" in name:

@@ -122,3 +122,30 @@ def test_half_precision_arguments_train_in_tierwise_precision_without_autocast(t
     if precision == "fp16":  # the loss scaler's overflowing steps do not advance the schedule
         assert skipped >= 1
     assert ours.lr_scheduler.last_epoch == 4 - skipped
+
+
+def test_user_optimizer_and_scheduler_are_honoured(tmp_path):
+    from helpers.models import tiny_model
+    from hf_helpers import budget_config
+    from tierwise.integrations.hf import TierwiseTrainer
+
+    def optimizers(model):
+        groups = [{"params": [p for n, p in model.named_parameters() if "norm" not in n]},
+                  {"params": [p for n, p in model.named_parameters() if "norm" in n], "lr": 3e-3}]
+        opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, fused=True)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+
+    import transformers
+
+    data = TokenBlocks()
+    ref_model = tiny_model("llama")
+    ref = transformers.Trainer(model=ref_model, args=training_args(tmp_path / "ref"),
+                               train_dataset=data, optimizers=optimizers(ref_model))
+    ref.train()
+    model = tiny_model("llama")
+    ours = TierwiseTrainer(model=model, args=training_args(tmp_path / "ours"), train_dataset=data,
+                           optimizers=optimizers(model), tierwise_config=budget_config(model))
+    ours.train()
+    _assert_close(logged(ours, "loss"), logged(ref, "loss"), "loss")
+    _assert_close(logged(ours, "learning_rate"), logged(ref, "learning_rate"), "learning_rate")
+    assert max_rel_diff(ours.model.state_dict(), ref.model) <= 1e-5

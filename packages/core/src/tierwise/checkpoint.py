@@ -286,6 +286,11 @@ def save_checkpoint(
     from tierwise.api import engine_of
 
     engine = engine_of(model)
+    if engine.step_failed is not None:
+        raise CheckpointError(
+            f"save_checkpoint {path}: refused, an optimizer step failed part way "
+            f"({engine.step_failed}) and the state mixes two steps; load the last checkpoint"
+        )
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
     rank, world = _rank_and_world()
@@ -405,6 +410,7 @@ def load_from_reader(engine: Engine, reader: CheckpointReader) -> None:
     if engine.scaler is not None and state["scaler"] is not None:
         engine.scaler.load_state_dict(state["scaler"])
     engine.steps_taken = state["steps_taken"]
+    engine.step_failed = None  # [Note: a step that failed part way]
     for group, saved in zip(engine.optimizer_groups, state["param_groups"], strict=False):
         group.update(saved)
     engine.invalidate_cache()

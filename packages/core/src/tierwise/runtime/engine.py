@@ -82,6 +82,14 @@ class Engine(GradientPath, OptimizerStep):
         self.moved_bytes: Counter[str] = Counter()
         self.moves: Counter[str] = Counter()
         self.steps_taken = 0
+        self.step_failed: str | None = None
+        """Why an optimizer step stopped part way on an I/O error (None: no such step).
+
+        [Note: a step that failed part way]
+        Storage-tier optimizer states are updated chunk by chunk and written back in place, so
+        an I/O error in the middle of a step leaves some chunks with the new step and others
+        with the old. Nothing rolls that back; instead the engine refuses to step again and
+        save_checkpoint refuses to save, until load_checkpoint restores a consistent state."""
         self.step_time_s = 0.0
         self._step_started: float | None = None
         self._in_backward = False
@@ -423,8 +431,19 @@ class Engine(GradientPath, OptimizerStep):
         if self._in_backward:
             raise RuntimeError("tierwise: optimizer.step() called during backward")
         self._finish_tracing_if_ended()
+        if self.step_failed is not None:
+            raise RuntimeError(
+                f"tierwise: an earlier optimizer step failed part way ({self.step_failed}); load "
+                "the last checkpoint (tierwise.load_checkpoint) before stepping again"
+            )
         try:
             self._step()
+        except OSError as err:  # [Note: a step that failed part way]
+            self.step_failed = f"{type(err).__name__}: {err}"
+            err.add_note("tierwise: the optimizer step stopped part way: some chunks may hold "
+                         "this step's values and others the previous step's; load the last "
+                         "checkpoint (tierwise.load_checkpoint) to go on")
+            raise
         finally:
             self._early_hyper.clear()
         if self.activations is not None:

@@ -91,7 +91,12 @@ CONFIG_PARSERS = {
 }
 
 
-def _help(doc: str) -> str:
+def _help(doc: str, default: typing.Any = dataclasses.MISSING) -> str:
+    """The field's doc, plus its default unless the doc already tells it or there is none."""
+    shown = default not in (dataclasses.MISSING, None, False, ()) and "default" not in doc.lower()
+    if shown:
+        doc += f" (default: {default!r})" if isinstance(default, str) and " " in default else (
+            f" (default: {default})")
     return doc.replace("%", "%%")
 
 
@@ -102,9 +107,11 @@ METAVARS = {
 }
 
 
-def _add_option(group, name: str, hint: typing.Any, doc: str, dest: str) -> None:
+def _add_option(
+    group, name: str, hint: typing.Any, doc: str, dest: str, default: typing.Any
+) -> None:
     flag = "--" + name.replace("_", "-")
-    common = dict(dest=dest, help=_help(doc), default=argparse.SUPPRESS)
+    common = dict(dest=dest, help=_help(doc, default), default=argparse.SUPPRESS)
     if hint is bool and dest.startswith(CONFIG_FLAG_PREFIX):
         group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
     elif hint is bool:
@@ -138,7 +145,8 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     train_docs = field_docs(TrainOptions)
     group = parser.add_argument_group("run")
     for field in dataclasses.fields(TrainOptions):
-        _add_option(group, field.name, train_hints[field.name], train_docs[field.name], field.name)
+        _add_option(group, field.name, train_hints[field.name], train_docs[field.name], field.name,
+                    field.default)
     config_hints = typing.get_type_hints(Config)
     config_docs = field_docs(Config)
     group = parser.add_argument_group("engine (tierwise.Config fields)")
@@ -151,7 +159,8 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
         if field.name == "device_memory":
             doc += " Default here: half the model's data, so that host offload is exercised."
         _add_option(
-            group, field.name, config_hints[field.name], doc, CONFIG_FLAG_PREFIX + field.name
+            group, field.name, config_hints[field.name], doc, CONFIG_FLAG_PREFIX + field.name,
+            field.default,
         )
     parser.set_defaults(func=_run)
     return parser

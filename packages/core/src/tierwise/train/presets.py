@@ -13,7 +13,9 @@ tensor)`` called while it fills each chunk; until then the model is materialised
 
 from __future__ import annotations
 
+import difflib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -198,10 +200,37 @@ def config_from_file(path: str):
     model_type = data.pop("model_type", None)
     if not model_type:
         raise TrainError(f"--model-config {path}: needs a 'model_type' (e.g. \"llama\")")
+    known = tf.CONFIG_MAPPING.keys()
+    if model_type not in known:
+        close = difflib.get_close_matches(model_type, known, n=3, cutoff=0.6)
+        raise TrainError(
+            f"--model-config {path}: unknown model_type {model_type!r}"
+            + (f"; close matches: {', '.join(close)}" if close else "")
+            + f" (transformers {tf.__version__} knows {len(known)} model types)"
+        )
     try:
-        return tf.AutoConfig.for_model(model_type, **data)
+        config = tf.AutoConfig.for_model(model_type, **data)
     except ValueError as err:
         raise TrainError(f"--model-config {path}: {err}") from None
+    _warn_missing_sizes(config, data, f"--model-config {path}")
+    return config
+
+
+SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+"""Fields that size a model; a config.json without one gets transformers' class default."""
+
+
+def _warn_missing_sizes(config, data: dict[str, Any], where: str) -> None:
+    """One line on stderr naming the size fields ``data`` lacks and the defaults used instead."""
+    aliases = {target: source for source, target in getattr(config, "attribute_map", {}).items()}
+    missing = [
+        name for name in SIZE_FIELDS
+        if hasattr(config, name) and name not in data and aliases.get(name) not in data
+    ]
+    if missing:
+        used = ", ".join(f"{name} {getattr(config, name)}" for name in missing)
+        print(f"tierwise train: warning: {where} has no {', '.join(missing)}; using the Hugging "
+              f"Face {config.model_type} defaults ({used})", file=sys.stderr)
 
 
 def config_from_pretrained(path: str):

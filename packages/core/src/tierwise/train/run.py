@@ -34,7 +34,7 @@ from tierwise.train.metrics import MetricsLog, read_metrics, step_record
 from tierwise.train.options import RUN_IDENTITY, TrainOptions
 from tierwise.train.plot import plot_memory
 from tierwise.train.report import Console, summary_rows, table
-from tierwise.train.sample import generate
+from tierwise.train.sample import generate, printable
 from tierwise.train.schedule import warmup_cosine
 from tierwise.train.trace import StepTracer
 from tierwise.units import format_bytes
@@ -391,7 +391,7 @@ def _finish(options, model, engine, tokenizer, corpus, world, device, run_dir, m
             temperature=options.temperature, context=options.seq, seed=options.seed, device=device,
         )
         text = tokenizer.decode(ids)
-        console.block("sample", text, text=text, temperature=options.temperature)
+        console.block("sample", printable(text), text=text, temperature=options.temperature)
     if not world.is_main:
         return 0
     all_lines = read_metrics(run_dir / "metrics.jsonl")

@@ -83,3 +83,24 @@ def test_lora_trainer_matches_plain_trainer_and_saves_adapters(tmp_path, monkeyp
     base = tiny_model("llama")  # the same initial base the run started from
     loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
     assert torch.equal(logits_of(loaded, IDS), logits_of(ours.model, IDS))
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
+    import safetensors.torch
+    from tierwise.integrations.hf import TierwiseTrainer
+
+    args = training_args(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=2,
+                         save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+                         metric_for_best_model="eval_loss", learning_rate=5e-2,
+                         greater_is_better=True)  # the worst loss: an earlier checkpoint
+    trainer = TierwiseTrainer(model=lora_model(), args=args, train_dataset=TokenBlocks(),
+                              eval_dataset=TokenBlocks(n=4, seed=9),
+                              tierwise_config={"chunk_size": 2048})
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and not best.endswith("checkpoint-6")  # not the final weights
+    adapters = safetensors.torch.load_file(f"{best}/adapter_model.safetensors")
+    state = trainer.model.state_dict()
+    assert adapters
+    for name, value in adapters.items():  # PEFT drops the adapter name when it saves
+        assert torch.equal(state[name.replace(".weight", ".default.weight")], value), name

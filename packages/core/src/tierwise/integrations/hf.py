@@ -247,6 +247,15 @@ class TierwiseTrainer(Trainer):
         if scheduler_file.is_file():
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
 
+    def _load_best_model(self) -> None:
+        """load_best_model_at_end: the best checkpoint's fp32 masters, from its tierwise folder
+        (PEFT's load_adapter would replace the adapters' parameters behind tierwise's back)."""
+        folder = Path(self.state.best_model_checkpoint) / TIERWISE_CHECKPOINT
+        if folder.is_dir():
+            tierwise.load_checkpoint(folder, self.model)
+        else:
+            super()._load_best_model()
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if (Path(resume_from_checkpoint) / TIERWISE_CHECKPOINT).is_dir():
             return  # the tierwise checkpoint holds the fp32 masters: loaded with the optimizer

@@ -149,3 +149,17 @@ def test_user_optimizer_and_scheduler_are_honoured(tmp_path):
     _assert_close(logged(ours, "loss"), logged(ref, "loss"), "loss")
     _assert_close(logged(ours, "learning_rate"), logged(ref, "learning_rate"), "learning_rate")
     assert max_rel_diff(ours.model.state_dict(), ref.model) <= 1e-5
+
+
+def test_tierwise_config_file_gives_precision_only_when_it_names_it(tmp_path):
+    from tierwise.integrations.hf import TierwiseTrainerError, config_dict, precision_of
+
+    args = training_args(tmp_path)  # neither bf16 nor fp16: fp32
+    quiet = tmp_path / "budget.toml"
+    quiet.write_text('[tierwise]\ndevice_memory = "1MiB"\n')
+    assert precision_of(args, config_dict(quiet)) == "fp32"  # Config's bf16 default is not given
+    loud = tmp_path / "bf16.json"
+    loud.write_text('{"precision": "bf16"}')
+    with pytest.raises(TierwiseTrainerError, match="TrainingArguments ask for fp32"):
+        precision_of(args, config_dict(loud))
+    assert precision_of(training_args(tmp_path, bf16=True), config_dict(loud)) == "bf16"

@@ -97,14 +97,16 @@ def check_args(args: Any) -> None:
 
 
 def config_dict(tierwise_config: Config | dict | str | os.PathLike | None) -> dict[str, Any]:
-    """``tierwise_config`` as the dict of fields it gives (a Config gives all of them)."""
+    """``tierwise_config`` as the dict of fields it gives (a Config gives all of them, a file
+    those it names)."""
     if tierwise_config is None:
         return {}
     if isinstance(tierwise_config, Config):
         return tierwise_config.to_dict()
     if isinstance(tierwise_config, dict):
         return dict(tierwise_config)
-    return Config.from_any(tierwise_config).to_dict() | _file_fields(tierwise_config)
+    Config.from_any(tierwise_config)  # a missing or invalid file: the Config's own error
+    return _file_fields(tierwise_config)
 
 
 def _file_fields(path: str | os.PathLike) -> dict[str, Any]:

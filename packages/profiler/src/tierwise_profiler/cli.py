@@ -152,10 +152,9 @@ def run_probe(args: argparse.Namespace) -> int:
     from tierwise.config import Config, ConfigError
     from tierwise.hardware import Hardware
     from tierwise.plugins import get_plugin_host
+    from tierwise.probe import cached_nvme, device_present, forget_nvme
 
     from tierwise_profiler.hardware_probe import probe
-
-    from tierwise.probe import cached_nvme, device_present, forget_nvme
 
     try:
         config = Config(

@@ -369,6 +369,13 @@ class FSDP2Runner(Runner):
 
 class DeepSpeedRunner(Runner):
     def setup(self, system: str) -> None:
+        extensions = os.environ.get("TORCH_EXTENSIONS_DIR")
+        if extensions:
+            # a build killed halfway (a timed-out run) leaves its lock file, and the next build
+            # of that op waits for it forever; systems run one at a time, so no lock is live
+            for lock in Path(extensions).glob("*/lock"):
+                lock.unlink()
+        self.jit_cached = bool(extensions) and any(Path(extensions).glob("cpu_adam/*.so"))
         import deepspeed
 
         backend = "nccl" if self.device == "cuda" else "gloo"
@@ -377,6 +384,7 @@ class DeepSpeedRunner(Runner):
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
         _, self.extra["jit_build_s"] = self.timed(lambda: CPUAdamBuilder().load())
+        self.extra["jit_was_cached"] = self.jit_cached
         offload = {"device": "cpu", "pin_memory": self.device == "cuda"}
         self.ds_config = {
             "train_micro_batch_size_per_gpu": self.shape.batch,

@@ -148,18 +148,26 @@ def peak_host_rss() -> int:
 
 
 # -- one system, in the child process ------------------------------------------------------
-def build_model(shape: Shape, *, device: str = "cpu", attn: str = "sdpa"):
-    import torch
+def gpt2_config(shape: Shape, *, attn: str = "sdpa"):
     import transformers as tf
 
     config = tf.GPT2Config(
         n_embd=shape.hidden, n_layer=shape.layers, n_head=shape.heads, vocab_size=shape.vocab,
         n_positions=shape.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        bos_token_id=shape.vocab - 1, eos_token_id=shape.vocab - 1,
     )
     config._attn_implementation = attn
+    return config
+
+
+def build_model(shape: Shape, *, device: str = "cpu"):
+    import torch
+    import transformers as tf
+
+    config = gpt2_config(shape)
     torch.manual_seed(0)
     with torch.device(device):
-        model = tf.AutoModelForCausalLM.from_config(config)
+        model = tf.GPT2LMHeadModel(config)
     return model.train()
 
 
@@ -398,9 +406,15 @@ class DeepSpeedRunner(Runner):
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9,
         }
+        import torch
+        from transformers import GPT2LMHeadModel  # imported before zero.Init patches tensor
+        # creation: importing model code under the patch fails ("Signature mismatch" from dynamo)
+
+        config = gpt2_config(self.shape)
+        torch.manual_seed(0)
         with deepspeed.zero.Init(config_dict_or_path=self.ds_config, remote_device="cpu",
                                  pin_memory=self.device == "cuda"):
-            model = build_model(self.shape)
+            model = GPT2LMHeadModel(config).train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model, self.opt, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=self.ds_config

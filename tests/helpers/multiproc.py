@@ -6,8 +6,10 @@ import gc
 import io
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -20,17 +22,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue,
+            collective_timeout: float) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        TIERWISE_COLLECTIVE_TIMEOUT=str(collective_timeout),  # [Note: bounded collectives]
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=collective_timeout))
         result = fn(rank, world, *args)
         # plain bytes: tensors passed through shared memory die with the exiting child
         buffer = io.BytesIO()
@@ -45,38 +50,70 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) 
 
 
 class RankFailed(AssertionError):
-    """A rank raised or did not finish in time."""
+    """A rank raised, died or did not finish in time.
+
+    ``exit_seconds``: from the first failure report to the last rank's exit; ``killed``: ranks
+    that had not exited on their own ``grace`` seconds after it (then killed)."""
+
+    exit_seconds: float | None = None
+    killed: list[int] = []
 
 
-def run_ranks(fn: Callable, world: int = 2, *args: Any, timeout: float = 240.0) -> list[Any]:
+def run_ranks(fn: Callable, world: int = 2, *args: Any, timeout: float = 240.0,
+              collective_timeout: float = 120.0, grace: float = 5.0) -> list[Any]:
     """Call ``fn(rank, world, *args)`` on ``world`` spawned ranks; return results by rank.
 
     ``fn`` must be a module-level function (it is pickled). Raises RankFailed with the failing
-    rank's traceback as soon as one rank fails, or when ``timeout`` seconds pass.
+    rank's traceback as soon as one rank fails or dies, or when ``timeout`` seconds pass. Each
+    rank's collectives (its process group's and tierwise's own) give up after
+    ``collective_timeout`` seconds, so ranks left waiting for a failed peer exit by themselves;
+    whatever is still alive ``grace`` seconds after a failure is killed.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world, port, fn, args, queue), daemon=True)
+        ctx.Process(target=_worker, args=(rank, world, port, fn, args, queue, collective_timeout),
+                    daemon=True)
         for rank in range(world)
     ]
     for proc in procs:
         proc.start()
     results: dict[int, Any] = {}
+    failure: RankFailed | None = None
+    failed_at = 0.0
+    deadline = time.monotonic() + timeout
     try:
         while len(results) < world:
             try:
-                rank, status, payload = queue.get(timeout=timeout)
-            except Exception as err:
-                alive = [i for i, p in enumerate(procs) if p.is_alive()]
-                raise RankFailed(f"ranks {alive} did not finish within {timeout}s") from err
+                rank, status, payload = queue.get(timeout=1.0)
+            except Exception:  # nothing yet: a rank that died without reporting fails the run
+                dead = [i for i, p in enumerate(procs) if i not in results and p.exitcode not in (None, 0)]
+                if dead:
+                    failed_at = time.monotonic()
+                    failure = RankFailed(f"ranks {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
+                    raise failure from None
+                if time.monotonic() > deadline:
+                    alive = [i for i, p in enumerate(procs) if p.is_alive()]
+                    failed_at = time.monotonic()
+                    failure = RankFailed(f"ranks {alive} did not finish within {timeout}s")
+                    raise failure from None
+                continue
             if status == "error":
-                raise RankFailed(f"rank {rank} failed:\n{payload}")
+                failed_at = time.monotonic()
+                failure = RankFailed(f"rank {rank} failed:\n{payload}")
+                raise failure
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
+        wait_until = time.monotonic() + (grace if failure is not None else 5.0)
         for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
+            proc.join(timeout=max(0.0, wait_until - time.monotonic()))
+        if failure is not None:
+            failure.exit_seconds = time.monotonic() - failed_at
+        killed = [i for i, p in enumerate(procs) if p.is_alive()]
+        for i in killed:
+            procs[i].kill()
+            procs[i].join()
+        if failure is not None:
+            failure.killed = killed
     return [results[r] for r in range(world)]

@@ -15,6 +15,7 @@ from tierwise.hardware import Hardware
 from tierwise.integrations.hf_save import install_save_pretrained
 from tierwise.optim import TierwiseOptimizer, check_optimizer
 from tierwise.parallel.base import snapshot_model
+from tierwise.parallel.timeouts import collective_timeout
 from tierwise.plugins import get_plugin_host
 from tierwise.runtime import Engine, RCache
 from tierwise.runtime.activations import ActivationManager, find_blocks, resolve_policy
@@ -30,7 +31,6 @@ from tierwise.runtime.build import (
 )
 from tierwise.runtime.engine import _PRECISION_DTYPES
 from tierwise.runtime.hooks import grad_ready_hook, install_hooks
-from tierwise.runtime.meta_buffers import compute_meta_buffers, install_buffers
 from tierwise.runtime.reduce import StreamingReducer
 
 _ENGINE_ATTR = "_tierwise_engine"
@@ -110,7 +110,6 @@ def setup(
     try:
         for pattern in patterns:  # model-parallel patterns shard modules before anything is sized
             pattern.prepare(model)
-        buffers = compute_meta_buffers(model)  # [Note: meta buffers]
         profile, hardware, plan, groups, tiers, cache, blocks = _plan_and_allocate(
             model, optimizer, config, host, patterns, example_batch
         )
@@ -121,7 +120,6 @@ def setup(
     dtype = _PRECISION_DTYPES[config.precision]
     # --- from here on the model is changed -----------------------------------------------
     fill_payloads(groups, dtype, model)
-    install_buffers(buffers)
     move_buffers(model, tiers["device"].device)
     slot_chunk = {}
     for group in groups:
@@ -157,7 +155,7 @@ def setup(
     if world is not None and dist.get_world_size(world) > 1 and world == dist.group.WORLD:
         # a second communicator for gradient reductions: [Note: streaming reduction]
         engine.reducer = StreamingReducer(
-            group=dist.new_group(backend=dist.get_backend(world)),
+            group=dist.new_group(backend=dist.get_backend(world), timeout=collective_timeout()),
             collectives=engine.collectives,
             accumulate=engine._reduced,
             release=engine._give_back_staging,
@@ -219,6 +217,7 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
         for g in groups
     }
     blocks = _activation_blocks(model, config, host, plan)
+    _check_cache_minimum(model, config, profile, plan, groups)
     needed = {plan.param_tier_of(g.name, c.index) for g in groups for c in g.chunks}
     needed |= {plan.optim_tier_of(g.name, c.index) for g in groups if g.trainable for c in g.chunks}
     needed |= {a for a in plan.activation_policy.values() if a == "nvme"}
@@ -238,6 +237,26 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
             slab.tier.release(slab)
         raise
     return profile, hardware, plan, groups, tiers, cache, blocks
+
+
+def _check_cache_minimum(model, config: Config, profile, plan, groups) -> None:
+    """Refuse a plan with fewer rCache blocks than the step needs ([Note: the rCache
+    minimum]), before anything is allocated."""
+    from tierwise.planner import may_recompute, profile_min_blocks
+
+    chunk_of = {
+        slot.name: chunk.key for g in groups for chunk in g.chunks for slot in chunk.slots
+        if g.sharded or plan.param_tier_of(g.name, chunk.index) != "device"
+    }
+    recompute = (may_recompute(config) or bool(getattr(model, "is_gradient_checkpointing", False))
+                 or "recompute" in plan.activation_policy.values())
+    minimum = profile_min_blocks(profile, chunk_of, recompute=recompute)
+    if plan.cache_blocks < minimum:
+        raise ConfigError(
+            f"cache_blocks={plan.cache_blocks} is below this model's minimum of {minimum} rCache "
+            f"blocks at chunk_size {plan.chunk_size} (the most chunks in use at one moment of a "
+            f"step): set cache_blocks ≥ {minimum}, or leave it on 'auto'"
+        )
 
 
 def _activation_blocks(model, config: Config, host, plan) -> dict:

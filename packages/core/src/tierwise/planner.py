@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from tierwise.cache_minimum import min_cache_blocks, recompute_blocks
 from tierwise.chunks import first_use_order, pack
 from tierwise.config import Config
 from tierwise.hardware import Hardware
@@ -42,20 +43,30 @@ def _layout(profile: Profile, chunk_size: int) -> dict[str, list[tuple[int, bool
     return out
 
 
-def _min_blocks(profile: Profile, layout) -> int:
-    """Most chunks one module (or checkpoint block) touches at once."""
-    chunk_of = {}
-    for group, chunks in layout.items():
-        for i, (_, _, names) in enumerate(chunks):
-            for name in names:
-                chunk_of[name] = (group, i)
-    alias = {a: p.name for p in profile.params for a in p.aliases}
-    sets = list(profile.module_params.values()) + list(profile.checkpoint_blocks)
-    most = 1
-    for names in sets:
-        touched = {chunk_of.get(alias.get(n, n)) for n in names} - {None}
-        most = max(most, len(touched))
-    return most
+def may_recompute(config: Config) -> bool:
+    """Whether some block's forward may be re-run in backward (checkpointing, or an activation
+    policy that can choose recompute)."""
+    return bool(config.activation_checkpointing or config.activation_offload != "none"
+                or config.activation_policy)
+
+
+def profile_min_blocks(profile: Profile, chunk_of: dict, *, recompute: bool) -> int:
+    """[Note: the rCache minimum] for a profile; ``chunk_of`` maps first parameter names to
+    the chunks that live in the rCache (aliases are added here)."""
+    chunk_of = dict(chunk_of)
+    for p in profile.params:
+        if p.name in chunk_of:
+            chunk_of.update(dict.fromkeys(p.aliases, chunk_of[p.name]))
+    blocks = recompute_blocks(profile.module_params, profile.checkpoint_blocks) if recompute else ()
+    return min_cache_blocks(profile.module_params, chunk_of, recompute=blocks,
+                            forward_order=profile.forward_order)
+
+
+def _min_blocks(profile: Profile, layout, config: Config) -> int:
+    """Most chunks pinned at one moment, every chunk in the rCache ([Note: the rCache minimum])."""
+    chunk_of = {name: (group, i) for group, chunks in layout.items()
+                for i, (_, _, names) in enumerate(chunks) for name in names}
+    return max(1, profile_min_blocks(profile, chunk_of, recompute=may_recompute(config)))
 
 
 def _auto_activations(profile: Profile, budget, budget_for, need_on_device: int, reasons: list):
@@ -102,7 +113,7 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
     optim_bytes = sum(-(-cap // shards) for cap, t, _, shards in caps if t) * (OPTIM_BYTES + lc)
     # see [Note: gradient path]: trainable chunks reduced across ranks go through staging
     staging_blocks = sum(1 for _, t, dp, _ in caps if t and dp > 1)
-    min_blocks = _min_blocks(profile, layout)
+    min_blocks = _min_blocks(profile, layout, config)
 
     reasons = []
 
@@ -178,8 +189,8 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
             tier="device", need=minimum, limit=budget,
         )
     reasons.append(
-        f"{cache_blocks} rCache blocks of {chunk_size:,} elements (one module touches at most "
-        f"{min_blocks} chunks; prefetch {config.prefetch})"
+        f"{cache_blocks} rCache blocks of {chunk_size:,} elements (at most {min_blocks} "
+        f"chunks are in use at once; prefetch {config.prefetch})"
     )
     return Plan(
         chunk_size=chunk_size,

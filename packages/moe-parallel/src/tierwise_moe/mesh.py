@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from tierwise.parallel.timeouts import collective_timeout
 
 
 class MeshError(ValueError):
@@ -75,12 +76,12 @@ def build_mesh(
     for start in range(0, world, block):
         for offset in range(inner):
             members = ranks[start + offset : start + block : inner]
-            group = dist.new_group(members)
+            group = dist.new_group(members, timeout=collective_timeout())
             if me in members:
                 mp_group, mp_rank = group, members.index(me)
     for position in range(size):  # ranks holding the same shard
         members = [ranks[i] for i in range(world) if (i // inner) % size == position]
-        group = dist.new_group(members)
+        group = dist.new_group(members, timeout=collective_timeout())
         if me in members:
             dp_group = group
     return Mesh(

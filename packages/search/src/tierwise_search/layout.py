@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from tierwise.cache_minimum import last_module, recompute_blocks
 from tierwise.chunks.layout import ChunkSpec, first_use_order, pack
 from tierwise.profile import Profile
 
@@ -133,10 +134,11 @@ def _param_steps(order: list[str], module_params: dict[str, list[str]]) -> list[
 
 
 def build_trace(profile: Profile, table: ChunkTable, *, checkpointing: bool) -> AccessTrace:
-    """Forward then backward steps as chunk ids.
+    """Forward then backward steps as chunk ids, as the runtime pins them.
 
-    With activation checkpointing each checkpoint block is one coarse operator in backward: its
-    re-forward and backward need every chunk the block touches resident together (Elixir).
+    With activation checkpointing, a block's forward is re-run inside the backward of its last
+    module, which stays pinned meanwhile: each backward step of a block also holds that
+    module's chunks ([Note: the rCache minimum] in tierwise.cache_minimum).
     """
     steps: list[list[int]] = []
 
@@ -149,21 +151,20 @@ def build_trace(profile: Profile, table: ChunkTable, *, checkpointing: bool) -> 
         add(names)
     backward_start = len(steps)
     block_of: dict[str, int] = {}
+    held: list[list[str]] = []
     if checkpointing:
-        for index, block in enumerate(profile.checkpoint_blocks):
+        blocks = recompute_blocks(profile.module_params, profile.checkpoint_blocks)
+        for index, block in enumerate(blocks):
             for name in block:
                 block_of.setdefault(name, index)
-    last_block = None
+            last = last_module(block, profile.module_params, profile.forward_order)
+            held.append(list(profile.module_params.get(last, ())) if last else [])
     for names in _param_steps(profile.backward_order, profile.module_params):
-        blocks = {block_of.get(n) for n in names}
-        if len(blocks) == 1 and None not in blocks:
-            block = blocks.pop()
-            if block != last_block:
-                add(list(profile.checkpoint_blocks[block]))
-            last_block = block
-            continue
-        last_block = None
-        add(names)
+        blocks_here = {block_of.get(n) for n in names}
+        if len(blocks_here) == 1 and None not in blocks_here:
+            add(held[blocks_here.pop()] + names)
+        else:
+            add(names)
     return AccessTrace.from_steps(steps, table.n_chunks, backward_start=backward_start)
 
 

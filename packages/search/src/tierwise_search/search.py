@@ -15,9 +15,11 @@ import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
+import numpy as np
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError
+from tierwise.planner import may_recompute, profile_min_blocks
 from tierwise.profile import Profile
 from tierwise.units import format_bytes, format_gib
 
@@ -175,10 +177,15 @@ class _Search:
         if chunk_size not in self._layouts:
             table = build_chunks(self.profile, chunk_size)
             trace = build_trace(
-                self.profile, table, checkpointing=self.config.activation_checkpointing
+                self.profile, table, checkpointing=may_recompute(self.config)
             )
             self._layouts[chunk_size] = (table, trace)
         return self._layouts[chunk_size]
+
+    def min_blocks(self, table: ChunkTable, cached: np.ndarray | None = None) -> int:
+        """[Note: the rCache minimum], computed as setup checks it (chunks where ``cached``)."""
+        chunk_of = {n: c for n, c in table.chunk_of_param.items() if cached is None or cached[c]}
+        return profile_min_blocks(self.profile, chunk_of, recompute=may_recompute(self.config))
 
     def budgets(self, allowed: int | None) -> Budgets:
         return Budgets(
@@ -211,7 +218,7 @@ class _Search:
                 forward_s=self.times.forward_s,
                 shard=self.shard,
                 prefetch=self.config.prefetch,
-                min_blocks=trace.widest_step(),
+                min_blocks=self.min_blocks(table),
                 fp32_alias=self.config.precision == "fp32",
                 staging_blocks=staging,
                 optimizer_in_backward=self.optimizer_in_backward,
@@ -237,8 +244,8 @@ class _Search:
                 continue
             s = model.setting
             cached = s.uses_rcache(start.param_tier)
-            if cached.any() and start.n_blocks < s.trace.widest_step(cached):
-                too_few.append(s.trace.widest_step(cached))
+            if cached.any() and start.n_blocks < self.min_blocks(s.table, cached):
+                too_few.append(self.min_blocks(s.table, cached))
                 continue
             need = model.memory(start).device
             least = need if least is None else min(least, need)
@@ -255,9 +262,9 @@ class _Search:
             raise min(host_errors, key=lambda err: err.need - err.limit)
         if too_few and len(too_few) + len(host_errors) == len(candidates):
             raise PlanError(
-                f"cache_blocks={self.forced.n_blocks} is too few: the widest module or checkpoint "
-                f"block needs {min(too_few)} chunks resident at once; use cache_blocks >= "
-                f'{min(too_few)} or "auto"'
+                f"cache_blocks={self.forced.n_blocks} is below this model's minimum of "
+                f"{min(too_few)} rCache blocks (the most chunks in use at one moment of a step): "
+                f'set cache_blocks >= {min(too_few)}, or leave it on "auto"'
             )
         scores.sort(key=lambda s: (s.moved_bytes, s.padding, s.chunk_size))
         return scores, least or 0

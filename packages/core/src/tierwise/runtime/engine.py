@@ -129,6 +129,10 @@ class Engine(GradientPath, OptimizerStep):
         self._tracer = None
         self._tracer_ended = False
         self._module_names = {m: n for n, m in model.named_modules()}
+        self._modules_of_param: dict[int, list[torch.nn.Module]] = defaultdict(list)
+        for module, slots in modules.items():
+            for slot in slots:
+                self._modules_of_param[id(slot.param)].append(module)
         self.loads = ChunkLoads(self.device)
         """rCache loads in flight ([Note: prefetch overlap])."""
         self.reducer: StreamingReducer | None = None
@@ -368,6 +372,23 @@ class Engine(GradientPath, OptimizerStep):
         if module in self._backward_pins:
             self._backward_pins.discard(module)
             self._release(module, TensorState.HOLD_AFTER_BWD)
+
+    # [Note: a module's backward is done when its parameters' gradients are]
+    # An input's gradient hook fires only once *every* consumer of that input has run its
+    # backward (q, k and v projections share one input: each would stay pinned until the last
+    # of them finished), and a module whose inputs need no gradient (an embedding) gets no such
+    # hook at all. A parameter's gradient is accumulated only after every autograd node that
+    # used it has run, so once every parameter of a module has its gradient for this backward,
+    # nothing left in this backward reads the module's chunks: release it then. A module with
+    # a frozen parameter, or one its forward did not use, still waits for an input hook or the
+    # end of backward. Tied weights used at both ends are released by the LM head's input hook.
+    def release_finished_backward(self, param: torch.nn.Parameter) -> None:
+        """A gradient of ``param`` arrived: release the modules whose backward is done."""
+        for module in self._modules_of_param.get(id(param), ()):
+            if module in self._backward_pins and all(
+                slot.got_grad and slot.param.requires_grad for slot in self.modules[module]
+            ):
+                self.post_backward(module)
 
     def scale_root_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
         """fp16: multiply the gradient entering the model by the loss scale, once per backward

@@ -32,6 +32,7 @@ class GradientPath:
         """post-accumulate-grad hook: move the gradient into the chunk's staging buffer."""
         with self._untraced():
             self._on_grad(param)
+            self.release_finished_backward(param)
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         self._enter_backward()

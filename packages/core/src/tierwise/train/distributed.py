@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tierwise.parallel.timeouts import collective_timeout
+
 
 @dataclass(frozen=True, kw_only=True)
 class World:
@@ -39,7 +41,8 @@ def init_world(device: str) -> World:
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                timeout=collective_timeout())  # [Note: bounded collectives]
     return World(rank=dist.get_rank(), size=dist.get_world_size(), device=device)
 
 

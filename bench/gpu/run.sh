@@ -40,19 +40,24 @@ mkdir -p "$RESULTS"
 
 # -- install, without an index ------------------------------------------------------------
 started=$(date +%s)
-rm -rf "$SITE" "$SITE.libaio"
-"$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
-    --target "$SITE" "$DIST"/wheels/*.whl
-mkdir -p "$SITE.libaio"
-for deb in "$DIST"/debs/*.deb; do
-    if command -v dpkg >/dev/null; then
-        dpkg -x "$deb" "$SITE.libaio"
-    else  # a .deb is an ar archive holding data.tar.*
-        unpack=$(mktemp -d)
-        (cd "$unpack" && ar x "$deb") && tar -xf "$unpack"/data.tar.* -C "$SITE.libaio"
-        rm -rf "$unpack"
-    fi
-done
+# the same dist already installed (an earlier call on this machine): keep it, so the files keep
+# their times and DeepSpeed's JIT-built ops are not rebuilt
+if ! cmp -s "$DIST/MANIFEST.txt" "$SITE/.dist-manifest" 2>/dev/null; then
+    rm -rf "$SITE" "$SITE.libaio"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+        --target "$SITE" "$DIST"/wheels/*.whl
+    mkdir -p "$SITE.libaio"
+    for deb in "$DIST"/debs/*.deb; do
+        if command -v dpkg >/dev/null; then
+            dpkg -x "$deb" "$SITE.libaio"
+        else  # a .deb is an ar archive holding data.tar.*
+            unpack=$(mktemp -d)
+            (cd "$unpack" && ar x "$deb") && tar -xf "$unpack"/data.tar.* -C "$SITE.libaio"
+            rm -rf "$unpack"
+        fi
+    done
+    cp "$DIST/MANIFEST.txt" "$SITE/.dist-manifest"
+fi
 aio_lib=$SITE.libaio/usr/lib/x86_64-linux-gnu
 export LD_LIBRARY_PATH=$aio_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export LIBRARY_PATH=$aio_lib${LIBRARY_PATH:+:$LIBRARY_PATH}   # DeepSpeed's AIO op links -laio
@@ -69,7 +74,7 @@ export PATH PYTHONUNBUFFERED=1 PYTHONHASHSEED=0
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$SCRATCH/tierwise-torch-extensions}
 export TIERWISE_BENCH_NVME=${TIERWISE_BENCH_NVME:-$SCRATCH/tierwise-bench-nvme}
 export TIERWISE_BENCH_OUT=$RESULTS
-echo "run.sh: installed $(ls "$DIST"/wheels | wc -l) wheels and $(ls "$DIST"/debs | wc -l) debs in $(( $(date +%s) - started )) s"
+echo "run.sh: $(ls "$DIST"/wheels | wc -l) wheels and $(ls "$DIST"/debs | wc -l) debs installed in $SITE ($(( $(date +%s) - started )) s; kept when MANIFEST.txt is unchanged)"
 
 # -- what this machine is -----------------------------------------------------------------
 "$PYTHON" - <<'PY'

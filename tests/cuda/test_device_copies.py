@@ -15,7 +15,7 @@ from tierwise.config import Config
 from tierwise.runtime.transfer import ChunkLoads
 from tierwise.tiers import HostTier
 
-BIG = 64 * 2**20  # elements: 256 MiB of fp32
+BIG = 64 * 2**20  # elements: 256 MiB of int32 (integers: exact values and sums on every device)
 
 
 def _numel(device: str) -> int:
@@ -24,13 +24,13 @@ def _numel(device: str) -> int:
 
 def _delay_current_stream(device: str) -> torch.Tensor:
     """Queue long-running matrix products on the current stream of ``device``; returns a
-    scalar that depends on all of them and equals zero (CPU: nothing queued, a plain zero)."""
+    int32 scalar that depends on all of them and equals zero (CPU: nothing queued, a plain zero)."""
     if device == "cpu":
-        return torch.zeros(())
+        return torch.zeros((), dtype=torch.int32)
     a = torch.randn(8192, 8192, device=device) / 8192
-    for _ in range(30):  # fp32 without TF32: tens of milliseconds each
+    for _ in range(30):  # fp32 without TF32: tens of milliseconds each; the values shrink to 0
         a = a @ a
-    return a[0, 0] * 0
+    return (a[0, 0] * 0).to(torch.int32)
 
 
 def _host_tier(device: str) -> HostTier:
@@ -42,14 +42,14 @@ def test_device_to_host_copy_is_complete_after_wait(device):
     tier = _host_tier(device)
     assert tier.pin == (device == "cuda")
     n = _numel(device)
-    slab = tier.allocate(n, torch.float32, what="optim_chunk 0")
+    slab = tier.allocate(n, torch.int32, what="optim_chunk 0")
     slab.tensor.zero_()
     zero = _delay_current_stream(device)
-    src = torch.arange(n, dtype=torch.float32, device=device) + zero  # ready only after the delay
+    src = torch.arange(n, dtype=torch.int32, device=device) + zero  # ready only after the delay
     handle = tier.write(slab, src)
     handle.wait()  # host code reads the slab next: wait() must block until the copy is done
     assert handle.done()
-    expected = torch.arange(n, dtype=torch.float32)
+    expected = torch.arange(n, dtype=torch.int32)
     assert torch.equal(slab.tensor, expected), "the host slab was read before its copy finished"
     tier.release(slab)
 
@@ -58,13 +58,13 @@ def test_device_to_host_copy_is_complete_after_wait(device):
 def test_host_to_device_copy_is_ordered_before_compute(device):
     tier = _host_tier(device)
     n = _numel(device)
-    slab = tier.allocate(n, torch.float32, what="param_chunk 0")
-    slab.tensor.copy_(torch.arange(n, dtype=torch.float32))
-    out = torch.zeros(n, device=device)
+    slab = tier.allocate(n, torch.int32, what="param_chunk 0")
+    slab.tensor.copy_(torch.arange(n, dtype=torch.int32))
+    out = torch.zeros(n, dtype=torch.int32, device=device)
     synchronize(device)
     handle = tier.read(slab, out)
     handle.wait()  # the current stream waits for the copy; the sum below runs after it
-    assert float(out.sum(dtype=torch.float64)) == float(n * (n - 1) // 2)
+    assert int(out.sum(dtype=torch.int64)) == n * (n - 1) // 2
     tier.release(slab)
 
 
@@ -77,9 +77,9 @@ def test_prefetch_on_the_side_stream_is_finished_before_compute_reads(device):
     loads = ChunkLoads(torch.device(device))
     assert (loads.side_stream is not None) == (device == "cuda")
     n = _numel(device)
-    slab = tier.allocate(n, torch.float32, what="param_chunk 0")
-    slab.tensor.copy_(torch.arange(n, dtype=torch.float32))
-    out = torch.zeros(n, device=device)
+    slab = tier.allocate(n, torch.int32, what="param_chunk 0")
+    slab.tensor.copy_(torch.arange(n, dtype=torch.int32))
+    out = torch.zeros(n, dtype=torch.int32, device=device)
     synchronize(device)
 
     def issue():
@@ -89,8 +89,8 @@ def test_prefetch_on_the_side_stream_is_finished_before_compute_reads(device):
     loads.start(("group", 0), issue, collective=False)
     assert ("group", 0) in loads
     loads.finish(("group", 0))
-    total = out.sum(dtype=torch.float64)  # queued on the compute stream after finish()
-    assert float(total) == float(n * (n - 1) // 2), "compute read the chunk before its load finished"
-    assert float(out[-1]) == n - 1
+    total = out.sum(dtype=torch.int64)  # queued on the compute stream after finish()
+    assert int(total) == n * (n - 1) // 2, "compute read the chunk before its load finished"
+    assert int(out[-1]) == n - 1
     loads.close()
     tier.release(slab)

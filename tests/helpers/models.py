@@ -40,6 +40,12 @@ def _config(kind: str, **overrides):
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
             max_position_embeddings=64, router_jitter_noise=0.0, **common,
         )
+    elif kind in ("mistral", "qwen2"):
+        cls = tf.MistralConfig if kind == "mistral" else tf.Qwen2Config
+        cfg = cls(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, **common,
+        )
     elif kind == "qwen2_moe":
         cfg = tf.Qwen2MoeConfig(
             hidden_size=32, intermediate_size=48, moe_intermediate_size=24,

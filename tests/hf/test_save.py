@@ -67,3 +67,27 @@ def test_save_pretrained_of_a_bf16_run_records_the_fp32_it_writes(tmp_path):
     assert all(v.dtype == torch.float32 and torch.equal(v, masters[k]) for k, v in weights.items())
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
     assert loaded.dtype == torch.float32
+
+
+def _save_pretrained_on_ranks(rank, world, out):
+    import os
+
+    model = tiny_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(model, opt, precision="bf16", device="cpu", chunk_size=2048)
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    opt.step()
+    model.zero_grad()
+    model.save_pretrained(out)  # every rank: the gather is collective, rank 0 writes
+    written = sorted(os.listdir(out)) if rank == 0 else None
+    return {"state": model.state_dict(), "written": written}
+
+
+def test_save_pretrained_on_every_rank_writes_once_from_rank_0(tmp_path):
+    from helpers.multiproc import run_ranks
+
+    results = run_ranks(_save_pretrained_on_ranks, 2, tmp_path / "out")
+    assert "model.safetensors" in results[0]["written"]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
+    saved = _weights(tmp_path / "out")
+    assert all(torch.equal(v, results[0]["state"][k]) for k, v in saved.items())

@@ -374,6 +374,7 @@ def engine_run(
         "groups": groups,
         "model_parallel_ranks": _model_parallel_ranks(model),
         "bytes_by_tier": engine.stats()["bytes_by_tier"],
+        "activations": engine.stats()["activations"],
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 import torch
@@ -99,3 +100,61 @@ def test_failed_swap_out_is_a_clear_error_and_the_engine_goes_on(nvme_dir, faili
     assert losses == base_losses
     assert _same(model, base)
     engine.close()
+
+
+RSS_CHILD = r"""
+import json, sys, warnings
+warnings.simplefilter("ignore")
+import torch, tierwise
+import transformers as tf
+
+def hwm_and_rss():
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return int(fields["VmHWM"].split()[0]) * 1024, int(fields["VmRSS"].split()[0]) * 1024
+
+config = tf.GPT2Config(n_embd=64, n_layer=8, n_head=2, vocab_size=128, n_positions=512,
+                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+config._attn_implementation = "eager"
+torch.manual_seed(0)
+model = tf.AutoModelForCausalLM.from_config(config).train()
+opt = torch.optim.AdamW(model.parameters())
+settings = json.loads(sys.argv[1])
+model, opt = tierwise.setup(model, opt, device="cpu", precision="fp32", **settings)
+ids = torch.randint(0, 128, (4, 512), generator=torch.Generator().manual_seed(0))
+growth = []
+for step in range(3):
+    open("/proc/self/clear_refs", "w").write("5")  # reset the peak RSS (VmHWM) to now
+    _, before = hwm_and_rss()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    peak, _ = hwm_and_rss()
+    growth.append(peak - before)
+print(json.dumps({"growth": growth[1:],
+                  "swapped": tierwise.engine_of(model).stats()["activations"]["swapped_out_bytes"]}))
+"""
+
+
+def _peak_rss_growth(settings: dict) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    # large blocks mmapped (and unmapped when freed), so the resident set follows live memory
+    # rather than what glibc keeps for reuse
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", RSS_CHILD, json.dumps(settings)],
+                          capture_output=True, text=True, check=False, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_nvme_swap_at_least_halves_the_peak_rss_growth_of_a_step(nvme_dir):
+    try:
+        open("/proc/self/clear_refs", "w").write("5")
+    except OSError as err:
+        pytest.skip(f"cannot reset the peak RSS here ({err})")
+    keep = _peak_rss_growth({})
+    nvme = _peak_rss_growth({"activation_offload": "nvme", "nvme_path": str(nvme_dir)})
+    assert keep["swapped"] == {"host": 0, "nvme": 0} and nvme["swapped"]["nvme"] > 0
+    assert max(nvme["growth"]) <= min(keep["growth"]) / 2, (keep, nvme)

@@ -32,9 +32,14 @@ def test_profile_json_is_a_profile_of_the_preset(capsys):
         )
         == 0
     )
-    profile = Profile.from_json(capsys.readouterr().out)
+    result = json.loads(capsys.readouterr().out)
+    profile = Profile.from_dict(result["profile"])
     model = meta_model(model_config("llama", size="tiny", seq=64))
-    assert profile.total_numel == sum(p.numel() for p in model.parameters())
+    assert result["n_params"] == profile.total_numel == sum(p.numel() for p in model.parameters())
+    # bf16 parameters, fp32 master, Adam m and v: 2 + 4 + 8 bytes per (trainable) parameter
+    assert result["model_bytes"] == 14 * result["n_params"]
+    assert result["peak_activation_bytes"] == profile.peak_activation_bytes > 0
+    assert result["predicted_tflops"] is None and result["predicted_tokens_per_s"] is None
     assert (profile.batch_size, profile.seq_len) == (2, 64)
     assert len(profile.checkpoint_blocks) == model.config.num_hidden_layers
     assert profile.peak_activation_bytes > 0
@@ -71,7 +76,8 @@ def test_profile_of_an_hf_config_file(tmp_path, capsys):
         )
     )
     assert main(["profile", "--model", str(path), "--seq", "16", "--json"]) == 0
-    assert Profile.from_json(capsys.readouterr().out).params[0].shape == (100, 32)
+    result = json.loads(capsys.readouterr().out)
+    assert Profile.from_dict(result["profile"]).params[0].shape == (100, 32)
 
 
 def test_unknown_model_says_what_to_give(capsys):
@@ -115,3 +121,113 @@ def test_probe_nvme_path_is_cached_and_the_plan_says_it_used_it(tmp_path, monkey
     reasons = json.loads(out)["plan"]["reasons"]
     assert any(f"measured for {disk}" in r and measured["measured_at"] in r for r in reasons)
     assert not any("nvme_read_bandwidth unknown" in r for r in reasons)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """torch.cuda as on a CPU-only machine, every call but is_available() raising."""
+    import torch
+
+    calls = []
+
+    def forbidden(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            raise AssertionError(f"torch.cuda.{name} called on a CPU-only machine")
+
+        return call
+
+    for name in dir(torch.cuda):
+        value = getattr(torch.cuda, name)
+        if callable(value) and not isinstance(value, type) and name != "is_available":
+            monkeypatch.setattr(torch.cuda, name, forbidden(name))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    return calls
+
+
+def test_profile_for_a_preset_makes_no_cuda_call(no_cuda, capsys):
+    args = ["profile", "--model", "llama", "--size", "tiny", "--seq", "32", "--batch", "2"]
+    assert main([*args, "--hardware", "h100-80gb-sxm", "--gpus", "2", "--json"]) == 0
+    assert no_cuda == []
+    result = json.loads(capsys.readouterr().out)
+    assert result["n_params"] > 0
+    assert main([*args, "--hardware", "h100-80gb-sxm", "--gpus", "2"]) == 0
+    assert "prediction" in capsys.readouterr().out
+    assert main([*args, "--hardware", "no-such-gpu"]) == 2
+    out = capsys.readouterr().out
+    assert len(out.strip().splitlines()) == 1 and "presets: a100-40gb" in out
+
+
+@pytest.mark.combined  # profiler + search: the prediction comes from the search's cost model
+def test_profile_predicts_what_plan_predicts(capsys):
+    pytest.importorskip("tierwise_search")
+    common = ["--model", "llama", "--size", "tiny", "--seq", "32", "--batch", "2",
+              "--hardware", "l40s", "--gpus", "2", "--json"]
+    assert main(["profile", *common]) == 0
+    profile = json.loads(capsys.readouterr().out)
+    assert main(["plan", *common]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    for key in ("n_params", "model_bytes", "peak_activation_bytes"):
+        assert profile[key] == plan[key], key
+    assert plan["predicted_tflops"] > 0 and plan["predicted_tokens_per_s"] > 0
+    assert profile["predicted_tflops"] == pytest.approx(plan["predicted_tflops"])
+    assert profile["predicted_tokens_per_s"] == pytest.approx(plan["predicted_tokens_per_s"])
+
+
+def test_size_choices_are_the_same_for_profile_plan_and_train():
+    from tierwise.cli import build_parser
+    from tierwise.train.errors import TrainError
+    from tierwise.train.options import TrainOptions
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    choices = {
+        name: next(a.choices for a in commands[name]._actions if "--size" in a.option_strings)
+        for name in ("profile", "plan")
+        if name in commands
+    }
+    assert len({tuple(c) for c in choices.values()}) == 1, choices
+    sizes = choices["profile"]
+    assert {"tiny", "125m", "13b", "10b", "175b", "70b", "8x7b"} <= set(sizes)
+    for size in sizes:  # train takes every one of them (it checks them itself)
+        TrainOptions(size=size)
+    with pytest.raises(TrainError, match="unknown --size 'huge'"):
+        TrainOptions(size="huge")
+
+
+def test_profile_of_a_deep_config_imports_only_what_it_needs(tmp_path):
+    """``tierwise profile`` of OPT-175B from a config.json in a fresh interpreter, with
+    ``-X importtime``: what the imports cost is reported (speed belongs in bench/, so nothing
+    is asserted about time); the planner's cost model, the training loop and plotting are not
+    imported."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "opt", "hidden_size": 12288, "num_hidden_layers": 96, "ffn_dim": 49152,
+        "num_attention_heads": 96, "word_embed_proj_dim": 12288, "vocab_size": 50272,
+        "max_position_embeddings": 2048,
+    }))
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "tierwise.cli", "profile", "--model",
+         str(config), "--seq", "2048", "--json"],
+        capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout)["n_params"] == 174_604_468_224
+    self_us: dict[str, int] = {}
+    imported = set()
+    for line in result.stderr.splitlines():
+        if not line.startswith("import time:") or "|" not in line or "self [us]" in line:
+            continue
+        own, _, name = line.removeprefix("import time:").split("|")
+        name = name.strip()
+        imported.add(name)
+        top = name.split(".")[0]
+        self_us[top] = self_us.get(top, 0) + int(own)
+    by_package = sorted(self_us.items(), key=lambda kv: -kv[1])[:8]
+    print("import seconds by top-level package:", {k: round(v / 1e6, 3) for k, v in by_package})
+    for lazy in ("tierwise_search.search", "tierwise_search.cost", "tierwise.train.run",
+                 "matplotlib"):
+        assert lazy not in imported, lazy

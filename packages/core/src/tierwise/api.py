@@ -31,6 +31,7 @@ from tierwise.runtime.build import (
 )
 from tierwise.runtime.engine import _PRECISION_DTYPES
 from tierwise.runtime.hooks import grad_ready_hook, install_hooks
+from tierwise.runtime.meta_buffers import compute_meta_buffers, install_buffers
 from tierwise.runtime.reduce import StreamingReducer
 
 _ENGINE_ATTR = "_tierwise_engine"
@@ -110,6 +111,7 @@ def setup(
     try:
         for pattern in patterns:  # model-parallel patterns shard modules before anything is sized
             pattern.prepare(model)
+        buffers = compute_meta_buffers(model)  # [Note: meta buffers]
         profile, hardware, plan, groups, tiers, cache, blocks = _plan_and_allocate(
             model, optimizer, config, host, patterns, example_batch
         )
@@ -120,6 +122,7 @@ def setup(
     dtype = _PRECISION_DTYPES[config.precision]
     # --- from here on the model is changed -----------------------------------------------
     fill_payloads(groups, dtype, model)
+    install_buffers(buffers)
     move_buffers(model, tiers["device"].device)
     slot_chunk = {}
     for group in groups:

@@ -7,6 +7,7 @@ import json
 import time
 from typing import Any
 
+from tierwise.totals import model_data_bytes
 from tierwise.units import format_bytes
 
 TOP = 5
@@ -36,7 +37,15 @@ def add_commands(subparsers: Any) -> None:
     profile.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing of each block"
     )
-    profile.add_argument("--json", action="store_true", help="print the Profile as JSON")
+    profile.add_argument(
+        "--hardware", default=None, metavar="NAME|FILE",
+        help="also predict TFLOPS and tokens/s on this machine (a preset such as a100-80gb or a "
+        "JSON file of Hardware fields; see tierwise plan --help), through the planner",
+    )
+    profile.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (default 1)")
+    profile.add_argument(
+        "--json", action="store_true", help="print totals and the Profile (under 'profile') as JSON"
+    )
     profile.set_defaults(func=run_profile)
 
     probe = subparsers.add_parser(
@@ -61,11 +70,11 @@ def add_commands(subparsers: Any) -> None:
 def run_profile(args: argparse.Namespace) -> int:
     from tierwise.train.errors import TrainError
 
-    from tierwise_profiler.model_profile import MetaProfileError, profile_model
-    from tierwise_profiler.presets import meta_batch, meta_model, model_config
+    from tierwise_profiler.model_profile import MetaProfileError
+    from tierwise_profiler.presets import model_config, profile_config
 
-    if args.seq < 1 or args.batch < 1:
-        print("tierwise profile: --seq and --batch must be ≥ 1")
+    if args.seq < 1 or args.batch < 1 or args.gpus < 1:
+        print("tierwise profile: --seq, --batch and --gpus must be ≥ 1")
         return 2
     started = time.perf_counter()
     try:
@@ -73,36 +82,73 @@ def run_profile(args: argparse.Namespace) -> int:
     except TrainError as err:
         print(f"tierwise profile: {err}")
         return 2
-    model = meta_model(config)
-    build_seconds = time.perf_counter() - started
     try:
-        profile = profile_model(
-            model,
-            meta_batch(batch=args.batch, seq=args.seq),
-            precision=args.precision,
-            activation_checkpointing=args.checkpointing,
+        profile = profile_config(
+            config, batch=args.batch, seq=args.seq, precision=args.precision,
+            checkpointing=args.checkpointing,
         )
     except MetaProfileError as err:
         print(f"tierwise profile: {err}")
         return 1
+    build_seconds = time.perf_counter() - started - profile.seconds
+    prediction = None
+    if args.hardware:
+        try:
+            prediction = predict(profile, args)
+        except ValueError as err:  # HardwareError, ConfigError
+            print(f"tierwise profile: {err}")
+            return 2
+    plan = prediction if prediction is not None and not isinstance(prediction, str) else None
     if args.json:
-        print(profile.to_json())
+        from tierwise.totals import totals
+
+        figures = totals(
+            profile, args.precision,
+            tflops=plan.predicted_tflops if plan else None,
+            tokens_per_s=plan.predicted_tokens_per_s if plan else None,
+        )
+        print(json.dumps({**figures, "profile": profile.to_dict()}, indent=1))
         return 0
     name = args.model if args.model.endswith(".json") else f"{args.model}-{args.size}"
     print(profile_table(profile, title=name, precision=args.precision, build_seconds=build_seconds))
+    if prediction is not None:
+        print(prediction_line(prediction, args))
     return 0
 
 
-def model_data_bytes(numel: int, trainable: int, precision: str) -> list[tuple[str, int]]:
-    """Model-data bytes by kind: compute-precision parameters (gradients reuse their chunks)
-    and the fp32 optimizer states of the trainable ones (master copy unless fp32, Adam m and v)."""
-    low = precision != "fp32"
-    rows = [(f"parameters ({precision}, gradients reuse them)", numel * (2 if low else 4))]
-    if low:
-        rows.append(("fp32 master parameters", trainable * 4))
-    rows.append(("Adam m and v (fp32)", trainable * 8))
-    rows.append(("total", sum(n for _, n in rows)))
-    return rows
+def predict(profile, args):
+    """The plan the installed planner makes for ``profile`` on ``--hardware`` (its prediction
+    is the profile's), or the reason there is none (a string)."""
+    from tierwise.config import Config
+    from tierwise.plan import PlanError
+    from tierwise.plugins import get_plugin_host
+    from tierwise.target import target_hardware
+
+    target = target_hardware(spec=args.hardware, device=None, gpus=args.gpus,
+                             precision=args.precision)
+    config = Config(
+        device=target.hardware.device_type, precision=args.precision,
+        activation_checkpointing=args.checkpointing,
+    )
+    try:
+        return get_plugin_host().make_plan(profile=profile, hardware=target.hardware, config=config)
+    except PlanError as err:
+        return f"does not fit on {args.gpus} x {args.hardware}: {err}"
+
+
+def prediction_line(prediction, args) -> str:
+    if isinstance(prediction, str):
+        return f"prediction: {prediction}"
+    if prediction.predicted_tflops is None:
+        return (
+            f"prediction: the {prediction.planner} planner predicts no step time; install "
+            "tierwise-search (tierwise plan) for TFLOPS and tokens/s"
+        )
+    return (
+        f"prediction on {args.gpus} x {args.hardware}: {prediction.predicted_tflops:.1f} TFLOPS "
+        f"per GPU, {prediction.predicted_tokens_per_s:,.0f} tokens/s, step "
+        f"{prediction.predicted_step_s['total']:.3g} s (tierwise plan shows the plan)"
+    )
 
 
 def profile_table(profile, *, title: str, precision: str, build_seconds: float) -> str:
@@ -152,10 +198,9 @@ def run_probe(args: argparse.Namespace) -> int:
     from tierwise.config import Config, ConfigError
     from tierwise.hardware import Hardware
     from tierwise.plugins import get_plugin_host
+    from tierwise.probe import cached_nvme, device_present, forget_nvme
 
     from tierwise_profiler.hardware_probe import probe
-
-    from tierwise.probe import cached_nvme, device_present, forget_nvme
 
     try:
         config = Config(

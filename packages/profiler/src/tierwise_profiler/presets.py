@@ -54,10 +54,45 @@ def meta_model(config) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
+def layer_list(model: torch.nn.Module, layers: int) -> str:
+    """Qualified name of the ModuleList holding the ``layers`` decoder layers ("" if none)."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == layers:
+            return name
+    return ""
+
+
+def profile_config(
+    config, *, batch: int, seq: int, precision: str = "bf16", checkpointing: bool = False
+):
+    """The Profile of one training step of the causal LM ``config`` describes, on fake tensors.
+    Deep models of identical layers are profiled as 2- and 3-layer copies and replicated (see
+    [Note: layer replication]); the rest whole."""
+    from tierwise_profiler.model_profile import profile_model
+    from tierwise_profiler.replicate import profile_by_replication, replicable
+
+    def profile(cfg):
+        model = meta_model(cfg)
+        result = profile_model(
+            model, meta_batch(batch=batch, seq=seq), precision=precision,
+            activation_checkpointing=checkpointing,
+        )
+        return result, layer_list(model, cfg.num_hidden_layers)
+
+    if replicable(config):
+        replicated = profile_by_replication(config, profile)
+        if replicated is not None:
+            return replicated
+    return profile(config)[0]
+
+
 def meta_batch(*, batch: int, seq: int) -> dict[str, torch.Tensor]:
     """Token ids and labels of shape (batch, seq) on the meta device (only shapes matter)."""
     ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
     return {"input_ids": ids, "labels": ids}
 
 
-__all__ = ["FAMILIES", "VOCAB", "meta_batch", "meta_model", "model_config", "size_names"]
+__all__ = [
+    "FAMILIES", "VOCAB", "layer_list", "meta_batch", "meta_model", "model_config", "profile_config",
+    "size_names",
+]

@@ -41,12 +41,14 @@ def hf_config(model: str, size: str | None = None, *, seq_len: int = 1024):
         return tf.AutoConfig.for_model(data.pop("model_type"), **data)
     vocab = FAMILY_VOCAB[model]
     try:
-        return preset_config(
+        config = preset_config(
             model, size or "125m", vocab_size=vocab, eos_id=vocab - 1,
             max_positions=max(1024, seq_len),
         )
     except TrainError as err:
         raise ValueError(str(err)) from None
+    config._attn_implementation = "eager"  # as tierwise profile builds presets: one model
+    return config
 
 
 def _call_order(model, modules: dict[str, Any]) -> list[str]:

@@ -39,6 +39,17 @@ except ImportError as err:  # pragma: no cover - the hf extra is missing
         "tierwise.integrations.hf needs transformers: pip install 'tierwise[hf]'"
     ) from err
 
+_TRAINER_HOOKS = ("_build_accelerator_args", "_clip_grad_norm", "_get_grad_norm",
+                  "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler")
+"""Trainer methods TierwiseTrainer overrides; an older Trainer without them would clip and step
+around tierwise (transformers 5 has them all)."""
+_missing = [name for name in _TRAINER_HOOKS if not hasattr(Trainer, name)]
+if _missing:  # pragma: no cover - depends on the installed transformers
+    raise ImportError(
+        f"tierwise.integrations.hf needs a transformers.Trainer with {', '.join(_missing)} "
+        f"(transformers {transformers.__version__} has not): pip install 'transformers>=5'"
+    )
+
 SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 """TrainingArguments.optim values TierwiseTrainer honours (tierwise runs its own chunked AdamW)."""
 TIERWISE_CHECKPOINT = "tierwise"

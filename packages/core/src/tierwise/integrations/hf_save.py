@@ -7,7 +7,8 @@ transformers records ``model.dtype`` (the dtype of the first floating parameter)
 the fp32 master weights, so plain ``save_pretrained`` would write fp32 tensors under a config that
 says bfloat16. The wrapper installed here gathers the state dict first (a collective under data,
 expert or tensor parallelism: call it on every rank), lets transformers write it, and then records
-the dtype of the tensors actually written. This module does not import transformers.
+the dtype of the tensors actually written; unless told otherwise, only rank 0 writes. This module
+does not import transformers.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ def install_save_pretrained(model: torch.nn.Module) -> None:
     original = model.save_pretrained
 
     @functools.wraps(original)
-    def save_pretrained(self, save_directory, *args, state_dict=None, is_main_process=True, **kwargs):
+    def save_pretrained(self, save_directory, *args, state_dict=None, is_main_process=None, **kwargs):
         if state_dict is None:
             state_dict = self.state_dict()  # collective: every rank gathers
+        if is_main_process is None:  # every rank calls (the gather above); rank 0 writes
+            is_main_process = _global_rank() == 0
         kwargs.setdefault("max_shard_size", MAX_SHARD_SIZE)
         dtype = written_dtype(state_dict)  # before: transformers empties the dict as it writes
         result = original(
@@ -73,3 +76,9 @@ def install_save_pretrained(model: torch.nn.Module) -> None:
         return result
 
     model.save_pretrained = types.MethodType(save_pretrained, model)
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

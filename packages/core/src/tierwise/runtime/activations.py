@@ -50,6 +50,8 @@ from typing import Any
 import torch
 
 ACTIONS = ("keep", "recompute", "host", "nvme")
+MIN_WRITE_BUDGET = 8 << 20
+"""Bytes of nvme swap-outs in flight allowed before the first block's size is known."""
 MIN_SWAP_BYTES = 1024
 """Storages smaller than this are never swapped (the bookkeeping would cost more)."""
 
@@ -227,11 +229,15 @@ class ActivationManager:
         """Stats of the last finished step."""
         self._now = StepStats()
         self._stored: dict[str, list[_Stored]] = {b: [] for b in blocks}
-        self._open: dict[int, _Stored] = {}  # storage address -> stored, in the running block
+        self._open: dict[int, tuple] = {}
+        """Storage address -> (stored, the storage) for the running block: the reference keeps
+        the address from being reused by another storage while the block runs (a new tensor at
+        an old address would otherwise be taken for a duplicate)."""
         self._hooks: AbstractContextManager | None = None
         self._kept_bytes = 0
         self._kept_live: dict[int, list[int]] = {}  # storage -> [bytes, users not yet unpacked]
         self._resident = 0  # swap bytes on the device held by the manager
+        self._writing: list[_Stored] = []  # swap-outs in flight, oldest first
         self._error: BaseException | None = None
         self._loading: list[str] = []
         self._handles: list = []
@@ -329,7 +335,7 @@ class ActivationManager:
         self._hooks.__exit__(None, None, None)
         self._hooks = None
         self._open.clear()
-        self._land(name, wait=False)
+        self._land(wait=False)
 
     def _model_data(self, name: str, tensor: torch.Tensor) -> bool:
         if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
@@ -350,7 +356,7 @@ class ActivationManager:
             live = self._kept_live.setdefault(ptr, [tensor.untyped_storage().nbytes(), 0])
             live[1] += 1
             if ptr not in self._open:
-                self._open[ptr] = None  # counted once per block, like a swap
+                self._open[ptr] = (None, tensor)  # counted once per block, like a swap
                 self._kept_bytes += tensor.untyped_storage().nbytes()
                 self._kept_by_block[name] += tensor.untyped_storage().nbytes()
         return tensor
@@ -368,7 +374,7 @@ class ActivationManager:
         if self._error is not None or not self._worth(name, tensor):
             return tensor
         storage = tensor.untyped_storage()
-        stored = self._open.get(storage.data_ptr())
+        stored, _ = self._open.get(storage.data_ptr(), (None, None))
         if stored is None:
             try:
                 with self.untraced():
@@ -376,65 +382,83 @@ class ActivationManager:
             except Exception as err:  # raised at the end of forward: [Note: activation swapping]
                 self._error = _with_block(err, name, "swapping out")
                 return tensor
-            self._open[storage.data_ptr()] = stored
+            self._open[storage.data_ptr()] = (stored, storage)
             self._stored[name].append(stored)
         stored.users += 1
         return _Packed(stored, tensor.dtype, tuple(tensor.size()), tuple(tensor.stride()),
                        tensor.storage_offset())
 
     def _swap_out(self, name: str, storage: torch.UntypedStorage) -> _Stored:
+        """Start moving one storage off the device: [Note: activation swapping]."""
         target = self.policy[name]
         nbytes = storage.nbytes()
         source = _bytes_of(storage, self.device)
-        stored = _Stored(name, target, nbytes, source=source)
-        self._resident += nbytes
-        on_cuda = self._stream is not None
-        if target == "host" or on_cuda:
-            if on_cuda:
-                stored.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-                self._stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self._stream):
-                    stored.host.copy_(source, non_blocking=True)
-                    stored.write = torch.cuda.Event()
-                    stored.write.record(self._stream)
-            else:
-                stored.host = source.clone()
+        stored = _Stored(name, target, nbytes)
+        if self._stream is not None:  # CUDA: into pinned memory on the side stream
+            stored.source, self._resident = source, self._resident + nbytes
+            stored.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                stored.host.copy_(source, non_blocking=True)
+                stored.write = torch.cuda.Event()
+                stored.write.record(self._stream)
             self.moved_bytes["act:device->host"] += nbytes
+        elif target == "host":  # a CPU device: the same RAM, a plain copy
+            stored.host = source.clone()
+            self.moved_bytes["act:device->host"] += nbytes
+        else:  # CPU -> nvme: [Note: aligned swap buffers]
+            self._throttle_writes()
+            stored.host = _aligned_bytes(nbytes)
+            stored.host.copy_(source)
         if target == "nvme":
             stored.slab = self.nvme.allocate(nbytes, torch.uint8, what="activation")
-            if not on_cuda:  # CUDA: written from the host copy once it landed (_land)
-                stored.write = self.nvme.write(stored.slab, source)
+            if self._stream is None:
+                stored.write = self.nvme.write(stored.slab, stored.host)
                 self.moved_bytes["act:device->nvme"] += nbytes
+        if stored.write is not None:
+            self._writing.append(stored)
         self._now.swapped_out[target] += nbytes
         return stored
 
-    def _land(self, name: str, *, wait: bool) -> None:
-        """Drop the originals whose copies have landed (all of them when ``wait``)."""
-        for stored in self._stored[name]:
-            if stored.source is None:
-                continue
-            if stored.write is not None:
-                if not wait and not _done(stored.write):
-                    continue
-                try:
-                    _wait(stored.write)
-                except Exception as err:
-                    self._error = self._error or _with_block(err, name, "swapping out")
-                    continue
+    # [Note: aligned swap buffers]
+    # On a CPU device a swap to nvme copies the storage into a page-aligned buffer and writes
+    # from there: the original is dropped at once (its memory goes back as soon as autograd's
+    # own references go), and an O_DIRECT write from an aligned buffer needs no bounce copy of
+    # its own. Buffers whose writes are in flight are bounded by one block's bytes: past it, a
+    # new swap first waits for the oldest writes. Reads land in aligned buffers too.
+    def _throttle_writes(self) -> None:
+        largest = max((sum(s.nbytes for s in stored) for stored in self._stored.values()), default=0)
+        budget = max(largest, MIN_WRITE_BUDGET)  # one block's worth in flight
+        while self._writing and sum(s.nbytes for s in self._writing) > budget:
+            self._land_one(self._writing[0], wait=True)
+
+    def _land(self, *, wait: bool) -> None:
+        """Finish the swap-outs that have landed (all of them when ``wait``)."""
+        for stored in list(self._writing):
+            self._land_one(stored, wait=wait)
+
+    def _land_one(self, stored: _Stored, *, wait: bool) -> None:
+        while stored.write is not None:
+            if not wait and not _done(stored.write):
+                return
+            try:
+                _wait(stored.write)
+            except Exception as err:
+                self._error = self._error or _with_block(err, stored.block, "swapping out")
                 stored.write = None
-                if stored.target == "nvme" and stored.host is not None:  # CUDA: host -> nvme
-                    stored.source = None
-                    self._resident -= stored.nbytes
-                    stored.write = self.nvme.write(stored.slab, stored.host)
-                    self.moved_bytes["act:host->nvme"] += stored.nbytes
-                    if wait:
-                        self._land(name, wait=True)
-                    continue
-            if stored.source is not None:
+                self._writing.remove(stored)
+                return
+            stored.write = None
+            if stored.source is not None:  # CUDA: its copy is in pinned memory now
                 stored.source = None
                 self._resident -= stored.nbytes
-            if stored.target == "nvme" and stored.write is None:
+                if stored.target == "nvme":
+                    stored.write = self.nvme.write(stored.slab, stored.host)
+                    self.moved_bytes["act:host->nvme"] += stored.nbytes
+                    continue
+            if stored.target == "nvme":  # on disk: the staging copy can go
                 stored.host = None
+        self._writing.remove(stored)
 
     def _end_forward(self, module, args, output) -> None:
         if not torch.is_grad_enabled():
@@ -448,8 +472,7 @@ class ActivationManager:
                 self._drop_all()
                 raise _over_allowance(saved, self.allowance, kept_by_block)
             self._checked = True
-        for name in self.order:
-            self._land(name, wait=True)
+        self._land(wait=True)
         if self._error is not None:
             error, self._error = self._error, None
             self._drop_all()
@@ -484,10 +507,10 @@ class ActivationManager:
     def _swap_in(self, stored: _Stored) -> None:
         nbytes = stored.nbytes
         if stored.target == "nvme":
-            stored.host = torch.empty(
-                nbytes, dtype=torch.uint8, device="cpu" if self._stream else self.device,
-                pin_memory=self._stream is not None,
-            )
+            if self._stream is not None:
+                stored.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            else:
+                stored.host = _aligned_bytes(nbytes)
             stored.read = self.nvme.read(stored.slab, stored.host)
             self.moved_bytes[f"act:nvme->{'host' if self._stream else 'device'}"] += nbytes
             if self._stream is None:
@@ -531,8 +554,10 @@ class ActivationManager:
             stored.read = None
             self._finish_read(stored)
         loaded = stored.loaded
+        itemsize = torch.empty((), dtype=packed.dtype).element_size()
+        base = loaded.storage_offset()  # aligned buffers start inside their storage
         tensor = torch.empty(0, dtype=packed.dtype, device=self.device).set_(
-            loaded.untyped_storage(), packed.offset, packed.size, packed.stride
+            loaded.untyped_storage(), packed.offset + base // itemsize, packed.size, packed.stride
         )
         if self._stream is not None:
             loaded.record_stream(torch.cuda.current_stream(self.device))
@@ -594,6 +619,7 @@ class ActivationManager:
                 stored.slab = stored.host = stored.source = stored.loaded = None
             stored_list.clear()
         self._resident = 0
+        self._writing.clear()
         self._loading.clear()
 
     def stats(self) -> dict:
@@ -607,6 +633,14 @@ class ActivationManager:
             "policy": dict(Counter(self.policy.get(b, "keep") for b in self.order)),
             "live_bytes": self.live_bytes(),
         }
+
+
+def _aligned_bytes(nbytes: int, alignment: int = 4096) -> torch.Tensor:
+    """An uninitialised uint8 CPU tensor of ``nbytes`` whose address is a multiple of
+    ``alignment`` ([Note: aligned swap buffers])."""
+    raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
+    skip = -raw.data_ptr() % alignment  # allocations are 64-byte aligned: any itemsize divides
+    return raw[skip : skip + nbytes]
 
 
 def _over_allowance(saved: int, allowance: int, kept: Counter) -> Exception:

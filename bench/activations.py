@@ -1,0 +1,163 @@
+"""Activation policies under a fixed device budget at seq 2048: largest batch, step time, hidden I/O.
+
+For each of keep, recompute-all, host, nvme and auto (the plan decides; the device is reported as
+holding ``--budget`` bytes so the planner weighs activations against it), on a GPT-2 style model:
+
+(a) the largest batch x seq that trains within the budget: model data on the device plus the
+    step's measured non-model peak (the warm-up tracer's ``non_model_peak_bytes``, which swapped
+    activations leave) must fit. The peak is measured at batch 1 and 2 and is linear in the batch
+    (same shapes per sample), so the largest batch follows from the two; it is then trained once
+    at that batch to confirm it fits;
+(b) step time at batch 1, the median of ``--steps`` steps after the warm-up, against keep (which
+    fits at batch 1 under the default budget) and against recompute-all;
+(c) for nvme, the fraction of its I/O hidden behind compute: 1 - (t_nvme - t_keep) / t_io, where
+    t_io is writing and reading back the step's swapped bytes through the same NVMe tier alone.
+
+One JSON line per result. Usage: python bench/activations.py [--budget 1GiB] [--seq 2048]
+[--nvme-path DIR] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import tierwise
+import torch
+from _common import batch, emit, gpt2_model, median
+from tierwise.plan import PlanError
+from tierwise.plugins import get_plugin_host
+from tierwise.units import parse_bytes
+
+MODEL = dict(n_embd=128, n_layer=4, n_head=2, vocab=512)
+MODES = {
+    "keep": {},
+    "recompute-all": {"activation_checkpointing": True},
+    "host": {"activation_offload": "host"},
+    "nvme": {"activation_offload": "nvme"},
+    "auto": {"activation_offload": "auto"},
+}
+
+
+def pretend_device_has(budget: int) -> None:
+    """The planner sees a device of ``budget`` bytes (on CPU it would see all RAM)."""
+    host = get_plugin_host()
+    probe = host.probe_hardware
+    host.probe_hardware = lambda **kw: {**probe(**kw), "device_memory": budget}
+
+
+def run(mode: str, n: int, seq: int, steps: int, nvme_path: str) -> dict | None:
+    """One setup and ``steps`` + 1 steps at batch ``n``; None when the planner finds no plan
+    within the budget."""
+    model = gpt2_model(**MODEL, positions=seq)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = batch(n, seq, MODEL["vocab"], 0)
+    extra = {"nvme_path": nvme_path} if mode == "nvme" else {}
+    try:
+        model, optimizer = tierwise.setup(
+            model, optimizer, device="cpu", precision="fp32", example_batch=data,
+            **MODES[mode], **extra,
+        )
+    except PlanError:
+        return None
+    engine = tierwise.engine_of(model)
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        model(**data).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    stats = engine.stats()
+    out = {
+        "model_bytes": engine.model_bytes_on_device(),
+        "peak": stats["non_model_peak_bytes"],
+        "step_s": median(times[1:] or times),
+        "activations": stats["activations"],
+        "policy": stats["activations"]["policy"],
+    }
+    engine.close()
+    del model, optimizer, engine
+    gc.collect()
+    return out
+
+
+def nvme_io_seconds(nbytes: int, nvme_path: str) -> float:
+    from tierwise.config import Config
+    from tierwise_nvme import NVMeTier
+
+    tier = NVMeTier(device=torch.device("cpu"), budget=None,
+                    config=Config(device="cpu", nvme_path=nvme_path))
+    data = torch.ones(nbytes, dtype=torch.uint8)
+    back = torch.empty_like(data)
+    slab = tier.allocate(nbytes, torch.uint8, what="activation")
+    start = time.perf_counter()
+    tier.write(slab, data).wait()
+    tier.read(slab, back).wait()
+    seconds = time.perf_counter() - start
+    tier.release(slab)
+    tier.close()
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", default="1GiB")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--nvme-path", default="/tmp/tierwise-bench-activations")
+    args = parser.parse_args()
+    budget = parse_bytes(args.budget, what="budget")
+    pretend_device_has(budget)
+    results = {}
+    for mode in MODES:
+        one = run(mode, 1, args.seq, args.steps, args.nvme_path)
+        two = run(mode, 2, args.seq, 1, args.nvme_path) if one else None
+        if two is None:
+            emit(bench="activations", part="a", mode=mode, seq=args.seq, budget_bytes=budget,
+                 model=MODEL, largest_batch=0 if one is None else 1,
+                 note="the planner finds no plan within the budget at batch 1" if one is None
+                 else "the planner finds no plan within the budget at batch 2")
+            if one is not None:
+                results[mode] = one
+            continue
+        per_sample = two["peak"] - one["peak"]
+        fixed = one["peak"] - per_sample
+        room = budget - max(one["model_bytes"], two["model_bytes"]) - fixed
+        largest = max(0, room // per_sample) if per_sample > 0 else None
+        confirmed = None
+        if largest and largest > 2:
+            check = run(mode, largest, args.seq, 0, args.nvme_path)  # the warm-up step only
+            confirmed = check is not None and check["model_bytes"] + check["peak"] <= budget
+        results[mode] = one
+        emit(
+            bench="activations", part="a", mode=mode, seq=args.seq, budget_bytes=budget,
+            model=MODEL, largest_batch=largest, largest_tokens=largest and largest * args.seq,
+            confirmed_at_largest=confirmed, per_sample_peak_bytes=per_sample,
+            model_bytes_on_device=one["model_bytes"], policy=one["policy"],
+        )
+    keep, recompute = results["keep"]["step_s"], results["recompute-all"]["step_s"]
+    keep_fits = results["keep"]["model_bytes"] + results["keep"]["peak"] <= budget
+    # run() needs keep and recompute-all at batch 1: choose --budget so that keep fits there
+    swap_best = min(results["host"]["step_s"], results["nvme"]["step_s"])
+    for mode, result in results.items():
+        emit(
+            bench="activations", part="b", mode=mode, seq=args.seq, batch=1,
+            step_s=result["step_s"], vs_keep=result["step_s"] / keep if keep_fits else None,
+            vs_recompute_all=result["step_s"] / recompute,
+            vs_best_of_recompute_and_swap=result["step_s"] / min(recompute, swap_best),
+            swapped_out_bytes=result["activations"]["swapped_out_bytes"],
+            recomputed_blocks=result["activations"]["recomputed_blocks"],
+        )
+    swapped = results["nvme"]["activations"]["swapped_out_bytes"]["nvme"]
+    io = nvme_io_seconds(swapped, args.nvme_path)
+    exposed = max(0.0, results["nvme"]["step_s"] - keep)
+    emit(
+        bench="activations", part="c", mode="nvme", seq=args.seq, batch=1, swapped_bytes=swapped,
+        io_alone_s=io, exposed_s=exposed, hidden_fraction=max(0.0, 1 - exposed / io) if io else None,
+    )
+
+
+if __name__ == "__main__":
+    main()

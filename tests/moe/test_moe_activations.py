@@ -1,0 +1,44 @@
+"""Activation policies under expert parallelism: Mixtral with EP=2 on 2 ranks trains bitwise
+alike whether its blocks' activations are kept, recomputed, swapped or mixed."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("tierwise_moe")
+pytest.importorskip("transformers")
+
+import moe_workers as w  # noqa: E402
+import numpy as np  # noqa: E402
+from helpers.multiproc import run_ranks  # noqa: E402
+
+POLICIES = {
+    "recompute-all": {"activation_checkpointing": True},
+    "host": {"activation_offload": "host"},
+    "mixed": {"activation_policy": {"model.layers.0": "host", "model.layers.1": "recompute"}},
+    "nvme": {"activation_offload": "nvme"},
+}
+
+
+@pytest.fixture(scope="module")
+def keep():
+    return run_ranks(w.engine_run, 2, "mixtral", {"expert": 2}, {})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_mixtral_ep2_trains_bitwise_alike_under_every_activation_policy(policy, keep, tmp_path):
+    settings = dict(POLICIES[policy])
+    if policy == "nvme":
+        pytest.importorskip("tierwise_nvme")
+        settings["nvme_path"] = str(tmp_path)
+    ranks = run_ranks(w.engine_run, 2, "mixtral", {"expert": 2}, settings)
+    for got in ranks:  # the policy ran on both ranks' decoder layers
+        stats = got["activations"]
+        assert sum(stats["policy"].values()) == 2 and "keep" not in stats["policy"]
+        assert stats["recomputed_blocks"] + sum(stats["swapped_out_bytes"].values()) > 0
+    for got, want in zip(ranks, keep, strict=True):
+        assert got["losses"] == want["losses"]
+        assert got["state"].keys() == want["state"].keys()
+        for name, value in want["state"].items():
+            assert np.array_equal(got["state"][name], value), name

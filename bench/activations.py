@@ -6,8 +6,8 @@ holding ``--budget`` bytes so the planner weighs activations against it), on a G
 (a) the largest batch x seq that trains within the budget: model data on the device plus the
     step's measured non-model peak (the warm-up tracer's ``non_model_peak_bytes``, which swapped
     activations leave) must fit. The peak is measured at batch 1 and 2 and is linear in the batch
-    (same shapes per sample), so the largest batch follows from the two; it is then trained once
-    at that batch to confirm it fits;
+    (same shapes per sample), so the largest batch follows from the two; one step at that batch
+    confirms it (planned and within the budget), else the next smaller one is tried;
 (b) step time at batch 1, the median of ``--steps`` steps after the warm-up, against keep (which
     fits at batch 1 under the default budget) and against recompute-all;
 (c) for nvme, the fraction of its I/O hidden behind compute: 1 - (t_nvme - t_keep) / t_io, where
@@ -30,6 +30,8 @@ from tierwise.plan import PlanError
 from tierwise.plugins import get_plugin_host
 from tierwise.units import parse_bytes
 
+MAX_TRIES = 2
+"""Batches tried downward from the linear estimate before giving up on confirming one."""
 MODEL = dict(n_embd=128, n_layer=4, n_head=2, vocab=512)
 MODES = {
     "keep": {},
@@ -126,15 +128,18 @@ def main() -> None:
         fixed = one["peak"] - per_sample
         room = budget - max(one["model_bytes"], two["model_bytes"]) - fixed
         largest = max(0, room // per_sample) if per_sample > 0 else None
-        confirmed = None
-        if largest and largest > 2:
+        estimate, confirmed = largest, largest is not None and largest <= 2
+        while largest and largest > 2 and not confirmed and estimate - largest < MAX_TRIES:
             check = run(mode, largest, args.seq, 0, args.nvme_path)  # the warm-up step only
             confirmed = check is not None and check["model_bytes"] + check["peak"] <= budget
+            if not confirmed:
+                largest -= 1  # the planner refused (its F_frag margin) or the peak was over
         results[mode] = one
         emit(
             bench="activations", part="a", mode=mode, seq=args.seq, budget_bytes=budget,
-            model=MODEL, largest_batch=largest, largest_tokens=largest and largest * args.seq,
-            confirmed_at_largest=confirmed, per_sample_peak_bytes=per_sample,
+            model=MODEL, largest_batch=largest if confirmed else None,
+            largest_tokens=largest * args.seq if confirmed else None,
+            linear_estimate_batch=estimate, confirmed=confirmed, per_sample_peak_bytes=per_sample,
             model_bytes_on_device=one["model_bytes"], policy=one["policy"],
         )
     keep, recompute = results["keep"]["step_s"], results["recompute-all"]["step_s"]

@@ -213,3 +213,15 @@ def test_saved_activations_over_the_plans_allotment_name_the_block():
     assert engine.activations.swapped_now() == {"device": 0, "host": 0, "nvme": 0}
     engine.activations.allowance = None
     train(model, opt, 1)
+
+
+def test_a_second_backward_through_a_swapped_block_is_a_clear_error():
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(model, opt, device="cpu", precision="fp32",
+                                activation_policy={"transformer.h.1": "host"})
+    loss = model(**tiny_batch()).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"block transformer\.h\.1 swapped to host were already "
+                       r"used by a backward"):
+        loss.backward()

@@ -519,6 +519,8 @@ class ActivationManager:
             if stored.read is not None:  # nvme: the host buffer must be full first
                 stored.read.wait()
             loaded = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            # its memory may have been freed by work still queued on the compute stream
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 loaded.copy_(stored.host, non_blocking=True)
                 event = torch.cuda.Event()
@@ -534,6 +536,12 @@ class ActivationManager:
         if not isinstance(packed, _Packed):
             return packed
         stored = packed.stored
+        if stored.users <= 0:
+            raise RuntimeError(
+                f"tierwise: the activations block {stored.block} swapped to {stored.target} were "
+                "already used by a backward; a second backward through a swapped block "
+                "(retain_graph=True) is not supported: keep or recompute that block"
+            )
         if stored.loaded is None and stored.read is None:
             if stored.block in self._loading:
                 self._loading.remove(stored.block)

@@ -59,7 +59,8 @@ def benefit(usage: tuple[int, float]) -> float:
 
 
 def _by_benefit(usage: dict[str, tuple[int, float]], blocks) -> tuple[str, ...]:
-    return tuple(sorted(blocks, key=lambda block: (-benefit(usage[block]), block)))
+    position = {block: i for i, block in enumerate(usage)}  # ties: forward order
+    return tuple(sorted(blocks, key=lambda block: (-benefit(usage[block]), position[block])))
 
 
 def _choice(

@@ -124,3 +124,21 @@ def test_second_interrupt_aborts_at_once(tmp_path):
     assert done.returncode == 130
     assert done.stdout == "first recorded\n"
     assert done.stderr.strip().count("\n") == 0 and "aborted at once" in done.stderr
+
+
+def _agree(rank, world):
+    from tierwise.train.distributed import World
+    from tierwise.train.interrupts import Agreement, StopRequest
+
+    stop = StopRequest()
+    if rank == world - 1:  # only the last rank got the signal
+        stop.signum = signal.SIGTERM
+    agreement = Agreement(World(rank=rank, size=world, device="cpu"), 0)
+    return agreement.after_step(stop)
+
+
+@pytest.mark.multiprocess
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step():
+    from helpers.multiproc import run_ranks
+
+    assert run_ranks(_agree, 2) == [(signal.SIGTERM, False)] * 2

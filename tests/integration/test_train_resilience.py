@@ -142,3 +142,30 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step():
     from helpers.multiproc import run_ranks
 
     assert run_ranks(_agree, 2) == [(signal.SIGTERM, False)] * 2
+
+
+@pytest.mark.multiprocess
+def test_a_two_process_run_resumes_on_one_process(tmp_path, capsys):
+    import socket
+
+    from tierwise.checkpoint_reader import CheckpointReader
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "tierwise.cli", "train",
+         *TINY, "--steps", "6", "--stop-after", "3", "--out", str(run)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    saved = CheckpointReader(run / "checkpoints" / "step-000003")
+    assert saved.world_size == 2
+    code, out, err = _train(tmp_path, capsys, "--resume", str(run))
+    assert code == 0, err
+    assert "resumed" in out and "at step 3" in out
+    assert sorted(train_losses(run / "metrics.jsonl")) == [1, 2, 3, 4, 5, 6]
+    assert CheckpointReader(run / "checkpoints" / "step-000006").world_size == 1

@@ -76,3 +76,26 @@ def test_resharded_checkpoint_continues_like_the_saving_run(tmp_path, old, new, 
     for name, value in reference_next.items():
         rel = (next_state[name] - value).abs().max() / value.abs().max()
         assert rel <= 1e-5, (name, float(rel))
+
+
+def _opened_files(rank, world, path, plan):
+    from tierwise.checkpoint_reader import CheckpointReader as Reader
+
+    opened = []
+    real = Reader._open
+
+    def recording(self, file):
+        opened.append(file)
+        return real(self, file)
+
+    Reader._open = recording
+    model, opt = _build(plan)
+    tierwise.load_checkpoint(path, model, opt)
+    return sorted(set(opened))
+
+
+def test_each_rank_reads_only_the_files_holding_its_shard(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(_save, 2, path, "zero3-host")
+    assert run_ranks(_opened_files, 2, path, "zero3-host") == [
+        ["rank00000-of-00002.pt"], ["rank00001-of-00002.pt"]]

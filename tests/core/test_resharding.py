@@ -16,6 +16,8 @@ PLANS = {
     "zero3-host": dict(shard=True, chunk_size=2048, cache_blocks=2, param_placement="host",
                        optimizer_placement="host"),
     "device-big-chunks": dict(shard=True, chunk_size=8192, param_placement="device"),
+    "replicated": dict(shard=False, chunk_size=4096, cache_blocks=3, param_placement="host",
+                       optimizer_placement="host"),
 }
 
 
@@ -57,7 +59,8 @@ def _load(rank, world, path, plan, resaved):
 @pytest.mark.parametrize(
     ("old", "new", "old_plan", "new_plan"),
     [(2, 1, "zero3-host", "zero3-host"), (1, 2, "zero3-host", "zero3-host"),
-     (2, 4, "zero3-host", "zero3-host"), (2, 2, "zero3-host", "device-big-chunks")],
+     (2, 4, "zero3-host", "zero3-host"), (2, 2, "zero3-host", "device-big-chunks"),
+     (2, 2, "replicated", "zero3-host")],
 )
 def test_resharded_checkpoint_continues_like_the_saving_run(tmp_path, old, new, old_plan, new_plan):
     path, resaved = str(tmp_path / "ckpt"), str(tmp_path / "again")

@@ -13,7 +13,12 @@ Configs: OPT-175B as the issue gives it (hidden 12288, 96 layers, FFN 49152, 96 
 batch 1): 4B hidden 3072 × 32 layers × 24 heads; 10B 4096 × 48 × 32; 15B 8192 × 18 × 64;
 20B 8192 × 24 × 64. All bf16, eager attention.
 
-    python bench/profile_175b.py [--repeats 3] [--only opt-175b]
+Whole command: ``tierwise profile --model <OPT-175B config.json> --seq 2048 --json`` run as a
+user would (a fresh interpreter: start, imports, meta build, profile, output), ``--command-repeats``
+times (default 5); one JSON line with the median wall time and peak RSS against the 5 s and 2 GB
+targets. ``--command-only`` skips the in-process rows.
+
+    python bench/profile_175b.py [--repeats 3] [--only opt-175b] [--command-repeats 5] [--command-only]
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 
 MODELS = {
     "opt-175b": (
@@ -105,10 +111,66 @@ def run_once(family: str, fields: dict, seq: int, checkpointing: bool) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+TARGET_RSS_BYTES = 2 * 10**9
+
+
+def run_command(config_path: str) -> dict:
+    """One ``tierwise profile`` in a fresh interpreter: wall seconds and the child's peak RSS."""
+    started = time.perf_counter()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tierwise.cli", "profile", "--model", config_path, "--seq",
+         "2048", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    out, err = child.communicate()
+    wall = time.perf_counter() - started
+    if child.returncode != 0:
+        raise SystemExit(f"tierwise profile failed:\n{err.decode()[-2000:]}")
+    n_params = json.loads(out)["n_params"]
+    return {"wall_s": wall, "n_params": n_params}
+
+
+def command_line(repeats: int) -> dict:
+    import resource
+    import tempfile
+
+    family, fields, seq = MODELS["opt-175b"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "config.json")
+        with open(path, "w") as file:
+            json.dump({"model_type": family, **fields}, file)
+        walls, cpus = [], []
+        for _ in range(repeats):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            sample = run_command(path)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            walls.append(sample["wall_s"])
+            cpus.append((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime))
+    # the children's ru_maxrss is the largest peak of any run (this process starts none other)
+    peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    median = statistics.median(walls)
+    return {
+        "bench": "profile_175b_command",
+        "command": f"tierwise profile --model <opt-175b config.json> --seq {seq} --json",
+        "params": sample["n_params"],
+        "repeats": repeats,
+        "wall_s_median": round(median, 3),
+        "wall_s_all": [round(w, 3) for w in walls],
+        "wall_s_vs_target_5s": round(median / TARGET_S, 2),
+        "cpu_s_median": round(statistics.median(cpus), 3),
+        "peak_rss_gib_max": round(peak_rss / 2**30, 3),
+        "peak_rss_vs_target_2gb": round(peak_rss / TARGET_RSS_BYTES, 2),
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", choices=sorted(MODELS), action="append")
+    parser.add_argument("--command-repeats", type=int, default=5)
+    parser.add_argument("--command-only", action="store_true")
     args = parser.parse_args()
     print(
         json.dumps(
@@ -122,6 +184,9 @@ def main() -> None:
             }
         )
     )
+    print(json.dumps(command_line(args.command_repeats)), flush=True)
+    if args.command_only:
+        return
     runs = [(name, False) for name in MODELS] + [("opt-175b", True)]
     for name, checkpointing in runs:
         if args.only and name not in args.only:

@@ -79,12 +79,12 @@ def device_share(plan) -> float:
 def test_predicted_throughput_rises_with_batch_size(models):
     for name in ("gpt2-4b", "gpt2-10b"):
         tflops = [plan(models, name, batch).predicted_tflops for batch in (4, 8, 12, 16)]
-        assert all(a < b for a, b in zip(tflops, tflops[1:])), (name, tflops)
+        assert all(a < b for a, b in zip(tflops, tflops[1:], strict=False)), (name, tflops)
 
 
 def test_a_larger_model_at_the_same_memory_offloads_more(models):
     shares = [device_share(plan(models, name, 8)) for name in MODELS]
-    assert all(a >= b for a, b in zip(shares, shares[1:])), shares
+    assert all(a >= b for a, b in zip(shares, shares[1:], strict=False)), shares
     assert shares[0] > shares[-1], shares
 
 

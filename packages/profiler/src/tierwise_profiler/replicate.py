@@ -125,12 +125,16 @@ def expand(short: Profile, prefix: str, layers: int, longer: Profile) -> Profile
         for key, value in values.items():
             if more is not None and layer_of(key) is None and key in more:
                 value = value + extra * (more[key] - value)
-            for index, name in enumerate(copies(key)):
-                out[name] = (
-                    [copies(v)[index] if len(copies(v)) > 1 else copies(v)[0] for v in value]
-                    if isinstance(value, list)
-                    else value
-                )
+            names = copies(key)
+            if not isinstance(value, list):
+                out.update(dict.fromkeys(names, value))
+            elif len(names) == 1:
+                out[names[0]] = [copies(v)[0] for v in value]
+            else:  # a layer-1 module: its own copy of each of its layer-1 names
+                for index, name in zip(range(1, 2 + extra), names, strict=True):
+                    out[name] = [
+                        rename(v, index) if layer_of(v) == 1 else copies(v)[0] for v in value
+                    ]
         return out
 
     def block_layer(block: list[str]) -> int | None:

@@ -2,7 +2,7 @@
 
 Measured where the profiler timed the layer (``Profile.layer_forward_s``: tierwise-profiler runs
 each distinct forward op once for real, see its [Note: layer timing]); otherwise the layer's
-forward FLOPs over the probed matmul rate. The peak matmul rate is an optimistic bound (a CPU
+forward FLOPs over ``Hardware.device_flops`` (probed or a preset). The peak matmul rate is an optimistic bound (a CPU
 runs a small model's step several times slower than FLOPs / peak say), so a measured time wins
 whenever there is one. One training step computes the forward once and the backward, about
 ``BACKWARD_OVER_FORWARD`` times the forward (two matrix products per forward one), plus the
@@ -52,7 +52,7 @@ def layer_times(profile: Profile, device_flops: float) -> LayerTimes:
         return LayerTimes(sum(layers.values()), layers, source)
     if layers:
         source = (
-            "compute: forward FLOPs / probed matmul rate (the profile has no measured layer "
+            "compute: forward FLOPs / hardware.device_flops (the profile has no measured layer "
             "times; an optimistic bound, real steps are slower)"
         )
         return LayerTimes(sum(layers.values()), layers, source)
@@ -61,7 +61,7 @@ def layer_times(profile: Profile, device_flops: float) -> LayerTimes:
         flops = 2.0 * profile.total_numel * tokens
         source = (
             f"compute: profile has no layer FLOPs: forward taken as 2 x parameters x {tokens} "
-            "tokens FLOPs / probed matmul rate"
+            "tokens FLOPs / hardware.device_flops"
         )
         return LayerTimes(flops / device_flops, {}, source)
     return LayerTimes(

@@ -392,7 +392,7 @@ class DeepSpeedRunner(Runner):
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
         _, self.extra["jit_build_s"] = self.timed(lambda: CPUAdamBuilder().load())
-        self.extra["jit_was_cached"] = self.jit_cached
+        self.extra["jit_found_earlier_build"] = self.jit_cached  # its sources may still be rebuilt
         offload = {"device": "cpu", "pin_memory": self.device == "cuda"}
         self.ds_config = {
             "train_micro_batch_size_per_gpu": self.shape.batch,

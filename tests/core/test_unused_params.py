@@ -188,3 +188,17 @@ def test_several_ranks_count_a_gradient_from_any_rank_as_ddp_does(shard):
             assert rel <= 1e-5, (rank, name)
         assert counts["aux.weight"] == steps_with_aux < STEPS
         assert counts["never.weight"] == 0
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
+def test_fused_moe_experts_keep_matching_fused_adamw_bitwise(kind):
+    """HF's fused experts are one parameter: it always gets a (partly zero) gradient, as in
+    plain PyTorch, so it is updated every step like there."""
+    from helpers.train import max_rel_diff, run_reference
+    from helpers.train import run_tierwise as run_hf
+
+    ref_losses, ref_model = run_reference(kind, 4)
+    losses, model = run_hf(kind, 4, precision="fp32", device="cpu", chunk_size=2048,
+                           param_placement="host", cache_blocks=4)
+    assert losses == ref_losses
+    assert max_rel_diff(model.state_dict(), ref_model) == 0.0

@@ -11,7 +11,7 @@ failure of the invariant test that only some chunk sizes show points there first
 import pytest
 import tierwise
 import torch
-from helpers.devices import DEVICES, deterministic
+from helpers.devices import DEVICES, ONLY_CUDA, deterministic
 from helpers.models import tiny_model
 from helpers.plans import PLANS
 from helpers.train import max_rel_diff, run_reference, run_tierwise, train
@@ -85,3 +85,20 @@ def test_buffers_follow_the_compute_device(device):
     model, opt = tierwise.setup(model, opt, device=device, param_placement="host", cache_blocks=3)
     assert {b.device.type for b in model.buffers()} == {device}
     assert len(train(model, opt, 1)) == 1
+
+
+@pytest.mark.parametrize("device", ONLY_CUDA)
+def test_probe_honours_the_per_process_memory_fraction(device):
+    """bench/gpu caps the GPU at 40 GiB this way; the plan must see the cap, not the free memory."""
+    from tierwise.config import Config
+    from tierwise.probe import basic_probe
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    held = torch.empty(2**28, dtype=torch.uint8, device=device)  # 256 MiB allocated by us
+    torch.cuda.set_per_process_memory_fraction(0.25)
+    try:
+        probed = basic_probe(Config(device=device))["device_memory"]
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert 0 < probed <= int(0.25 * total) - held.numel()
+    assert probed >= int(0.25 * total) - torch.cuda.memory_allocated() - 2**20

@@ -168,11 +168,32 @@ def _cannot_move(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> str 
     cached = [c for c, t in zip(chunks, tiers["home"], strict=True) if t != "device" or group.sharded]
     if cached and max(c.capacity for c in cached) > engine.cache.block_numel:
         return "a new chunk would not fit an rCache block"
+    needed = _min_blocks_with(engine, group, cached)
+    if needed > len(engine.cache):
+        return (f"its new layout would need {needed} rCache blocks at one moment, the cache has "
+                f"{len(engine.cache)} ([Note: the rCache minimum])")
     if engine.config.precision == "fp32" and group.trainable and not _aliased(group) and any(
         c.home is c.optim.master for c in group.chunks
     ):
         return "some of its chunks share the fp32 master as parameter payload and some do not"
     return None
+
+
+def _min_blocks_with(engine: Engine, group: ChunkGroup, cached: list[Chunk]) -> int:
+    """[Note: the rCache minimum] with ``group``'s cached chunks replaced by ``cached``."""
+    from tierwise.planner import may_recompute, profile_min_blocks
+
+    profile = getattr(engine, "profile", None)
+    if profile is None:
+        return 0
+    chunk_of = {
+        slot.name: chunk.key for other in engine.groups if other is not group
+        for chunk in other.chunks if not chunk.always_resident for slot in chunk.slots
+    }
+    chunk_of.update({slot.name: ("new", i) for i, chunk in enumerate(cached) for slot in chunk.slots})
+    recompute = (may_recompute(engine.config) or "recompute" in engine.plan.activation_policy.values()
+                 or bool(getattr(engine.model, "is_gradient_checkpointing", False)))
+    return profile_min_blocks(profile, chunk_of, recompute=recompute)
 
 
 def _full(chunk: Chunk, slab: Slab) -> torch.Tensor:

@@ -8,8 +8,9 @@ holding ``--budget`` bytes so the planner weighs activations against it), on a G
     activations leave) must fit. The peak is measured at batch 1 and 2 and is linear in the batch
     (same shapes per sample), so the largest batch follows from the two; one step at that batch
     confirms it (planned and within the budget), else the next smaller one is tried;
-(b) step time at batch 1, the median of ``--steps`` steps after the warm-up, against keep (which
-    fits at batch 1 under the default budget) and against recompute-all;
+(b) step time at batch 1, the median of ``--steps`` steps after the warm-up, the modes' steps
+    taken in turn, against keep (which fits at batch 1 under the default budget) and against
+    recompute-all;
 (c) for nvme, the fraction of its I/O hidden behind compute: 1 - (t_nvme - t_keep) / t_io, where
     t_io is writing and reading back the step's swapped bytes through the same NVMe tier alone.
 
@@ -30,7 +31,7 @@ from tierwise.plan import PlanError
 from tierwise.plugins import get_plugin_host
 from tierwise.units import parse_bytes
 
-MAX_TRIES = 2
+MAX_TRIES = 5
 """Batches tried downward from the linear estimate before giving up on confirming one."""
 MODEL = dict(n_embd=128, n_layer=4, n_head=2, vocab=512)
 MODES = {
@@ -85,6 +86,31 @@ def run(mode: str, n: int, seq: int, steps: int, nvme_path: str) -> dict | None:
     return out
 
 
+def interleaved_step_times(seq: int, steps: int, nvme_path: str) -> dict[str, float]:
+    """Median step time per mode at batch 1, the modes' steps taken in turn (round after round)
+    so that the machine's load drifts alike for all of them."""
+    engines = {}
+    data = batch(1, seq, MODEL["vocab"], 0)
+    for mode in MODES:
+        model = gpt2_model(**MODEL, positions=seq)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        extra = {"nvme_path": nvme_path} if mode == "nvme" else {}
+        engines[mode] = tierwise.setup(model, optimizer, device="cpu", precision="fp32",
+                                       example_batch=data, **MODES[mode], **extra)
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for round_ in range(steps + 1):
+        for mode, (model, optimizer) in engines.items():
+            start = time.perf_counter()
+            model(**data).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if round_:  # the first round is the warm-up
+                times[mode].append(time.perf_counter() - start)
+    for model, _ in engines.values():
+        tierwise.engine_of(model).close()
+    return {mode: median(values) for mode, values in times.items()}
+
+
 def nvme_io_seconds(nbytes: int, nvme_path: str) -> float:
     from tierwise.config import Config
     from tierwise_nvme import NVMeTier
@@ -114,7 +140,7 @@ def main() -> None:
     pretend_device_has(budget)
     results = {}
     for mode in MODES:
-        one = run(mode, 1, args.seq, args.steps, args.nvme_path)
+        one = run(mode, 1, args.seq, 1, args.nvme_path)
         two = run(mode, 2, args.seq, 1, args.nvme_path) if one else None
         if two is None:
             emit(bench="activations", part="a", mode=mode, seq=args.seq, budget_bytes=budget,
@@ -128,12 +154,15 @@ def main() -> None:
         fixed = one["peak"] - per_sample
         room = budget - max(one["model_bytes"], two["model_bytes"]) - fixed
         largest = max(0, room // per_sample) if per_sample > 0 else None
-        estimate, confirmed = largest, largest is not None and largest <= 2
+        estimate, confirmed, refusals = largest, largest is not None and largest <= 2, []
         while largest and largest > 2 and not confirmed and estimate - largest < MAX_TRIES:
             check = run(mode, largest, args.seq, 0, args.nvme_path)  # the warm-up step only
             confirmed = check is not None and check["model_bytes"] + check["peak"] <= budget
-            if not confirmed:
-                largest -= 1  # the planner refused (its F_frag margin) or the peak was over
+            if not confirmed:  # the planner refused (its F_frag margin) or the peak was over
+                refusals.append({"batch": largest, "why": "no plan within the budget"
+                                 if check is None else f"measured {check['model_bytes']} + "
+                                 f"{check['peak']} bytes"})
+                largest -= 1
         if largest is not None and largest <= 2 and not confirmed:  # batches 1 and 2 ran already
             fits = [r["model_bytes"] + r["peak"] <= budget for r in (one, two)]
             largest, confirmed = (2 if fits[1] else 1 if fits[0] else 0), True
@@ -142,25 +171,25 @@ def main() -> None:
             bench="activations", part="a", mode=mode, seq=args.seq, budget_bytes=budget,
             model=MODEL, largest_batch=largest if confirmed else None,
             largest_tokens=largest * args.seq if confirmed else None,
-            linear_estimate_batch=estimate, confirmed=confirmed, per_sample_peak_bytes=per_sample,
+            linear_estimate_batch=estimate, confirmed=confirmed, not_fitting=refusals, per_sample_peak_bytes=per_sample,
             model_bytes_on_device=one["model_bytes"], policy=one["policy"],
         )
-    keep, recompute = results["keep"]["step_s"], results["recompute-all"]["step_s"]
+    times = interleaved_step_times(args.seq, args.steps, args.nvme_path)
+    keep, recompute = times["keep"], times["recompute-all"]
     keep_fits = results["keep"]["model_bytes"] + results["keep"]["peak"] <= budget
-    # run() needs keep and recompute-all at batch 1: choose --budget so that keep fits there
-    swap_best = min(results["host"]["step_s"], results["nvme"]["step_s"])
+    swap_best = min(times["host"], times["nvme"])
     for mode, result in results.items():
         emit(
             bench="activations", part="b", mode=mode, seq=args.seq, batch=1,
-            step_s=result["step_s"], vs_keep=result["step_s"] / keep if keep_fits else None,
-            vs_recompute_all=result["step_s"] / recompute,
-            vs_best_of_recompute_and_swap=result["step_s"] / min(recompute, swap_best),
+            step_s=times[mode], vs_keep=times[mode] / keep if keep_fits else None,
+            vs_recompute_all=times[mode] / recompute,
+            vs_best_of_recompute_and_swap=times[mode] / min(recompute, swap_best),
             swapped_out_bytes=result["activations"]["swapped_out_bytes"],
-            recomputed_blocks=result["activations"]["recomputed_blocks"],
+            recomputed_blocks=result["activations"]["recomputed_blocks"], policy=result["policy"],
         )
     swapped = results["nvme"]["activations"]["swapped_out_bytes"]["nvme"]
     io = nvme_io_seconds(swapped, args.nvme_path)
-    exposed = max(0.0, results["nvme"]["step_s"] - keep)
+    exposed = max(0.0, times["nvme"] - keep)
     emit(
         bench="activations", part="c", mode="nvme", seq=args.seq, batch=1, swapped_bytes=swapped,
         io_alone_s=io, exposed_s=exposed, hidden_fraction=max(0.0, 1 - exposed / io) if io else None,

@@ -7,7 +7,8 @@ holding ``--budget`` bytes so the planner weighs activations against it), on a G
     step's measured non-model peak (the warm-up tracer's ``non_model_peak_bytes``, which swapped
     activations leave) must fit. The peak is measured at batch 1 and 2 and is linear in the batch
     (same shapes per sample), so the largest batch follows from the two; one step at that batch
-    confirms it (planned and within the budget), else the next smaller one is tried;
+    confirms it (planned and within the budget), else the next smaller one is tried; when the
+    estimate fits, larger batches are tried too (auto's plan changes with the batch);
 (b) step time at batch 1, the median of ``--steps`` steps after the warm-up, the modes' steps
     taken in turn, against keep (which fits at batch 1 under the default budget) and against
     recompute-all;
@@ -155,14 +156,27 @@ def main() -> None:
         room = budget - max(one["model_bytes"], two["model_bytes"]) - fixed
         largest = max(0, room // per_sample) if per_sample > 0 else None
         estimate, confirmed, refusals = largest, largest is not None and largest <= 2, []
+        largest_policy = None
         while largest and largest > 2 and not confirmed and estimate - largest < MAX_TRIES:
             check = run(mode, largest, args.seq, 0, args.nvme_path)  # the warm-up step only
             confirmed = check is not None and check["model_bytes"] + check["peak"] <= budget
+            largest_policy = check and check["policy"]
             if not confirmed:  # the planner refused (its F_frag margin) or the peak was over
                 refusals.append({"batch": largest, "why": "no plan within the budget"
                                  if check is None else f"measured {check['model_bytes']} + "
                                  f"{check['peak']} bytes"})
                 largest -= 1
+        grown = 0
+        while confirmed and not refusals and largest and grown < MAX_TRIES:
+            # fitted at the estimate: a plan that changes with the batch (auto) may fit more
+            check = run(mode, largest + 1, args.seq, 0, args.nvme_path)
+            if check is None or check["model_bytes"] + check["peak"] > budget:
+                refusals.append({"batch": largest + 1, "why": "no plan within the budget"
+                                 if check is None else f"measured {check['model_bytes']} + "
+                                 f"{check['peak']} bytes", "policy": check and check["policy"]})
+                break
+            largest, grown = largest + 1, grown + 1
+            largest_policy = check["policy"]
         if largest is not None and largest <= 2 and not confirmed:  # batches 1 and 2 ran already
             fits = [r["model_bytes"] + r["peak"] <= budget for r in (one, two)]
             largest, confirmed = (2 if fits[1] else 1 if fits[0] else 0), True
@@ -173,6 +187,7 @@ def main() -> None:
             largest_tokens=largest * args.seq if confirmed else None,
             linear_estimate_batch=estimate, confirmed=confirmed, not_fitting=refusals, per_sample_peak_bytes=per_sample,
             model_bytes_on_device=one["model_bytes"], policy=one["policy"],
+            policy_at_largest=largest_policy,
         )
     times = interleaved_step_times(args.seq, args.steps, args.nvme_path)
     keep, recompute = times["keep"], times["recompute-all"]

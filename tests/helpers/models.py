@@ -78,3 +78,15 @@ def tiny_batch(*, batch: int = 2, seq: int = 16, seed: int = 1, vocab: int = VOC
 
 
 TINY_KINDS = ("gpt2", "opt", "llama", "mixtral")
+
+
+def tiny_lora_model(kind: str = "llama", targets: tuple[str, ...] = ("q_proj", "v_proj"),
+                    *, seed: int = 0) -> torch.nn.Module:
+    """``tiny_model(kind)`` wrapped by PEFT LoRA (r=4) on ``targets``; the adapters start from
+    a gaussian B != 0 so they change the logits (needs peft)."""
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0,
+                             init_lora_weights="gaussian")
+    base = tiny_model(kind, seed=seed)  # seeds the generator; the adapters draw after it
+    return peft.get_peft_model(base, config)

@@ -3,20 +3,16 @@
 import pytest
 import tierwise
 import torch
-from helpers.models import tiny_model
+from helpers.models import tiny_lora_model, tiny_model
 from helpers.train import max_rel_diff
 from hf_helpers import TokenBlocks, logged, logits_of, training_args
 
 peft = pytest.importorskip("peft", reason="the PEFT tests need peft (tierwise[peft])")
-TARGETS = ["q_proj", "v_proj"]
 IDS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3))
 
 
 def lora_model(kind="llama"):
-    base = tiny_model(kind)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0,
-                             init_lora_weights="gaussian")  # B != 0: adapters change logits
-    return peft.get_peft_model(base, config)
+    return tiny_lora_model(kind)
 
 
 def _base_weights(model):

@@ -8,16 +8,16 @@ moment, which the access pattern gives:
 - forward, and backward of one module: the module's chunks, plus those of every enclosing
   module that owns parameters (it is still computing while its child runs). In backward a
   module is released as soon as its parameters' gradients are in
-  ([Note: a module's backward is done when its parameters' gradients are]), so modules that
-  share an input (q, k, v) and embeddings waiting for the end of backward add nothing.
+  ([Note: a module's backward is done when its parameters' gradients are]), or, holding a
+  frozen parameter, as soon as the autograd nodes its forward created have run
+  ([Note: frozen modules are released after their own nodes]), so modules that share an
+  input (q, k, v, LoRA base layers) and embeddings waiting for the end of backward add nothing.
 - checkpoint re-forward (non-re-entrant): the block's re-forward runs inside the backward of
   its last module, which stays pinned meanwhile, so each module of the block is counted
   together with the block's last module.
 
 Setup refuses a plan below this number before anything is allocated; core's planner and
 tierwise-search use the same function, so a plan either of them makes is one setup accepts.
-Modules holding frozen parameters whose input is shared (a LoRA base layer) can stay pinned
-until their input's gradient is complete; that is not modelled here.
 """
 
 from __future__ import annotations

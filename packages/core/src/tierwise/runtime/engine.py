@@ -380,8 +380,10 @@ class Engine(GradientPath, OptimizerStep):
     # hook at all. A parameter's gradient is accumulated only after every autograd node that
     # used it has run, so once every parameter of a module has its gradient for this backward,
     # nothing left in this backward reads the module's chunks: release it then. A module with
-    # a frozen parameter, or one its forward did not use, still waits for an input hook or the
-    # end of backward. Tied weights used at both ends are released by the LM head's input hook.
+    # a frozen parameter is released once its own autograd nodes have run ([Note: frozen
+    # modules are released after their own nodes]); one with a parameter its forward did not
+    # use waits for an input hook or the end of backward. Tied weights used at both ends are
+    # released by the LM head's input hook.
     def release_finished_backward(self, param: torch.nn.Parameter) -> None:
         """A gradient of ``param`` arrived: release the modules whose backward is done."""
         for module in self._modules_of_param.get(id(param), ()):

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from tierwise.runtime.frozen_release import FrozenRelease
+
 if TYPE_CHECKING:
     from tierwise.runtime.engine import Engine
 
@@ -35,16 +37,22 @@ def _grad_tensors(value: Any) -> list[torch.Tensor]:
 def install_hooks(engine: Engine, model: torch.nn.Module, modules: list[torch.nn.Module]) -> list:
     """Register the access hooks; return the handles (removed when the engine closes)."""
     handles = []
+    frozen_release = FrozenRelease(engine.post_backward)
+    frozen = {module for module in modules if FrozenRelease.applies_to(module)}
 
     def pre_forward(module, args, kwargs):
         engine.pre_forward(module)
         if torch.is_grad_enabled():
             for tensor in _grad_tensors((args, kwargs)):
                 tensor.register_hook(lambda grad, m=module: engine.post_backward(m))
+            if module in frozen:  # [Note: frozen modules are released after their own nodes]
+                frozen_release.begin(module)
 
     def post_forward(module, args, kwargs, output):
         engine.post_forward(module)
         if torch.is_grad_enabled():
+            if module in frozen:
+                frozen_release.end(module, _grad_tensors(output))
             for tensor in _grad_tensors(output):
                 # a node pre-hook runs after the tensor hooks on the same gradient, so the
                 # consumer's release (an input hook) happens before this module's fetch

@@ -8,6 +8,7 @@ touches plus ``prefetch`` blocks, grown while the budget allows.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 from tierwise.cache_minimum import min_cache_blocks, recompute_blocks
 from tierwise.chunks import first_use_order, pack
@@ -150,12 +151,14 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
     fits = lambda p, o, b: budget is None or device_need(p, o, b) <= budget  # noqa: E731
     forced_p = None if config.param_placement == "auto" else config.param_placement
     forced_o = None if config.optimizer_placement == "auto" else config.optimizer_placement
+    forced_blocks = config.cache_blocks if isinstance(config.cache_blocks, int) else None
     if forced_p and forced_o:
         param_tier, optim_tier = forced_p, forced_o
     else:
         for p_tier, o_tier in (("device", "device"), ("host", "device"), ("host", "host")):
             p_tier, o_tier = forced_p or p_tier, forced_o or o_tier
-            if fits(p_tier, o_tier, blocks_for(p_tier)):
+            # a forced cache_blocks is what the placement must fit with
+            if fits(p_tier, o_tier, forced_blocks if forced_blocks is not None else blocks_for(p_tier)):
                 break
         param_tier, optim_tier = p_tier, o_tier
         reasons.append(
@@ -163,8 +166,8 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
             f"{format_bytes(budget) if budget is not None else 'unlimited'}: params on {param_tier}, "
             f"optimizer states on {optim_tier}"
         )
-    if isinstance(config.cache_blocks, int):
-        cache_blocks = config.cache_blocks
+    if forced_blocks is not None:
+        cache_blocks = forced_blocks
     else:
         cache_blocks = blocks_for(param_tier)
         if param_tier == "device" and n_sharded and not fits(param_tier, optim_tier, cache_blocks):
@@ -178,15 +181,12 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
                 cache_blocks = min(n_chunks, cache_blocks + max(0, spare // block_bytes))
     need = device_need(param_tier, optim_tier, cache_blocks)
     if budget is not None and need > budget:
-        minimum = device_need("host", "host", min_blocks)
-        raise PlanError(
-            f"device memory binds: this plan needs {format_gib(need)} on the device (params on "
-            f"{param_tier}, optimizer on {optim_tier}, {cache_blocks} rCache blocks + "
-            f"{staging_blocks} gradient staging blocks of {format_bytes(block_bytes)}), "
-            f"device_memory allows {format_gib(budget)}: {format_gib(need - budget)} short. The "
-            f"smallest plan (everything on host, {min_blocks} blocks) needs {format_gib(minimum)}: "
-            "raise device_memory to at least that, or use a smaller chunk_size",
-            tier="device", need=minimum, limit=budget,
+        raise _device_binds(
+            need=need, budget=budget, param_tier=param_tier, optim_tier=optim_tier,
+            cache_blocks=cache_blocks, forced_blocks=forced_blocks, min_blocks=min_blocks,
+            staging_blocks=staging_blocks, block_bytes=block_bytes,
+            smallest=lambda blocks: device_need(forced_p or "host", forced_o or "host", blocks),
+            smallest_tiers=(forced_p or "host", forced_o or "host"),
         )
     reasons.append(
         f"{cache_blocks} rCache blocks of {chunk_size:,} elements (at most {min_blocks} "
@@ -204,4 +204,39 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
         device_allowance=need,
         planner="core",
         reasons=reasons,
+    )
+
+
+def _device_binds(
+    *, need: int, budget: int, param_tier: str, optim_tier: str, cache_blocks: int,
+    forced_blocks: int | None, min_blocks: int, staging_blocks: int, block_bytes: int,
+    smallest: Callable[[int], int], smallest_tiers: tuple[str, str],
+) -> PlanError:
+    """The one-line error when the device budget binds. The numbers it quotes are those of the
+    smallest plan the user's forced settings allow, so the minimum it names is never below the
+    budget it rejected; when only a forced ``cache_blocks`` is too large, it says how many fit."""
+    this = (
+        f"device memory binds: this plan needs {format_gib(need)} on the device (params on "
+        f"{param_tier}, optimizer on {optim_tier}, {cache_blocks} rCache blocks + "
+        f"{staging_blocks} gradient staging blocks of {format_bytes(block_bytes)}), "
+        f"device_memory allows {format_gib(budget)}: {format_gib(need - budget)} short."
+    )
+    p_tier, o_tier = smallest_tiers
+    smallest_need = smallest(min_blocks)
+    if forced_blocks is not None and forced_blocks > min_blocks and smallest_need <= budget:
+        most = min_blocks + (budget - smallest_need) // block_bytes
+        return PlanError(
+            f"{this} cache_blocks={forced_blocks} is what binds: at most {most} rCache blocks fit "
+            f"(at least {min_blocks} are needed, params on {p_tier}, optimizer on {o_tier}); set "
+            f"cache_blocks to at most {most} or 'auto', or raise device_memory to at least "
+            f"{format_gib(need)}",
+            tier="device", need=need, limit=budget,
+        )
+    forced = [f"params on {p_tier}", f"optimizer on {o_tier}", f"{min_blocks} rCache blocks"]
+    lower = (f"lower cache_blocks to {min_blocks} and " if forced_blocks is not None
+             and forced_blocks > min_blocks else "")
+    return PlanError(
+        f"{this} The smallest plan ({', '.join(forced)}) needs {format_gib(smallest_need)}: "
+        f"{lower}raise device_memory to at least that, or use a smaller chunk_size",
+        tier="device", need=smallest_need, limit=budget,
     )

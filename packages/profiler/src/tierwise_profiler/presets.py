@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tierwise.replicate import layer_list
 from tierwise.train.errors import TrainError
 from tierwise.train.presets import (
     FAMILIES,
@@ -54,22 +55,15 @@ def meta_model(config) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def layer_list(model: torch.nn.Module, layers: int) -> str:
-    """Qualified name of the ModuleList holding the ``layers`` decoder layers ("" if none)."""
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == layers:
-            return name
-    return ""
-
-
 def profile_config(
     config, *, batch: int, seq: int, precision: str = "bf16", checkpointing: bool = False
 ):
     """The Profile of one training step of the causal LM ``config`` describes, on fake tensors.
     Deep models of identical layers are profiled as 2- and 3-layer copies and replicated (see
     [Note: layer replication]); the rest whole."""
+    from tierwise.replicate import profile_by_replication, replicable
+
     from tierwise_profiler.model_profile import profile_model
-    from tierwise_profiler.replicate import profile_by_replication, replicable
 
     def profile(cfg):
         model = meta_model(cfg)

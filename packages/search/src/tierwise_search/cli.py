@@ -63,13 +63,30 @@ def add_plan_command(subparsers) -> None:
 
 
 def plan_profile(args, config: Config):
-    """Ask a profiler plugin first; without one (or if it fails) use the analytic profile."""
-    import torch
-    from tierwise.plugins import get_plugin_host
+    """The Profile to plan with. A deep model of identical layers is profiled as two short copies
+    and replicated, as ``tierwise profile`` does ([Note: layer replication] in tierwise.replicate);
+    anything else whole."""
+    from tierwise.replicate import profile_by_replication, replicable
 
-    from tierwise_search.hf_profile import hf_config, meta_model, profile_hf_config
+    from tierwise_search.hf_profile import hf_config
 
     cfg = hf_config(args.model, args.size, seq_len=args.seq)
+    if replicable(cfg):
+        replicated = profile_by_replication(cfg, lambda short: _profile_of(args, config, short))
+        if replicated is not None:
+            return replicated
+    return _profile_of(args, config, cfg)[0]
+
+
+def _profile_of(args, config: Config, cfg):
+    """The Profile of the meta model ``cfg`` describes and the name of its list of layers: a
+    profiler plugin's first; without one (or if it fails) the analytic profile."""
+    import torch
+    from tierwise.plugins import get_plugin_host
+    from tierwise.replicate import layer_list
+
+    from tierwise_search.hf_profile import meta_model, profile_hf_config
+
     model = meta_model(cfg)
     ids = torch.zeros((args.batch, args.seq), dtype=torch.long, device="meta")
     try:
@@ -91,7 +108,7 @@ def plan_profile(args, config: Config):
             checkpointing=config.activation_checkpointing,
             model=model,
         )
-    return profile
+    return profile, layer_list(model, cfg.num_hidden_layers)
 
 
 def plan_config(args, device_type: str) -> Config:

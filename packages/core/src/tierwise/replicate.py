@@ -1,5 +1,8 @@
 """Profile a deep model from a config by profiling two short copies of it and replicating a layer.
 
+Used by ``tierwise profile`` (tierwise-profiler) and ``tierwise plan`` (tierwise-search): it only
+reshapes Profiles, whatever made them, so it lives in core.
+
 [Note: layer replication] A stack of identical decoder layers profiles the same way whatever its
 depth: every layer adds the same parameters, call-order run, module entries, FLOPs and saved
 activations, and the peak activation memory grows by the same amount per layer. So a model of L
@@ -17,8 +20,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from tierwise.profile import ParamInfo, Profile
+
+if TYPE_CHECKING:
+    import torch
 
 UNIFORM_MODEL_TYPES = ("gpt2", "opt", "llama", "mistral", "qwen2", "qwen2_moe", "mixtral")
 """Families whose decoder layers are identical unless the config says otherwise."""
@@ -48,6 +55,16 @@ def with_layers(config, layers: int):
     if types:
         short.layer_types = [types[0]] * layers
     return short
+
+
+def layer_list(model: torch.nn.Module, layers: int) -> str:
+    """Qualified name of the ModuleList holding the ``layers`` decoder layers ("" if none)."""
+    import torch
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == layers:
+            return name
+    return ""
 
 
 def profile_by_replication(config, profile: Callable[[object], tuple[Profile, str]]) -> Profile | None:
@@ -200,4 +217,4 @@ def _same_structure(a: Profile, b: Profile) -> bool:
     )
 
 
-__all__ = ["expand", "profile_by_replication", "replicable", "with_layers"]
+__all__ = ["expand", "layer_list", "profile_by_replication", "replicable", "with_layers"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import re
 import time
+import types
 
 import pytest
 import tierwise
@@ -24,7 +25,12 @@ from tierwise_nvme.errors import io_error, short_io_error  # noqa: E402
 
 PLAN = dict(precision="fp32", device="cpu", chunk_size=5000, cache_blocks=3,
             param_placement="nvme", optimizer_placement="nvme", activation_offload="nvme")
-SITES = ("setup", "chunk fetch", "optimizer pipeline", "activation swap", "checkpoint write")
+# the optimizer pipeline's updates run in backward (optimizer_overlap="auto" after a step
+# without clipping) or after it; with params on the host, updates also overwrite their homes
+OPTIMIZER_SITES = {"optimizer pipeline": {},
+                   "optimizer pipeline after backward": {"optimizer_overlap": "after-backward"},
+                   "optimizer pipeline, params on host": {"param_placement": "host"}}
+SITES = ("setup", "chunk fetch", *OPTIMIZER_SITES, "activation swap", "checkpoint write")
 FAULTS = {"EIO": errno.EIO, "ENOSPC": errno.ENOSPC, "short I/O": None}
 EXPECTED = {"EIO": NVMeIOError, "ENOSPC": NVMeSpaceError, "short I/O": NVMeIOError}
 MESSAGE = {"EIO": r"\[Errno 5\]", "ENOSPC": r"is full; free space there",
@@ -73,14 +79,49 @@ def injectors(monkeypatch):
     return made
 
 
-def _build(nvme_dir):
+def _build(nvme_dir, **overrides):
     model = tiny_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    return tierwise.setup(model, opt, nvme_path=str(nvme_dir), **PLAN)
+    return tierwise.setup(model, opt, nvme_path=str(nvme_dir), **{**PLAN, **overrides})
+
+
+def _flat(value, prefix=""):
+    """Every tensor and number of a (nested) state dict, by path."""
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}/{key}").items()}
+    if isinstance(value, (list, tuple)):
+        return {k: v for i, item in enumerate(value) for k, v in _flat(item, f"{prefix}/{i}").items()}
+    return {prefix: value}
+
+
+def assert_same_state(model, opt, reference):
+    """The model and the optimizer hold exactly the reference run's values (bitwise)."""
+    got = model.state_dict()
+    assert got.keys() == reference.model.keys()
+    for name, value in got.items():
+        assert torch.equal(value, reference.model[name]), f"parameter {name} differs"
+    states = _flat(opt.state_dict())
+    assert states.keys() == reference.optim.keys()
+    for path, value in states.items():
+        expected = reference.optim[path]
+        same = torch.equal(value, expected) if isinstance(value, torch.Tensor) else value == expected
+        assert same, f"optimizer state {path} differs"
 
 
 def _payload(op):
     return lambda request: request.op == op and "-data@" in request.path
+
+
+def _nth(fail_if, n):
+    """Accept the ``n``-th request ``fail_if`` accepts (earlier ones go through)."""
+    seen = []
+
+    def accept(request):
+        if fail_if(request):
+            seen.append(request)
+        return len(seen) == n
+
+    return accept
 
 
 def _arm(injectors, fail_if):
@@ -134,8 +175,9 @@ def run_case(site, fault, nvme_dir, ckpt, injectors, monkeypatch, reference):
             torch.equal(v, before[k]) for k, v in model.state_dict().items())
         monkeypatch.setattr(tier_module, "open_backend", creating)
     else:
-        model, opt = _build(nvme_dir)
+        model, opt = _build(nvme_dir, **OPTIMIZER_SITES.get(site, {}))
         train(model, opt, 2)
+        mode = tierwise.engine_of(model).optimizer_mode  # where the next step's updates run
         tierwise.save_checkpoint(ckpt, model, opt)
         before = model.state_dict()
         start = time.perf_counter()
@@ -150,7 +192,8 @@ def run_case(site, fault, nvme_dir, ckpt, injectors, monkeypatch, reference):
                 # payload writes happen only in optimizer updates, which may start during
                 # backward (optimizer_overlap="auto" after a step without clipping)
                 _arm(injectors, {"chunk fetch": _payload("read"),
-                                 "optimizer pipeline": _payload("write"),
+                                 # the second chunk's first state: others were written
+                                 **dict.fromkeys(OPTIMIZER_SITES, _nth(_payload("write"), 4)),
                                  "activation swap": lambda r: r.op == "write" and "-activation" in r.path,
                                  }[site])
                 model(**tiny_batch(seed=2)).loss.backward()
@@ -158,7 +201,15 @@ def run_case(site, fault, nvme_dir, ckpt, injectors, monkeypatch, reference):
         seconds = time.perf_counter() - start
         _arm(injectors, None)
         kept = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-        if not kept:  # [Note: a step that failed part way]: the engine refuses to go on
+        if site in OPTIMIZER_SITES:
+            # [Note: atomic optimizer step]: nothing of the failed step was applied, whether the
+            # updates ran in backward or after it; the same engine goes on from the failed
+            # step's batch exactly like a run that never failed
+            assert mode == ("after-backward" if "after" in site else "in-backward")
+            assert_same_state(model, opt, reference)
+            opt.zero_grad()
+            assert train(model, opt, 2, first_seed=2) == reference.losses
+        elif not kept:  # [Note: a step that failed part way]: the engine refuses to go on
             opt.zero_grad()
             model(**tiny_batch(seed=2)).loss.backward()
             with pytest.raises(RuntimeError, match="failed part way.*load the last checkpoint"):
@@ -167,20 +218,24 @@ def run_case(site, fault, nvme_dir, ckpt, injectors, monkeypatch, reference):
                 tierwise.save_checkpoint(ckpt, model, opt)
             opt.zero_grad()
             tierwise.load_checkpoint(ckpt, model, opt)  # the same engine goes on from it
-            assert train(model, opt, 2, first_seed=2) == reference
+            assert train(model, opt, 2, first_seed=2) == reference.losses
         tierwise.engine_of(model).close()
     return info.value, seconds, kept
 
 
 @pytest.fixture(scope="module")
 def reference():
-    """Losses of steps 3-4 of a run that never failed (on the host: the same math)."""
+    """A run that never failed (on the host: the same math): the model and optimizer state
+    after 2 steps, and the losses of steps 3-4."""
     model = tiny_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", chunk_size=5000,
                                 cache_blocks=3, param_placement="host", optimizer_placement="host")
     train(model, opt, 2)
-    return train(model, opt, 2, first_seed=2)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    optim = {k: v.clone() if isinstance(v, torch.Tensor) else v
+             for k, v in _flat(opt.state_dict()).items()}
+    return types.SimpleNamespace(model=state, optim=optim, losses=train(model, opt, 2, first_seed=2))
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
@@ -197,12 +252,12 @@ def test_fault_is_one_clear_error_and_the_last_checkpoint_resumes_bitwise(
     else:
         assert isinstance(error, EXPECTED[fault]), repr(error)
         assert re.search(MESSAGE[fault], message), message
-    # an update that failed part way is refused until a load ([Note: a step that failed part
-    # way], checked in run_case); everywhere else nothing of the failed step is applied
-    assert kept or site == "optimizer pipeline", f"{site}: the failed step changed the model"
+    # nothing of the failed step is applied anywhere ([Note: atomic optimizer step] for the
+    # optimizer pipeline, checked further in run_case)
+    assert kept, f"{site}: the failed step changed the model"
     if site == "setup":
         return  # nothing to resume: the run never started
     model, opt = _build(nvme_dir)
     tierwise.load_checkpoint(ckpt, model, opt)
-    assert train(model, opt, 2, first_seed=2) == reference
+    assert train(model, opt, 2, first_seed=2) == reference.losses
     tierwise.engine_of(model).close()

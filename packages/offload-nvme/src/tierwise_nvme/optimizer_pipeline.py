@@ -23,6 +23,17 @@ are complete. For full overlap the pool needs ``states * (lookahead + 2)`` buffe
 Errors (NVMeIOError, NVMeSpaceError, or from ``update``) are re-raised by ``drain``; a chunk
 whose read failed is not updated, and no chunk is updated once a failure is known (a failed
 write is noticed when its buffers are recycled, so chunks updated meanwhile are written back).
+
+[Note: atomic optimizer step]
+A step must not leave some chunks with the new states and others with the old when the disk
+fails part way (EIO, ENOSPC, short I/O), and updates run from backward to ``step``. So each
+optimizer-state slab has two regions on disk (``NVMeTier.allocate_state``, counted twice by
+every planner through ``Tier.STATE_COPIES``): the update writes its new values into the spare
+region (``write_next``) while every read still sees the last step's; only when ``drain`` has
+seen every write of the step complete does ``commit`` swap the regions of each written slab.
+On an error nothing is committed: the states are exactly the last step's. The engine restores
+what else the step touched (step counts, the loss scaler, low-precision parameter homes that
+the update wrote, recomputed from the committed masters).
 """
 
 from __future__ import annotations
@@ -70,6 +81,8 @@ class OptimizerPipeline:
         self._error: BaseException | None = None
         self._closing = False
         self._worker: threading.Thread | None = None
+        self._written: list[Slab] = []
+        """Slabs written since the last drain, committed by it: [Note: atomic optimizer step]."""
         self._order: list[tuple[Hashable, tuple[Slab, ...]]] = []
         """Chunks submitted since the last drain, in order (read ahead for the next step)."""
 
@@ -112,9 +125,14 @@ class OptimizerPipeline:
             self._discard(job)
 
     def drain(self) -> None:
-        """Wait until every submitted chunk is updated and written; re-raise the first error.
-        Then start reading the next step's first chunks (see the Note)."""
+        """Wait until every submitted chunk is updated and written, then commit all of them;
+        on an error commit none and re-raise it ([Note: atomic optimizer step]). Then start
+        reading the next step's first chunks (see [Note: optimizer pipeline])."""
         self._finish_all()
+        with self._cond:
+            written, self._written = self._written, []
+        for slab in written:
+            self.tier.commit(slab)
         with self._cond:
             order, self._order = self._order, []
         for key, slabs in order:
@@ -131,6 +149,7 @@ class OptimizerPipeline:
         if error is not None:
             with self._cond:
                 self._order = []
+                self._written = []  # the last step's values stay: [Note: atomic optimizer step]
             raise error
 
     def close(self) -> None:
@@ -202,9 +221,11 @@ class OptimizerPipeline:
         begin = time.perf_counter()
         job.update(job.buffers)
         self.timings["update_s"] += time.perf_counter() - begin
-        job.writes = [
-            self.tier.write(slab, buf) for slab, buf in zip(job.slabs, job.buffers, strict=True)
+        job.writes = [  # committed by drain: [Note: atomic optimizer step]
+            self.tier.write_next(slab, buf) for slab, buf in zip(job.slabs, job.buffers, strict=True)
         ]
+        with self._cond:
+            self._written.extend(job.slabs)
         self.updated += 1
         self._writing.append(job)
         while self._writing and all(h.done() for h in self._writing[0].writes):

@@ -56,6 +56,7 @@ class NVMeTier(Tier):
 
     PLUGIN_NAME = "nvme"
     ADDRESSABLE = False
+    STATE_COPIES = 2  # [Note: atomic optimizer step]
 
     def __init__(
         self,
@@ -154,11 +155,32 @@ class NVMeTier(Tier):
         slab.extra["file"] = file
         return slab
 
+    def allocate_state(self, numel: int, dtype: torch.dtype, *, what: str) -> Slab:
+        """A slab with a second region for the next step's values: [Note: atomic optimizer
+        step]. ``write_next`` fills that region, ``commit`` makes it the slab's contents."""
+        slab = self.allocate(numel, dtype, what=what)
+        try:
+            self._account(slab.nbytes, what)
+        except BaseException:
+            self.release(slab)
+            raise
+        try:
+            slab.extra["next"] = slab.extra["file"].allocate(max(slab.nbytes, 1))
+        except BaseException:
+            self.used_bytes -= slab.nbytes
+            self.release(slab)
+            raise
+        return slab
+
     def release(self, slab: Slab) -> None:
         file = slab.extra.pop("file", None)
         if file is not None:
             file.free(slab.offset, max(slab.nbytes, 1))
             self.used_bytes -= slab.nbytes
+            spare = slab.extra.pop("next", None)
+            if spare is not None:
+                file.free(spare, max(slab.nbytes, 1))
+                self.used_bytes -= slab.nbytes
 
     def read(self, slab: Slab, out: torch.Tensor, *, offset: int = 0) -> IOHandle:
         """Start filling ``out`` from the slab; returns at once (any number of reads may be in
@@ -176,10 +198,29 @@ class NVMeTier(Tier):
         file = self._check(slab, src, offset, "write from")
         for pipeline in list(self._pipelines):  # a prefetched copy of this slab is stale now
             pipeline.slab_written(slab)
+        return self._write_region(file, slab.offset, slab, src, offset)
+
+    def write_next(self, slab: Slab, src: torch.Tensor) -> IOHandle:
+        """Write all of ``src`` into the region ``commit`` will make the slab's contents (the
+        slab itself when it has no second region); reads still see the committed values."""
+        file = self._check(slab, src, 0, "write from")
+        if "next" not in slab.extra:
+            return self.write(slab, src)
+        return self._write_region(file, slab.extra["next"], slab, src, 0)
+
+    def commit(self, slab: Slab) -> None:
+        """The values ``write_next`` wrote (complete) are the slab's contents from now on; the
+        old region becomes the next step's. See [Note: atomic optimizer step]."""
+        if "next" in slab.extra:
+            slab.offset, slab.extra["next"] = slab.extra["next"], slab.offset
+            for pipeline in list(self._pipelines):
+                pipeline.slab_written(slab)
+
+    def _write_region(self, file, base: int, slab: Slab, src: torch.Tensor, offset: int) -> IOHandle:
         if src.numel() == 0:
             return DONE
-        start = slab.offset + offset * src.element_size()
-        handle = self._transfers.write(file, start, src, limit=slab.offset + slab.nbytes)
+        start = base + offset * src.element_size()
+        handle = self._transfers.write(file, start, src, limit=base + slab.nbytes)
         self._count("host->nvme", src.nbytes)
         return handle
 

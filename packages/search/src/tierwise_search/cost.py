@@ -57,6 +57,7 @@ backward except for the last one's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -72,6 +73,15 @@ OPTIM_BYTES = 12
 PIPELINE_BUFFERS = 9
 """fp32 staging buffers of the largest shard that the NVMe optimizer pipeline holds in host
 memory: 3 states x (1 read ahead + 1 updating + 1 writing), tierwise-nvme's defaults."""
+
+
+@lru_cache(maxsize=None)
+def state_copies(tier: str) -> int:
+    """Regions the ``tier`` plugin gives each optimizer-state slab (``Tier.STATE_COPIES``: 2 on
+    nvme, whose steps commit atomically, see [Note: atomic optimizer step]); 1 if absent."""
+    from tierwise.plugins import get_plugin_host
+
+    return getattr(get_plugin_host().tier_classes().get(tier), "STATE_COPIES", 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,7 +214,8 @@ class CostModel:
         for tier in (DEVICE, HOST, NVME):
             home = (p == tier) & ~(s.fp32_alias & train & (o == tier))
             totals[tier] += int(shard[home].sum()) * s.param_bytes
-            totals[tier] += int(shard[train & (o == tier)].sum()) * OPTIM_BYTES
+            copies = state_copies(TIERS[tier])  # [Note: atomic optimizer step]
+            totals[tier] += int(shard[train & (o == tier)].sum()) * OPTIM_BYTES * copies
         # gradient shards live in the optimizer tier, or in host memory when that is NVMe
         totals[DEVICE] += int(shard[train & (o == DEVICE)].sum()) * s.param_bytes
         totals[HOST] += int(shard[train & (o != DEVICE)].sum()) * s.param_bytes

@@ -144,7 +144,8 @@ def payload_sizes(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_alias:
             dtype_bytes = torch.empty((), dtype=group.dtype).element_size()
             if group.trainable:
                 opt = plan.optim_tier_of(group.name, chunk.index)
-                sizes.setdefault(opt, []).extend([chunk.shard_size * 4] * 3)
+                copies = tiers[opt].STATE_COPIES  # [Note: atomic optimizer step]
+                sizes.setdefault(opt, []).extend([chunk.shard_size * 4] * 3 * copies)
                 grad = opt if tiers[opt].ADDRESSABLE else "host"
                 sizes.setdefault(grad, []).append(chunk.shard_size * dtype_bytes)
                 if fp32_alias and home == opt:
@@ -166,11 +167,11 @@ def allocate_payloads(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_al
                     opt_tier = tiers[plan.optim_tier_of(group.name, chunk.index)]
                     grad_tier = opt_tier if opt_tier.ADDRESSABLE else tiers["host"]
                     what = f"{group.name}#{chunk.index}"
-                    master = opt_tier.allocate(chunk.shard_size, torch.float32, what=f"{what} master")
+                    master = opt_tier.allocate_state(chunk.shard_size, torch.float32, what=f"{what} master")
                     allocated.append(master)
                     slabs = [master]
                     for kind in ("exp_avg", "exp_avg_sq"):
-                        slabs.append(opt_tier.allocate(chunk.shard_size, torch.float32, what=f"{what} {kind}"))
+                        slabs.append(opt_tier.allocate_state(chunk.shard_size, torch.float32, what=f"{what} {kind}"))
                         allocated.append(slabs[-1])
                     grad = grad_tier.allocate(chunk.shard_size, group.dtype, what=f"{what} grad")
                     allocated.append(grad)

@@ -24,6 +24,7 @@ from tierwise.plan import Plan
 from tierwise.runtime.cache import AccessTrace, RCache
 from tierwise.runtime.gradients import GradientPath
 from tierwise.runtime.reduce import StreamingReducer
+from tierwise.runtime.step_undo import StepUndo
 from tierwise.runtime.stepping import OptimizerStep
 from tierwise.runtime.transfer import ChunkLoads
 from tierwise.tiers.base import Tier
@@ -86,10 +87,12 @@ class Engine(GradientPath, OptimizerStep):
         """Why an optimizer step stopped part way on an I/O error (None: no such step).
 
         [Note: a step that failed part way]
-        Storage-tier optimizer states are updated chunk by chunk and written back in place, so
-        an I/O error in the middle of a step leaves some chunks with the new step and others
-        with the old. Nothing rolls that back; instead the engine refuses to step again and
-        save_checkpoint refuses to save, until load_checkpoint restores a consistent state."""
+        An I/O error before the storage tiers commit a step is undone: [Note: atomic optimizer
+        step]. What cannot be undone: an error after that commit (writing the new parameters
+        of a chunk whose optimizer states are in memory to a storage tier), or one while
+        undoing. Then some chunks hold the new step and others the old, so the engine refuses
+        to step again and save_checkpoint refuses to save, until load_checkpoint restores a
+        consistent state."""
         self.step_time_s = 0.0
         self._step_started: float | None = None
         self._in_backward = False
@@ -101,6 +104,7 @@ class Engine(GradientPath, OptimizerStep):
         self.step_counts = StepCounts(  # [Note: unused parameters are skipped]
             s.name for group in groups if group.trainable for c in group.chunks for s in c.slots
         )
+        self.step_undo = StepUndo(step_counts=self.step_counts, scaler=self.scaler)
         self.hook_handles: list = []
         self._by_key = {chunk.key: chunk for chunk in self.chunks()}
         self.pipelines = self._make_pipelines()
@@ -462,6 +466,16 @@ class Engine(GradientPath, OptimizerStep):
         try:
             self._step()
         except OSError as err:  # [Note: a step that failed part way]
+            atomic = all(self.tiers[name].STATE_COPIES > 1 for name in self.pipelines)
+            if self.step_undo.active and atomic:
+                try:
+                    self._undo_step()
+                except OSError as again:
+                    err.add_note(f"tierwise: undoing the step failed too: {again}")
+                else:
+                    err.add_note("tierwise: nothing of this optimizer step was applied: the "
+                                 "model and optimizer hold the previous step's values")
+                    raise
             self.step_failed = f"{type(err).__name__}: {err}"
             err.add_note("tierwise: the optimizer step stopped part way: some chunks may hold "
                          "this step's values and others the previous step's; load the last "

@@ -227,7 +227,8 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> None:
         for i, (chunk, tier_name) in enumerate(zip(chunks, tiers[kind], strict=True)):
             dtype = torch.float32 if kind in _STATE_KINDS else group.dtype
             tier = engine.tiers[tier_name]
-            slab = tier.allocate(chunk.shard_size, dtype, what=f"{group.name}#{chunk.index} {kind}")
+            allocate = tier.allocate_state if kind in _STATE_KINDS else tier.allocate
+            slab = allocate(chunk.shard_size, dtype, what=f"{group.name}#{chunk.index} {kind}")
             if values is not None:
                 tier.write(slab, values[i].to(dtype)).wait()
             slabs.append(slab)

@@ -112,6 +112,7 @@ class OptimizerStep:
             pipeline.prefetch(chunk.key, slabs)
 
     def _step(self) -> None:
+        self.step_undo.begin()
         if self.scaler is not None:
             overflow = self._found_overflow()
             self.scaler.update(overflow=overflow)
@@ -127,6 +128,7 @@ class OptimizerStep:
                 "optimizer_overlap='after-backward' when clipping only some steps"
             )
         self._agree_on_grads()
+        in_memory = []  # updated once the pipelines committed: [Note: atomic optimizer step]
         for chunk, _grad in list(self._grad_shards()):
             if not any(slot.has_grad for slot in chunk.slots):
                 continue  # [Note: unused parameters are skipped]
@@ -139,9 +141,15 @@ class OptimizerStep:
                         "optimizer_overlap='after-backward'"
                     )
                 continue
-            self._update_chunk(chunk, hyper, multiplier)
+            if chunk.optim.tier.name in self.pipelines:
+                self._update_chunk(chunk, hyper, multiplier)
+            else:
+                in_memory.append((chunk, hyper))
         for pipeline in self.pipelines.values():
             pipeline.drain()
+        self.step_undo.clear()  # committed: from here on a failure is not undone
+        for chunk, hyper in in_memory:
+            self._update_chunk(chunk, hyper, multiplier)
         ran_in_backward = bool(self._early_hyper)
         next_in_backward = (
             self._backwards_this_step == 1 and self._clip_coef is None and self.scaler is None
@@ -200,7 +208,9 @@ class OptimizerStep:
         """The update of one chunk, given its fp32 (master, exp_avg, exp_avg_sq) tensors (it
         advances the step counts now, on the calling thread)."""
         optim = chunk.optim
+        self.step_undo.begin()
         ranges = self._update_ranges(chunk)
+        undo = self.step_undo
 
         def update(states: list[torch.Tensor]) -> None:
             master, m, v = states
@@ -210,6 +220,7 @@ class OptimizerStep:
             adam_update_ranges(master=master, grad=grad, exp_avg=m, exp_avg_sq=v,
                                ranges=ranges, hyper=hyper)
             if chunk.home is not optim.master:
+                undo.home_written(chunk)
                 chunk.home.tier.write(chunk.home, master.to(self.dtype)).wait()
 
         return update
@@ -254,13 +265,24 @@ class OptimizerStep:
             return f"optimizer_overlap='auto' and the previous step {previous_step}"
         return f"optimizer_overlap={self.config.optimizer_overlap!r}"
 
-    def _finish_step(self) -> None:
+    def _undo_step(self) -> None:
+        """The step failed before committing ([Note: atomic optimizer step]): put back what it
+        changed, so the engine is as before ``step`` (gradients kept: step may be retried)."""
+        self.step_undo.restore()
+        self._clip_coef = None
+        self._settle_slots()
+
+    def _settle_slots(self) -> None:
         for chunk in self.chunks():
             for slot in chunk.slots:
                 if slot.state is not TensorState.HOLD and slot.compute_refs == 0:
                     slot.set_state(TensorState.HOLD)
-        self.steps_taken += 1
         self._backwards_this_step = 0
         if self._step_started is not None:
             self.step_time_s = time.perf_counter() - self._step_started
             self._step_started = None
+
+    def _finish_step(self) -> None:
+        self.step_undo.clear()
+        self._settle_slots()
+        self.steps_taken += 1

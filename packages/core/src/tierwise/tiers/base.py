@@ -59,6 +59,10 @@ class Tier(ABC):
 
     PLUGIN_NAME: ClassVar[str]
     ADDRESSABLE: ClassVar[bool] = True
+    STATE_COPIES: ClassVar[int] = 1
+    """Regions each optimizer-state slab from ``allocate_state`` takes: 2 where a step writes
+    its new states beside the last step's and commits them at once ([Note: atomic optimizer
+    step]); the planners count optimizer bytes on this tier that many times."""
 
     def __init__(self, *, device: torch.device, budget: int | None, config: Config):
         self.device = device
@@ -105,6 +109,11 @@ class Tier(ABC):
     @abstractmethod
     def allocate(self, numel: int, dtype: torch.dtype, *, what: str) -> Slab:
         """Reserve room for ``numel`` elements (contents undefined)."""
+
+    def allocate_state(self, numel: int, dtype: torch.dtype, *, what: str) -> Slab:
+        """An optimizer-state slab (master, exp_avg, exp_avg_sq): ``STATE_COPIES`` regions of
+        ``numel`` elements. Default: one, as ``allocate``."""
+        return self.allocate(numel, dtype, what=what)
 
     @abstractmethod
     def release(self, slab: Slab) -> None:

@@ -57,7 +57,7 @@ backward except for the last one's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
@@ -75,7 +75,7 @@ PIPELINE_BUFFERS = 9
 memory: 3 states x (1 read ahead + 1 updating + 1 writing), tierwise-nvme's defaults."""
 
 
-@lru_cache(maxsize=None)
+@cache
 def state_copies(tier: str) -> int:
     """Regions the ``tier`` plugin gives each optimizer-state slab (``Tier.STATE_COPIES``: 2 on
     nvme, whose steps commit atomically, see [Note: atomic optimizer step]); 1 if absent."""

@@ -89,8 +89,8 @@ class Engine(GradientPath, OptimizerStep):
         [Note: a step that failed part way]
         An I/O error before the storage tiers commit a step is undone: [Note: atomic optimizer
         step]. What cannot be undone: an error after that commit (writing the new parameters
-        of a chunk whose optimizer states are in memory to a storage tier), or one while
-        undoing. Then some chunks hold the new step and others the old, so the engine refuses
+        of a chunk whose optimizer states are in memory to a storage tier), one while undoing,
+        and any in a run of several ranks (the others may have committed the step). Then some chunks hold the new step and others the old, so the engine refuses
         to step again and save_checkpoint refuses to save, until load_checkpoint restores a
         consistent state."""
         self.step_time_s = 0.0
@@ -466,7 +466,10 @@ class Engine(GradientPath, OptimizerStep):
         try:
             self._step()
         except OSError as err:  # [Note: a step that failed part way]
-            atomic = all(self.tiers[name].STATE_COPIES > 1 for name in self.pipelines)
+            # several ranks: the others may have committed this step, so undoing here alone
+            # would leave the ranks on different steps
+            atomic = not self.multi_rank and all(
+                self.tiers[name].STATE_COPIES > 1 for name in self.pipelines)
             if self.step_undo.active and atomic:
                 try:
                     self._undo_step()
@@ -476,6 +479,7 @@ class Engine(GradientPath, OptimizerStep):
                     err.add_note("tierwise: nothing of this optimizer step was applied: the "
                                  "model and optimizer hold the previous step's values")
                     raise
+            self.step_undo.clear()
             self.step_failed = f"{type(err).__name__}: {err}"
             err.add_note("tierwise: the optimizer step stopped part way: some chunks may hold "
                          "this step's values and others the previous step's; load the last "

@@ -163,8 +163,9 @@ def test_nvme_space_binding_is_blamed_on_nvme():
     profile = make_profile([[4096] * 4 for _ in range(4)])
     config = Config(device="cpu", device_memory=200_000, host_memory=10_000, nvme_path="/tmp")
     with pytest.raises(Exception, match=r"NVMe space binds: .* short") as info:
-        search_plan(profile, gpu_hardware(nvme_free=50_000), config)
-    assert info.value.tier == "nvme" and info.value.limit == 50_000
+        # on NVMe the optimizer states take two copies ([Note: atomic optimizer step])
+        search_plan(profile, gpu_hardware(nvme_free=1_000_000), config)
+    assert info.value.tier == "nvme" and info.value.limit == 1_000_000
     assert info.value.need > info.value.limit  # the need quoted is above the limit
 
 

@@ -42,6 +42,7 @@ class CheckpointReader:
         self._params: dict[str, dict[str, Any]] = self.manifest["params"]
         self._aliases: dict[str, str] = self.manifest.get("aliases", {})
         self._files: dict[str, dict[str, torch.Tensor]] = {}
+        self._verified: set[str] = set()
 
     # -- what is in it ------------------------------------------------------------------------
     @property
@@ -119,6 +120,12 @@ class CheckpointReader:
         for file in sorted(files):
             self._open(file)
 
+    def release(self) -> None:
+        """Unmap the files opened so far (they stay checked): pages a read touched count in the
+        process's resident memory until their file is unmapped, so a reader that goes through a
+        whole checkpoint calls this after each parameter to hold one parameter's pages at a time."""
+        self._files.clear()
+
     def tensor(self, name: str, kind: str = "master") -> torch.Tensor:
         """The whole-model ``kind`` of ``name`` in its original shape (fp32)."""
         return self.read(name, kind).view(self.shape(name))
@@ -146,5 +153,7 @@ class CheckpointReader:
 
     def _open(self, file: str) -> dict[str, torch.Tensor]:
         if file not in self._files:
-            self._files[file] = torch.load(self._checked(file), mmap=True, weights_only=True)
+            path = self.path / file if file in self._verified else self._checked(file)
+            self._files[file] = torch.load(path, mmap=True, weights_only=True)
+            self._verified.add(file)
         return self._files[file]

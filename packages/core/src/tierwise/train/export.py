@@ -4,13 +4,22 @@ from a `tierwise train` run's latest checkpoint.
 One process reads the checkpoint by parameter name (``tierwise.checkpoint_reader``: any world
 size, chunk size or tiers the run had) one parameter at a time and streams the values into
 safetensors shards of at most 5 GB, so it holds at most one output shard plus one parameter
-(LoRA merging also holds the adapters, which are small). The model's config comes from the run's
+(LoRA merging also holds the adapters, which are small): [Note: export memory]. The model's config comes from the run's
 ``hf/config.json`` (written by `tierwise train`), with the dtype written recorded in it.
 
 A LoRA run exports its adapters as PEFT writes them (``adapter_model.safetensors``,
 ``adapter_config.json``; load with ``PeftModel.from_pretrained``), or with ``--merge-lora`` a
 plain model whose adapted weights are ``W + scaling · B @ A``, as PEFT's ``merge_and_unload``
-computes them.
+computes them. A LoRA run without ``--from-pretrained`` had a randomly initialised base that
+exists nowhere else, so its adapter export also writes that base, as a plain model folder in
+``OUT_DIR/base``, which ``adapter_config.json`` names as its base model.
+
+[Note: export memory]
+Checkpoint files are read memory-mapped; pages a read touches stay in the process's resident
+memory until the file is unmapped, so after each parameter the reader is released
+(``CheckpointReader.release``). The shard writer holds one shard's tensors. Nothing else holds
+model data, so peak memory is one shard plus one parameter whatever the model size
+(tests/hf/test_export_memory.py measures it).
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ PEFT_PREFIX = "base_model.model."
 """What PEFT puts before the base model's parameter names."""
 ADAPTER = "default"
 """The adapter name `tierwise train --lora` trains."""
+BASE_FOLDER = "base"
+"""Where a LoRA export without --merge-lora writes a base that exists nowhere else."""
 
 
 def add_export_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -97,11 +108,17 @@ def export(run_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
     reader = CheckpointReader(checkpoint)
     out.mkdir(parents=True, exist_ok=True)
     try:
+        options = _options(run)
         if lora is not None and not merge_lora:
-            _write_adapters(reader, out, lora, DTYPES[dtype], _options(run))
+            base = options.get("from_pretrained")
+            if not base:  # a random base: write it, as the adapters need it
+                base = str((out / BASE_FOLDER).resolve())
+                _write_model(reader, Path(base), model_folder, lora, DTYPES[dtype],
+                             max_shard_bytes, merge=False)
+            _write_adapters(reader, out, lora, DTYPES[dtype], base)
         else:
             _write_model(reader, out, model_folder, lora, DTYPES[dtype], max_shard_bytes)
-            _copy_tokenizer(_options(run), out)
+        _copy_tokenizer(options, out)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
@@ -117,8 +134,10 @@ def _options(run: Path) -> dict:
 
 
 def _write_model(reader: CheckpointReader, out: Path, model_folder: Path, lora: dict | None,
-                 dtype: torch.dtype, max_shard_bytes: int) -> None:
-    adapters = _adapters(reader) if lora is not None else {}
+                 dtype: torch.dtype, max_shard_bytes: int, *, merge: bool = True) -> None:
+    """The (for LoRA: base, merged when ``merge``) model as a from_pretrained folder ``out``."""
+    adapters = _adapters(reader) if lora is not None and merge else {}
+    out.mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(out, max_bytes=max_shard_bytes)
     for name in reader.names():
         if lora is not None:
@@ -135,6 +154,7 @@ def _write_model(reader: CheckpointReader, out: Path, model_folder: Path, lora: 
             out_name, value = name, reader.tensor(name)
         writer.add(out_name, value.to(dtype))
         del value
+        reader.release()  # [Note: export memory]
     writer.close()
     shutil.copyfile(model_folder / "config.json", out / "config.json")
     record_dtype(out, dtype)
@@ -173,7 +193,7 @@ def _merged(weight: torch.Tensor, adapters: dict[str, torch.Tensor], module: str
 
 
 def _write_adapters(reader: CheckpointReader, out: Path, lora: dict, dtype: torch.dtype,
-                    options: dict) -> None:
+                    base: str) -> None:
     """The files ``PeftModel.save_pretrained`` writes: adapter weights without the adapter name."""
     from safetensors.torch import save_file
 
@@ -183,9 +203,7 @@ def _write_adapters(reader: CheckpointReader, out: Path, lora: dict, dtype: torc
     }
     save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
     config = dict(lora)
-    config["base_model_name_or_path"] = options.get("from_pretrained") or config.get(
-        "base_model_name_or_path"
-    )
+    config["base_model_name_or_path"] = base
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

@@ -143,10 +143,11 @@ def test_lora_run_exports_adapters_and_a_merged_model_equal_to_merge_and_unload(
     base = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.from_pretrained(run / "hf")
     )
-    base.load_state_dict({
+    base_state = {
         n.removeprefix(PEFT_PREFIX).replace(".base_layer.", "."): reader.tensor(n)
         for n in reader.names() if ".lora_" not in n
-    })
+    }
+    base.load_state_dict(base_state)
     with_adapters = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
     lora_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
     assert torch.equal(with_adapters.state_dict()[lora_a], reader.tensor(lora_a))
@@ -157,6 +158,16 @@ def test_lora_run_exports_adapters_and_a_merged_model_equal_to_merge_and_unload(
     assert not torch.equal(merged[q], reader.tensor(f"{PEFT_PREFIX}model.layers.0.self_attn.q_proj.base_layer.weight"))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert loaded.config.architectures == ["LlamaForCausalLM"]
+
+    # the run had a random base (no --from-pretrained): the adapter export carries it in base/
+    adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str((tmp_path / "adapter" / "base").resolve())
+    written_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "adapter" / "base")
+    assert written_base.state_dict().keys() == base_state.keys()
+    assert all(torch.equal(written_base.state_dict()[k], v) for k, v in base_state.items())
+    auto = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter")  # finds base/
+    assert torch.equal(auto.state_dict()[lora_a], reader.tensor(lora_a))
+    assert torch.allclose(logits_of(auto, IDS), logits_of(loaded, IDS), atol=1e-5)
 
 
 @pytest.mark.parametrize(("given", "message"), [
@@ -170,3 +181,40 @@ def test_lora_options_say_what_to_change(given, message):
 
     with pytest.raises(TrainError, match=message):
         TrainOptions(**given)
+
+
+def _bpe_tokenizer(folder, texts):
+    """A BPE tokenizer trained on ``texts``, saved as a Hugging Face folder."""
+    import tokenizers
+
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"])
+    backend.train_from_iterator(texts, trainer=trainer)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="</s>"
+    )
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+@pytest.mark.parametrize("flag", ["--tokenizer", "--from-pretrained"])
+def test_export_copies_the_run_tokenizer(tmp_path, corpus, capsys, flag):
+    texts = corpus.read_text().splitlines() + ["return the value of f", "x times two"]
+    original = _bpe_tokenizer(tmp_path / "given", texts)
+    if flag == "--from-pretrained":  # a model folder that has a tokenizer
+        tiny_model("llama").save_pretrained(tmp_path / "given")
+    run = tmp_path / "run"
+    code, _, err = cli(capsys, "train", *RUN, "--data", corpus, "--out", run,
+                       flag, tmp_path / "given")
+    assert code == 0, err
+    for flags in ([], ["--dtype", "bf16"]):
+        out = tmp_path / f"out{len(flags)}"
+        assert cli(capsys, "export", run, out, *flags)[0] == 0
+        exported = transformers.AutoTokenizer.from_pretrained(out)
+        assert exported.get_vocab() == original.get_vocab()
+        assert exported.eos_token == "</s>"
+        for text in ["def f(x):\n    return x * 2", "two values, unseen words: zebra"]:
+            assert exported(text)["input_ids"] == original(text)["input_ids"]
+            assert exported.decode(exported(text)["input_ids"]) == original.decode(
+                original(text)["input_ids"])

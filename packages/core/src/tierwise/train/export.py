@@ -63,7 +63,8 @@ def add_export_command(subparsers: argparse._SubParsersAction) -> argparse.Argum
                         help="dtype of the weights written (default fp32, the master weights)")
     parser.add_argument("--merge-lora", action="store_true",
                         help="LoRA run: merge the adapters into the base weights and write a "
-                        "plain model (default: write the adapter files)")
+                        "plain model (default: write the adapter files, and the base in OUT_DIR/base "
+                        "when the run had no --from-pretrained)")
     parser.set_defaults(func=_run)
     return parser
 

@@ -1,12 +1,47 @@
 """tierwise: train models bigger than your device with chunks across device, host and NVMe."""
 
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
 from tierwise._version import __version__
-from tierwise.api import clip_grad_norm_, engine_of, no_sync, setup
-from tierwise.checkpoint import load_checkpoint, save_checkpoint
-from tierwise.config import Config, ConfigError
-from tierwise.hardware import Hardware
-from tierwise.plan import Plan, PlanError
-from tierwise.profile import ParamInfo, Profile
+
+# [Note: lazy package attributes] Every ``tierwise.x`` import runs this file first: the CLI, each
+# plugin's hookspecs import, ``tierwise profile`` and ``tierwise plan``. Importing the runtime here
+# (engine, chunks, tiers, optimizer, checkpoints) would make all of them pay for it, so the public
+# names are loaded on first use (PEP 562); ``tierwise.setup`` and friends are unchanged for users.
+_PUBLIC = {
+    "clip_grad_norm_": "tierwise.api",
+    "engine_of": "tierwise.api",
+    "no_sync": "tierwise.api",
+    "setup": "tierwise.api",
+    "load_checkpoint": "tierwise.checkpoint",
+    "save_checkpoint": "tierwise.checkpoint",
+    "Config": "tierwise.config",
+    "ConfigError": "tierwise.config",
+    "Hardware": "tierwise.hardware",
+    "Plan": "tierwise.plan",
+    "PlanError": "tierwise.plan",
+    "ParamInfo": "tierwise.profile",
+    "Profile": "tierwise.profile",
+}
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")  # ``tierwise.api`` after ``import tierwise``
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})
+
 
 __all__ = [
     "clip_grad_norm_",

@@ -102,6 +102,35 @@ def test_failed_swap_out_is_a_clear_error_and_the_engine_goes_on(nvme_dir, faili
     engine.close()
 
 
+def _activation_read(request) -> bool:
+    return request.op == "read" and "activation" in request.path
+
+
+def test_failed_swap_in_drops_the_step_and_the_engine_goes_on(nvme_dir, failing_io):
+    kw = dict(precision="fp32", device="cpu")
+    base_losses, base = run_tierwise("llama", 3, **kw)
+    model = tiny_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    model, opt = tierwise.setup(model, opt, activation_offload="nvme", nvme_path=str(nvme_dir), **kw)
+    engine = tierwise.engine_of(model)
+    losses = train(model, opt, 1)
+    for io in failing_io:
+        io.fail_if = _activation_read
+    with pytest.raises(NVMeIOError, match=r"nvme tier: read of \d+ bytes at offset \d+ in .*activation") as info:
+        model(**tiny_batch(seed=1)).loss.backward()
+    assert any(io.failed is not None for io in failing_io)  # the error came from the swap-in
+    assert any("swapping in" in note for note in getattr(info.value, "__notes__", []))
+    assert engine.activations.swapped_now() == {"device": 0, "host": 0, "nvme": 0}
+    assert engine.tiers["nvme"].used_bytes == 0
+    with pytest.raises(RuntimeError, match="backward failed .* zero_grad"):
+        opt.step()  # the partial gradient never reaches the optimizer
+    opt.zero_grad()
+    losses += train(model, opt, 2, first_seed=1)
+    assert losses == base_losses
+    assert _same(model, base)
+    engine.close()
+
+
 RSS_CHILD = r"""
 import json, sys, warnings
 warnings.simplefilter("ignore")

@@ -175,7 +175,7 @@ def setup(
         engine.activations = ActivationManager(
             model=model, blocks=blocks, policy=plan.activation_policy, device=engine.device,
             nvme=tiers.get("nvme"), untraced=engine.untraced,
-            allowance=plan.activation_allowance,
+            allowance=plan.activation_allowance, on_backward_error=engine.abandon_backward,
         )
         engine.activations.install()
     elif config.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):

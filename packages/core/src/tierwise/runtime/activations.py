@@ -25,7 +25,9 @@ so no gradient or optimizer step is half-applied (the graph is dropped, the engi
 In backward, the first unpack of a block's tensor loads that block and prefetches the blocks
 before it (reverse forward order) while the bytes being read stay within ``prefetch_bytes``; a
 loaded storage is dropped by the manager once each of its tensors was unpacked (autograd keeps
-what it still needs), and its nvme room is given back as soon as its read landed.
+what it still needs), and its nvme room is given back as soon as its read landed. A failed
+swap-in ends that backward: the manager drops every swap and tells the engine, which drops the
+step's gradients ([Note: an abandoned backward]).
 
 [Note: per-block recompute]
 A Hugging Face ``GradientCheckpointingLayer`` has its own per-layer switch: setting
@@ -187,7 +189,8 @@ class ActivationManager:
     Collaborators: the ``model`` (its root forward hook marks the end of forward), its
     ``blocks``, the compute ``device``, the ``nvme`` tier (a ``tierwise.tiers.Tier`` with
     asynchronous ``write``/``read``; None when no block swaps to nvme) and ``untraced``, a
-    context manager under which the engine's warm-up memory tracer does not count allocations.
+    context manager under which the engine's warm-up memory tracer does not count allocations,
+    and ``on_backward_error``, called when a swap-in fails inside a backward.
     """
 
     def __init__(
@@ -202,6 +205,7 @@ class ActivationManager:
         min_bytes: int = MIN_SWAP_BYTES,
         prefetch_bytes: int | None = None,
         allowance: int | None = None,
+        on_backward_error: Callable[[str], None] | None = None,
     ) -> None:
         unknown = sorted(set(policy) - set(blocks))
         if unknown:
@@ -220,6 +224,9 @@ class ActivationManager:
         self.allowance = allowance
         """Bytes of saved activations the plan allots on the device (``Plan.activation_allowance``),
         checked at the first forward that records a graph (Invariant 4); None: unchecked."""
+        self.on_backward_error = on_backward_error
+        """Told why, when a swap-in fails inside a backward (the engine's ``abandon_backward``:
+        autograd stops that backward without the engine's end of backward)."""
         self._checked = False
         self._kept_by_block: Counter[str] = Counter()
         self.order = list(blocks)
@@ -542,6 +549,20 @@ class ActivationManager:
                 "already used by a backward; a second backward through a swapped block "
                 "(retain_graph=True) is not supported: keep or recompute that block"
             )
+        try:
+            return self._load(packed)
+        except Exception as err:  # [Note: an abandoned backward]
+            self._drop_all()
+            self._now, self._kept_bytes = StepStats(), 0
+            self._kept_live.clear()
+            error = _with_block(err, stored.block, "swapping in")
+            if self.on_backward_error is not None:
+                self.on_backward_error(f"{type(err).__name__}: {err}")
+            raise error from None
+
+    def _load(self, packed: _Packed) -> torch.Tensor:
+        """The tensor ``packed`` stands for, loading its block (and prefetching) as needed."""
+        stored = packed.stored
         if stored.loaded is None and stored.read is None:
             if stored.block in self._loading:
                 self._loading.remove(stored.block)
@@ -551,14 +572,10 @@ class ActivationManager:
                     if other.loaded is None and other.read is None:
                         self._swap_in(other)
         if stored.read is not None:
-            try:
-                if self._stream is not None:
-                    torch.cuda.current_stream(self.device).wait_event(stored.read)
-                else:
-                    stored.read.wait()
-            except Exception as err:
-                self._drop_all()
-                raise _with_block(err, stored.block, "swapping in") from None
+            if self._stream is not None:
+                torch.cuda.current_stream(self.device).wait_event(stored.read)
+            else:
+                stored.read.wait()
             stored.read = None
             self._finish_read(stored)
         loaded = stored.loaded

@@ -93,6 +93,15 @@ class Engine(GradientPath, OptimizerStep):
         and any in a run of several ranks (the others may have committed the step). Then some chunks hold the new step and others the old, so the engine refuses
         to step again and save_checkpoint refuses to save, until load_checkpoint restores a
         consistent state."""
+        self.backward_failed: str | None = None
+        """Why the last backward stopped on an error (None: it did not); cleared by zero_grad.
+
+        [Note: an abandoned backward]
+        An error raised inside autograd (a failed activation swap-in) ends the backward without
+        the engine's ``end_backward``: chunks are left pinned, staging buffers taken and
+        gradient shards partly accumulated. ``abandon_backward`` undoes the backward phase and
+        drops every gradient of the step (a partial sum must never reach the optimizer), and
+        ``step`` refuses to run until ``zero_grad`` starts the step again."""
         self.step_time_s = 0.0
         self._step_started: float | None = None
         self._in_backward = False
@@ -453,10 +462,37 @@ class Engine(GradientPath, OptimizerStep):
         if self.trace.recording:
             self.trace.freeze()
 
+    def abandon_backward(self, reason: str) -> None:
+        """A backward stopped on an error (autograd ran no ``end_backward``): [Note: an
+        abandoned backward]."""
+        self._callback_queued = self._in_backward = self._scaled_this_backward = False
+        self._backward_pins.clear()
+        self._reforward_pins.clear()
+        self.loads.finish_all()
+        for chunk in self.chunks():
+            if chunk.staging is not None:
+                self._give_back_staging(chunk)
+            for slot in chunk.slots:
+                if slot.compute_refs:
+                    slot.compute_refs = 0
+                    slot.set_state(TensorState.HOLD_AFTER_BWD)
+                slot.got_grad = False
+            chunk.compute_refs = 0
+            chunk.pending = len(chunk.slots) if chunk.trainable else 0
+            chunk.grads_done = chunk.handed_over = False
+        self._release_staging_memory()
+        self.zero_grad()
+        self.backward_failed = reason
+
     # ------------------------------------------------------------------ step
     def step(self) -> None:
         if self._in_backward:
             raise RuntimeError("tierwise: optimizer.step() called during backward")
+        if self.backward_failed is not None:
+            raise RuntimeError(
+                f"tierwise: this step's backward failed ({self.backward_failed}) and its gradients "
+                "were dropped; call zero_grad() and run the step's forward and backward again"
+            )
         self._finish_tracing_if_ended()
         if self.step_failed is not None:
             raise RuntimeError(
@@ -532,6 +568,7 @@ class Engine(GradientPath, OptimizerStep):
             tier.close()
 
     def zero_grad(self) -> None:
+        self.backward_failed = None
         for chunk in self.chunks():
             if chunk.optim is not None:
                 chunk.optim.clear_grad()  # [Note: gradient memory between steps]

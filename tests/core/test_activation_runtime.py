@@ -48,6 +48,35 @@ def test_every_activation_policy_trains_bitwise_alike(kind, precision):
     assert moved["act:device->host"] == moved["act:host->device"] > 0
 
 
+FP16_SWAPS = {"host": dict(activation_offload="host"), "auto": dict(activation_offload="auto")}
+
+
+@pytest.mark.parametrize(
+    "policies",
+    [
+        pytest.param(FP16_SWAPS, id="swaps"),
+        pytest.param(
+            {"recompute-all": dict(activation_checkpointing=True)}, id="recompute",
+            marks=pytest.mark.xfail(strict=True, reason=(
+                "known gap: under fp16 a tierwise recompute leaves one GPT-2 weight ~1e-7 off "
+                "keep after 4 steps (plain PyTorch fp16 checkpointing is bitwise; not yet found)")),
+        ),
+    ],
+)
+def test_fp16_loss_scaled_training_is_bitwise_alike_under_swaps(policies):
+    kw = dict(precision="fp16", device="cpu")
+    base_losses, base = run_tierwise("gpt2", 4, **kw)
+    for name, cfg in policies.items():
+        losses, model = run_tierwise("gpt2", 4, **kw, **cfg)
+        assert losses == base_losses, name
+        assert _same(model, base), name
+        stats, base_stats = tierwise.engine_of(model).stats(), tierwise.engine_of(base).stats()
+        assert (stats["loss_scale"], stats["skipped_steps"]) == (
+            base_stats["loss_scale"], base_stats["skipped_steps"]), name
+        if name == "host":
+            assert stats["activations"]["swapped_out_bytes"]["host"] > 0
+
+
 def _reference_swap_bytes(kind: str, blocks: list[str], min_bytes: int = 1024) -> int:
     """Bytes a swap of ``blocks`` must move in one step of the plain model, counted with plain
     saved_tensors_hooks: storages (once per block) that are not parameters' and >= min_bytes."""

@@ -39,8 +39,10 @@ class StepUndo:
         return self._counts is not None
 
     def home_written(self, chunk: Chunk) -> None:
-        """``chunk``'s parameter home is about to get this step's values (any thread)."""
-        self._homes.append(chunk)
+        """``chunk``'s parameter home is about to get this step's values (any thread); after
+        the commit (not active) there is nothing to undo."""
+        if self.active:
+            self._homes.append(chunk)
 
     def clear(self) -> None:
         """The step committed (or never began): nothing to undo."""

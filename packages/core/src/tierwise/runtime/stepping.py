@@ -104,6 +104,7 @@ class OptimizerStep:
         if self._update_in_backward() and self._backwards_this_step == 0:
             hyper = self._hyper(chunk)
             self._early_hyper[chunk.key] = hyper
+            self.step_undo.begin()  # the step begins here: [Note: atomic optimizer step]
             # its cached copy goes stale, but nothing reads it again in this backward: all of
             # its gradients are in; step() drops every cached copy
             pipeline.submit(chunk.key, slabs, self._chunk_update(chunk, hyper, None))
@@ -208,7 +209,6 @@ class OptimizerStep:
         """The update of one chunk, given its fp32 (master, exp_avg, exp_avg_sq) tensors (it
         advances the step counts now, on the calling thread)."""
         optim = chunk.optim
-        self.step_undo.begin()
         ranges = self._update_ranges(chunk)
         undo = self.step_undo
 

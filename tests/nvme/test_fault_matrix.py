@@ -267,3 +267,28 @@ def test_fault_is_one_clear_error_and_the_last_checkpoint_resumes_bitwise(
     tierwise.load_checkpoint(ckpt, model, opt)
     assert train(model, opt, 2, first_seed=2) == reference.losses
     tierwise.engine_of(model).close()
+
+
+def test_a_backward_given_up_after_in_backward_updates_applies_none_of_them(
+    nvme_dir, injectors, reference
+):
+    """An activation swap-in fails late in a backward whose optimizer updates run in backward
+    ([Note: atomic optimizer step]): none of those updates is applied, and after zero_grad the
+    engine trains on like a run that never failed."""
+    model, opt = _build(nvme_dir)
+    train(model, opt, 1)
+    reads = []  # the activation reads of one step (all pass)
+    _arm(injectors, lambda r: reads.append(r) if r.op == "read" and "-activation" in r.path else False)
+    train(model, opt, 1, first_seed=1)
+    engine = tierwise.engine_of(model)
+    assert engine.optimizer_mode == "in-backward" and reads
+    updated = engine.pipelines["nvme"].updated
+    _arm(injectors, _nth(lambda r: r.op == "read" and "-activation" in r.path, len(reads)))
+    with pytest.raises(NVMeIOError):
+        model(**tiny_batch(seed=2)).loss.backward()
+    _arm(injectors, None)
+    assert engine.pipelines["nvme"].updated > updated, "no update ran before the failure"
+    assert_same_state(model, opt, reference)
+    opt.zero_grad()
+    assert train(model, opt, 2, first_seed=2) == reference.losses
+    engine.close()

@@ -139,6 +139,16 @@ class OptimizerPipeline:
             if not self.prefetch(key, slabs):
                 break
 
+    def abandon(self) -> None:
+        """Wait for every submitted chunk, then commit none of them: the step they belong to was
+        given up (an abandoned backward). Their errors, if any, go with them."""
+        try:
+            self._finish_all()
+        except Exception:  # noqa: S110 - nothing of these updates is kept, failed or not
+            pass
+        with self._cond:
+            self._written, self._order = [], []
+
     def _finish_all(self) -> None:
         with self._cond:
             while self._queue or self._busy:

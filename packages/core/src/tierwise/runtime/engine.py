@@ -481,6 +481,7 @@ class Engine(GradientPath, OptimizerStep):
             chunk.pending = len(chunk.slots) if chunk.trainable else 0
             chunk.grads_done = chunk.handed_over = False
         self._release_staging_memory()
+        self._drop_uncommitted_updates()
         self.zero_grad()
         self.backward_failed = reason
 

@@ -265,6 +265,20 @@ class OptimizerStep:
             return f"optimizer_overlap='auto' and the previous step {previous_step}"
         return f"optimizer_overlap={self.config.optimizer_overlap!r}"
 
+    def _drop_uncommitted_updates(self) -> None:
+        """A backward was given up after some of its in-backward updates ran: commit none of
+        them and put back what they changed ([Note: atomic optimizer step]); if that fails,
+        the engine refuses to step until a load ([Note: a step that failed part way])."""
+        for pipeline in self.pipelines.values():
+            pipeline.abandon()
+        self._early_hyper.clear()
+        if self.step_undo.active:
+            try:
+                self.step_undo.restore()
+            except OSError as err:
+                self.step_undo.clear()
+                self.step_failed = f"{type(err).__name__}: {err}"
+
     def _undo_step(self) -> None:
         """The step failed before committing ([Note: atomic optimizer step]): put back what it
         changed, so the engine is as before ``step`` (gradients kept: step may be retried)."""

@@ -42,3 +42,22 @@ def test_mixtral_ep2_trains_bitwise_alike_under_every_activation_policy(policy, 
         assert got["state"].keys() == want["state"].keys()
         for name, value in want["state"].items():
             assert np.array_equal(got["state"][name], value), name
+
+
+@pytest.mark.multiprocess
+def test_llama_tp2_trains_bitwise_alike_under_host_swap_and_recompute():
+    runs = {
+        name: run_ranks(w.engine_run, 2, "llama", {"tensor": 2}, settings)
+        for name, settings in {
+            "keep": {},
+            "host": {"activation_offload": "host"},
+            "mixed": {"activation_policy": {"model.layers.0": "host", "model.layers.1": "recompute"}},
+        }.items()
+    }
+    for name in ("host", "mixed"):
+        for got, want in zip(runs[name], runs["keep"], strict=True):
+            assert got["activations"]["swapped_out_bytes"]["host"] > 0, name
+            assert got["losses"] == want["losses"], name
+            assert got["state"].keys() == want["state"].keys()
+            for key, value in want["state"].items():
+                assert np.array_equal(got["state"][key], value), (name, key)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from tierwise.config import Config, ConfigError
 from tierwise.hardware import Hardware
+from tierwise.hf_compat import enable_hf_checkpointing, hf_checkpointing_enabled
 from tierwise.integrations.hf_save import install_save_pretrained
 from tierwise.optim import TierwiseOptimizer, check_optimizer
 from tierwise.parallel.base import snapshot_model
@@ -178,8 +179,8 @@ def setup(
             allowance=plan.activation_allowance, on_backward_error=engine.abandon_backward,
         )
         engine.activations.install()
-    elif config.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif config.activation_checkpointing:
+        enable_hf_checkpointing(model)
     setattr(model, _ENGINE_ATTR, engine)
     from tierwise.checkpoint import install_state_dict_hooks
 
@@ -251,7 +252,7 @@ def _check_cache_minimum(model, config: Config, profile, plan, groups) -> None:
         slot.name: chunk.key for g in groups for chunk in g.chunks for slot in chunk.slots
         if g.sharded or plan.param_tier_of(g.name, chunk.index) != "device"
     }
-    recompute = (may_recompute(config) or bool(getattr(model, "is_gradient_checkpointing", False))
+    recompute = (may_recompute(config) or hf_checkpointing_enabled(model)
                  or "recompute" in plan.activation_policy.values())
     minimum = profile_min_blocks(profile, chunk_of, recompute=recompute)
     if plan.cache_blocks < minimum:
@@ -274,7 +275,7 @@ def _activation_blocks(model, config: Config, host, plan) -> dict:
                 "layers); use activation_checkpointing or leave activations on 'none'"
             )
         return blocks
-    hf_checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+    hf_checkpointing = hf_checkpointing_enabled(model)
     try:
         policy = resolve_policy(
             list(blocks), policy=config.activation_policy, offload=config.activation_offload,

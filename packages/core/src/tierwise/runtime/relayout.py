@@ -34,6 +34,7 @@ from tierwise.chunks import (
     first_use_order,
     pack,
 )
+from tierwise.hf_compat import hf_checkpointing_enabled
 from tierwise.parallel.collectives import _all_gather
 
 if TYPE_CHECKING:
@@ -192,7 +193,7 @@ def _min_blocks_with(engine: Engine, group: ChunkGroup, cached: list[Chunk]) -> 
     }
     chunk_of.update({slot.name: ("new", i) for i, chunk in enumerate(cached) for slot in chunk.slots})
     recompute = (may_recompute(engine.config) or "recompute" in engine.plan.activation_policy.values()
-                 or bool(getattr(engine.model, "is_gradient_checkpointing", False)))
+                 or hf_checkpointing_enabled(engine.model))
     return profile_min_blocks(profile, chunk_of, recompute=recompute)
 
 

@@ -27,6 +27,13 @@ BINARY_DEPS=(pydantic-core==2.50.4)
 DEBS=(libaio1 libaio-dev)
 PACKAGES=(core profiler search offload-nvme moe-parallel)
 
+# the wheels build without isolation (DeepSpeed's setup imports torch): say what is missing, once
+if ! "$PYTHON" -c "import hatchling, setuptools, wheel, torch" 2>/dev/null; then
+    echo "prepare.sh builds with $PYTHON, which needs hatchling, setuptools, wheel and torch:" \
+        "$PYTHON -m pip install hatchling setuptools wheel (torch: --constraint constraints/ci.txt torch)" >&2
+    exit 1
+fi
+
 tag=${PY_VERSION/./}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -169,3 +169,103 @@ def test_a_two_process_run_resumes_on_one_process(tmp_path, capsys):
     assert "resumed" in out and "at step 3" in out
     assert sorted(train_losses(run / "metrics.jsonl")) == [1, 2, 3, 4, 5, 6]
     assert CheckpointReader(run / "checkpoints" / "step-000006").world_size == 1
+
+
+class _StepClock:
+    """A clock on which every optimizer step takes ``minutes_per_step`` minutes: what the
+    checkpoint timer reads, moved by the loop's own step records (no sleeping)."""
+
+    def __init__(self, minutes_per_step: float):
+        self.seconds_per_step = minutes_per_step * 60
+        self.steps = 0
+
+    def monotonic(self) -> float:
+        return self.steps * self.seconds_per_step
+
+
+def _saved_steps(tmp_path, capsys, monkeypatch, minutes_per_step, *args):
+    """The steps at which a 7-step run wrote a checkpoint, under a ``_StepClock``."""
+    import tierwise.train.checkpoints as checkpoints
+    import tierwise.train.interrupts as interrupts
+    import tierwise.train.run as run
+
+    clock = _StepClock(minutes_per_step)
+    monkeypatch.setattr(interrupts, "time", clock)
+    record = run.step_record
+
+    def counting(**kwargs):
+        clock.steps = kwargs["step"]
+        return record(**kwargs)
+
+    monkeypatch.setattr(run, "step_record", counting)
+    saved = []
+    save = checkpoints.save
+
+    def recording(run_dir, **kwargs):
+        saved.append(kwargs["step"])
+        return save(run_dir, **kwargs)
+
+    monkeypatch.setattr(checkpoints, "save", recording)
+    code, _, err = _train(tmp_path, capsys, *TINY, "--steps", "7", "--eval-every", "100",
+                          "--out", str(tmp_path / "run"), *args)
+    assert code == 0, err
+    return saved
+
+
+def test_periodic_checkpoints_are_on_by_default(tmp_path, capsys, monkeypatch):
+    """No flag: a checkpoint once 30 minutes passed since the last (steps of 12 minutes: after
+    steps 3 and 6), and at the end; 100 steps (the step default) are not reached."""
+    from tierwise.train.options import TrainOptions
+
+    defaults = TrainOptions()
+    assert (defaults.checkpoint_interval, defaults.save_minutes) == (100, 30.0)
+    assert _saved_steps(tmp_path, capsys, monkeypatch, 12) == [3, 6, 7]
+
+
+def test_save_every_overrides_the_periodic_default(tmp_path, capsys, monkeypatch):
+    """--save-every 2 --save-minutes 0: by step count only, whatever the clock says."""
+    assert _saved_steps(tmp_path, capsys, monkeypatch, 12, "--save-every", "2",
+                        "--save-minutes", "0") == [2, 4, 6, 7]
+
+
+def test_second_ctrl_c_in_a_real_run_aborts_at_once_keeping_the_previous_checkpoint(tmp_path):
+    """Two Ctrl-C during step 3 of `tierwise train`: the first is recorded, the second ends the
+    process at once (130, one line, no traceback, no checkpoint for step 3); the checkpoint of
+    step 2 stays the newest and resumes."""
+    run = tmp_path / "run"
+    script = textwrap.dedent("""
+        import os, signal, sys
+        import tierwise.train.interrupts as interrupts
+        import tierwise.train.run as run
+        from tierwise.cli import main
+        requests = []
+        enter = interrupts.StopRequest.__enter__
+        def remembering(self):
+            requests.append(self)
+            return enter(self)
+        interrupts.StopRequest.__enter__ = remembering
+        record = run.step_record
+        def ctrl_c_twice_at_step_3(**kwargs):
+            if kwargs["step"] == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+                while requests[-1].signum is None:  # the handler runs between bytecodes
+                    pass
+                os.kill(os.getpid(), signal.SIGINT)
+                while True:
+                    pass
+            return record(**kwargs)
+        run.step_record = ctrl_c_twice_at_step_3
+        sys.exit(main(sys.argv[1:]))
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", script, "train", *TINY, "--steps", str(STEPS), "--save-every", "2",
+         "--json", "--out", str(run)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 130, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    ours = [line for line in done.stderr.splitlines() if line.startswith("tierwise train:")]
+    assert len(ours) == 1 and "second SIGINT: aborted at once" in ours[0], done.stderr
+    assert (run / "checkpoints" / "latest").read_text() == "step-000002"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-000002"]

@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("tierwise_profiler")
 
+from helpers.cuda_calls import forbid_cuda_calls  # noqa: E402
 from tierwise.cli import main  # noqa: E402
 from tierwise.profile import Profile  # noqa: E402
 from tierwise_profiler.presets import meta_model, model_config  # noqa: E402
@@ -125,24 +126,8 @@ def test_probe_nvme_path_is_cached_and_the_plan_says_it_used_it(tmp_path, monkey
 
 @pytest.fixture
 def no_cuda(monkeypatch):
-    """torch.cuda as on a CPU-only machine, every call but is_available() raising."""
-    import torch
-
-    calls = []
-
-    def forbidden(name):
-        def call(*args, **kwargs):
-            calls.append(name)
-            raise AssertionError(f"torch.cuda.{name} called on a CPU-only machine")
-
-        return call
-
-    for name in dir(torch.cuda):
-        value = getattr(torch.cuda, name)
-        if callable(value) and not isinstance(value, type) and name != "is_available":
-            monkeypatch.setattr(torch.cuda, name, forbidden(name))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    return calls
+    """torch.cuda as on a CPU-only machine: any CUDA call is recorded and fails the test."""
+    return forbid_cuda_calls(monkeypatch)
 
 
 def test_profile_for_a_preset_makes_no_cuda_call(no_cuda, capsys):
@@ -156,6 +141,17 @@ def test_profile_for_a_preset_makes_no_cuda_call(no_cuda, capsys):
     assert main([*args, "--hardware", "no-such-gpu"]) == 2
     out = capsys.readouterr().out
     assert len(out.strip().splitlines()) == 1 and "presets: a100-40gb" in out
+
+
+def test_probe_of_a_missing_device_is_one_line_listing_the_presets(no_cuda, capsys):
+    from tierwise.hardware import preset_names
+
+    assert main(["probe", "--device", "cuda"]) == 2
+    assert no_cuda == []  # the probe ran for no device that is not there
+    out = capsys.readouterr().out
+    assert len(out.strip().splitlines()) == 1
+    assert "no cuda device on this machine" in out and "--device cpu" in out
+    assert "--hardware NAME or FILE.json" in out and all(name in out for name in preset_names())
 
 
 @pytest.mark.combined  # profiler + search: the prediction comes from the search's cost model

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("tierwise_search")
 
 import torch  # noqa: E402
+from helpers.cuda_calls import forbid_cuda_calls  # noqa: E402
 from helpers.models import _config  # noqa: E402
 from search_helpers import gpu_hardware, make_profile  # noqa: E402
 from tierwise import Config, Plan  # noqa: E402
@@ -47,23 +48,8 @@ def config_json(tmp_path_factory):
 
 @pytest.fixture
 def no_cuda(monkeypatch):
-    """torch.cuda as on a machine without CUDA, except that every call other than
-    is_available() raises: the test fails on any CUDA call."""
-    calls = []
-
-    def forbidden(name):
-        def call(*args, **kwargs):
-            calls.append(name)
-            raise AssertionError(f"torch.cuda.{name} called on a CPU-only machine")
-
-        return call
-
-    for name in dir(torch.cuda):
-        value = getattr(torch.cuda, name)
-        if callable(value) and not isinstance(value, type) and name != "is_available":
-            monkeypatch.setattr(torch.cuda, name, forbidden(name))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    return calls
+    """torch.cuda as on a CPU-only machine: any CUDA call is recorded and fails the test."""
+    return forbid_cuda_calls(monkeypatch)
 
 
 def test_every_shipped_preset_is_listed_and_complete():

@@ -212,7 +212,13 @@ def run_probe(args: argparse.Namespace) -> int:
         return 2
     host = get_plugin_host()
     if not device_present(config.device):
-        print(f"tierwise probe: no {config.device} device on this machine; probe a device it has")
+        from tierwise.hardware import preset_names
+
+        print(
+            f"tierwise probe: no {config.device} device on this machine to measure; pass --device "
+            "cpu to measure this one, or plan for another machine with tierwise plan/profile "
+            f"--hardware NAME or FILE.json (presets: {', '.join(preset_names())})"
+        )
         return 2
     if args.nvme_path:
         if "nvme" not in host.tier_classes():

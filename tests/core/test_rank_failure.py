@@ -38,7 +38,7 @@ def _raises_in_backward(rank, world, settings):
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("shard", [True, False])
-def test_a_rank_raising_in_backward_lets_every_rank_exit(world, shard):
+def test_a_rank_raising_in_backward_lets_every_rank_exit(world, shard, record_property):
     settings = dict(shard=shard, param_placement="host", cache_blocks=4)
     with pytest.raises(RankFailed, match="boom in backward") as failed:
         run_ranks(_raises_in_backward, world, settings, timeout=300,
@@ -47,12 +47,14 @@ def test_a_rank_raising_in_backward_lets_every_rank_exit(world, shard):
     print(json.dumps({"test": "rank_failure", "world": world, "shard": shard,
                       "first_error_to_last_exit_s": round(err.exit_seconds, 2),
                       "killed": err.killed, "load_avg": round(os.getloadavg()[0], 2)}))
+    record_property("first_error_to_last_exit_s", round(err.exit_seconds, 2))
+    record_property("killed", err.killed)
     assert err.killed == []  # every rank exited by itself
     assert err.exit_seconds < UPPER_BOUND_S
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_under_torchrun_a_rank_raising_in_backward_ends_the_run(world, tmp_path):
+def test_under_torchrun_a_rank_raising_in_backward_ends_the_run(world, tmp_path, record_property):
     """torchrun's agent sees the failed worker and stops the others; nothing is left running."""
     import socket
     import subprocess
@@ -78,4 +80,5 @@ def test_under_torchrun_a_rank_raising_in_backward_ends_the_run(world, tmp_path)
     print(json.dumps({"test": "rank_failure_torchrun", "world": world,
                       "first_error_to_last_exit_s": round(ended - failed_at, 2),
                       "load_avg": round(os.getloadavg()[0], 2)}))
+    record_property("first_error_to_last_exit_s", round(ended - failed_at, 2))
     assert ended - failed_at < UPPER_BOUND_S

@@ -1,11 +1,14 @@
 """The fault matrix in real training: EIO, ENOSPC and short I/O at setup, chunk fetch, the NVMe
 optimizer pipeline, activation swap and checkpoint write. Each gives one clear error (no hang:
-every case runs under pytest's own process and returns), the model keeps the values of the
-last completed step, and the last checkpoint resumes bitwise like a run that never failed."""
+a case that does not return within HANG_S ends the test process with every thread's stack),
+the model keeps the values of the last completed step, and the last checkpoint resumes bitwise
+like a run that never failed. Each case records how long the error took to reach the caller
+(``record_property``; bench/resilience.py prints them as the fault-matrix report)."""
 
 from __future__ import annotations
 
 import errno
+import faulthandler
 import re
 import time
 import types
@@ -37,6 +40,8 @@ SITES = ("setup", "chunk fetch", *OPTIMIZER_SITES, *REFUSING_SITES, "activation 
          "checkpoint write")
 FAULTS = {"EIO": errno.EIO, "ENOSPC": errno.ENOSPC, "short I/O": None}
 EXPECTED = {"EIO": NVMeIOError, "ENOSPC": NVMeSpaceError, "short I/O": NVMeIOError}
+HANG_S = 600
+"""A case still running after this long is a hang (a bound for a loaded machine)."""
 MESSAGE = {"EIO": r"\[Errno 5\]", "ENOSPC": r"is full; free space there",
            "short I/O": r"short (read|write): only \d+ of \d+ bytes"}
 
@@ -52,6 +57,7 @@ class Injector(FailingBackend):
     def submit(self, request) -> None:
         if self.fail_if is not None and self.failed is None and self.fail_if(request):
             self.failed = request
+            self.failed_at = time.perf_counter()
             size = len(request.buffer)
             error = (short_io_error(request.op, request.path, request.offset, size, size // 2)
                      if self.fault == "short I/O" else
@@ -66,6 +72,15 @@ class Injectors(list):
     """Every nvme tier created while it is installed goes through an Injector of ``fault``."""
 
     fault = "EIO"
+
+
+@pytest.fixture(autouse=True)
+def no_hang():
+    """A case that hangs ends the test process after HANG_S seconds, printing every thread's
+    stack, instead of stalling the suite."""
+    faulthandler.dump_traceback_later(HANG_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture
@@ -133,8 +148,9 @@ def _arm(injectors, fail_if):
         injector.fail_if = fail_if
 
 
-def _checkpoint_write_fails(monkeypatch, fault):
-    """torch.save inside save_checkpoint writes half a file, then the disk reports the fault."""
+def _checkpoint_write_fails(monkeypatch, fault, failed_at: list):
+    """torch.save inside save_checkpoint writes half a file, then the disk reports the fault
+    (its time appended to ``failed_at``)."""
     import tierwise.checkpoint as ckpt
 
     real_save = torch.save
@@ -144,6 +160,7 @@ def _checkpoint_write_fails(monkeypatch, fault):
         with open(path, "r+b") as handle:
             handle.truncate(path.stat().st_size // 2)
         code = FAULTS[fault] or errno.EIO
+        failed_at.append(time.perf_counter())
         raise OSError(code, f"{errno.errorcode[code]}: write of {path.name} stopped half way"
                       + (" (short write)" if fault == "short I/O" else ""), str(path))
 
@@ -153,9 +170,11 @@ def _checkpoint_write_fails(monkeypatch, fault):
 
 def run_case(site, fault, nvme_dir, ckpt, injectors, monkeypatch, reference):
     """Inject ``fault`` at ``site``; return (error, seconds from the failing call to the error,
-    whether the model kept the values of its last completed step)."""
+    whether the model kept the values of its last completed step, seconds from the fault to
+    the error)."""
     injectors.fault = fault
     kept = True
+    failed_at: list[float] = []
     if site == "setup":
         model = tiny_model("llama")
         before = model.state_dict()
@@ -174,7 +193,7 @@ def run_case(site, fault, nvme_dir, ckpt, injectors, monkeypatch, reference):
         with pytest.raises(Exception) as info:
             tierwise.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
                            nvme_path=str(nvme_dir), **PLAN)
-        seconds = time.perf_counter() - start
+        raised = time.perf_counter()
         kept = not hasattr(model, "_tierwise_engine") and all(
             torch.equal(v, before[k]) for k, v in model.state_dict().items())
         monkeypatch.setattr(tier_module, "open_backend", creating)
@@ -187,7 +206,7 @@ def run_case(site, fault, nvme_dir, ckpt, injectors, monkeypatch, reference):
         start = time.perf_counter()
         with pytest.raises(Exception) as info:
             if site == "checkpoint write":
-                restore = _checkpoint_write_fails(monkeypatch, fault)
+                restore = _checkpoint_write_fails(monkeypatch, fault, failed_at)
                 try:
                     tierwise.save_checkpoint(ckpt, model, opt)
                 finally:
@@ -203,7 +222,7 @@ def run_case(site, fault, nvme_dir, ckpt, injectors, monkeypatch, reference):
                                  }[site])
                 model(**tiny_batch(seed=2)).loss.backward()
                 opt.step()
-        seconds = time.perf_counter() - start
+        raised = time.perf_counter()
         _arm(injectors, None)
         kept = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
         if site in OPTIMIZER_SITES:
@@ -226,7 +245,9 @@ def run_case(site, fault, nvme_dir, ckpt, injectors, monkeypatch, reference):
             tierwise.load_checkpoint(ckpt, model, opt)  # the same engine goes on from it
             assert train(model, opt, 2, first_seed=2) == reference.losses
         tierwise.engine_of(model).close()
-    return info.value, seconds, kept
+    failed_at += [i.failed_at for i in injectors if i.failed is not None]
+    assert failed_at, f"{site}: no fault was injected"
+    return info.value, raised - start, kept, raised - min(failed_at)
 
 
 @pytest.fixture(scope="module")
@@ -247,10 +268,14 @@ def reference():
 @pytest.mark.parametrize("fault", list(FAULTS))
 @pytest.mark.parametrize("site", SITES)
 def test_fault_is_one_clear_error_and_the_last_checkpoint_resumes_bitwise(
-    nvme_dir, tmp_path, injectors, monkeypatch, reference, site, fault
+    nvme_dir, tmp_path, injectors, monkeypatch, reference, site, fault, record_property
 ):
     ckpt = tmp_path / "ckpt"
-    error, seconds, kept = run_case(site, fault, nvme_dir, ckpt, injectors, monkeypatch, reference)
+    error, seconds, kept, after_fault = run_case(site, fault, nvme_dir, ckpt, injectors,
+                                                 monkeypatch, reference)
+    record_property("error", type(error).__name__)
+    record_property("call_to_error_s", round(seconds, 4))
+    record_property("fault_to_error_s", round(after_fault, 4))
     message = str(error)
     assert "\n" not in message, message
     if site == "checkpoint write":

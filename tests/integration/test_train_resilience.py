@@ -269,3 +269,91 @@ def test_second_ctrl_c_in_a_real_run_aborts_at_once_keeping_the_previous_checkpo
     assert len(ours) == 1 and "second SIGINT: aborted at once" in ours[0], done.stderr
     assert (run / "checkpoints" / "latest").read_text() == "step-000002"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-000002"]
+
+
+NVME_FAILS_AFTER_STEP_3 = """
+import errno, os, sys
+import tierwise.train.run as run
+import tierwise_nvme.tier as tier
+from tierwise.cli import main
+from tierwise_nvme.errors import io_error
+
+armed = []
+real_open = tier.open_backend
+
+
+class FailingDisk:
+    \"\"\"The disk under --nvme-path: its first write once armed fails with EIO.\"\"\"
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def submit(self, request):
+        if armed and request.op == "write":
+            armed.clear()
+            request.on_done(io_error(request.op, request.path, request.offset,
+                                     len(request.buffer), errno.EIO))
+            return
+        self.inner.submit(request)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+tier.open_backend = lambda options, directory: FailingDisk(real_open(options, directory))
+record = run.step_record
+
+
+def arm_after_step_3(**kwargs):
+    if kwargs["step"] == 3:
+        armed.append(True)
+    return record(**kwargs)
+
+
+run.step_record = arm_after_step_3
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_disk_error_mid_run_is_one_line_and_the_last_checkpoint_resumes(tmp_path, capsys):
+    """EIO on the NVMe tier in step 4 of `tierwise train`: exit 1, one line naming the failed
+    write and the resume command, no traceback; --resume from step 2 ends with the losses of a
+    run that never failed."""
+    pytest.importorskip("tierwise_nvme")
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    flags = [*TINY, "--steps", "6", "--save-every", "2", "--eval-every", "100",
+             "--optimizer-placement", "nvme", "--nvme-path", str(nvme)]
+    code, _, err = _train(tmp_path, capsys, *flags, "--out", str(tmp_path / "straight"))
+    assert code == 0, err
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", NVME_FAILS_AFTER_STEP_3, "train", *flags, "--json",
+         "--out", str(run)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    ours = [line for line in done.stderr.splitlines() if line.startswith("tierwise train:")]
+    assert len(ours) == 1, done.stderr
+    assert "write of" in ours[0] and "[Errno 5]" in ours[0] and str(nvme) in ours[0]
+    assert f"step-000002 is intact: resume with: tierwise train --resume {run}" in ours[0]
+
+    code, out, err = _train(tmp_path, capsys, "--resume", str(run))
+    assert code == 0, err
+    assert "at step 2" in out
+    assert train_losses(run / "metrics.jsonl") == train_losses(tmp_path / "straight" / "metrics.jsonl")
+
+
+def test_nvme_path_problems_are_one_line_before_the_run_starts(tmp_path, capsys):
+    """A file, or a directory tierwise cannot write, as --nvme-path: one line naming it, exit 2,
+    no run directory."""
+    pytest.importorskip("tierwise_nvme")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    code, _, err = _train(tmp_path, capsys, *TINY, "--optimizer-placement", "nvme",
+                          "--nvme-path", str(a_file), "--out", str(tmp_path / "run1"))
+    assert code == 2 and err.strip().count("\n") == 0, err
+    assert f"--nvme-path {a_file} is a file, not a directory" in err
+    assert not (tmp_path / "run1").exists()

@@ -28,7 +28,7 @@ from tierwise.plugins import get_plugin_host
 from tierwise.tiers import TierBudgetError
 from tierwise.train import checkpoints, data, lora, presets
 from tierwise.train.distributed import World, barrier, close_world, init_world, mean_over_ranks
-from tierwise.train.errors import TrainError
+from tierwise.train.errors import RunFailed, TrainError
 from tierwise.train.interrupts import Agreement, StopRequest, exit_status
 from tierwise.train.metrics import MetricsLog, read_metrics, step_record
 from tierwise.train.options import RUN_IDENTITY, TrainOptions
@@ -60,6 +60,9 @@ def main(train_given: dict[str, Any], config_given: dict[str, Any]) -> int:
     except (TrainError, ConfigError) as err:
         print(f"tierwise train: error: {err}", file=sys.stderr)
         return 2
+    except (RunFailed, OSError) as err:  # a disk failed under the run: one line, no traceback
+        print(f"tierwise train: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # outside the training loop ([Note: stopping between steps])
         print("tierwise train: interrupted (outside the training steps; checkpoints written so "
               "far are kept)", file=sys.stderr)
@@ -155,6 +158,11 @@ def check_plugins(config: Config) -> None:
             "--nvme-path needs the NVMe tier from the tierwise-nvme plugin, which is not installed "
             "(or is blocked by TIERWISE_DISABLE_PLUGINS): pip install tierwise-nvme "
             "(in this repo: pip install -e packages/offload-nvme)"
+        )
+    if Path(config.nvme_path).exists() and not Path(config.nvme_path).is_dir():
+        raise TrainError(
+            f"--nvme-path {config.nvme_path} is a file, not a directory: give a directory on a "
+            "fast local disk"
         )
     if not Path(config.nvme_path).is_dir():
         raise TrainError(
@@ -285,12 +293,16 @@ def _train(request: Request, world: World) -> int:
     model.train()
     agreement = Agreement(world, options.save_minutes)
     with StopRequest() as stop:
-        step, micro_step, trace, stopped = _loop(
-            options, model, optimizer, scheduler, engine, corpus, sampler, world, device, run_dir,
-            metrics, console, budgets, agreement, stop, step=step, micro_step=micro_step,
-            last_step=last_step, trace_step=trace_step, step_seconds=step_seconds,
-            tokens_per_step=tokens_per_step,
-        )
+        try:
+            step, micro_step, trace, stopped = _loop(
+                options, model, optimizer, scheduler, engine, corpus, sampler, world, device,
+                run_dir, metrics, console, budgets, agreement, stop, step=step,
+                micro_step=micro_step, last_step=last_step, trace_step=trace_step,
+                step_seconds=step_seconds, tokens_per_step=tokens_per_step,
+            )
+        except OSError as err:  # the NVMe tier or a checkpoint write: the run cannot go on
+            console.stop_progress()
+            raise RunFailed(f"{err}; {_resume_hint(run_dir)}") from None
     if stopped is not None:
         console.stop_progress()
         if metrics:
@@ -303,6 +315,16 @@ def _train(request: Request, world: World) -> int:
     return _finish(options, model, engine, tokenizer, corpus, world, device, run_dir, metrics,
                    console, budgets, trace, step, first_step, step_seconds, tokens_per_step,
                    started, model_name, n_params)
+
+
+def _resume_hint(run_dir: Path) -> str:
+    """What a run stopped by a failure can do next (checkpoints are swapped in atomically, so
+    the newest one is whole)."""
+    latest = run_dir / checkpoints.CHECKPOINTS / checkpoints.LATEST
+    if latest.is_file():
+        return (f"the checkpoint of {latest.read_text().strip()} is intact: resume with: "
+                f"tierwise train --resume {run_dir}")
+    return "no checkpoint was written yet: start the run again"
 
 
 def _loop(options, model, optimizer, scheduler, engine, corpus, sampler, world, device, run_dir,

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import torch
 
-BUILD_QUERIES = ("is_available", "_is_compiled")
-"""Questions about the torch build that touch no device and create no CUDA context: what a
-CPU-only machine answers without CUDA (torch._dynamo asks ``_is_compiled`` when it is first
-imported, which transformers does when a model class is first used)."""
+NO_CONTEXT_QUERIES = ("is_available", "_is_compiled", "is_current_stream_capturing")
+"""Questions that create no CUDA context and touch no device, answered False as a CPU-only
+machine answers them: torch._dynamo asks ``_is_compiled`` when it is first imported (transformers
+imports it when a model class is first used), and transformers asks
+``is_current_stream_capturing`` in its models' forward."""
 
 
 def forbid_cuda_calls(monkeypatch) -> list[str]:
-    """Patch every callable of torch.cuda but the build queries to raise (and record its name);
-    ``is_available`` answers False. Returns the list of names called: a test asserts it empty."""
+    """Patch every callable of torch.cuda but the no-context queries to raise (and record its
+    name); those answer False. Returns the list of names called: a test asserts it empty."""
     calls: list[str] = []
 
     def forbidden(name):
@@ -24,8 +25,8 @@ def forbid_cuda_calls(monkeypatch) -> list[str]:
 
     for name in dir(torch.cuda):
         value = getattr(torch.cuda, name)
-        if callable(value) and not isinstance(value, type) and name not in BUILD_QUERIES:
+        if callable(value) and not isinstance(value, type) and name not in NO_CONTEXT_QUERIES:
             monkeypatch.setattr(torch.cuda, name, forbidden(name))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: False)
+    for name in NO_CONTEXT_QUERIES:
+        monkeypatch.setattr(torch.cuda, name, lambda: False)
     return calls

@@ -155,6 +155,37 @@ def test_nvme_space_binding_is_blamed_on_nvme():
     assert info.value.need > info.value.limit  # the need quoted is above the limit
 
 
+def test_nvme_binding_error_names_nvme_and_the_remedies(run_plan, tmp_path):
+    config = tmp_path / "config.json"  # a llama of 2.4 MiB of model data (bf16 + fp32 Adam)
+    config.write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 200,
+    }))
+    disk = tmp_path / "hw.json"
+    disk.write_text(json.dumps({"nvme_free": 1_000_000}))
+    code, _, err = run_plan(
+        "--model", str(config), "--seq", "16", "--hardware", f"a100-40gb,pcie4-nvme,{disk}",
+        "--device-memory", "200KiB", "--host-memory", "10KiB", "--nvme", str(tmp_path),
+    )
+    assert code == 2
+    first, *remedies = err.strip().splitlines()
+    assert re.search(r"NVMe space binds: .* needs [\d.]+ MiB .* free space is 976\.56 KiB: "
+                     r"[\d.]+ MiB short; free space on the NVMe disk", first), first
+    assert remedies[0].strip() == "what would make it fit:"
+    assert remedies[1:] and all(re.match(r"\s+--gpus \d+: ", r) for r in remedies[1:])
+
+
+def test_a_plan_says_when_it_assumed_the_nvme_space():
+    profile = make_profile([[4096] * 4 for _ in range(4)])
+    config = Config(device="cpu", device_memory=200_000, host_memory=300_000, nvme_path="/nvme")
+    unknown = search_plan(profile, gpu_hardware(), config)  # a preset: no nvme_free
+    assert "nvme" in {t for group in unknown.param_tiers.values() for t in group}
+    assert any(r.startswith("NVMe space unknown") for r in unknown.reasons)
+    known = search_plan(profile, gpu_hardware(nvme_free=10**9), config)
+    assert not any("NVMe space unknown" in r for r in known.reasons)
+
+
 def test_device_binding_error_offers_checkpointing(run_plan, config_json):
     code, _, err = run_plan(
         "--model", str(config_json), "--seq", "64", "--batch", "64", "--hardware",

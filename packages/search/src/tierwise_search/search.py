@@ -149,6 +149,11 @@ class _Search:
             self.reasons.append("device memory unknown: planning the minimum device footprint")
         if self.host_capacity is None:
             self.reasons.append("host memory unknown: assumed it holds all offloaded model data")
+        if config.nvme_path is not None and hardware.nvme_free is None:
+            self.reasons.append(
+                "NVMe space unknown: assumed it holds all model data placed there (give "
+                "nvme_free in a --hardware JSON file, or plan on the machine itself)"
+            )
         self.forced = Forced(
             param_tier=_tier_index(config.param_placement),
             optim_tier=_tier_index(config.optimizer_placement),

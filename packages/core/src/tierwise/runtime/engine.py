@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import Counter, defaultdict
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,8 @@ from tierwise.runtime.step_undo import StepUndo
 from tierwise.runtime.stepping import OptimizerStep
 from tierwise.runtime.transfer import ChunkLoads
 from tierwise.tiers.base import Tier
+
+_NOT_TRACING = nullcontext()  # reusable: entering it keeps no state
 
 _PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -72,6 +74,8 @@ class Engine(GradientPath, OptimizerStep):
         self.cache = cache
         self.modules = modules
         self.slot_chunk = slot_chunk  # id(param) -> chunk
+        self.slot_of = {id(s.param): s for c in self.chunks() for s in c.slots}
+        """id(param) -> its ParamSlot (the gradient hook's lookup: [Note: per-module hook cost])."""
         self.decoupled = decoupled
         self.optimizer_groups = optimizer_groups
         self.world_group = world_group
@@ -164,7 +168,11 @@ class Engine(GradientPath, OptimizerStep):
 
     # ------------------------------------------------------------------ residency
     def _evictable(self) -> set:
-        return {c.key for c in self.chunks() if c.block_id is not None and c.compute_refs == 0}
+        """Keys of the unpinned chunks in the rCache (a scan of its blocks, not of every chunk:
+        [Note: per-module hook cost])."""
+        by_key = self._by_key
+        return {key for key in self.cache.owner
+                if key is not None and by_key[key].compute_refs == 0}
 
     def _chunk_by_key(self, key) -> Chunk:
         return self._by_key[key]
@@ -232,7 +240,7 @@ class Engine(GradientPath, OptimizerStep):
 
     def _prefetch(self) -> None:
         depth = self.plan.prefetch
-        if depth <= 0 or self.trace.recording:
+        if depth <= 0 or self.trace.recording or not len(self.cache):
             return
         for key in self.trace.upcoming(depth + 1):
             chunk = self._chunk_by_key(key)
@@ -299,13 +307,8 @@ class Engine(GradientPath, OptimizerStep):
         """A context in which the warm-up tracer does not count allocations (engine work)."""
         return self._untraced()
 
-    @contextmanager
     def _untraced(self):
-        if self._tracer is None:
-            yield
-        else:
-            with self._tracer.paused():
-                yield
+        return _NOT_TRACING if self._tracer is None else self._tracer.paused()
 
     def _finish_tracing_if_ended(self) -> None:
         if self._tracer is not None and self._tracer_ended:
@@ -335,11 +338,15 @@ class Engine(GradientPath, OptimizerStep):
             self._acquire_untraced(module)
 
     def _acquire_untraced(self, module: torch.nn.Module) -> None:
+        first_use = self.trace.recording and not self._in_backward
+        fetched = None
         for slot in self.modules[module]:
-            if self.trace.recording and not self._in_backward:
+            if first_use:
                 self.first_use.setdefault(slot.name)
             chunk = self.slot_chunk[id(slot.param)]
-            self.fetch(chunk)
+            if chunk is not fetched:  # consecutive slots of one chunk: fetched once
+                self.fetch(chunk)
+                fetched = chunk
             if slot.compute_refs == 0:
                 slot.set_state(TensorState.COMPUTE)
                 chunk.compute_refs += 1
@@ -548,6 +555,7 @@ class Engine(GradientPath, OptimizerStep):
         slot_of = {id(s.param): s for c in self.chunks() for s in c.slots}
         self.modules = {m: [slot_of[id(s.param)] for s in slots] for m, slots in self.modules.items()}
         self._by_key = {c.key: c for c in self.chunks()}
+        self.slot_of = slot_of
         for pipeline in self.pipelines.values():
             pipeline.close()
         self.pipelines = self._make_pipelines()

@@ -37,7 +37,7 @@ class GradientPath:
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         self._enter_backward()
         chunk = self.slot_chunk[id(param)]
-        slot = next(s for s in chunk.slots if s.param is param)
+        slot = self.slot_of[id(param)]
         slot.has_grad = True  # [Note: unused parameters are skipped]
         grad = param.grad
         param.grad = None

@@ -13,6 +13,14 @@ exactly those of the plain model (identity autograd Functions would reorder sums
 break bitwise parity). Activation checkpointing works because a re-forward runs the same hooks.
 Parameters are views of their chunk's storage ([Note: chunk storage]), so whatever forward saved
 is valid again once the chunk is re-fetched.
+
+[Note: per-module hook cost]
+These hooks run for every parameter-owning module on every forward and backward, so on a small
+model they, not the kernels, bound a step (bench/overhead_hooks.py). What runs per access is kept
+proportional to the module's own parameters: a module's arguments are read directly unless they
+hold containers (then flattened as a pytree), an output node gets one pre-hook however many
+outputs it has, a gradient finds its slot by a dict lookup, the victim search scans the rCache's
+blocks rather than every chunk, and prefetch is skipped when there is no rCache.
 """
 
 from __future__ import annotations
@@ -29,9 +37,27 @@ if TYPE_CHECKING:
     from tierwise.runtime.engine import Engine
 
 
+_PLAIN = (type(None), bool, int, float, str)
+
+
 def _grad_tensors(value: Any) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(value)
     return [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+
+
+def _grad_tensors_flat(values) -> list[torch.Tensor]:
+    """``_grad_tensors`` of a sequence whose items are mostly tensors or plain values (a
+    module's positional and keyword arguments, its output): those are read directly, and only
+    when another kind of item appears is the whole flattened as a pytree ([Note: per-module
+    hook cost])."""
+    out = []
+    for x in values:
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad:
+                out.append(x)
+        elif not isinstance(x, _PLAIN):
+            return _grad_tensors(list(values))
+    return out
 
 
 def install_hooks(engine: Engine, model: torch.nn.Module, modules: list[torch.nn.Module]) -> list:
@@ -43,7 +69,8 @@ def install_hooks(engine: Engine, model: torch.nn.Module, modules: list[torch.nn
     def pre_forward(module, args, kwargs):
         engine.pre_forward(module)
         if torch.is_grad_enabled():
-            for tensor in _grad_tensors((args, kwargs)):
+            inputs = _grad_tensors_flat((*args, *kwargs.values()) if kwargs else args)
+            for tensor in inputs:
                 tensor.register_hook(lambda grad, m=module: engine.post_backward(m))
             if module in frozen:  # [Note: frozen modules are released after their own nodes]
                 frozen_release.begin(module)
@@ -51,15 +78,19 @@ def install_hooks(engine: Engine, model: torch.nn.Module, modules: list[torch.nn
     def post_forward(module, args, kwargs, output):
         engine.post_forward(module)
         if torch.is_grad_enabled():
+            outputs = _grad_tensors_flat((output,))
             if module in frozen:
-                frozen_release.end(module, _grad_tensors(output))
-            for tensor in _grad_tensors(output):
+                frozen_release.end(module, outputs)
+            hooked = set()
+            for tensor in outputs:
                 # a node pre-hook runs after the tensor hooks on the same gradient, so the
                 # consumer's release (an input hook) happens before this module's fetch
-                if tensor.grad_fn is not None:
-                    tensor.grad_fn.register_prehook(lambda grads, m=module: engine.pre_backward(m))
-                else:
+                node = tensor.grad_fn
+                if node is None:
                     tensor.register_hook(lambda grad, m=module: engine.pre_backward(m))
+                elif node not in hooked:  # outputs of one node (a split): one hook does
+                    hooked.add(node)
+                    node.register_prehook(lambda grads, m=module: engine.pre_backward(m))
 
     for module in modules:
         handles.append(module.register_forward_pre_hook(pre_forward, with_kwargs=True))

@@ -36,6 +36,22 @@ def test_save_model_loads_with_from_pretrained_and_gives_the_same_logits(tmp_pat
     assert reloaded_tokenizer.get_vocab() == tokenizer.get_vocab()
 
 
+def test_save_model_writes_shards_of_at_most_the_shard_size(tmp_path, monkeypatch):
+    from tierwise.integrations import hf
+
+    assert hf.MAX_SHARD_SIZE == "5GB"  # the largest shard save_model writes
+    monkeypatch.setattr(hf, "MAX_SHARD_SIZE", "20KB")  # the same path, at a size tiny shards show
+    trainer = run_tierwise("llama", training_args(tmp_path / "run", max_steps=2), TokenBlocks())
+    trainer.save_model(str(tmp_path / "out"))
+    files = sorted((tmp_path / "out").glob("model-*-of-*.safetensors"))
+    assert len(files) > 2 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    biggest = max(v.numel() * v.element_size() for v in trainer.model.state_dict().values())
+    assert all(f.stat().st_size <= max(20_000, biggest) + 4096 for f in files)  # + header
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                               attn_implementation="eager")
+    assert torch.equal(logits_of(loaded, IDS), logits_of(trainer.model, IDS))
+
+
 def test_save_model_in_bf16_says_so(tmp_path):
     from tierwise.integrations.hf import TierwiseTrainer
 

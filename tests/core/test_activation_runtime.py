@@ -48,25 +48,25 @@ def test_every_activation_policy_trains_bitwise_alike(kind, precision):
     assert moved["act:device->host"] == moved["act:host->device"] > 0
 
 
-FP16_SWAPS = {"host": dict(activation_offload="host"), "auto": dict(activation_offload="auto")}
+FP16_POLICIES = {"host": dict(activation_offload="host"), "auto": dict(activation_offload="auto"),
+                 "recompute-all": dict(activation_checkpointing=True)}
 
 
-@pytest.mark.parametrize(
-    "policies",
-    [
-        pytest.param(FP16_SWAPS, id="swaps"),
-        pytest.param(
-            {"recompute-all": dict(activation_checkpointing=True)}, id="recompute",
-            marks=pytest.mark.xfail(strict=True, reason=(
-                "known gap: under fp16 a tierwise recompute leaves one GPT-2 weight ~1e-7 off "
-                "keep after 4 steps (plain PyTorch fp16 checkpointing is bitwise; not yet found)")),
-        ),
-    ],
-)
-def test_fp16_loss_scaled_training_is_bitwise_alike_under_swaps(policies):
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: CPU fp16 matmuls of different layouts round differently there, which
+    is how a KV cache built under keep but not under recompute once showed ([Note: no KV cache
+    in training])."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_fp16_loss_scaled_training_is_bitwise_alike_under_every_policy(one_thread):
     kw = dict(precision="fp16", device="cpu")
     base_losses, base = run_tierwise("gpt2", 4, **kw)
-    for name, cfg in policies.items():
+    for name, cfg in FP16_POLICIES.items():
         losses, model = run_tierwise("gpt2", 4, **kw, **cfg)
         assert losses == base_losses, name
         assert _same(model, base), name
@@ -75,6 +75,27 @@ def test_fp16_loss_scaled_training_is_bitwise_alike_under_swaps(policies):
             base_stats["loss_scale"], base_stats["skipped_steps"]), name
         if name == "host":
             assert stats["activations"]["swapped_out_bytes"]["host"] > 0
+        if name == "recompute-all":
+            assert stats["activations"]["recomputed_blocks"] == 2
+
+
+@pytest.mark.parametrize("policy", [{}, {"activation_checkpointing": True}])
+def test_training_forwards_build_no_kv_cache_under_any_policy_and_inference_keeps_it(policy):
+    model = tiny_model("llama")
+    assert model.config.use_cache  # HF's default: a cache in every forward, training too
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(model, opt, device="cpu", precision="fp32", **policy)
+    out = model(**tiny_batch())
+    assert _kv_cache(out) is None
+    out.loss.backward()
+    opt.zero_grad()
+    with torch.no_grad():  # inference keeps the caller's choice
+        assert _kv_cache(model(**tiny_batch(), use_cache=True)) is not None
+
+
+def _kv_cache(output):
+    """The KV cache an HF output returned (transformers 5 renamed past_key_values to cache)."""
+    return output.get("cache", output.get("past_key_values"))
 
 
 def _reference_swap_bytes(kind: str, blocks: list[str], min_bytes: int = 1024) -> int:

@@ -32,16 +32,29 @@ step's gradients ([Note: an abandoned backward]).
 [Note: per-block recompute]
 A Hugging Face ``GradientCheckpointingLayer`` has its own per-layer switch: setting
 ``gradient_checkpointing`` on that layer only (with a non-reentrant checkpoint function) makes
-HF checkpoint that layer alone; the enclosing model's own flag is set too, only so that it stops
-handing layers its KV cache (a recompute would update it twice). Every other block is
-wrapped in ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` through an instance
-``forward``. A block is never checkpointed twice: a layer HF already checkpoints is only
-switched off when its action is not ``recompute``.
+HF checkpoint that layer alone. Every other block is wrapped in
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` through an instance ``forward``. A
+block is never checkpointed twice: a layer HF already checkpoints is only switched off when its
+action is not ``recompute``. A recomputed layer must not be handed the KV cache (the recompute
+would update it twice): see [Note: no KV cache in training].
+
+[Note: no KV cache in training]
+A Hugging Face model builds a KV cache in every forward whose ``use_cache`` is on (its config's
+default), also in training, unless HF checkpointing is on. The cache changes the arithmetic:
+keys and values are concatenated into it, so attention multiplies contiguous copies instead of
+views of the fused projection, and the matmuls run with other layouts (a transposed operand
+instead of a cloned one). On CPU in fp16 with one thread those kernels round differently, so a
+recompute policy (cache off) ended a few 1e-7 off keep (cache on) on one GPT-2 weight. So for
+every policy, each HF model inside the managed model (a module with a boolean
+``gradient_checkpointing`` flag that is not a block) gets ``use_cache=False`` in training forwards
+that record a graph, as HF itself does under checkpointing: every policy runs the same ops, and
+no layer is handed a cache. Inference (``eval()`` or ``no_grad``) keeps the caller's choice.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -266,20 +279,25 @@ class ActivationManager:
                 self._handles.append(
                     block.register_forward_hook(partial(self._exit, name), always_call=True)
                 )
-        if "recompute" in self.policy.values():
-            self._cache_off_for_checkpointing()
+        self._cache_off_in_training()
         self._handles.append(self.model.register_forward_hook(self._end_forward))
 
-    def _cache_off_for_checkpointing(self) -> None:
-        """HF models pass their KV cache to layers positionally unless their own
-        ``gradient_checkpointing`` flag is set (then they drop it); a recomputed layer must not
-        update the cache twice, so that flag goes on ([Note: per-block recompute])."""
+    def _cache_off_in_training(self) -> None:
+        """``use_cache=False`` for the HF models inside ``model`` in forwards that train
+        ([Note: no KV cache in training])."""
         layers = set(map(id, self.blocks.values()))
         for module in self.model.modules():
-            flag = module.__dict__.get("gradient_checkpointing")
-            if id(module) not in layers and isinstance(flag, bool) and not flag:
-                module.gradient_checkpointing = True
-                self._restore.append(partial(setattr, module, "gradient_checkpointing", False))
+            if id(module) in layers or not isinstance(
+                module.__dict__.get("gradient_checkpointing"), bool
+            ):
+                continue
+            try:
+                names = list(inspect.signature(module.forward).parameters)
+            except (TypeError, ValueError):
+                continue
+            if "use_cache" in names:
+                hook = partial(_no_cache_when_training, names.index("use_cache"))
+                self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
     def _set_hf_checkpointing(self, block: torch.nn.Module, on: bool) -> None:
         if not _is_hf_layer(block):
@@ -679,6 +697,13 @@ def _over_allowance(saved: int, allowance: int, kept: Counter) -> Exception:
         f"keeps the most ({format_bytes(most)}): set activation_policy={{{block!r}: 'recompute'}} "
         "(or 'host'), use activation_offload='auto', or shrink the batch or sequence length"
     )
+
+
+def _no_cache_when_training(position: int, module, args, kwargs):
+    """Forward pre-hook: [Note: no KV cache in training]."""
+    if module.training and torch.is_grad_enabled() and len(args) <= position:
+        return args, {**kwargs, "use_cache": False}
+    return None
 
 
 def _is_hf_layer(module: torch.nn.Module) -> bool:

@@ -275,3 +275,34 @@ def test_a_second_backward_through_a_swapped_block_is_a_clear_error():
     with pytest.raises(RuntimeError, match=r"block transformer\.h\.1 swapped to host were already "
                        r"used by a backward"):
         loss.backward()
+
+
+def test_the_memory_trace_and_plot_show_swapped_activations(tmp_path, monkeypatch):
+    from tierwise.train.plot import plot_memory
+    from tierwise.train.trace import StepTracer
+
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(model, opt, device="cpu", precision="fp32", activation_offload="host")
+    engine = tierwise.engine_of(model)
+    train(model, opt, 1)  # the warm-up step
+    tracer = StepTracer(model, engine.stats, step=2, budgets={"device": None})
+    tracer.mark("forward", "step starts")
+    with tracer.forward():
+        loss = model(**tiny_batch()).loss
+    loss.backward()
+    tracer.backward_finished()
+    opt.step()
+    opt.zero_grad()
+    tracer.mark("optimizer", "optimizer step done")
+    swapped = {s.label: s.swapped_bytes.get("host", 0) for s in tracer.trace.samples}
+    # after the last block's forward every block's saved tensors are on the host, as many bytes
+    # as a plain saved_tensors_hooks count of the blocks gives; nothing before or after the step
+    everything = _reference_swap_bytes("gpt2", ["transformer.h.0", "transformer.h.1"])
+    assert 0 < swapped["block 0 forward"] < swapped["block 1 forward"] == everything
+    assert swapped["step starts"] == swapped["optimizer step done"] == 0
+    figures = []
+    monkeypatch.setattr("matplotlib.figure.Figure.savefig", lambda fig, *a, **k: figures.append(fig))
+    assert plot_memory(tmp_path / "memory.png", tracer.trace, [], title="host swap") is None
+    labels = [text.get_text() for text in figures[0].axes[0].get_legend().get_texts()]
+    assert "activations swapped to host" in labels

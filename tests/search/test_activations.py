@@ -110,3 +110,26 @@ def test_plan_table_and_reasons_give_every_blocks_choice():
         line = next(r for r in plan.reasons if r.startswith(f"activations of {block}: "))
         assert line.startswith(f"activations of {block}: {action} (")
         assert "benefit rank" in line
+
+
+def test_model_data_traffic_on_the_link_leaves_less_room_for_swaps():
+    # the same six 50 MB blocks and 1 GB/s link as above, with 25 M-element blocks of parameters:
+    # kept on the device, three blocks swap; on the host, chunk fetches and gradient offload keep
+    # both directions of the link busier than compute, so every swapped byte would lengthen the
+    # step and the search recomputes every block instead
+    profile = make_profile(
+        [[12_500_000, 12_500_000] for _ in range(6)], layer_bytes=50_000_000, layer_flops=4e11
+    )
+    hardware = gpu_hardware(h2d_bandwidth=1e9, d2h_bandwidth=1e9, device_memory=10**11)
+
+    def swapped(placement):
+        plan = search_plan(profile, hardware, Config(
+            device="cpu", activation_offload="host", param_placement=placement,
+            optimizer_placement=placement))
+        return [block for block, action in plan.activation_policy.items() if action == "host"], plan
+
+    on_device, device_plan = swapped("device")
+    on_host, host_plan = swapped("host")
+    assert len(on_device) == 3 and on_host == []
+    assert device_plan.predicted_step_s["h2d"] == pytest.approx(3 * 50_000_000 / 1e9)  # swaps only
+    assert host_plan.predicted_step_s["h2d"] > host_plan.predicted_step_s["compute"]

@@ -13,10 +13,14 @@ def _assert_close(ours, ref, what):
         assert abs(a - b) <= 1e-5 * max(abs(b), 1e-12), (what, ours, ref)
 
 
-@pytest.mark.parametrize("kind,accum", [("qwen2", 1), ("llama", 1), ("qwen2", 2), ("llama", 3)])
-def test_trainer_parity_with_plain_trainer_under_offload(tmp_path, kind, accum):
+@pytest.mark.parametrize("kind,accum,optim", [
+    ("qwen2", 1, "adamw_torch_fused"), ("llama", 1, "adamw_torch_fused"),
+    ("qwen2", 2, "adamw_torch_fused"), ("llama", 3, "adamw_torch_fused"), ("llama", 1, "adamw_torch"),
+])
+def test_trainer_parity_with_plain_trainer_under_offload(tmp_path, kind, accum, optim):
     data, held_out = TokenBlocks(), TokenBlocks(n=6, seed=9)
-    settings = dict(gradient_accumulation_steps=accum, eval_strategy="steps", eval_steps=3)
+    settings = dict(gradient_accumulation_steps=accum, eval_strategy="steps", eval_steps=3,
+                    optim=optim)
     ref = run_plain(kind, training_args(tmp_path / "ref", **settings), data, eval_dataset=held_out)
     ours = run_tierwise(kind, training_args(tmp_path / "ours", **settings), data,
                         eval_dataset=held_out)

@@ -13,7 +13,7 @@ from tierwise._version import __version__
 # names are loaded on first use (PEP 562); ``tierwise.setup`` and friends are unchanged for users.
 _PUBLIC = {
     "clip_grad_norm_": "tierwise.api",
-    "engine_of": "tierwise.api",
+    "engine_of": "tierwise.registry",
     "no_sync": "tierwise.api",
     "setup": "tierwise.api",
     "load_checkpoint": "tierwise.checkpoint",

@@ -18,6 +18,8 @@ from tierwise.optim import TierwiseOptimizer, check_optimizer
 from tierwise.parallel.base import snapshot_model
 from tierwise.parallel.timeouts import collective_timeout
 from tierwise.plugins import get_plugin_host
+from tierwise.precision import compute_dtype
+from tierwise.registry import engine_of, managed, register
 from tierwise.runtime import Engine, RCache
 from tierwise.runtime.activations import ActivationManager, find_blocks, resolve_policy
 from tierwise.runtime.activations import plan_action as _planned_action
@@ -30,12 +32,9 @@ from tierwise.runtime.build import (
     move_buffers,
     static_profile,
 )
-from tierwise.runtime.engine import _PRECISION_DTYPES
 from tierwise.runtime.hooks import grad_ready_hook, install_hooks
 from tierwise.runtime.meta_buffers import compute_meta_buffers, install_buffers
 from tierwise.runtime.reduce import StreamingReducer
-
-_ENGINE_ATTR = "_tierwise_engine"
 
 
 def _world_group(process_group) -> dist.ProcessGroup | None:
@@ -99,7 +98,7 @@ def setup(
     The model is the same object (its parameters become views into chunks). The optimizer keeps
     your ``param_groups``. Nothing is changed on the model if setup raises.
     """
-    if getattr(model, _ENGINE_ATTR, None) is not None:
+    if managed(model):
         raise ValueError(
             "tierwise.setup: this model is already managed by tierwise; call setup once per model"
         )
@@ -120,7 +119,7 @@ def setup(
         restore_model()
         raise
     del restore_model  # drops the originals of the parameters patterns sliced
-    dtype = _PRECISION_DTYPES[config.precision]
+    dtype = compute_dtype(config.precision)
     # --- from here on the model is changed -----------------------------------------------
     fill_payloads(groups, dtype, model)
     install_buffers(buffers)
@@ -129,7 +128,7 @@ def setup(
     for group in groups:
         for chunk in group.chunks:
             chunk.pending = len(chunk.slots) if chunk.trainable else 0
-            if _home_is_compute_buffer(chunk):
+            if chunk.computes_in_home:
                 chunk.flat, chunk.resident = chunk.home.tensor, True
             else:  # [Note: chunk storage]
                 chunk.flat = torch.empty(chunk.capacity, dtype=dtype, device=tiers["device"].device)
@@ -161,8 +160,8 @@ def setup(
         engine.reducer = StreamingReducer(
             group=dist.new_group(backend=dist.get_backend(world), timeout=collective_timeout()),
             collectives=engine.collectives,
-            accumulate=engine._reduced,
-            release=engine._give_back_staging,
+            accumulate=engine.reduced,
+            release=engine.give_back_staging,
         )
     engine.hook_handles = install_hooks(engine, model, list(modules))
     on_grad = grad_ready_hook(engine)
@@ -181,7 +180,7 @@ def setup(
         engine.activations.install()
     elif config.activation_checkpointing:
         enable_hf_checkpointing(model)
-    setattr(model, _ENGINE_ATTR, engine)
+    register(model, engine)
     from tierwise.checkpoint import install_state_dict_hooks
 
     install_state_dict_hooks(engine, model, patterns)
@@ -211,8 +210,9 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
     profile.module_params = profile.module_params or _module_params(model, params)
     hardware = Hardware(**host.probe_hardware(config=config))
     plan = host.make_plan(profile=profile, hardware=hardware, config=config)
+    plan.check_tiers(host.tier_classes())
     check_chunk_size(plan)
-    dtype = _PRECISION_DTYPES[config.precision]
+    dtype = compute_dtype(config.precision)
     world_rank = {p.key: _dp_world(p) for p in patterns}
     groups = layout_groups(params, profile, plan, dtype, world_rank=world_rank)
     plan.groups = {
@@ -228,7 +228,7 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
     tiers = _make_tiers(host, config, plan, needed)
     allocated = allocate_payloads(groups, plan, tiers, fp32_alias=config.precision == "fp32")
     try:
-        cached = [c for g in groups for c in g.chunks if not _home_is_compute_buffer(c)]
+        cached = [c for g in groups for c in g.chunks if not c.computes_in_home]
         block_numel = max((c.capacity for c in cached), default=0)
         cache = RCache(tiers["device"], plan.cache_blocks if cached else 0, block_numel, dtype)
         if cached and len(cache) == 0:
@@ -299,11 +299,6 @@ def _activation_blocks(model, config: Config, host, plan) -> dict:
     return blocks
 
 
-def _home_is_compute_buffer(chunk) -> bool:
-    """Home on the device and not sharded: compute uses the home payload in place."""
-    return chunk.home.tier.name == "device" and not chunk.group.sharded
-
-
 def _module_params(model: torch.nn.Module, params) -> dict[str, list[str]]:
     name_of = {id(m.param): m.name for m in params.values()}
     out = {}
@@ -312,14 +307,6 @@ def _module_params(model: torch.nn.Module, params) -> dict[str, list[str]]:
         if names:
             out[mod_name] = names
     return out
-
-
-def engine_of(model: torch.nn.Module) -> Engine:
-    """The engine managing ``model`` (``.plan``, ``.stats()``)."""
-    engine = getattr(model, _ENGINE_ATTR, None)
-    if engine is None:
-        raise ValueError("this model is not managed by tierwise: call tierwise.setup first")
-    return engine
 
 
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

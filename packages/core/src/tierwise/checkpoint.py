@@ -15,7 +15,8 @@ import torch.distributed as dist
 from tierwise.checkpoint_manifest import FORMAT_VERSION, CheckpointError, describe, write_manifest
 from tierwise.checkpoint_reader import CheckpointReader
 from tierwise.chunks import Chunk
-from tierwise.parallel.collectives import _all_gather
+from tierwise.chunks.io import gather_chunk, read_slab, write_slab
+from tierwise.registry import engine_of
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -25,27 +26,6 @@ if TYPE_CHECKING:
 
 
 
-def _read(slab, numel: int | None = None) -> torch.Tensor:
-    """A CPU copy of a slab's contents."""
-    if slab.tensor is not None:
-        return slab.tensor.detach().to("cpu", copy=True)
-    out = torch.empty(slab.numel, dtype=slab.dtype)
-    slab.tier.read(slab, out).wait()
-    return out
-
-
-def _write(slab, values: torch.Tensor) -> None:
-    slab.tier.write(slab, values.to(slab.dtype)).wait()
-
-
-def _full_chunk(chunk: Chunk, shard: torch.Tensor) -> torch.Tensor:
-    """All-gather a chunk's shards (identity when not sharded)."""
-    group = chunk.group
-    if not group.sharded:
-        return shard
-    full = torch.empty(chunk.capacity, dtype=shard.dtype)
-    _all_gather(full, shard.contiguous(), group=group.process_group)
-    return full
 
 
 def full_state(
@@ -66,7 +46,7 @@ def full_state(
         if trainable_only and not chunk.trainable:  # the same chunks on every rank
             continue
         source = chunk.optim.master if chunk.optim is not None else chunk.home
-        full = _full_chunk(chunk, _read(source).float())
+        full = gather_chunk(chunk, read_slab(source).float())
         pattern = pattern_of.get(chunk.group.pattern_key)
         for slot in chunk.slots:
             value = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
@@ -87,7 +67,7 @@ def load_full_state(
     for chunk in engine.chunks():
         start, end = chunk.shard_range()
         source = chunk.optim.master if chunk.optim is not None else chunk.home
-        full = _full_chunk(chunk, _read(source).float())
+        full = gather_chunk(chunk, read_slab(source).float())
         pattern = pattern_of.get(chunk.group.pattern_key)
         for slot in chunk.slots:
             if slot.name not in state:
@@ -104,9 +84,9 @@ def load_full_state(
             full[slot.offset : slot.offset + slot.numel] = value.reshape(-1)
         shard = full[start:end]
         if chunk.optim is not None:
-            _write(chunk.optim.master, shard)
+            write_slab(chunk.optim.master, shard)
         if chunk.optim is None or chunk.home is not chunk.optim.master:
-            _write(chunk.home, shard)
+            write_slab(chunk.home, shard)
     engine.invalidate_cache()
 
 
@@ -123,7 +103,7 @@ def install_state_dict_hooks(
             state_dict[prefix + name] = value
         return state_dict
 
-    model._register_state_dict_hook(hook)
+    engine.hook_handles.append(model._register_state_dict_hook(hook))
     original_load = model.load_state_dict
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -184,9 +164,9 @@ def rank_pieces(engine: Engine, rank: int, world: int) -> tuple[dict, dict]:
     for chunk in engine.chunks():
         pattern = pattern_of.get(chunk.group.pattern_key)
         for kind, slab in _slabs(chunk).items():
-            shard = _read(slab).float()
+            shard = read_slab(slab).float()
             if _splits(pattern):
-                full = _full_chunk(chunk, shard)
+                full = gather_chunk(chunk, shard)
                 for slot in chunk.slots:
                     local = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
                     value = pattern.full_tensor(slot.name, slot.param, local)
@@ -283,8 +263,6 @@ def save_checkpoint(
     manifest last ([Note: checkpoint manifest]) and swaps the directory in, so a crash mid-write
     leaves the previous checkpoint intact.
     """
-    from tierwise.api import engine_of
-
     engine = engine_of(model)
     if engine.step_failed is not None:
         raise CheckpointError(
@@ -325,8 +303,6 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     chunk size, tiers, rCache and model-parallel sizes may differ from this one's. Collective.
     Returns what this rank passed as ``extra`` when saving (None when it has none, e.g. a rank
     the saving run did not have). Raises CheckpointError for an incomplete or corrupt one."""
-    from tierwise.api import engine_of
-
     engine = engine_of(model)
     rank, _ = _rank_and_world()
     reader = CheckpointReader(path)
@@ -372,11 +348,9 @@ def load_from_reader(engine: Engine, reader: CheckpointReader) -> None:
                 needed |= reader.files_for(slot.name) if whole else reader.files_for(slot.name, lo, hi)
     reader.open_files(needed)
     current = [s.name for c in engine.chunks() for s in c.slots]
-    if state["order"] != current and sorted(state["order"]) == sorted(current):
-        from tierwise.runtime.relayout import relayout
-
-        relayout(engine, state["order"])  # the run re-packed after warm-up: the same order here
-    engine._relayout_checked = state["steps_taken"] >= 1
+    # the run re-packed after warm-up: the same order here
+    order = state["order"] if state["order"] != current and sorted(state["order"]) == sorted(current) else None
+    engine.adopt_layout(order, warmed_up=state["steps_taken"] >= 1)
     for chunk in engine.chunks():
         start, end = chunk.shard_range()
         pattern = pattern_of.get(chunk.group.pattern_key)
@@ -399,12 +373,12 @@ def load_from_reader(engine: Engine, reader: CheckpointReader) -> None:
             engine.step_counts.load_state_dict(
                 {"counts": {slot.name: int(reader.step(slot.name)) for slot in chunk.slots}})
             for kind, slab in _slabs(chunk).items():
-                _write(slab, values[kind])
+                write_slab(slab, values[kind])
             if chunk.home is not chunk.optim.master:
-                _write(chunk.home, values["master"].to(engine.dtype))
+                write_slab(chunk.home, values["master"].to(engine.dtype))
             chunk.optim.clear_grad()
         else:
-            _write(chunk.home, values["master"])
+            write_slab(chunk.home, values["master"])
         for slot in chunk.slots:
             slot.has_grad = False
     if engine.scaler is not None and state["scaler"] is not None:

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierwise.precision import PRECISIONS
 from tierwise.units import parse_bytes
 
-PRECISIONS = ("bf16", "fp16", "fp32")
 PLACEMENTS = ("auto", "device", "host", "nvme")
 ACTIVATION_OFFLOADS = ("none", "host", "nvme", "auto")
 

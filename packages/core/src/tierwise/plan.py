@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from tierwise.jsonable import JsonDataclass
 from tierwise.units import format_bytes
 
-TIER_NAMES = ("device", "host", "nvme")
 ACTIVATION_ACTIONS = ("keep", "recompute", "host", "nvme")
 
 
@@ -86,14 +85,33 @@ class Plan(JsonDataclass):
             raise PlanError(f"Plan.chunk_size={self.chunk_size}: must be positive")
         if self.cache_blocks < 0:
             raise PlanError(f"Plan.cache_blocks={self.cache_blocks}: must be ≥ 0")
-        for tier in (self.param_tier, self.optim_tier):
-            if tier not in TIER_NAMES:
-                raise PlanError(f"Plan tier {tier!r}: choose one of {', '.join(TIER_NAMES)}")
+        for tier in self.tier_names():
+            if not isinstance(tier, str) or not tier:
+                raise PlanError(f"Plan tier {tier!r}: give the name of a registered tier")
         for action in self.activation_policy.values():
             if action not in ACTIVATION_ACTIONS:
                 raise PlanError(
                     f"activation action {action!r}: choose one of {', '.join(ACTIVATION_ACTIONS)}"
                 )
+
+    def tier_names(self) -> set[str]:
+        """Every tier this plan names (defaults and per-chunk entries)."""
+        names = {self.param_tier, self.optim_tier}
+        for tiers in (*self.param_tiers.values(), *self.optim_tiers.values()):
+            names.update(tiers)
+        return names
+
+    def check_tiers(self, registered) -> None:
+        """Refuse a plan naming a tier no installed plugin registers (``registered``: the tier
+        names of the plugin host), before anything is allocated: a plugin's tier may be a
+        plan's default as well as any chunk's."""
+        unknown = sorted(self.tier_names() - set(registered))
+        if unknown:
+            raise PlanError(
+                f"the plan puts data on the {unknown[0]!r} tier, which no installed plugin "
+                f"provides; registered tiers: {', '.join(sorted(registered))}"
+                + (" (install tierwise-nvme for 'nvme')" if unknown[0] == "nvme" else "")
+            )
 
     def param_tier_of(self, group: str, index: int) -> str:
         tiers = self.param_tiers.get(group, ())

@@ -15,12 +15,10 @@ from tierwise.chunks import first_use_order, pack
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError
+from tierwise.precision import OPTIM_BYTES, PARAM_BYTES
 from tierwise.profile import Profile, activation_blocks
 from tierwise.units import format_bytes, format_gib
 
-BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-OPTIM_BYTES = 12
-"""fp32 master + exp_avg + exp_avg_sq per trainable element."""
 AUTO_CHUNKS = 16
 """'auto' chunk size aims at about this many chunks (never below the largest parameter)."""
 
@@ -96,7 +94,7 @@ def _auto_activations(profile: Profile, budget, budget_for, need_on_device: int,
 
 
 def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Plan:
-    lc = BYTES[config.precision]
+    lc = PARAM_BYTES[config.precision]
     chunk_size = config.chunk_size if isinstance(config.chunk_size, int) else auto_chunk_size(profile)
     layout = _layout(profile, chunk_size)
     dp_size = {(p.group or "data/g0/train"): p.dp_size or hardware.world_size for p in profile.params}

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tierwise.precision import PARAM_BYTES, STATE_BYTES
+
 if TYPE_CHECKING:
     from tierwise.plan import Plan
     from tierwise.profile import Profile
-
-PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def model_data_bytes(numel: int, trainable: int, precision: str) -> list[tuple[str, int]]:
@@ -18,8 +18,8 @@ def model_data_bytes(numel: int, trainable: int, precision: str) -> list[tuple[s
     low = precision != "fp32"
     rows = [(f"parameters ({precision}, gradients reuse them)", numel * PARAM_BYTES[precision])]
     if low:
-        rows.append(("fp32 master parameters", trainable * 4))
-    rows.append(("Adam m and v (fp32)", trainable * 8))
+        rows.append(("fp32 master parameters", trainable * STATE_BYTES))
+    rows.append(("Adam m and v (fp32)", trainable * 2 * STATE_BYTES))
     rows.append(("total", sum(n for _, n in rows)))
     return rows
 

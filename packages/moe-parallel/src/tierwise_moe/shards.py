@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from tierwise.registry import managed
 
 SPEC_ATTR = "tierwise_shard"
 """Attribute of a sharded ``nn.Parameter`` holding its ShardSpec."""
@@ -95,16 +96,6 @@ def shard_specs(model: torch.nn.Module) -> dict[str, ShardSpec]:
     }
 
 
-def _managed(model: torch.nn.Module) -> bool:
-    from tierwise import engine_of
-
-    try:
-        engine_of(model)
-    except ValueError:
-        return False
-    return True
-
-
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The state dict of the unsharded model (original names and shapes) on every rank.
 
@@ -112,7 +103,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     whole-model tensors already; for a model only sharded by a pattern's ``prepare`` the blocks
     are gathered here. Collective: every rank must call it.
     """
-    if _managed(model):
+    if managed(model):
         return model.state_dict()
     specs = shard_specs(model)
     full = {}
@@ -125,7 +116,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Load an unsharded state dict (e.g. from HF) into a sharded model: each rank takes its
     blocks (``model.load_state_dict`` does the same for a model managed by tierwise)."""
-    if _managed(model):
+    if managed(model):
         model.load_state_dict(state_dict)
         return
     specs = shard_specs(model)

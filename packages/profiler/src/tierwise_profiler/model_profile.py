@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tierwise.precision import PRECISIONS, compute_dtype
 from tierwise.profile import ParamInfo, Profile
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
@@ -25,7 +26,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from tierwise_profiler.op_timing import OpLog, layer_forward_seconds
 from tierwise_profiler.recorder import StepRecorder
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {p: compute_dtype(p) for p in PRECISIONS}
+"""Compute dtype per precision (``tierwise.precision``), by name for this plugin's callers."""
 
 _OP_HINTS = {
     "_local_scalar_dense": "Tensor.item() / .tolist() / bool() / int() needs a tensor's value",

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 
 import numpy as np
+from tierwise.precision import OPTIM_BYTES
 
 from tierwise_search.belady import AccessTrace, simulate
 from tierwise_search.compute import BACKWARD_OVER_FORWARD
@@ -68,8 +69,6 @@ from tierwise_search.rates import Rates
 
 DEVICE, HOST, NVME = 0, 1, 2
 TIERS = ("device", "host", "nvme")
-OPTIM_BYTES = 12
-"""fp32 master + exp_avg + exp_avg_sq per trainable element."""
 PIPELINE_BUFFERS = 9
 """fp32 staging buffers of the largest shard that the NVMe optimizer pipeline holds in host
 memory: 3 states x (1 read ahead + 1 updating + 1 writing), tierwise-nvme's defaults."""

@@ -20,6 +20,7 @@ from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError
 from tierwise.planner import may_recompute, profile_min_blocks
+from tierwise.precision import param_bytes
 from tierwise.profile import Profile
 from tierwise.units import format_bytes, format_gib
 
@@ -43,7 +44,6 @@ from tierwise_search.placement import (
 )
 from tierwise_search.rates import Rates, resolve_rates
 
-PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MIN_CHUNK_SIZE = 1024
 """Core's engine refuses smaller chunks (``tierwise.runtime.build.MIN_CHUNK_SIZE``)."""
 MAX_CANDIDATES = 32
@@ -132,7 +132,7 @@ class _Search:
         self.gradient_staging = gradient_staging
         self.reasons: list[str] = []
         self.rates: Rates = resolve_rates(hardware)
-        self.param_bytes = PARAM_BYTES[config.precision]
+        self.param_bytes = param_bytes(config.precision)
         world = self.rates.world_size
         self.shard = world if (config.shard and world > 1) else 1
         self.times = layer_times(profile, self.rates.flops)

@@ -1,7 +1,14 @@
 """Chunks: flat buffers holding many parameters, their states, and the layout that packs them."""
 
 from tierwise.chunks.chunk import Chunk, ChunkGroup, OptimSlabs, ParamSlot
-from tierwise.chunks.layout import ChunkSpec, SlotSpec, first_use_order, pack, padding
+from tierwise.chunks.layout import (
+    ChunkSpec,
+    SlotSpec,
+    first_use_order,
+    pack,
+    padding,
+    sharded_capacity,
+)
 from tierwise.chunks.state import IllegalTransition, TensorState
 
 __all__ = [
@@ -16,4 +23,5 @@ __all__ = [
     "first_use_order",
     "pack",
     "padding",
+    "sharded_capacity",
 ]

@@ -127,9 +127,10 @@ class Chunk:
         return self.group.trainable
 
     @property
-    def always_resident(self) -> bool:
-        """Home on the device and not sharded: the home payload is the compute buffer."""
-        return self.home is not None and self.home.tensor is self.flat
+    def computes_in_home(self) -> bool:
+        """Home on the device and not sharded: compute uses the home payload in place (the
+        chunk never goes through the rCache)."""
+        return self.home.tier.name == "device" and not self.group.sharded
 
     def bind_params(self) -> None:
         """Make every parameter a view of ``flat`` (once, at setup)."""

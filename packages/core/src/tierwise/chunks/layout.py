@@ -77,3 +77,13 @@ def pack(names: Sequence[str], numels: dict[str, int], chunk_size: int) -> list[
 def padding(chunks: Sequence[ChunkSpec]) -> int:
     """Elements allocated but not used by any parameter."""
     return sum(c.capacity - c.used for c in chunks)
+
+
+def sharded_capacity(capacity: int, world: int, sharded: bool) -> tuple[int, int]:
+    """(capacity, shard size) of a chunk packed to ``capacity`` elements: when sharded over
+    ``world`` ranks the capacity is rounded up to a multiple of ``world`` so every rank's shard
+    is the same size; unsharded, the shard is the whole chunk."""
+    if not sharded:
+        return capacity, capacity
+    rounded = -(-capacity // world) * world
+    return rounded, rounded // world

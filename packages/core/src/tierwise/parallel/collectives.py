@@ -8,8 +8,10 @@ import torch
 import torch.distributed as dist
 
 # torch 2.13 renamed the tensor collectives; keep torch>=2.4 working with the old names
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""``all_gather_into(out, shard, group=..., async_op=...)``: uncounted tensor all-gather."""
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""``reduce_scatter_into(out, full, op=..., group=..., async_op=...)``: uncounted."""
 
 
 class Collectives:
@@ -29,11 +31,11 @@ class Collectives:
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
         self._count("all_gather", out)
-        return _all_gather(out, shard, group=group, async_op=async_op)
+        return all_gather_into(out, shard, group=group, async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group, async_op: bool = False):
         self._count("reduce_scatter", full)
-        return _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return reduce_scatter_into(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
         # a ring all-reduce moves the payload twice (reduce-scatter + all-gather): Table 1

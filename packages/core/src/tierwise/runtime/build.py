@@ -19,9 +19,11 @@ from tierwise.chunks import (
     TensorState,
     first_use_order,
     pack,
+    sharded_capacity,
 )
 from tierwise.parallel import ParallelPattern
 from tierwise.plan import Plan
+from tierwise.precision import OPTIM_STATES, STATE_BYTES
 from tierwise.profile import ParamInfo, Profile
 
 MIN_CHUNK_SIZE = 1024
@@ -124,12 +126,11 @@ def layout_groups(
         )
         numels = {n: params[n].param.numel() for n in names}
         for spec in pack(first_use_order(profile.forward_order, names), numels, plan.chunk_size):
-            capacity = -(-spec.capacity // world) * world if sharded else spec.capacity
+            capacity, shard = sharded_capacity(spec.capacity, world, sharded)
             slots = [
                 ParamSlot(s.name, params[s.name].param, s.offset, s.numel, params[s.name].param.shape)
                 for s in spec.slots
             ]
-            shard = capacity // world if sharded else capacity
             group.chunks.append(Chunk(group, spec.index, capacity, shard, slots))
         groups.append(group)
     return groups
@@ -145,7 +146,7 @@ def payload_sizes(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_alias:
             if group.trainable:
                 opt = plan.optim_tier_of(group.name, chunk.index)
                 copies = tiers[opt].STATE_COPIES  # [Note: atomic optimizer step]
-                sizes.setdefault(opt, []).extend([chunk.shard_size * 4] * 3 * copies)
+                sizes.setdefault(opt, []).extend([chunk.shard_size * STATE_BYTES] * len(OPTIM_STATES) * copies)
                 grad = opt if tiers[opt].ADDRESSABLE else "host"
                 sizes.setdefault(grad, []).append(chunk.shard_size * dtype_bytes)
                 if fp32_alias and home == opt:

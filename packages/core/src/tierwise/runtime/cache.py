@@ -139,6 +139,7 @@ class RCache:
         self.owner[block_id] = None
 
     def close(self) -> None:
+        """Give the blocks' reservation back to the device tier (the engine closing)."""
         self.tier.unreserve(self.reserved)
         self.reserved = 0
         self.owner.clear()

@@ -21,17 +21,17 @@ from tierwise.config import Config
 from tierwise.optim import DynamicLossScaler, StepCounts
 from tierwise.parallel.collectives import Collectives
 from tierwise.plan import Plan
+from tierwise.precision import compute_dtype
 from tierwise.runtime.cache import AccessTrace, RCache
 from tierwise.runtime.gradients import GradientPath
 from tierwise.runtime.reduce import StreamingReducer
+from tierwise.runtime.relayout import relayout
 from tierwise.runtime.step_undo import StepUndo
 from tierwise.runtime.stepping import OptimizerStep
 from tierwise.runtime.transfer import ChunkLoads
 from tierwise.tiers.base import Tier
 
 _NOT_TRACING = nullcontext()  # reusable: entering it keeps no state
-
-_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 _TRACING: list = [None]
 """(tracer, weak reference to its engine) of the warm-up trace running now, if any
@@ -79,7 +79,7 @@ class Engine(GradientPath, OptimizerStep):
         self.decoupled = decoupled
         self.optimizer_groups = optimizer_groups
         self.world_group = world_group
-        self.dtype = _PRECISION_DTYPES[config.precision]
+        self.dtype = compute_dtype(config.precision)
         self.device = torch.device(config.device)
         self.trace = AccessTrace()
         self.collectives = Collectives()
@@ -478,7 +478,7 @@ class Engine(GradientPath, OptimizerStep):
         self.loads.finish_all()
         for chunk in self.chunks():
             if chunk.staging is not None:
-                self._give_back_staging(chunk)
+                self.give_back_staging(chunk)
             for slot in chunk.slots:
                 if slot.compute_refs:
                     slot.compute_refs = 0
@@ -537,10 +537,15 @@ class Engine(GradientPath, OptimizerStep):
             self._relayout_checked = True
             self._relayout_in_recorded_order()
 
+    def adopt_layout(self, order: list[str] | None, *, warmed_up: bool) -> None:
+        """Loading a checkpoint: re-pack in ``order`` (the saved run's layout; None keeps this
+        one) and, when the saved run had stepped, skip the re-layout after warm-up."""
+        if order is not None:
+            relayout(self, order)
+        self._relayout_checked = warmed_up
+
     def _relayout_in_recorded_order(self) -> None:
         """After the first step: [Note: re-layout after warm-up]."""
-        from tierwise.runtime.relayout import relayout
-
         order = list(self.first_use)
         if self.multi_rank:  # every rank packs alike: rank 0's order
             box = [order]
@@ -567,7 +572,13 @@ class Engine(GradientPath, OptimizerStep):
             self.reducer.order = None
 
     def close(self) -> None:
-        """Stop pipelines and release tier resources (files of storage tiers)."""
+        """Stop pipelines, remove every hook tierwise put on the model and its parameters,
+        give the rCache reservation back and release tier resources (files of storage tiers).
+        The model is unusable for training afterwards."""
+        for handle in self.hook_handles:
+            handle.remove()
+        self.hook_handles = []
+        self.cache.close()
         self.loads.close()
         if self.activations is not None:
             self.activations.close()

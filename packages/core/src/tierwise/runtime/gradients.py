@@ -102,7 +102,7 @@ class GradientPath:
             and grad.device == self.tiers["device"].device
         )
 
-    def _give_back_staging(self, chunk: Chunk) -> None:
+    def give_back_staging(self, chunk: Chunk) -> None:
         if chunk.staging_borrowed:  # autograd's own gradient tensor: just drop it
             chunk.staging, chunk.staging_borrowed = None, False
             return
@@ -179,7 +179,7 @@ class GradientPath:
         if not at_end:
             self.reducer.chunk_complete(chunk, self._by_key)
 
-    def _reduced(self, chunk: Chunk, shard: torch.Tensor) -> None:
+    def reduced(self, chunk: Chunk, shard: torch.Tensor) -> None:
         """The streaming reducer finished ``chunk``: its shard of averaged gradients."""
         self._accumulate_grad_shard(chunk, shard)
         chunk.grads_done = True
@@ -217,7 +217,7 @@ class GradientPath:
                 chunk.local_grad = full.clone()
             else:
                 chunk.local_grad.add_(full)
-            self._give_back_staging(chunk)
+            self.give_back_staging(chunk)
             chunk.grads_done = True
             return
         if chunk.local_grad is not None:
@@ -235,7 +235,7 @@ class GradientPath:
             shard = full
         self._accumulate_grad_shard(chunk, shard)
         chunk.local_grad = None
-        self._give_back_staging(chunk)
+        self.give_back_staging(chunk)
         chunk.grads_done = True
         self._grads_final(chunk)
 

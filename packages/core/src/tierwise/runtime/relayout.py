@@ -33,15 +33,18 @@ from tierwise.chunks import (
     TensorState,
     first_use_order,
     pack,
+    sharded_capacity,
 )
+from tierwise.chunks.io import gather_chunk, read_slab
 from tierwise.hf_compat import hf_checkpointing_enabled
-from tierwise.parallel.collectives import _all_gather
+from tierwise.planner import may_recompute, profile_min_blocks
+from tierwise.precision import OPTIM_STATES
 
 if TYPE_CHECKING:
     from tierwise.runtime.engine import Engine
     from tierwise.tiers.base import Slab
 
-_STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+_STATE_KINDS = OPTIM_STATES
 
 
 def new_chunks(group: ChunkGroup, order: list[str], chunk_size: int) -> list[Chunk] | None:
@@ -53,8 +56,7 @@ def new_chunks(group: ChunkGroup, order: list[str], chunk_size: int) -> list[Chu
         return None
     chunks = []
     for spec in specs:
-        capacity = -(-spec.capacity // group.world) * group.world if group.sharded else spec.capacity
-        shard = capacity // group.world if group.sharded else capacity
+        capacity, shard = sharded_capacity(spec.capacity, group.world, group.sharded)
         chunk_slots = [ParamSlot(s.name, slots[s.name].param, s.offset, s.numel, slots[s.name].shape,
                                  state=TensorState.HOLD, has_grad=slots[s.name].has_grad)
                        for s in spec.slots]
@@ -182,33 +184,17 @@ def _cannot_move(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> str 
 
 def _min_blocks_with(engine: Engine, group: ChunkGroup, cached: list[Chunk]) -> int:
     """[Note: the rCache minimum] with ``group``'s cached chunks replaced by ``cached``."""
-    from tierwise.planner import may_recompute, profile_min_blocks
-
     profile = getattr(engine, "profile", None)
     if profile is None:
         return 0
     chunk_of = {
         slot.name: chunk.key for other in engine.groups if other is not group
-        for chunk in other.chunks if not chunk.always_resident for slot in chunk.slots
+        for chunk in other.chunks if not chunk.computes_in_home for slot in chunk.slots
     }
     chunk_of.update({slot.name: ("new", i) for i, chunk in enumerate(cached) for slot in chunk.slots})
     recompute = (may_recompute(engine.config) or "recompute" in engine.plan.activation_policy.values()
                  or hf_checkpointing_enabled(engine.model))
     return profile_min_blocks(profile, chunk_of, recompute=recompute)
-
-
-def _full(chunk: Chunk, slab: Slab) -> torch.Tensor:
-    """The whole chunk's values of one kind, on the CPU (gathered over its group)."""
-    if slab.tensor is not None:
-        shard = slab.tensor.detach().to("cpu", copy=True)
-    else:
-        shard = torch.empty(slab.numel, dtype=slab.dtype)
-        slab.tier.read(slab, shard).wait()
-    if not chunk.group.sharded:
-        return shard
-    full = torch.empty(chunk.capacity, dtype=shard.dtype)
-    _all_gather(full, shard, group=chunk.group.process_group)
-    return full
 
 
 def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> None:
@@ -245,7 +231,7 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> None:
         else:
             chunk.home = new_slabs["home"][i]
         chunk.pending = len(chunk.slots) if chunk.trainable else 0
-        if chunk.home.tier.name == "device" and not group.sharded:
+        if chunk.computes_in_home:
             chunk.flat, chunk.resident = chunk.home.tensor, True
         else:  # [Note: chunk storage]
             chunk.flat = torch.empty(chunk.capacity, dtype=group.dtype, device=engine.tiers["device"].device)
@@ -265,7 +251,7 @@ def _gather_kind(group: ChunkGroup, chunks: list[Chunk], kind: str, where: dict)
     dtype = torch.float32 if kind in _STATE_KINDS else group.dtype
     shards = [torch.zeros(c.shard_size, dtype=dtype) for c in chunks]
     for old in group.chunks:
-        full = _full(old, _slab(old, kind))
+        full = gather_chunk(old, read_slab(_slab(old, kind)))
         for slot in old.slots:
             new_chunk, new_slot = where[slot.name]
             start, end = new_chunk.shard_range()

@@ -22,9 +22,8 @@ import torch
 import tierwise
 from tierwise.config import Config, ConfigError
 from tierwise.plan import PlanError
-from tierwise.planner import BYTES as PRECISION_BYTES
-from tierwise.planner import OPTIM_BYTES
 from tierwise.plugins import get_plugin_host
+from tierwise.precision import OPTIM_BYTES, param_bytes
 from tierwise.tiers import TierBudgetError
 from tierwise.train import checkpoints, data, lora, presets
 from tierwise.train.distributed import World, barrier, close_world, init_world, mean_over_ranks
@@ -173,7 +172,7 @@ def check_plugins(config: Config) -> None:
 def model_data_bytes(n_params: int, precision: str) -> int:
     """Model data before chunk padding, counted as core's planner counts it: params and grads in
     the compute precision, fp32 master weights and two Adam states."""
-    return n_params * (2 * PRECISION_BYTES[precision] + OPTIM_BYTES)
+    return n_params * (2 * param_bytes(precision) + OPTIM_BYTES)
 
 
 # -- the run ------------------------------------------------------------------------------------

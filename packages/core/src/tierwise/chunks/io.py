@@ -1,0 +1,42 @@
+"""Chunk I/O: copy a slab to and from host memory, gather a sharded chunk's full values.
+
+One place for what checkpoints (``tierwise.checkpoint``) and re-layout
+(``tierwise.runtime.relayout``) both do outside the training step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierwise.parallel.collectives import all_gather_into
+
+if TYPE_CHECKING:
+    from tierwise.chunks.chunk import Chunk
+    from tierwise.tiers.base import Slab
+
+
+def read_slab(slab: Slab) -> torch.Tensor:
+    """A CPU copy of a slab's contents, in the slab's dtype."""
+    if slab.tensor is not None:
+        return slab.tensor.detach().to("cpu", copy=True)
+    out = torch.empty(slab.numel, dtype=slab.dtype)
+    slab.tier.read(slab, out).wait()
+    return out
+
+
+def write_slab(slab: Slab, values: torch.Tensor) -> None:
+    """Write ``values`` (converted to the slab's dtype) over the slab, waiting until done."""
+    slab.tier.write(slab, values.to(slab.dtype)).wait()
+
+
+def gather_chunk(chunk: Chunk, shard: torch.Tensor) -> torch.Tensor:
+    """The whole chunk's values from this rank's ``shard`` (all-gathered over the chunk's group
+    when sharded, every rank calling in the same order; ``shard`` itself when not)."""
+    group = chunk.group
+    if not group.sharded:
+        return shard
+    full = torch.empty(chunk.capacity, dtype=shard.dtype, device=shard.device)
+    all_gather_into(full, shard.contiguous(), group=group.process_group)
+    return full

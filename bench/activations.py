@@ -30,6 +30,7 @@ import torch
 from _common import batch, emit, gpt2_model, median
 from tierwise.plan import PlanError
 from tierwise.plugins import get_plugin_host
+from tierwise.tiers import PayloadKind
 from tierwise.units import parse_bytes
 
 MAX_TRIES = 5
@@ -120,7 +121,7 @@ def nvme_io_seconds(nbytes: int, nvme_path: str) -> float:
                     config=Config(device="cpu", nvme_path=nvme_path))
     data = torch.ones(nbytes, dtype=torch.uint8)
     back = torch.empty_like(data)
-    slab = tier.allocate(nbytes, torch.uint8, what="activation")
+    slab = tier.allocate(nbytes, torch.uint8, kind=PayloadKind.ACTIVATION)
     start = time.perf_counter()
     tier.write(slab, data).wait()
     tier.read(slab, back).wait()

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 from tierwise.config import Config
+from tierwise.tiers import PayloadKind
 from tierwise.units import parse_bytes
 from tierwise_nvme import NVMeOptions, NVMeTier, StagingPool
 
@@ -102,7 +103,7 @@ def pipeline_times(tier: NVMeTier, n_chunks: int, numel: int) -> dict[str, float
     ``numel`` each): transfers alone, updates alone, sequential, and pipelined."""
     from tierwise_nvme.optimizer_pipeline import OptimizerPipeline
 
-    slabs = [[tier.allocate(numel, torch.float32, what="optim_chunk") for _ in range(3)] for _ in range(n_chunks)]
+    slabs = [[tier.allocate(numel, torch.float32, kind=PayloadKind.OPTIM_STATE) for _ in range(3)] for _ in range(n_chunks)]
     grad = torch.randn(numel)
     step = torch.zeros(())
     pool = StagingPool(buffer_bytes=numel * 4, count=9)
@@ -180,7 +181,7 @@ def main() -> None:
     for group in buffers.values():
         for buffer in group:
             buffer.random_(0, 256)
-    slabs = [tier.allocate(chunk, torch.uint8, what="bench") for _ in range(n_chunks)]
+    slabs = [tier.allocate(chunk, torch.uint8, kind=PayloadKind.STAGING, what="bench") for _ in range(n_chunks)]
     info = machine(directory, tier)
     fio_file = directory / "fio-bench.dat"
     results: dict[tuple[str, str], list[float]] = {}

@@ -52,7 +52,11 @@ def test_plugin_tier_is_a_plans_default_tier(host_with_spare_ram):
     # the host placement gives the rCache its blocks; the plugin's planner then moves to its tier
     # every chunk the default planner put on the host
     model, opt = tierwise.setup(
-        model, opt, device="cpu", precision="fp32", param_placement="host",
+        model,
+        opt,
+        device="cpu",
+        precision="fp32",
+        param_placement="host",
         optimizer_placement="host",
     )
     engine = tierwise.engine_of(model)

@@ -13,7 +13,7 @@ import torch
 from helpers.devices import DEVICES, synchronize
 from tierwise.config import Config
 from tierwise.runtime.transfer import ChunkLoads
-from tierwise.tiers import HostTier
+from tierwise.tiers import HostTier, PayloadKind
 
 BIG = 64 * 2**20  # elements: 256 MiB of int32 (integers: exact values and sums on every device)
 
@@ -42,7 +42,7 @@ def test_device_to_host_copy_is_complete_after_wait(device):
     tier = _host_tier(device)
     assert tier.pin == (device == "cuda")
     n = _numel(device)
-    slab = tier.allocate(n, torch.int32, what="optim_chunk 0")
+    slab = tier.allocate(n, torch.int32, kind=PayloadKind.OPTIM_STATE, what="optim_chunk 0")
     slab.tensor.zero_()
     zero = _delay_current_stream(device)
     src = torch.arange(n, dtype=torch.int32, device=device) + zero  # ready only after the delay
@@ -58,7 +58,7 @@ def test_device_to_host_copy_is_complete_after_wait(device):
 def test_host_to_device_copy_is_ordered_before_compute(device):
     tier = _host_tier(device)
     n = _numel(device)
-    slab = tier.allocate(n, torch.int32, what="param_chunk 0")
+    slab = tier.allocate(n, torch.int32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk 0")
     slab.tensor.copy_(torch.arange(n, dtype=torch.int32))
     out = torch.zeros(n, dtype=torch.int32, device=device)
     synchronize(device)
@@ -77,7 +77,7 @@ def test_prefetch_on_the_side_stream_is_finished_before_compute_reads(device):
     loads = ChunkLoads(torch.device(device))
     assert (loads.side_stream is not None) == (device == "cuda")
     n = _numel(device)
-    slab = tier.allocate(n, torch.int32, what="param_chunk 0")
+    slab = tier.allocate(n, torch.int32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk 0")
     slab.tensor.copy_(torch.arange(n, dtype=torch.int32))
     out = torch.zeros(n, dtype=torch.int32, device=device)
     synchronize(device)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from tierwise import Plan
 from tierwise.cli import main
+from tierwise.tiers import PayloadKind
 from tierwise.train.metrics import read_metrics, train_losses
 
 TINY = ["--model", "llama", "--size", "tiny", "--batch", "4", "--seq", "64", "--sample-tokens", "0"]
@@ -134,7 +135,7 @@ def _nvme_tier_works(path: Path) -> bool:
         tier = tierwise_nvme.NVMeTier(
             device=torch.device("cpu"), budget=None, config=Config(nvme_path=str(path))
         )
-        slab = tier.allocate(1024, torch.float32, what="probe")
+        slab = tier.allocate(1024, torch.float32, kind=PayloadKind.STAGING, what="probe")
         data = torch.arange(1024, dtype=torch.float32)
         tier.write(slab, data).wait()
         back = torch.empty_like(data)

@@ -16,6 +16,7 @@ pytest.importorskip("tierwise_nvme")
 
 from helpers.devices import DEVICES, deterministic  # noqa: E402
 from helpers.train import run_tierwise  # noqa: E402
+from tierwise.tiers import PayloadKind
 
 SIZES = (1, 1023, 4097, 300_001, 5_000_000)
 
@@ -37,7 +38,7 @@ def test_write_from_and_read_into_device_memory(make_tier, device, backend, dtyp
     tier = make_tier(backend, device=device)
     gen = torch.Generator().manual_seed(0)
     refs = [torch.randn(n, generator=gen).to(dtype) for n in SIZES]
-    slabs = [tier.allocate(n, dtype, what=f"param_chunk {i}") for i, n in enumerate(SIZES)]
+    slabs = [tier.allocate(n, dtype, kind=PayloadKind.PARAM_CHUNK, what=f"param_chunk {i}") for i, n in enumerate(SIZES)]
     for slab, ref in zip(slabs, refs, strict=True):
         src = ref.to(device) + _delayed_zero(device).to(dtype)  # final only after the delay
         tier.write(slab, src).wait()

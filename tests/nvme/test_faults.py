@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("tierwise_nvme")
 
 from nvme_helpers import BACKENDS, FailingBackend, require_libaio  # noqa: E402
+from tierwise.tiers import PayloadKind
 from tierwise_nvme import NVMeIOError, NVMeSpaceError  # noqa: E402
 from tierwise_nvme.backends import IOBackend, IORequest, LibaioBackend, ThreadPoolBackend  # noqa: E402
 
@@ -36,7 +37,7 @@ def test_kth_io_fails_with_eio_and_other_data_survives(make_tier, backend, op):
     io = FailingBackend(inner_backend(backend), fail_at=None)
     tier = make_tier(backend, io=io)
     generator = torch.Generator().manual_seed(0)
-    slabs = [tier.allocate(100_003, torch.bfloat16, what="optim_chunk") for _ in range(3)]
+    slabs = [tier.allocate(100_003, torch.bfloat16, kind=PayloadKind.OPTIM_STATE, what="optim_chunk") for _ in range(3)]
     refs = [torch.randn(100_003, generator=generator).bfloat16() for _ in slabs]
     for slab, ref in zip(slabs, refs, strict=True):
         tier.write(slab, ref).wait()
@@ -68,7 +69,7 @@ def test_enospc_on_write_is_a_clear_space_error(make_tier, backend):
     tier = make_tier(
         backend, io=FailingBackend(inner_backend(backend), fail_at=1, code=errno.ENOSPC)
     )
-    slab = tier.allocate(1000, torch.float32, what="optim_chunk")
+    slab = tier.allocate(1000, torch.float32, kind=PayloadKind.OPTIM_STATE, what="optim_chunk")
     with pytest.raises(NVMeSpaceError, match=r"is full; free space there or set nvme_path") as info:
         tier.write(slab, torch.zeros(1000)).wait()
     assert info.value.errno == errno.ENOSPC
@@ -137,16 +138,16 @@ def test_free_space_check_names_what_is_needed(make_tier, monkeypatch):
     tier = make_tier("threads")
     monkeypatch.setattr(swapfile, "free_bytes", lambda directory: 3 << 20)
     with pytest.raises(NVMeSpaceError) as info:
-        tier.reserve(10 << 20, what="optim_chunk")
+        tier.reserve(10 << 20, kind=PayloadKind.OPTIM_STATE, what="optim_chunk")
     message = str(info.value)
     assert "needs 10.00 MiB more (10.00 MiB in all)" in message
     assert "has only 3.00 MiB free" in message and str(tier.directory) in message
     with pytest.raises(NVMeSpaceError, match=r"needs 4.00 MiB more"):
-        tier.allocate(1 << 20, torch.float32, what="optim_chunk")
+        tier.allocate(1 << 20, torch.float32, kind=PayloadKind.OPTIM_STATE, what="optim_chunk")
     assert tier.used_bytes == 0  # the failed allocation is not counted
-    tier.reserve(2 << 20, what="optim_chunk")  # fits: preallocated up front
+    tier.reserve(2 << 20, kind=PayloadKind.OPTIM_STATE, what="optim_chunk")  # fits: preallocated up front
     monkeypatch.setattr(swapfile, "free_bytes", lambda directory: 0)
-    slab = tier.allocate((2 << 20) // 4, torch.float32, what="optim_chunk")  # no growth needed
+    slab = tier.allocate((2 << 20) // 4, torch.float32, kind=PayloadKind.OPTIM_STATE, what="optim_chunk")  # no growth needed
     assert slab.offset == 0
 
 
@@ -158,13 +159,13 @@ def test_preallocation_enospc_is_a_space_error(make_tier, monkeypatch):
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(NVMeSpaceError, match=r"preallocate of 8192 bytes at offset 0 .* is full"):
-        tier.allocate(2048, torch.float32, what="param_chunk")
+        tier.allocate(2048, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk")
 
 
 def test_budget_is_honoured(make_tier):
     from tierwise.tiers import TierBudgetError
 
     tier = make_tier("threads", budget=1 << 20)
-    tier.allocate((1 << 20) // 4, torch.float32, what="param_chunk")
+    tier.allocate((1 << 20) // 4, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk")
     with pytest.raises(TierBudgetError, match="over its budget of 1.00 MiB"):
-        tier.allocate(1, torch.float32, what="param_chunk")
+        tier.allocate(1, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk")

@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("tierwise_nvme")
 
 from nvme_helpers import require_libaio, swap_files  # noqa: E402
+from tierwise.tiers import PayloadKind
 from tierwise_nvme import preflight  # noqa: E402
 
 CHILD = textwrap.dedent(
@@ -26,7 +27,7 @@ CHILD = textwrap.dedent(
     from tierwise_nvme import NVMeTier
     tier = NVMeTier(device=torch.device("cpu"), budget=None,
                     config=Config(nvme_path=sys.argv[1], device="cpu"))
-    slab = tier.allocate(10_000, torch.float32, what="optim_chunk")
+    slab = tier.allocate(10_000, torch.float32, kind=PayloadKind.OPTIM_STATE, what="optim_chunk")
     tier.write(slab, torch.ones(10_000)).wait()
     print(*tier.paths, flush=True)
     mode = sys.argv[2]
@@ -62,13 +63,13 @@ def new_tier(directory: Path):
 
 def test_one_file_per_kind_removed_on_close(make_tier, nvme_dir):
     tier = make_tier("threads")
-    tier.allocate(10, torch.float32, what="param_chunk data/g0/train#0")
-    tier.allocate(10, torch.float32, what="param_chunk data/g0/train#1")
-    tier.allocate(10, torch.float32, what="optim_chunk data/g0/train#0")
+    tier.allocate(10, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk data/g0/train#0")
+    tier.allocate(10, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk data/g0/train#1")
+    tier.allocate(10, torch.float32, kind=PayloadKind.OPTIM_STATE, what="optim_chunk data/g0/train#0")
     names = swap_files(nvme_dir)
     assert len(names) == 2
     assert any("-r0-param_chunk@" in name for name in names)
-    assert any("-r0-optim_chunk@" in name for name in names)
+    assert any("-r0-optim_state@" in name for name in names)
     tier.close()
     assert swap_files(nvme_dir) == []
     tier.close()  # idempotent
@@ -135,7 +136,7 @@ def test_file_system_refusing_o_direct_falls_back_to_buffered_io_said_once(
     assert len(lines) == 1 and "refuses O_DIRECT" in lines[0] and "\n" not in lines[0]
     try:
         assert (tier.backend.name, tier.backend.direct) == ("buffered", False)
-        slab = tier.allocate(12_345, torch.float16, what="param_chunk")
+        slab = tier.allocate(12_345, torch.float16, kind=PayloadKind.PARAM_CHUNK, what="param_chunk")
         ref = torch.randn(12_345).half()
         tier.write(slab, ref).wait()
         out = torch.empty(12_000, dtype=torch.float16)
@@ -163,7 +164,7 @@ def test_missing_libaio_falls_back_to_thread_pool_said_once(nvme_dir, monkeypatc
     assert re.search(r"libaio\.so\.1: cannot open.*apt-get install libaio1", lines[0])
     try:
         assert (tier.backend.name, tier.backend.direct) == ("threads", True)
-        slab = tier.allocate(5000, torch.float32, what="param_chunk")
+        slab = tier.allocate(5000, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk")
         tier.write(slab, torch.arange(5000.0)).wait()
         out = torch.empty(5000)
         tier.read(slab, out).wait()

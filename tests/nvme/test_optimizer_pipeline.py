@@ -12,6 +12,7 @@ from tierwise.optim import AdamHyper, adam_update
 pytest.importorskip("tierwise_nvme")
 
 from nvme_helpers import FailingBackend  # noqa: E402
+from tierwise.tiers import PayloadKind
 from tierwise_nvme import NVMeIOError, StagingPool  # noqa: E402
 from tierwise_nvme.backends import ThreadPoolBackend  # noqa: E402
 from tierwise_nvme.optimizer_pipeline import OptimizerPipeline  # noqa: E402
@@ -43,7 +44,7 @@ def setup_states(tier, generator):
     chunks = []
     for index, numel in enumerate(SIZES):
         slabs = [
-            tier.allocate(numel, torch.float32, what=f"optim_chunk {index} {k}") for k in range(3)
+            tier.allocate(numel, torch.float32, kind=PayloadKind.OPTIM_STATE, what=f"optim_chunk {index} {k}") for k in range(3)
         ]
         states = [torch.randn(numel, generator=generator), torch.zeros(numel), torch.zeros(numel)]
         for slab, state in zip(slabs, states, strict=True):

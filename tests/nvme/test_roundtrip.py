@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("tierwise_nvme")
 
 from nvme_helpers import BACKENDS  # noqa: E402
+from tierwise.tiers import PayloadKind
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -21,7 +22,7 @@ def random_tensor(numel: int, dtype: torch.dtype, generator: torch.Generator) ->
 def random_ops(tier, generator: torch.Generator, dtype: torch.dtype, steps: int = 40):
     """Odd-sized slabs, unaligned partial writes/reads; returns (slabs, references)."""
     sizes = [1, 3, 1023, 4097, 65_537, 300_001]
-    slabs = [tier.allocate(n, dtype, what=f"param_chunk {i}") for i, n in enumerate(sizes)]
+    slabs = [tier.allocate(n, dtype, kind=PayloadKind.PARAM_CHUNK, what=f"param_chunk {i}") for i, n in enumerate(sizes)]
     refs = [random_tensor(n, dtype, generator) for n in sizes]
     for slab, ref in zip(slabs, refs, strict=True):
         tier.write(slab, ref).wait()
@@ -82,7 +83,7 @@ def test_many_transfers_in_flight_and_from_many_threads(make_tier, backend):
     tier = make_tier(backend, block_size=64 << 10, queue_depth=4)
     generator = torch.Generator().manual_seed(2)
     numel = 200_003  # several pieces per transfer, more pieces than the queue depth
-    slabs = [tier.allocate(numel, torch.float32, what="optim_chunk") for _ in range(12)]
+    slabs = [tier.allocate(numel, torch.float32, kind=PayloadKind.OPTIM_STATE, what="optim_chunk") for _ in range(12)]
     refs = [torch.randn(numel, generator=generator) for _ in slabs]
     # all writes in flight together, then all reads in flight together
     for handle in [tier.write(slab, ref) for slab, ref in zip(slabs, refs, strict=True)]:
@@ -121,7 +122,7 @@ def test_many_transfers_in_flight_and_from_many_threads(make_tier, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_overlapping_writes_apply_in_issue_order(make_tier, backend):
     tier = make_tier(backend)
-    slab = tier.allocate(10_000, torch.float32, what="param_chunk")
+    slab = tier.allocate(10_000, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk")
     ref = torch.zeros(10_000)
     tier.write(slab, ref)
     handles = []
@@ -141,7 +142,7 @@ def test_overlapping_writes_apply_in_issue_order(make_tier, backend):
 def test_strided_and_misaligned_tensors(make_tier, backend):
     tier = make_tier(backend)
     numel = 50_000
-    slab = tier.allocate(numel, torch.float32, what="param_chunk")
+    slab = tier.allocate(numel, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk")
     ref = torch.randn(numel)
     strided_src = torch.empty(2 * numel)[::2]  # not contiguous
     strided_src.copy_(ref)
@@ -159,7 +160,7 @@ def test_strided_and_misaligned_tensors(make_tier, backend):
 
 def test_slab_bounds_dtype_and_release_are_checked(make_tier):
     tier = make_tier("threads")
-    slab = tier.allocate(100, torch.float32, what="param_chunk")
+    slab = tier.allocate(100, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk")
     with pytest.raises(IndexError, match=r"\[95, 105\) are outside param_chunk \(100 elements\)"):
         tier.read(slab, torch.empty(10), offset=95)
     with pytest.raises(TypeError, match="convert the tensor first"):
@@ -173,7 +174,7 @@ def test_slab_bounds_dtype_and_release_are_checked(make_tier):
 def test_transfers_leave_tensor_storage_resizable(make_tier):
     # the engine frees non-resident chunks by resizing their storage to 0 bytes
     tier = make_tier("libaio")
-    slab = tier.allocate(5000, torch.bfloat16, what="param_chunk")
+    slab = tier.allocate(5000, torch.bfloat16, kind=PayloadKind.PARAM_CHUNK, what="param_chunk")
     flat = torch.randn(5000).bfloat16()
     tier.write(slab, flat).wait()
     tier.read(slab, flat).wait()

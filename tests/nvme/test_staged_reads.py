@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("tierwise_nvme")
 
 from nvme_helpers import FailingBackend, require_libaio  # noqa: E402
+from tierwise.tiers import PayloadKind
 from tierwise_nvme import NVMeIOError, StagingPool  # noqa: E402
 
 DIRECT_BACKENDS = ("libaio", "threads")
@@ -115,7 +116,7 @@ def make_staged(nvme_dir):
 
 def written_slabs(tier, dtype: torch.dtype, seed: int):
     generator = torch.Generator().manual_seed(seed)
-    slabs = [tier.allocate(n, dtype, what=f"param_chunk {i}") for i, n in enumerate(SIZES)]
+    slabs = [tier.allocate(n, dtype, kind=PayloadKind.PARAM_CHUNK, what=f"param_chunk {i}") for i, n in enumerate(SIZES)]
     refs = [torch.randn(n, generator=generator).to(dtype) for n in SIZES]
     for handle in [tier.write(slab, ref) for slab, ref in zip(slabs, refs, strict=True)]:
         handle.wait()
@@ -177,7 +178,7 @@ def test_pool_never_exceeds_its_cap_under_concurrent_readers(make_staged, backen
 
 def test_read_returns_at_once_while_every_buffer_is_taken(make_staged):
     tier, recorder, pool = make_staged("threads", count=1, gated=True)
-    slab = tier.allocate(300_001, torch.float32, what="param_chunk")
+    slab = tier.allocate(300_001, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk")
     ref = torch.randn(300_001)
     recorder.open_gate()
     tier.write(slab, ref).wait()
@@ -199,7 +200,7 @@ def test_read_returns_at_once_while_every_buffer_is_taken(make_staged):
 
 def test_failed_staged_piece_raises_and_returns_its_buffer(make_staged):
     tier, recorder, pool = make_staged("threads", count=2)
-    slab = tier.allocate(300_001, torch.float32, what="param_chunk")
+    slab = tier.allocate(300_001, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk")
     ref = torch.randn(300_001)
     tier.write(slab, ref).wait()
     tier._staged.backend = FailingBackend(recorder, fail_at=3, code=errno.EIO)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from tierwise.config import Config
 from tierwise.probe import cache_nvme, cached_nvme, nvme_key
+from tierwise.tiers import PayloadKind
 
 from tierwise_nvme.buffers import aligned_empty
 from tierwise_nvme.options import ALIGNMENT
@@ -37,7 +38,7 @@ def measure_bandwidth(directory: str | Path, nbytes: int = PROBE_BYTES) -> tuple
     try:
         buffer = aligned_empty(nbytes)
         buffer.fill_(1)
-        slab = tier.allocate(nbytes, torch.uint8, what="probe")
+        slab = tier.allocate(nbytes, torch.uint8, kind=PayloadKind.STAGING, what="probe")
         begin = time.perf_counter()
         tier.write(slab, buffer).wait()
         write_s = time.perf_counter() - begin

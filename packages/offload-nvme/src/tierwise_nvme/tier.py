@@ -5,14 +5,13 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
-import re
 import threading
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from tierwise.tiers import DONE, IOHandle, Slab, Tier
+from tierwise.tiers import DONE, IOHandle, PayloadKind, Slab, Tier
 
 from tierwise_nvme.backends import IOBackend, open_backend
 from tierwise_nvme.options import NVMeOptions
@@ -37,12 +36,6 @@ def current_rank() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
     return 0
-
-
-def kind_of(what: str) -> str:
-    """The file a slab goes to: the leading word of ``what`` ("param_chunk", "optim_chunk")."""
-    match = re.match(r"[A-Za-z0-9_]+", what)
-    return match.group(0).lower()[:40] if match else "data"
 
 
 class NVMeTier(Tier):
@@ -103,7 +96,8 @@ class NVMeTier(Tier):
         _open_tiers.add(self)
 
     # -- files ------------------------------------------------------------------------------
-    def _file(self, kind: str) -> SwapFile:
+    def _file(self, payload: PayloadKind) -> SwapFile:
+        kind = PayloadKind(payload).value
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"the nvme tier in {self.directory} is closed")
@@ -121,10 +115,10 @@ class NVMeTier(Tier):
         """The swap files this tier has open."""
         return [file.path for file in self._files.values()]
 
-    def reserve(self, nbytes: int, *, what: str) -> None:
-        """Preallocate room for ``nbytes`` of ``what`` now (one free-space check up front, naming
+    def reserve(self, nbytes: int, *, kind: PayloadKind, what: str = "") -> None:
+        """Preallocate room for ``nbytes`` of ``kind`` now (one free-space check up front, naming
         the whole amount), so later ``allocate`` calls of that kind never grow the file."""
-        self._file(kind_of(what)).reserve(nbytes)
+        self._file(kind).reserve(nbytes)
 
     # -- Tier interface ---------------------------------------------------------------------
     @classmethod
@@ -143,10 +137,10 @@ class NVMeTier(Tier):
         """The disk has room for slabs of these sizes, beside what this tier holds already."""
         check_space(self.directory, slab_bytes)
 
-    def allocate(self, numel: int, dtype: torch.dtype, *, what: str) -> Slab:
-        slab = Slab(self, numel, dtype, what)
-        file = self._file(kind_of(what))
-        self._account(slab.nbytes, what)
+    def allocate(self, numel: int, dtype: torch.dtype, *, kind: PayloadKind, what: str = "") -> Slab:
+        slab = Slab(self, numel, dtype, what or kind.value, kind=kind)
+        file = self._file(kind)  # one file per kind of payload
+        self._account(slab.nbytes, slab.what)
         try:
             slab.offset = file.allocate(max(slab.nbytes, 1))
         except BaseException:
@@ -155,12 +149,14 @@ class NVMeTier(Tier):
         slab.extra["file"] = file
         return slab
 
-    def allocate_state(self, numel: int, dtype: torch.dtype, *, what: str) -> Slab:
+    def allocate_state(
+        self, numel: int, dtype: torch.dtype, *, kind: PayloadKind, what: str = ""
+    ) -> Slab:
         """A slab with a second region for the next step's values: [Note: atomic optimizer
         step]. ``write_next`` fills that region, ``commit`` makes it the slab's contents."""
-        slab = self.allocate(numel, dtype, what=what)
+        slab = self.allocate(numel, dtype, kind=kind, what=what)
         try:
-            self._account(slab.nbytes, what)
+            self._account(slab.nbytes, slab.what)
         except BaseException:
             self.release(slab)
             raise
@@ -299,4 +295,4 @@ def _close_open_tiers() -> None:
         tier.close()
 
 
-__all__ = ["MAX_LOOKAHEAD", "NVMeTier", "current_rank", "kind_of"]
+__all__ = ["MAX_LOOKAHEAD", "NVMeTier", "current_rank"]

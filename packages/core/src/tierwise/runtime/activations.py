@@ -64,6 +64,8 @@ from typing import Any
 
 import torch
 
+from tierwise.tiers.base import PayloadKind
+
 ACTIONS = ("keep", "recompute", "host", "nvme")
 MIN_WRITE_BUDGET = 8 << 20
 """Bytes of nvme swap-outs in flight allowed before the first block's size is known."""
@@ -436,7 +438,7 @@ class ActivationManager:
             stored.host = _aligned_bytes(nbytes)
             stored.host.copy_(source)
         if target == "nvme":
-            stored.slab = self.nvme.allocate(nbytes, torch.uint8, what="activation")
+            stored.slab = self.nvme.allocate(nbytes, torch.uint8, kind=PayloadKind.ACTIVATION)
             if self._stream is None:
                 stored.write = self.nvme.write(stored.slab, stored.host)
                 self.moved_bytes["act:device->nvme"] += nbytes

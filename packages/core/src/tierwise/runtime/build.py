@@ -25,6 +25,7 @@ from tierwise.parallel import ParallelPattern
 from tierwise.plan import Plan
 from tierwise.precision import OPTIM_STATES, STATE_BYTES
 from tierwise.profile import ParamInfo, Profile
+from tierwise.tiers.base import PayloadKind
 
 MIN_CHUNK_SIZE = 1024
 """Smallest chunk (elements) tierwise accepts: below it per-chunk bookkeeping dominates."""
@@ -168,13 +169,17 @@ def allocate_payloads(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_al
                     opt_tier = tiers[plan.optim_tier_of(group.name, chunk.index)]
                     grad_tier = opt_tier if opt_tier.ADDRESSABLE else tiers["host"]
                     what = f"{group.name}#{chunk.index}"
-                    master = opt_tier.allocate_state(chunk.shard_size, torch.float32, what=f"{what} master")
+                    master = opt_tier.allocate_state(
+                        chunk.shard_size, torch.float32, kind=PayloadKind.MASTER, what=f"{what} master"
+                    )
                     allocated.append(master)
                     slabs = [master]
                     for kind in ("exp_avg", "exp_avg_sq"):
-                        slabs.append(opt_tier.allocate_state(chunk.shard_size, torch.float32, what=f"{what} {kind}"))
+                        slabs.append(opt_tier.allocate_state(chunk.shard_size, torch.float32,
+                                                         kind=PayloadKind.OPTIM_STATE, what=f"{what} {kind}"))
                         allocated.append(slabs[-1])
-                    grad = grad_tier.allocate(chunk.shard_size, group.dtype, what=f"{what} grad")
+                    grad = grad_tier.allocate(chunk.shard_size, group.dtype, kind=PayloadKind.GRAD_SHARD,
+                                              what=f"{what} grad")
                     allocated.append(grad)
                     chunk.optim = OptimSlabs(*slabs, grad, opt_tier)
                     chunk.optim.clear_grad()  # [Note: gradient memory between steps]
@@ -183,7 +188,8 @@ def allocate_payloads(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_al
                         chunk.home = master
                         continue
                 chunk.home = home_tier.allocate(
-                    chunk.shard_size, group.dtype, what=f"{group.name}#{chunk.index} params"
+                    chunk.shard_size, group.dtype, kind=PayloadKind.PARAM_CHUNK,
+                    what=f"{group.name}#{chunk.index} params",
                 )
                 allocated.append(chunk.home)
     except BaseException:

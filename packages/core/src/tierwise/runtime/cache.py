@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tierwise.tiers.base import PayloadKind
+
 if TYPE_CHECKING:
     from tierwise.tiers.base import Tier
 
@@ -101,7 +103,8 @@ class RCache:
         self.tier = tier
         self.block_numel = block_numel
         self.block_bytes = block_numel * torch.empty((), dtype=dtype).element_size()
-        tier.reserve(n_blocks * self.block_bytes, what=f"{n_blocks} rCache blocks")
+        tier.reserve(n_blocks * self.block_bytes, kind=PayloadKind.PARAM_CHUNK,
+                     what=f"{n_blocks} rCache blocks")
         self.reserved = n_blocks * self.block_bytes
         self.owner: list[Hashable | None] = [None] * n_blocks
         self.last_used: list[int] = [0] * n_blocks

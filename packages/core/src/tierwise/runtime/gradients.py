@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import torch
 
 from tierwise.chunks import Chunk, ParamSlot, TensorState
+from tierwise.tiers.base import PayloadKind
 
 # [Note: gradient path]
 # A parameter's post-accumulate-grad hook takes its gradient and sets ``p.grad = None``.
@@ -84,7 +85,8 @@ class GradientPath:
             if storage.nbytes() == 0:  # given back at the end of the last backward
                 storage.resize_(best.numel() * best.element_size())
             return best[: chunk.capacity]
-        slab = self.tiers["device"].allocate(chunk.capacity, self.dtype, what="gradient staging buffer")
+        slab = self.tiers["device"].allocate(chunk.capacity, self.dtype, kind=PayloadKind.STAGING,
+                                             what="gradient staging buffer")
         self._staging_slabs.append(slab)
         return slab.tensor
 

@@ -39,12 +39,16 @@ from tierwise.chunks.io import gather_chunk, read_slab
 from tierwise.hf_compat import hf_checkpointing_enabled
 from tierwise.planner import may_recompute, profile_min_blocks
 from tierwise.precision import OPTIM_STATES
+from tierwise.tiers.base import PayloadKind
 
 if TYPE_CHECKING:
     from tierwise.runtime.engine import Engine
     from tierwise.tiers.base import Slab
 
 _STATE_KINDS = OPTIM_STATES
+_PAYLOAD = {"home": PayloadKind.PARAM_CHUNK, "master": PayloadKind.MASTER,
+            "exp_avg": PayloadKind.OPTIM_STATE, "exp_avg_sq": PayloadKind.OPTIM_STATE,
+            "grad": PayloadKind.GRAD_SHARD}
 
 
 def new_chunks(group: ChunkGroup, order: list[str], chunk_size: int) -> list[Chunk] | None:
@@ -215,7 +219,8 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> None:
             dtype = torch.float32 if kind in _STATE_KINDS else group.dtype
             tier = engine.tiers[tier_name]
             allocate = tier.allocate_state if kind in _STATE_KINDS else tier.allocate
-            slab = allocate(chunk.shard_size, dtype, what=f"{group.name}#{chunk.index} {kind}")
+            slab = allocate(chunk.shard_size, dtype, kind=_PAYLOAD[kind],
+                            what=f"{group.name}#{chunk.index} {kind}")
             if values is not None:
                 tier.write(slab, values[i].to(dtype)).wait()
             slabs.append(slab)

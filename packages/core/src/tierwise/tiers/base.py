@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -16,6 +17,24 @@ if TYPE_CHECKING:
 
 class TierBudgetError(MemoryError):
     """An allocation would exceed a tier's byte budget."""
+
+
+class PayloadKind(str, Enum):
+    """What a slab holds: tiers that keep kinds apart (the NVMe tier's one file per kind) choose
+    by this, never by the free-text ``what`` label."""
+
+    PARAM_CHUNK = "param_chunk"
+    """A chunk's parameters in the compute precision (its home, or rCache blocks)."""
+    MASTER = "master"
+    """fp32 master copy of a chunk's shard."""
+    OPTIM_STATE = "optim_state"
+    """Adam exp_avg / exp_avg_sq of a chunk's shard."""
+    GRAD_SHARD = "grad_shard"
+    """A chunk's shard of reduced gradients."""
+    STAGING = "staging"
+    """Scratch: gradient staging buffers, bandwidth probes."""
+    ACTIVATION = "activation"
+    """Saved activations swapped out of the device."""
 
 
 @dataclass(eq=False)
@@ -31,6 +50,8 @@ class Slab:
     offset: int = 0
     """Byte offset in the tier's backing store (storage tiers)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    kind: PayloadKind = PayloadKind.STAGING
+    """What the slab holds (``Tier.allocate``'s ``kind``)."""
 
     @property
     def nbytes(self) -> int:
@@ -86,9 +107,10 @@ class Tier(ABC):
         self.used_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
-    def reserve(self, nbytes: int, *, what: str) -> None:
-        """Count ``nbytes`` as used without allocating (memory the caller allocates itself)."""
-        self._account(nbytes, what)
+    def reserve(self, nbytes: int, *, kind: PayloadKind, what: str = "") -> None:
+        """Count ``nbytes`` of ``kind`` as used without allocating (memory the caller allocates
+        itself)."""
+        self._account(nbytes, what or kind.value)
 
     def unreserve(self, nbytes: int) -> None:
         self.used_bytes -= nbytes
@@ -107,13 +129,16 @@ class Tier(ABC):
         cannot hold them; budgets are checked by ``allocate`` itself. Default: nothing."""
 
     @abstractmethod
-    def allocate(self, numel: int, dtype: torch.dtype, *, what: str) -> Slab:
-        """Reserve room for ``numel`` elements (contents undefined)."""
+    def allocate(self, numel: int, dtype: torch.dtype, *, kind: PayloadKind, what: str = "") -> Slab:
+        """Reserve room for ``numel`` elements of ``kind`` (contents undefined); ``what`` names
+        the slab in error messages (default: the kind)."""
 
-    def allocate_state(self, numel: int, dtype: torch.dtype, *, what: str) -> Slab:
+    def allocate_state(
+        self, numel: int, dtype: torch.dtype, *, kind: PayloadKind, what: str = ""
+    ) -> Slab:
         """An optimizer-state slab (master, exp_avg, exp_avg_sq): ``STATE_COPIES`` regions of
         ``numel`` elements. Default: one, as ``allocate``."""
-        return self.allocate(numel, dtype, what=what)
+        return self.allocate(numel, dtype, kind=kind, what=what)
 
     @abstractmethod
     def release(self, slab: Slab) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tierwise.tiers.base import DONE, IOHandle, Slab, Tier
+from tierwise.tiers.base import DONE, IOHandle, PayloadKind, Slab, Tier
 
 
 class MemoryTier(Tier):
@@ -20,9 +20,9 @@ class MemoryTier(Tier):
     def pin(self) -> bool:
         return False
 
-    def allocate(self, numel: int, dtype: torch.dtype, *, what: str) -> Slab:
-        slab = Slab(self, numel, dtype, what)
-        self._account(slab.nbytes, what)
+    def allocate(self, numel: int, dtype: torch.dtype, *, kind: PayloadKind, what: str = "") -> Slab:
+        slab = Slab(self, numel, dtype, what or kind.value, kind=kind)
+        self._account(slab.nbytes, slab.what)
         try:
             slab.tensor = torch.empty(
                 numel, dtype=dtype, device=self.storage_device, pin_memory=self.pin

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierwise.plan import check_policy_entries
 from tierwise.precision import PRECISIONS
 from tierwise.units import parse_bytes
 
@@ -131,8 +132,6 @@ class Config:
                 except ValueError as err:
                     raise ConfigError(f"Config.{err}") from None
         if self.activation_policy is not None:
-            from tierwise.runtime.activations import check_policy_entries
-
             problem = check_policy_entries(self.activation_policy)
             if problem:
                 fail("activation_policy", problem)

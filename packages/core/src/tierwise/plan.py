@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tierwise.jsonable import JsonDataclass
 from tierwise.units import format_bytes
 
 ACTIVATION_ACTIONS = ("keep", "recompute", "host", "nvme")
+"""What may happen to a transformer block's saved activations (``Config.activation_policy``)."""
+
+
+def check_policy_entries(policy: Any) -> str | None:
+    """What is wrong with a ``Config.activation_policy`` value, or None."""
+    if not isinstance(policy, dict) or not all(
+        isinstance(k, str) and k and isinstance(v, str) for k, v in policy.items()
+    ):
+        return 'give a dict of block name or pattern to action, e.g. {"model.layers.*": "host"}'
+    for pattern, action in policy.items():
+        if action not in ACTIVATION_ACTIONS:
+            return f"{pattern!r} -> {action!r}: choose one of {', '.join(ACTIVATION_ACTIONS)}"
+    return None
 
 
 class PlanError(ValueError):

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from tierwise.hardware import Hardware
     from tierwise.plan import Plan
     from tierwise.profile import Profile
+    from tierwise.protocols import MemoryTracer
 
 BUILTIN_NAME = "core"
 
@@ -128,7 +129,9 @@ class PluginHost:
                 merged.update(result)
         return merged
 
-    def memory_tracer(self, *, device: torch.device, model_bytes: Callable[[], int]) -> Any | None:
+    def memory_tracer(
+        self, *, device: torch.device, model_bytes: Callable[[], int]
+    ) -> MemoryTracer | None:
         """A warm-up memory tracer from a plugin (tierwise-profiler), or None."""
         return self.pm.hook.tierwise_memory_tracer(device=device, model_bytes=model_bytes)
 

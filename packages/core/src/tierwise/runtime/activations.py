@@ -64,9 +64,10 @@ from typing import Any
 
 import torch
 
+from tierwise.plan import ACTIVATION_ACTIONS, check_policy_entries
 from tierwise.tiers.base import PayloadKind
 
-ACTIONS = ("keep", "recompute", "host", "nvme")
+ACTIONS = ACTIVATION_ACTIONS
 MIN_WRITE_BUDGET = 8 << 20
 """Bytes of nvme swap-outs in flight allowed before the first block's size is known."""
 MIN_SWAP_BYTES = 1024
@@ -97,18 +98,6 @@ def find_blocks(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
                 for index, child in enumerate(module):
                     found[f"{name}.{index}" if name else str(index)] = child
     return found
-
-
-def check_policy_entries(policy: Any) -> str | None:
-    """What is wrong with a ``Config.activation_policy`` value, or None."""
-    if not isinstance(policy, dict) or not all(
-        isinstance(k, str) and k and isinstance(v, str) for k, v in policy.items()
-    ):
-        return 'give a dict of block name or pattern to action, e.g. {"model.layers.*": "host"}'
-    for pattern, action in policy.items():
-        if action not in ACTIONS:
-            return f"{pattern!r} -> {action!r}: choose one of {', '.join(ACTIONS)}"
-    return None
 
 
 def plan_action(block: str, plan_policy: dict[str, str]) -> str | None:

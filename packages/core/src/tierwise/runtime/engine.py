@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -22,6 +23,7 @@ from tierwise.optim import DynamicLossScaler, StepCounts
 from tierwise.parallel.collectives import Collectives
 from tierwise.plan import Plan
 from tierwise.precision import compute_dtype
+from tierwise.protocols import MemoryTracer
 from tierwise.runtime.cache import AccessTrace, RCache
 from tierwise.runtime.gradients import GradientPath
 from tierwise.runtime.reduce import StreamingReducer
@@ -138,12 +140,12 @@ class Engine(GradientPath, OptimizerStep):
         self.recorded_order: dict[str, list[str]] = {"forward": [], "backward": []}
         """Parameters (first names) each module access fetched during the warm-up step, as the
         profiler's ``forward_order``/``backward_order`` predict them."""
-        self.make_tracer = None
+        self.make_tracer: Callable[[], MemoryTracer | None] | None = None
         """Returns a warm-up memory tracer (from tierwise-profiler) or None; set by setup."""
         self.memory_moments: list[tuple[str, int]] | None = None
         """Non-model bytes per moment of the warm-up step, measured ([Note: warm-up tracing])."""
         self.estimated_peak_activation_bytes: int | None = None
-        self._tracer = None
+        self._tracer: MemoryTracer | None = None
         self._tracer_ended = False
         self._module_names = {m: n for n, m in model.named_modules()}
         self._modules_of_param: dict[int, list[torch.nn.Module]] = defaultdict(list)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from tierwise.chunks import Chunk, TensorState
 from tierwise.optim import AdamHyper, adam_update_ranges
+from tierwise.protocols import OptimizerPipeline
 
 
 class OptimizerStep:
@@ -70,7 +71,7 @@ class OptimizerStep:
                 break
         return bool(self._all_reduce_scalar(flag, dist.ReduceOp.MAX) > 0)
 
-    def _make_pipelines(self) -> dict:
+    def _make_pipelines(self) -> dict[str, OptimizerPipeline]:
         """One optimizer pipeline per storage tier holding optimizer states (e.g. nvme)."""
         pipelines = {}
         shard = max((c.shard_size for c in self.chunks()), default=0)

@@ -13,6 +13,7 @@ from tierwise.units import format_bytes
 
 if TYPE_CHECKING:
     from tierwise.config import Config
+    from tierwise.protocols import OptimizerPipeline
 
 
 class TierBudgetError(MemoryError):
@@ -152,7 +153,9 @@ class Tier(ABC):
     def write(self, slab: Slab, src: torch.Tensor, *, offset: int = 0) -> IOHandle:
         """Copy ``src`` into ``slab[offset : offset + src.numel()]``."""
 
-    def optimizer_pipeline(self, *, buffer_bytes: int, states: int = 3, lookahead: int = 1):
+    def optimizer_pipeline(
+        self, *, buffer_bytes: int, states: int = 3, lookahead: int = 1
+    ) -> OptimizerPipeline | None:
         """For storage tiers: an object with ``prefetch(key, slabs)``, ``submit(key, slabs,
         update)``, ``drain()`` and ``close()`` that overlaps reading, updating and writing the
         optimizer states of successive chunks; None (the default) means the engine reads,

@@ -1,0 +1,189 @@
+"""The shape of core's code (issue 17): no import circle, no reach into another module's
+private names. Both read the source (ast), so they see imports inside functions too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CORE = REPO / "packages" / "core" / "src" / "tierwise"
+SOURCES = sorted(REPO.glob("packages/*/src/*/**/*.py"))
+ENGINE_OWNERS = {CORE / "runtime" / "engine.py"}
+"""Modules allowed to read the engine's private attributes (it is their ``self``)."""
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imported_names(tree: ast.AST, me: str, is_package: bool) -> list[tuple[str, list[str]]]:
+    """(module, names) of every import that runs (anywhere but under ``if TYPE_CHECKING``)."""
+    found = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, []) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = me if is_package else me.rsplit(".", 1)[0]
+                for _ in range(node.level - 1):
+                    package = package.rsplit(".", 1)[0]
+                base = f"{package}.{base}" if base else package
+            found.append((base, [alias.name for alias in node.names]))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def core_import_graph() -> dict[str, set[str]]:
+    """Module -> the core modules importing it runs (parent packages included: importing
+    ``tierwise.runtime.cache`` runs ``tierwise/runtime/__init__.py`` first)."""
+    paths = {_module_name(p, CORE): p for p in CORE.rglob("*.py")}
+    graph = {}
+    for me, path in paths.items():
+        deps = set()
+        for module, names in _imported_names(
+            ast.parse(path.read_text()), me, path.name == "__init__.py"
+        ):
+            targets = [f"{module}.{n}" for n in names if f"{module}.{n}" in paths] or [module]
+            for target in targets:
+                parts = target.split(".")
+                for i in range(1, len(parts) + 1):
+                    prefix = ".".join(parts[:i])
+                    # a module's own parent packages are already running when it runs
+                    if prefix in paths and prefix != me and not me.startswith(prefix + "."):
+                        deps.add(prefix)
+        graph[me] = deps
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_circle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_core_imports_form_no_circle():
+    graph = core_import_graph()
+    assert "tierwise.runtime.engine" in graph["tierwise.runtime"]  # the walk sees real edges
+    assert "tierwise.checkpoint" in graph["tierwise.api"]  # function-level imports included
+    assert circles(graph) == []
+
+
+def _private_engine_reads(tree: ast.AST) -> list[str]:
+    """``engine._x`` / ``self.engine._x`` (any name ending in ``engine``), dunders aside."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        if node.attr.startswith("__"):
+            continue
+        owner = node.value
+        name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+        if name.lstrip("_").endswith("engine"):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def _private_imports(tree: ast.AST) -> list[str]:
+    """``from x import _name`` (one module importing another's private name)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"line {node.lineno}: from {node.module} import {alias.name}")
+    return found
+
+
+def test_no_module_reads_the_engines_private_state():
+    offenders = []
+    for path in SOURCES:
+        if path in ENGINE_OWNERS:
+            continue
+        for hit in _private_engine_reads(ast.parse(path.read_text())):
+            offenders.append(f"{path.relative_to(REPO)} {hit}")
+    assert offenders == []
+
+
+def test_no_module_imports_a_private_name_of_another():
+    offenders = []
+    for path in SOURCES:
+        for hit in _private_imports(ast.parse(path.read_text())):
+            offenders.append(f"{path.relative_to(REPO)} {hit}")
+    assert offenders == []
+
+
+def test_the_source_checks_see_what_they_refuse():
+    tree = ast.parse(
+        "from tierwise.parallel.collectives import _all_gather\n"
+        "def f(engine, x):\n"
+        "    engine._steps += 1\n"
+        "    x.engine._relayout_checked = True\n"
+        "    return engine.__class__, engine.steps_taken\n"
+    )
+    assert _private_imports(tree) == [
+        "line 1: from tierwise.parallel.collectives import _all_gather"
+    ]
+    assert _private_engine_reads(tree) == [
+        "line 3: engine._steps",
+        "line 4: x.engine._relayout_checked",
+    ]

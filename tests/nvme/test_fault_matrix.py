@@ -23,6 +23,7 @@ from helpers.models import tiny_batch, tiny_model  # noqa: E402
 from helpers.train import train  # noqa: E402
 from nvme_helpers import FailingBackend  # noqa: E402
 from tierwise.checkpoint_manifest import CheckpointError  # noqa: E402
+from tierwise.tiers import PayloadKind  # noqa: E402
 from tierwise_nvme import NVMeIOError, NVMeSpaceError  # noqa: E402
 from tierwise_nvme.errors import io_error, short_io_error  # noqa: E402
 
@@ -128,7 +129,9 @@ def assert_same_state(model, opt, reference):
 
 
 def _payload(op):
-    return lambda request: request.op == op and "-data@" in request.path
+    """A request of ``op`` on a swap file of model data (one file per PayloadKind)."""
+    files = [f"-{kind.value}@" for kind in PayloadKind if kind is not PayloadKind.ACTIVATION]
+    return lambda request: request.op == op and any(f in request.path for f in files)
 
 
 def _nth(fail_if, n):

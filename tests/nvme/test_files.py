@@ -17,13 +17,14 @@ import torch
 pytest.importorskip("tierwise_nvme")
 
 from nvme_helpers import require_libaio, swap_files  # noqa: E402
-from tierwise.tiers import PayloadKind
+from tierwise.tiers import PayloadKind  # noqa: E402
 from tierwise_nvme import preflight  # noqa: E402
 
 CHILD = textwrap.dedent(
     """
     import os, sys, torch
     from tierwise.config import Config
+    from tierwise.tiers import PayloadKind
     from tierwise_nvme import NVMeTier
     tier = NVMeTier(device=torch.device("cpu"), budget=None,
                     config=Config(nvme_path=sys.argv[1], device="cpu"))

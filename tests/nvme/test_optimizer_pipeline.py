@@ -258,3 +258,21 @@ def test_tier_builds_a_pipeline_sized_for_three_stages(make_tier):
     pipeline.close()
     for got, want in zip(read_states(tier, slabs), states, strict=True):
         assert torch.equal(got, want)
+
+
+def test_the_pipeline_is_the_optimizer_pipeline_core_calls(tmp_path):
+    """tierwise.protocols.OptimizerPipeline is what the engine calls; the NVMe tier's pipeline
+    has every method of it."""
+    from tierwise.config import Config
+    from tierwise.protocols import OptimizerPipeline
+    from tierwise_nvme import NVMeTier
+
+    tier = NVMeTier(
+        device=torch.device("cpu"), budget=None, config=Config(nvme_path=str(tmp_path), device="cpu")
+    )
+    pipeline = tier.optimizer_pipeline(buffer_bytes=4096)
+    try:
+        assert isinstance(pipeline, OptimizerPipeline)
+    finally:
+        pipeline.close()
+        tier.close()

@@ -110,3 +110,11 @@ def test_tensors_made_before_start_or_while_paused_are_not_counted():
 def test_cuda_tracer_needs_the_model_bytes():
     with pytest.raises(ValueError, match="model_bytes"):
         MemoryTracer("cuda")
+
+
+def test_the_tracer_is_the_memory_tracer_core_calls():
+    """tierwise.protocols.MemoryTracer is what the engine calls during warm-up; the profiler's
+    tracer has every method of it."""
+    from tierwise.protocols import MemoryTracer as TracerProtocol
+
+    assert isinstance(MemoryTracer("cpu"), TracerProtocol)

@@ -34,12 +34,16 @@ class OptimizerStep:
         """2-norm of all gradients as stored (still loss-scaled in fp16).
 
         One process: per-parameter norms, then the norm of those, exactly as
-        ``torch.nn.utils.clip_grad_norm_`` computes it. Several ranks: sums of squares of each
+        ``torch.nn.utils.clip_grad_norm_`` computes it over the fp32 gradients a mixed-precision
+        loop hands its fp32 masters (a bf16/fp16 norm would round the clip coefficient to a few
+        bits, and overflow under fp16 loss scaling). Several ranks: sums of squares of each
         rank's shards (replicated chunks counted once), all-reduced.
         """
         if not self.multi_rank:  # in model.parameters() order, whatever the chunk layout
             norms = sorted(
-                (self._param_order[id(s.param)], torch.linalg.vector_norm(grad[s.offset : s.offset + s.numel], 2.0))
+                (self._param_order[id(s.param)],
+                 torch.linalg.vector_norm(grad[s.offset : s.offset + s.numel], 2.0,
+                                          dtype=torch.float32))
                 for chunk, grad in self._grad_shards()
                 for s in chunk.slots
                 if s.has_grad  # clip_grad_norm_ skips parameters whose grad is None

@@ -80,7 +80,7 @@ def test_the_minimum_setup_accepts_trains_and_one_fewer_is_refused(kind, chunk_s
     assert_one_fewer_is_refused(kind, chunk_size, least)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral", *LORA])
+@pytest.mark.parametrize("kind", [*KINDS, *LORA])
 def test_the_minimum_holds_through_checkpoint_re_forward(kind):
     least = minimum(kind, 2048, checkpointing=True)
     model, opt = setup(kind, 2048, least, checkpointing=True)

@@ -14,7 +14,11 @@ moment, which the access pattern gives:
   input (q, k, v, LoRA base layers) and embeddings waiting for the end of backward add nothing.
 - checkpoint re-forward (non-re-entrant): the block's re-forward runs inside the backward of
   its last module, which stays pinned meanwhile, so each module of the block is counted
-  together with the block's last module.
+  together with the block's last module. Which module runs last needs the traced call order:
+  module registration order is not it (OPT registers a layer's final_layer_norm after fc2 and
+  runs it before fc1). Without a traced order (a static profile: setup without a profiler's
+  example batch) any two modules of the block are counted together, a bound the runtime never
+  exceeds; the warm-up's recorded order gives the exact number for the re-layout after it.
 
 Setup refuses a plan below this number before anything is allocated; core's planner and
 tierwise-search use the same function, so a plan either of them makes is one setup accepts.
@@ -70,8 +74,9 @@ def min_cache_blocks(
     ``module_params``: module name -> the parameter names it owns directly (any alias);
     ``chunk_of``: parameter name (every alias) -> its chunk, for chunks that live in the rCache
     only; ``recompute``: parameter names of each block whose forward is re-run in backward;
-    ``forward_order``: parameter names in forward order (which module of a block runs last;
-    module order otherwise). 0 when no chunk lives in the rCache.
+    ``forward_order``: parameter names in traced forward order (which module of a block runs
+    last); empty when no order was traced: then any two modules of a block count together.
+    0 when no chunk lives in the rCache.
     """
     own = {
         module: {chunk_of[n] for n in names if n in chunk_of} for module, names in module_params.items()
@@ -86,10 +91,11 @@ def min_cache_blocks(
     most = max((len(c) for c in pinned.values()), default=0)
     owner = {n: module for module, names in module_params.items() for n in names}
     for block in recompute:
-        last = last_module(block, module_params, forward_order)
-        if last is not None:
-            modules = dict.fromkeys(owner[n] for n in block if n in owner)
-            most = max(most, *(len(pinned[last] | pinned[m]) for m in modules))
+        modules = list(dict.fromkeys(owner[n] for n in block if n in owner))
+        if not modules:
+            continue
+        lasts = [last_module(block, module_params, forward_order)] if forward_order else modules
+        most = max(most, *(len(pinned[last] | pinned[m]) for last in lasts for m in modules))
     if most == 0 and chunk_of:
         most = 1
     return most

@@ -49,6 +49,11 @@ def may_recompute(config: Config) -> bool:
                 or config.activation_policy)
 
 
+TRACED_ORDER = ("meta", "runtime")
+"""Profile sources whose forward_order is the call order a step really follows (a static or
+analytic profile's is module registration order)."""
+
+
 def profile_min_blocks(profile: Profile, chunk_of: dict, *, recompute: bool) -> int:
     """[Note: the rCache minimum] for a profile; ``chunk_of`` maps first parameter names to
     the chunks that live in the rCache (aliases are added here)."""
@@ -57,8 +62,8 @@ def profile_min_blocks(profile: Profile, chunk_of: dict, *, recompute: bool) -> 
         if p.name in chunk_of:
             chunk_of.update(dict.fromkeys(p.aliases, chunk_of[p.name]))
     blocks = recompute_blocks(profile.module_params, profile.checkpoint_blocks) if recompute else ()
-    return min_cache_blocks(profile.module_params, chunk_of, recompute=blocks,
-                            forward_order=profile.forward_order)
+    traced = profile.forward_order if profile.source in TRACED_ORDER else ()
+    return min_cache_blocks(profile.module_params, chunk_of, recompute=blocks, forward_order=traced)
 
 
 def _min_blocks(profile: Profile, layout, config: Config) -> int:

@@ -50,9 +50,14 @@ class Collector:
             return  # the case itself (or its fixtures, when they failed)
         case = report.nodeid.split("::")[-1]
         params = case[case.index("[") + 1 : -1] if "[" in case else ""
-        emit(bench="resilience", suite=self.suite, case=params or case,
-             survived=report.passed, seconds_in_test=round(report.duration, 2),
-             **dict(report.user_properties))
+        emit(
+            bench="resilience",
+            suite=self.suite,
+            case=params or case,
+            survived=report.passed,
+            seconds_in_test=round(report.duration, 2),
+            **dict(report.user_properties),
+        )
 
 
 def main() -> int:
@@ -65,9 +70,10 @@ def main() -> int:
     for suite, target in SUITES.items():
         if args.only and suite != args.only:
             continue
-        code = pytest.main([str(ROOT / target), "-q", "-p", "no:cacheprovider", "--rootdir",
-                            str(ROOT), *extra],
-                           plugins=[Collector(suite)])
+        code = pytest.main(
+            [str(ROOT / target), "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), *extra],
+            plugins=[Collector(suite)],
+        )
         status = status or int(code)
     return status
 

@@ -19,9 +19,16 @@ KINDS = ["gpt2", "opt", "llama", "qwen2_moe", "mixtral"]
 def _setup(kind: str, chunk_size: int, blocks: int | str):
     model = tiny_model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return tierwise.setup(model, opt, precision="fp32", device="cpu", chunk_size=chunk_size,
-                          param_placement="host", optimizer_placement="host",
-                          cache_blocks=blocks)
+    return tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        chunk_size=chunk_size,
+        param_placement="host",
+        optimizer_placement="host",
+        cache_blocks=blocks,
+    )
 
 
 def _stated_minimum(kind: str, chunk_size: int) -> tuple[int, str | None]:
@@ -32,7 +39,9 @@ def _stated_minimum(kind: str, chunk_size: int) -> tuple[int, str | None]:
     except (PlanError, ConfigError) as err:
         message = str(err)
         assert "\n" not in message, message
-        return int(re.search(r"minimum of (\d+) rCache blocks", message).group(1)), type(err).__name__
+        return int(re.search(r"minimum of (\d+) rCache blocks", message).group(1)), type(
+            err
+        ).__name__
     return 1, None
 
 
@@ -59,7 +68,14 @@ def test_search_and_core_planners_state_one_minimum_that_trains(kind, chunk_size
     if searched > 1:
         fresh = tiny_model(kind)
         with pytest.raises((PlanError, ConfigError), match=f"minimum of {searched} rCache"):
-            tierwise.setup(fresh, torch.optim.AdamW(fresh.parameters()), precision="fp32",
-                           device="cpu", chunk_size=chunk_size, param_placement="host",
-                           optimizer_placement="host", cache_blocks=searched - 1)
+            tierwise.setup(
+                fresh,
+                torch.optim.AdamW(fresh.parameters()),
+                precision="fp32",
+                device="cpu",
+                chunk_size=chunk_size,
+                param_placement="host",
+                optimizer_placement="host",
+                cache_blocks=searched - 1,
+            )
         assert not hasattr(fresh, "_tierwise_engine")

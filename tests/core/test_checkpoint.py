@@ -168,3 +168,24 @@ def test_damaged_checkpoint_is_refused_in_one_line(tmp_path, damage, message):
         tierwise.load_checkpoint(path, fresh, fresh_opt)
     assert "\n" not in str(err.value)
     assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())  # nothing written
+
+
+def test_manifest_lists_every_file_with_its_size_and_checksum(tmp_path):
+    """The manifest ([Note: checkpoint manifest]): every file of the directory with its size and
+    SHA-256 (computed here with hashlib), the world size, the step and the tierwise version."""
+    import hashlib
+    import json
+
+    from tierwise._version import __version__
+
+    model, opt = build("gpt2", "host")
+    train(model, opt, 3)
+    path = tierwise.save_checkpoint(tmp_path / "ckpt", model, opt)
+    manifest = json.loads((path / "manifest.json").read_text())
+    on_disk = sorted(p.name for p in path.iterdir() if p.name != "manifest.json")
+    assert sorted(manifest["files"]) == on_disk
+    for name, entry in manifest["files"].items():
+        data = (path / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+    assert (manifest["world_size"], manifest["step"]) == (1, 3)
+    assert manifest["tierwise_version"] == __version__

@@ -106,13 +106,29 @@ def interleaved_step_times(dims, data, steps, batch):
     model = llama(dims)
     with tempfile.TemporaryDirectory() as out:
         args = tf.TrainingArguments(
-            output_dir=out, per_device_train_batch_size=batch, max_steps=steps,
-            learning_rate=1e-4, weight_decay=0.01, lr_scheduler_type="linear", warmup_steps=1,
-            max_grad_norm=1.0, optim="adamw_torch_fused", logging_steps=10**6, use_cpu=True,
-            report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+            output_dir=out,
+            per_device_train_batch_size=batch,
+            max_steps=steps,
+            learning_rate=1e-4,
+            weight_decay=0.01,
+            lr_scheduler_type="linear",
+            warmup_steps=1,
+            max_grad_norm=1.0,
+            optim="adamw_torch_fused",
+            logging_steps=10**6,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
         )
-        trainer = TierwiseTrainer(model=model, args=args, train_dataset=data,
-                                  tierwise_config=config_for(model), callbacks=[StepClock()])
+        trainer = TierwiseTrainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            tierwise_config=config_for(model),
+            callbacks=[StepClock()],
+        )
         trainer.train()
     return trainer_times, loop_times
 
@@ -125,8 +141,12 @@ def lora_memory(dims, data, batch) -> dict:
         model = llama(dims)
         config = config_for(model)
         if kind == "lora":
-            model = peft.get_peft_model(model, peft.LoraConfig(
-                r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+            model = peft.get_peft_model(
+                model,
+                peft.LoraConfig(
+                    r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+                ),
+            )
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         model, opt = tierwise.setup(model, opt, config)
@@ -136,8 +156,11 @@ def lora_memory(dims, data, batch) -> dict:
             opt.step()
             model.zero_grad()
         stats = tierwise.engine_of(model).stats()
-        out[kind] = {"trainable_params": trainable, "peak_bytes_by_tier": stats["peak_bytes_by_tier"],
-                     "bytes_by_tier": stats["bytes_by_tier"]}
+        out[kind] = {
+            "trainable_params": trainable,
+            "peak_bytes_by_tier": stats["peak_bytes_by_tier"],
+            "bytes_by_tier": stats["bytes_by_tier"],
+        }
     return out
 
 
@@ -146,16 +169,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a smaller model (quick check)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (1 on a shared machine: no spinning on descheduled peers)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (1 on a shared machine: no spinning on descheduled peers)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dims = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2)
+    dims = dict(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     if args.small:
-        dims = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2)
+        dims = dict(
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
     batch, seq = 4, 128
     data = Blocks(batch * args.steps * 2, seq)
     params = sum(p.numel() for p in llama(dims).parameters())
@@ -166,18 +203,35 @@ def main() -> None:
         loop_times += loop[1:]
     ratios = sorted(a[0] / b[0] for a, b in zip(trainer_times, loop_times, strict=True))
     trainer_s, loop_s = (statistics.median(t[0] for t in ts) for ts in (trainer_times, loop_times))
-    trainer_cpu, loop_cpu = (statistics.median(t[1] for t in ts) for ts in (trainer_times, loop_times))
-    emit(bench="hf_trainer", what="TierwiseTrainer vs tierwise loop", params=params,
-         batch=batch, seq=seq, steps=args.steps, rounds=args.rounds,
-         trainer_tokens_per_s=batch * seq / trainer_s, loop_tokens_per_s=batch * seq / loop_s,
-         trainer_over_loop_step_time=trainer_s / loop_s, target="<= 1.03",
-         trainer_over_loop_step_cpu_time=trainer_cpu / loop_cpu,
-         trainer_over_loop_paired_median=statistics.median(ratios), threads=torch.get_num_threads(),
-         note="steps interleaved (Trainer step, loop step, ...); medians over rounds of the steps "
-              "after each run's first; paired = median of per-step-pair wall ratios; CPU time = "
-              "process CPU seconds per step")
-    emit(bench="hf_trainer", what="LoRA vs full fine-tune model data per tier", params=params,
-         budget_device_bytes=params * 20 // 2, **lora_memory(dims, data, batch))
+    trainer_cpu, loop_cpu = (
+        statistics.median(t[1] for t in ts) for ts in (trainer_times, loop_times)
+    )
+    emit(
+        bench="hf_trainer",
+        what="TierwiseTrainer vs tierwise loop",
+        params=params,
+        batch=batch,
+        seq=seq,
+        steps=args.steps,
+        rounds=args.rounds,
+        trainer_tokens_per_s=batch * seq / trainer_s,
+        loop_tokens_per_s=batch * seq / loop_s,
+        trainer_over_loop_step_time=trainer_s / loop_s,
+        target="<= 1.03",
+        trainer_over_loop_step_cpu_time=trainer_cpu / loop_cpu,
+        trainer_over_loop_paired_median=statistics.median(ratios),
+        threads=torch.get_num_threads(),
+        note="steps interleaved (Trainer step, loop step, ...); medians over rounds of the steps "
+        "after each run's first; paired = median of per-step-pair wall ratios; CPU time = "
+        "process CPU seconds per step",
+    )
+    emit(
+        bench="hf_trainer",
+        what="LoRA vs full fine-tune model data per tier",
+        params=params,
+        budget_device_bytes=params * 20 // 2,
+        **lora_memory(dims, data, batch),
+    )
 
 
 if __name__ == "__main__":

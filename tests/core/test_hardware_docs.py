@@ -11,10 +11,16 @@ from tierwise.hardware import PRESET_DIR, Hardware, preset_names
 
 README = Path(__file__).parents[2] / "README.md"
 UNITS = {  # the unit each kind of figure is given in (issue 16)
-    "device_memory": "bytes", "host_memory": "bytes", "nvme_free": "bytes",
-    "h2d_bandwidth": "bytes/s", "d2h_bandwidth": "bytes/s", "nvme_read_bandwidth": "bytes/s",
-    "nvme_write_bandwidth": "bytes/s", "interconnect_bandwidth": "bytes/s",
-    "device_adam_velocity": "elements/s", "host_adam_velocity": "elements/s",
+    "device_memory": "bytes",
+    "host_memory": "bytes",
+    "nvme_free": "bytes",
+    "h2d_bandwidth": "bytes/s",
+    "d2h_bandwidth": "bytes/s",
+    "nvme_read_bandwidth": "bytes/s",
+    "nvme_write_bandwidth": "bytes/s",
+    "interconnect_bandwidth": "bytes/s",
+    "device_adam_velocity": "elements/s",
+    "host_adam_velocity": "elements/s",
     "device_flops": "FLOP/s",
 }
 
@@ -22,7 +28,7 @@ UNITS = {  # the unit each kind of figure is given in (issue 16)
 def _readme_units() -> dict[str, str]:
     """Field -> unit, from the rows of the README table headed `Hardware` field | unit."""
     text = README.read_text()
-    table = text[text.index("| `Hardware` field | unit |"):]
+    table = text[text.index("| `Hardware` field | unit |") :]
     table = table[: table.index("\n\n")]
     units = {}
     for row in table.splitlines()[2:]:

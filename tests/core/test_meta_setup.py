@@ -32,13 +32,17 @@ def test_a_meta_buffer_no_initialiser_computes_is_an_error_and_setup_changes_not
 
     with torch.device("meta"):
         model = Scaled()
-    with pytest.raises(ValueError, match="cannot compute buffer scale of a model built on the meta"):
+    with pytest.raises(
+        ValueError, match="cannot compute buffer scale of a model built on the meta"
+    ):
         tierwise.setup(model, torch.optim.AdamW(model.parameters()), device="cpu")
     assert model.scale.is_meta and model.linear.weight.is_meta
 
     Scaled.reset_parameters = lambda self: self.linear.reset_parameters()  # leaves scale alone
     with torch.device("meta"):
         model = Scaled()
-    with pytest.raises(ValueError, match="buffer scale of a model built on the meta device has no values"):
+    with pytest.raises(
+        ValueError, match="buffer scale of a model built on the meta device has no values"
+    ):
         tierwise.setup(model, torch.optim.AdamW(model.parameters()), device="cpu")
     assert model.scale.is_meta and model.linear.weight.is_meta

@@ -10,8 +10,12 @@ import torch
 from helpers.models import _config, tiny_batch, tiny_model
 
 OFFLOADED = dict(  # every chunk offloaded to host: fetched into 6 rCache blocks
-    precision="fp32", device="cpu", chunk_size=4096, cache_blocks=6,
-    param_placement="host", optimizer_placement="host",
+    precision="fp32",
+    device="cpu",
+    chunk_size=4096,
+    cache_blocks=6,
+    param_placement="host",
+    optimizer_placement="host",
 )
 
 

@@ -16,8 +16,13 @@ from tierwise.cli import main
 
 README = Path(__file__).parents[2] / "README.md"
 OPT_175B = {
-    "model_type": "opt", "hidden_size": 12288, "num_hidden_layers": 96, "ffn_dim": 49152,
-    "num_attention_heads": 96, "word_embed_proj_dim": 12288, "vocab_size": 50272,
+    "model_type": "opt",
+    "hidden_size": 12288,
+    "num_hidden_layers": 96,
+    "ffn_dim": 49152,
+    "num_attention_heads": 96,
+    "word_embed_proj_dim": 12288,
+    "vocab_size": 50272,
     "max_position_embeddings": 2048,
 }
 
@@ -25,8 +30,8 @@ OPT_175B = {
 def readme_commands() -> list[list[str]]:
     """The plan/profile command lines of the README's "Plan and profile" section."""
     text = README.read_text()
-    section = text[text.index("### Plan and profile for the machine you will train on"):]
-    block = section[section.index("```bash\n") + 8:]
+    section = text[text.index("### Plan and profile for the machine you will train on") :]
+    block = section[section.index("```bash\n") + 8 :]
     block = block[: block.index("```")]
     commands = []
     for line in block.replace("\\\n", " ").splitlines():
@@ -50,8 +55,10 @@ def test_readme_example_runs_without_cuda(command, tmp_path, monkeypatch, capsys
     (tmp_path / "nvme").mkdir()
     config = tmp_path / "config.json"
     config.write_text(json.dumps(OPT_175B))
-    args = [{"/mnt/nvme": str(tmp_path / "nvme"), "path/to/config.json": str(config)}.get(a, a)
-            for a in command]
+    args = [
+        {"/mnt/nvme": str(tmp_path / "nvme"), "path/to/config.json": str(config)}.get(a, a)
+        for a in command
+    ]
     code = main(args)
     out, err = capsys.readouterr()
     assert code == 0, err

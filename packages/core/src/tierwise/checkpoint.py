@@ -199,17 +199,6 @@ def _gather_objects(value):
     return [value]
 
 
-def _engine_state(engine: Engine) -> dict:
-    return {
-        "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
-        "steps_taken": engine.steps_taken,
-        "param_groups": [
-            {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer_groups
-        ],
-        "order": [s.name for chunk in engine.chunks() for s in chunk.slots],
-    }
-
-
 def _rank_file(rank: int, world: int) -> str:
     return f"rank{rank:05d}-of-{world:05d}.pt"
 
@@ -221,7 +210,7 @@ def _write_files(folder: Path, engine: Engine, rank: int, world: int, extra) -> 
     if extra is not None:
         files[f"extra-rank{rank:05d}.pt"] = extra
     if rank == 0:
-        files["engine.pt"] = _engine_state(engine)
+        files["engine.pt"] = engine.state_dict()
     described = {}
     for name, value in files.items():
         torch.save(value, folder / name)
@@ -381,12 +370,7 @@ def load_from_reader(engine: Engine, reader: CheckpointReader) -> None:
             write_slab(chunk.home, values["master"])
         for slot in chunk.slots:
             slot.has_grad = False
-    if engine.scaler is not None and state["scaler"] is not None:
-        engine.scaler.load_state_dict(state["scaler"])
-    engine.steps_taken = state["steps_taken"]
-    engine.step_failed = None  # [Note: a step that failed part way]
-    for group, saved in zip(engine.optimizer_groups, state["param_groups"], strict=False):
-        group.update(saved)
+    engine.load_state_dict(state)
     engine.invalidate_cache()
 
 
@@ -397,7 +381,7 @@ def rank_state(engine: Engine) -> dict:
     rank, world = _rank_and_world()
     pieces, index = rank_pieces(engine, rank, world)
     return {"format": FORMAT_VERSION, "world_size": world, "rank": rank, "pieces": pieces,
-            "index": index, "engine": _engine_state(engine)}
+            "index": index, "engine": engine.state_dict()}
 
 
 class _InMemoryReader(CheckpointReader):

@@ -132,6 +132,20 @@ class Chunk:
         chunk never goes through the rCache)."""
         return self.home.tier.name == "device" and not self.group.sharded
 
+    def attach_params(self, device: torch.device) -> None:
+        """Give the chunk its compute buffer and make every parameter a view of it: the home
+        payload itself when the chunk computes in its home, else a buffer on ``device`` whose
+        storage is empty until the chunk is fetched ([Note: chunk storage]). At setup and after
+        a re-layout; the home payload holds the values already."""
+        self.pending = len(self.slots) if self.trainable else 0
+        if self.computes_in_home:
+            self.flat, self.resident = self.home.tensor, True
+        else:
+            self.flat = torch.empty(self.capacity, dtype=self.group.dtype, device=device)
+        self.bind_params()
+        if not self.resident:
+            self.free_storage()
+
     def bind_params(self) -> None:
         """Make every parameter a view of ``flat`` (once, at setup)."""
         for slot in self.slots:

@@ -17,6 +17,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from tierwise.checkpoint import load_rank_state, rank_state
 from tierwise.chunks import Chunk, ChunkGroup, ParamSlot, TensorState
 from tierwise.config import Config
 from tierwise.optim import DynamicLossScaler, StepCounts
@@ -599,14 +600,34 @@ class Engine(GradientPath, OptimizerStep):
                 slot.has_grad = False
 
     def optimizer_state_dict(self) -> dict:
-        from tierwise.checkpoint import rank_state
-
         return rank_state(self)
 
     def load_optimizer_state_dict(self, state: dict) -> None:
-        from tierwise.checkpoint import load_rank_state
-
         load_rank_state(self, state)
+
+    def state_dict(self) -> dict:
+        """The engine's own state beside the chunks' values (which ``tierwise.checkpoint``
+        saves by parameter name): loss scaler, steps taken, optimizer hyper-parameters and the
+        parameter order of the chunk layout."""
+        return {
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "steps_taken": self.steps_taken,
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.optimizer_groups
+            ],
+            "order": [s.name for chunk in self.chunks() for s in chunk.slots],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (the layout order is applied by
+        ``adopt_layout`` before the chunks' values are loaded); clears a failed step's refusal
+        ([Note: a step that failed part way])."""
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.steps_taken = state["steps_taken"]
+        self.step_failed = None
+        for group, saved in zip(self.optimizer_groups, state["param_groups"], strict=False):
+            group.update(saved)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:

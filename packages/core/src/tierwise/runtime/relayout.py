@@ -235,14 +235,7 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> None:
             chunk.home = new_slabs["home"][i] if "home" in new_slabs else chunk.optim.master
         else:
             chunk.home = new_slabs["home"][i]
-        chunk.pending = len(chunk.slots) if chunk.trainable else 0
-        if chunk.computes_in_home:
-            chunk.flat, chunk.resident = chunk.home.tensor, True
-        else:  # [Note: chunk storage]
-            chunk.flat = torch.empty(chunk.capacity, dtype=group.dtype, device=engine.tiers["device"].device)
-        chunk.bind_params()
-        if not chunk.resident:
-            chunk.free_storage()
+        chunk.attach_params(engine.tiers["device"].device)
     group.chunks = chunks
     engine.plan.param_tiers[group.name] = list(tiers["home"])
     if group.trainable:

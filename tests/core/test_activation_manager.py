@@ -199,3 +199,11 @@ def test_a_storage_saved_twice_is_swapped_once():
     assert manager.stats()["swapped_out_bytes"]["nvme"] == 2 * ROWS * WIDTH * 4
     assert [k for k, *_ in tier.log].count("write") == 2
     manager.close()
+
+
+def test_io_wait_counts_the_seconds_spent_waiting_for_swap_io_only():
+    *_, nvme = _managed_step(ALL_NVME)
+    assert nvme.stats()["io_wait_s"] > 0  # every read and write here lands only when waited for
+    *_, host = _managed_step({name: "host" for name in ALL_NVME})  # on a CPU device: no I/O
+    assert host.stats()["io_wait_s"] == 0.0
+    assert host.stats()["swapped_out_bytes"]["host"] == nvme.stats()["swapped_out_bytes"]["nvme"]

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -185,6 +186,8 @@ class StepStats:
     swapped_out: Counter = field(default_factory=Counter)
     swapped_in: Counter = field(default_factory=Counter)
     recomputed_blocks: int = 0
+    io_wait_s: float = 0.0
+    """Seconds the step stood still waiting for swap I/O to land (the part not hidden)."""
 
 
 class ActivationManager:
@@ -458,7 +461,7 @@ class ActivationManager:
             if not wait and not _done(stored.write):
                 return
             try:
-                _wait(stored.write)
+                self._waited(_wait, stored.write)
             except Exception as err:
                 self._error = self._error or _with_block(err, stored.block, "swapping out")
                 stored.write = None
@@ -533,7 +536,7 @@ class ActivationManager:
                 stored.loaded = stored.host
         if self._stream is not None:
             if stored.read is not None:  # nvme: the host buffer must be full first
-                stored.read.wait()
+                self._waited(stored.read.wait)
             loaded = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             # its memory may have been freed by work still queued on the compute stream
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -584,7 +587,7 @@ class ActivationManager:
             if self._stream is not None:
                 torch.cuda.current_stream(self.device).wait_event(stored.read)
             else:
-                stored.read.wait()
+                self._waited(stored.read.wait)
             stored.read = None
             self._finish_read(stored)
         loaded = stored.loaded
@@ -601,6 +604,14 @@ class ActivationManager:
             self._stored[stored.block].remove(stored)
         self._prefetch()
         return tensor
+
+    def _waited(self, wait: Callable, *args) -> None:
+        """``wait(*args)``, its seconds counted in ``io_wait_s``."""
+        start = time.perf_counter()
+        try:
+            wait(*args)
+        finally:
+            self._now.io_wait_s += time.perf_counter() - start
 
     def _finish_read(self, stored: _Stored) -> None:
         if stored.slab is not None:  # its room on disk is free as soon as the read landed
@@ -664,6 +675,7 @@ class ActivationManager:
             "swapped_out_bytes": {t: last.swapped_out[t] for t in ("host", "nvme")},
             "swapped_in_bytes": {t: last.swapped_in[t] for t in ("host", "nvme")},
             "recomputed_blocks": last.recomputed_blocks,
+            "io_wait_s": last.io_wait_s,
             "policy": dict(Counter(self.policy.get(b, "keep") for b in self.order)),
             "live_bytes": self.live_bytes(),
         }

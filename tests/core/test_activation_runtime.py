@@ -217,6 +217,12 @@ def test_bad_activation_policies_are_one_line_errors(policy, match):
         tierwise.Config(device="cpu", activation_policy=policy)
 
 
+def test_nvme_activation_offload_without_nvme_path_names_the_path_and_the_plugin():
+    with pytest.raises(ConfigError, match=r"^Config\.activation_offload='nvme': .*needs nvme_path "
+                       r"set to a directory on a fast disk \(and the tierwise-nvme plugin\)$"):
+        tierwise.Config(device="cpu", activation_offload="nvme")
+
+
 def _stack_profile(blocks: int, numel: int, act: int):
     from tierwise import ParamInfo, Profile
 

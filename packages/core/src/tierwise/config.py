@@ -140,12 +140,14 @@ class Config:
         if swaps_to_nvme and not self.nvme_path:
             fail("activation_policy", "swapping activations to nvme needs nvme_path set to a "
                  "directory on a fast disk (and the tierwise-nvme plugin)")
-        if "nvme" in (self.param_placement, self.optimizer_placement, self.activation_offload):
-            if not self.nvme_path:
-                fail(
-                    "nvme_path" if self.nvme_path is not None else "param_placement",
-                    "an NVMe placement needs nvme_path set to a directory on a fast disk",
-                )
+        asks_nvme = [name for name in ("param_placement", "optimizer_placement", "activation_offload")
+                     if getattr(self, name) == "nvme"]
+        if asks_nvme and not self.nvme_path:
+            fail(
+                "nvme_path" if self.nvme_path is not None else asks_nvme[0],
+                "an NVMe placement needs nvme_path set to a directory on a fast disk (and the "
+                "tierwise-nvme plugin)",
+            )
         if self.nvme_path is not None:
             object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:

@@ -328,15 +328,16 @@ def mesh_error_run(
 def engine_run(
     rank: int, world: int, kind: str, parallel: dict[str, int], settings: dict, steps: int = STEPS
 ) -> dict:
-    """One rank of ``tierwise.setup(model, AdamW, parallel=parallel, **settings)`` (fp32, cpu),
-    the same data and routing pushes as :func:`parallel_run`."""
+    """One rank of ``tierwise.setup(model, AdamW, parallel=parallel, **settings)`` (fp32 unless
+    ``settings`` name a precision, cpu), the same data and routing pushes as :func:`parallel_run`."""
     import tierwise
     from tierwise_moe import full_state_dict
 
     model = build_model(kind)
     opt = make_optimizer(model)
+    settings = {"precision": "fp32", **settings}
     model, opt = tierwise.setup(
-        model, opt, precision="fp32", device="cpu", chunk_size=4096, parallel=parallel, **settings
+        model, opt, device="cpu", chunk_size=4096, parallel=parallel, **settings
     )
     engine = tierwise.engine_of(model)
     tensor = parallel.get("tensor", 1)

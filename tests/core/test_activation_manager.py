@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from tierwise.runtime.activations import ActivationManager, find_blocks
+from tierwise.tiers import PayloadKind
 
 WIDTH, ROWS, DEPTH = 64, 32, 4
 
@@ -46,7 +47,13 @@ class Handle:
     """An asynchronous request that completes when waited for (or when the tier says so)."""
 
     def __init__(self, tier, kind, slab, finish):
-        self.tier, self.kind, self.slab, self.finish, self.finished = tier, kind, slab, finish, False
+        self.tier, self.kind, self.slab, self.finish, self.finished = (
+            tier,
+            kind,
+            slab,
+            finish,
+            False,
+        )
 
     def done(self) -> bool:
         return self.finished
@@ -68,14 +75,16 @@ class RecordingTier:
         self.running = "?"
         self.used_bytes = 0
 
-    def allocate(self, nbytes, dtype, *, what):
-        assert what == "activation"
+    def allocate(self, nbytes, dtype, *, kind):
+        assert kind == PayloadKind.ACTIVATION
         self.used_bytes += nbytes
         return Slab(len(self.stored) + len(self.log), nbytes, self.running)
 
     def write(self, slab, source):
         self.log.append(("write", slab.block, slab.nbytes))
-        return Handle(self, "write", slab, lambda: self.stored.__setitem__(slab.index, source.clone()))
+        return Handle(
+            self, "write", slab, lambda: self.stored.__setitem__(slab.index, source.clone())
+        )
 
     def read(self, slab, target):
         self.log.append(("read", slab.block, slab.nbytes))
@@ -98,8 +107,15 @@ def _managed_step(policy, *, prefetch_bytes=None):
     tier = RecordingTier()
     for name, block in blocks.items():  # the tier learns which block is running
         block.register_forward_pre_hook(lambda *_, name=name: setattr(tier, "running", name))
-    manager = ActivationManager(model=model, blocks=blocks, policy=policy, device=torch.device("cpu"),
-                                nvme=tier, min_bytes=1024, prefetch_bytes=prefetch_bytes)
+    manager = ActivationManager(
+        model=model,
+        blocks=blocks,
+        policy=policy,
+        device=torch.device("cpu"),
+        nvme=tier,
+        min_bytes=1024,
+        prefetch_bytes=prefetch_bytes,
+    )
     manager.install()
     loss = model(torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(1)))
     # the end of forward already started the first swap-ins: the log splits at the first read
@@ -189,8 +205,14 @@ def test_a_storage_saved_twice_is_swapped_once():
     model.forward = lambda x: model.layers[1](model.layers[0](x)).sum()
     blocks = find_blocks(model)
     tier = RecordingTier()
-    manager = ActivationManager(model=model, blocks=blocks, policy={"layers.1": "nvme"},
-                                device=torch.device("cpu"), nvme=tier, min_bytes=1024)
+    manager = ActivationManager(
+        model=model,
+        blocks=blocks,
+        policy={"layers.1": "nvme"},
+        device=torch.device("cpu"),
+        nvme=tier,
+        min_bytes=1024,
+    )
     manager.install()
     x = torch.randn(ROWS, WIDTH)
     model(x).backward()

@@ -123,9 +123,16 @@ def test_model_data_traffic_on_the_link_leaves_less_room_for_swaps():
     hardware = gpu_hardware(h2d_bandwidth=1e9, d2h_bandwidth=1e9, device_memory=10**11)
 
     def swapped(placement):
-        plan = search_plan(profile, hardware, Config(
-            device="cpu", activation_offload="host", param_placement=placement,
-            optimizer_placement=placement))
+        plan = search_plan(
+            profile,
+            hardware,
+            Config(
+                device="cpu",
+                activation_offload="host",
+                param_placement=placement,
+                optimizer_placement=placement,
+            ),
+        )
         return [block for block, action in plan.activation_policy.items() if action == "host"], plan
 
     on_device, device_plan = swapped("device")

@@ -85,12 +85,24 @@ def test_plan_command_table_and_too_small_device(run_plan, config_json):
 
 
 def test_plan_command_prints_each_blocks_activation_choice(run_plan, config_json):
-    code, out, err = run_plan("--model", str(config_json), "--seq", "16", "--device", "cpu",
-                              "--device-memory", "1GiB", "--activation-offload", "host")
+    code, out, err = run_plan(
+        "--model",
+        str(config_json),
+        "--seq",
+        "16",
+        "--device",
+        "cpu",
+        "--device-memory",
+        "1GiB",
+        "--activation-offload",
+        "host",
+    )
     assert code == 0, err
     import transformers
 
     layers = transformers.AutoConfig.from_pretrained(config_json.parent).num_hidden_layers
     for index in range(layers):  # one row per decoder layer, with the action the search chose
-        row = next(line for line in out.splitlines() if line.split()[:1] == [f"model.layers.{index}"])
+        row = next(
+            line for line in out.splitlines() if line.split()[:1] == [f"model.layers.{index}"]
+        )
         assert row.split()[-1] in ("host", "recompute")

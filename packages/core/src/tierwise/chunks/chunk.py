@@ -32,6 +32,9 @@ class ParamSlot:
     has_grad: bool = False
     """A gradient arrived since the last zero_grad, in any backward: the optimizer updates it
     only then ([Note: unused parameters are skipped])."""
+    kept_grad: torch.Tensor | None = None
+    """The flat gradient autograd produced, kept instead of copied into the gradient shard
+    ([Note: gradients without copies]); None when the shard holds it."""
 
     def set_state(self, new: TensorState) -> None:
         # checked inline (it runs per parameter per module access): a dict keyed by the
@@ -56,6 +59,9 @@ class OptimSlabs:
     """The first backward since zero_grad is filling the shard slot by slot: a slot's first
     gradient is copied in, and what got none is zeroed when the chunk is finished
     ([Note: first gradient is a copy])."""
+    grads_kept: bool = False
+    """This step's gradients are the slots' ``kept_grad`` tensors, not the shard's memory
+    ([Note: gradients without copies])."""
 
     def start_grad(self) -> torch.Tensor:
         """The gradient shard, with memory again if ``clear_grad`` gave it back (the caller
@@ -77,7 +83,7 @@ class OptimSlabs:
         and not pinned host memory: its caching allocator keeps freed blocks for later pinned
         allocations only, so shrinking would save nothing.
         """
-        self.grad_filled = self.grad_fresh = False
+        self.grad_filled = self.grad_fresh = self.grads_kept = False
         tensor = self.grad.tensor
         if (tensor is not None and tensor._base is None and tensor.storage_offset() == 0
                 and not tensor.is_pinned()):

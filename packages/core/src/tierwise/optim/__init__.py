@@ -1,11 +1,17 @@
 """Chunked optimizers, loss scaling."""
 
-from tierwise.optim.adam import AdamHyper, adam_update, adam_update_ranges, check_optimizer
+from tierwise.optim.adam import (
+    AdamHyper,
+    adam_update,
+    adam_update_ranges,
+    adam_update_tensors,
+    check_optimizer,
+)
 from tierwise.optim.optimizer import TierwiseOptimizer
 from tierwise.optim.scaler import DynamicLossScaler
 from tierwise.optim.step_counts import StepCounts
 
 __all__ = [
     "AdamHyper", "DynamicLossScaler", "StepCounts", "TierwiseOptimizer", "adam_update",
-    "adam_update_ranges", "check_optimizer",
+    "adam_update_ranges", "adam_update_tensors", "check_optimizer",
 ]

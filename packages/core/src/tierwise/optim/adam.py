@@ -97,17 +97,36 @@ def adam_update_ranges(
     kernel call; ``step`` is each range's count after this update (what PyTorch's ``step``
     tensor holds when its kernel runs). Elements outside the ranges are left alone:
     [Note: unused parameters are skipped]."""
-    if not ranges:
+    adam_update_tensors(
+        masters=[master[a:b] for a, b, _ in ranges], grads=[grad[a:b] for a, b, _ in ranges],
+        exp_avgs=[exp_avg[a:b] for a, b, _ in ranges],
+        exp_avg_sqs=[exp_avg_sq[a:b] for a, b, _ in ranges],
+        steps=[s for _, _, s in ranges], hyper=hyper,
+    )
+
+
+def adam_update_tensors(
+    *,
+    masters: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[int],
+    hyper: AdamHyper,
+) -> None:
+    """Fused Adam(W) over lists of fp32 tensors in place, in one kernel call; ``steps[i]`` is
+    tensor i's count after this update. The gradients may be any tensors of the right sizes,
+    e.g. the ones autograd produced ([Note: gradients without copies])."""
+    if not masters:
         return
-    steps: dict[int, torch.Tensor] = {}
-    for _, _, step in ranges:
-        if step not in steps:
-            steps[step] = torch.full((), float(step), dtype=torch.float32, device=master.device)
+    step_tensors: dict[int, torch.Tensor] = {}
+    for step in steps:
+        if step not in step_tensors:
+            step_tensors[step] = torch.full((), float(step), dtype=torch.float32,
+                                            device=masters[0].device)
     kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
     kernel(
-        [master[a:b] for a, b, _ in ranges], [grad[a:b] for a, b, _ in ranges],
-        [exp_avg[a:b] for a, b, _ in ranges], [exp_avg_sq[a:b] for a, b, _ in ranges], [],
-        [steps[s] for _, _, s in ranges],
+        masters, grads, exp_avgs, exp_avg_sqs, [], [step_tensors[s] for s in steps],
         lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
         eps=hyper.eps, amsgrad=False, maximize=False,
     )

@@ -544,11 +544,19 @@ class Engine(GradientPath, OptimizerStep):
         """Loading a checkpoint: re-pack in ``order`` (the saved run's layout; None keeps this
         one) and, when the saved run had stepped, skip the re-layout after warm-up."""
         if order is not None:
+            self._store_all_kept_grads()
             relayout(self, order)
         self._relayout_checked = warmed_up
 
+    def _store_all_kept_grads(self) -> None:
+        """Before a re-layout, which moves gradient shards: [Note: gradients without copies]."""
+        for chunk in self.chunks():
+            if chunk.optim is not None:
+                self._store_kept_grads(chunk)
+
     def _relayout_in_recorded_order(self) -> None:
         """After the first step: [Note: re-layout after warm-up]."""
+        self._store_all_kept_grads()
         order = list(self.first_use)
         if self.multi_rank:  # every rank packs alike: rank 0's order
             box = [order]
@@ -598,6 +606,7 @@ class Engine(GradientPath, OptimizerStep):
             chunk.local_grad = None
             for slot in chunk.slots:
                 slot.has_grad = False
+                slot.kept_grad = None
 
     def optimizer_state_dict(self) -> dict:
         return rank_state(self)

@@ -24,6 +24,19 @@ from tierwise.tiers.base import PayloadKind
 # (reduce-scatter when sharded, all-reduce when replicated) and accumulated into the gradient
 # shard. Under ``no_sync`` the unreduced full-chunk gradients accumulate locally instead.
 # Parameters that got no gradient are finalised as zeros.
+#
+# [Note: gradients without copies]
+# Single process with the gradient shard on the compute device and the optimizer states in
+# addressable memory (no pipeline): the shard is not used at all. Each parameter's flat gradient,
+# the tensor autograd produced, is kept on its slot (``ParamSlot.kept_grad``) and a later
+# gradient in the same step (accumulation) is added into it in place, exactly as PyTorch
+# accumulates into ``.grad``. Norm, overflow check and the fused Adam(W) run over these tensors
+# (``adam_update_tensors``: the kernel takes lists, and is elementwise, so the result is the
+# same as over the shard). Nothing gradient-sized is copied between autograd and the update,
+# and the shard's memory is never taken. A slot with no gradient keeps None and is skipped
+# ([Note: unused parameters are skipped]). Whatever needs the gradients as a flat shard (the
+# re-layout after warm-up, ``grad_shard``) copies them in first (``_store_kept_grads``), and
+# the step goes on from the shard.
 
 
 class GradientPath:
@@ -124,6 +137,9 @@ class GradientPath:
         (``_finish_fresh_grad``): when its last gradient arrives, or at the end of backward.
         """
         optim = chunk.optim
+        if (optim.grads_kept or not optim.grad_filled) and self._keeps_grads(chunk):
+            self._keep_grad(chunk, slot, grad)
+            return
         target = optim.grad.tensor
         if not optim.grad_filled:  # first gradient since zero_grad
             target = optim.start_grad()
@@ -153,10 +169,58 @@ class GradientPath:
         if slot.state is not TensorState.COMPUTE:
             slot.set_state(TensorState.HOLD_AFTER_BWD)
 
+    def _keeps_grads(self, chunk: Chunk) -> bool:
+        """Whether this chunk's gradients stay autograd's tensors: [Note: gradients without
+        copies]."""
+        optim = chunk.optim
+        return (not self.multi_rank and optim.grad.tier is self.tiers["device"]
+                and optim.tier.ADDRESSABLE and optim.tier.name not in self.pipelines)
+
+    def _keep_grad(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """[Note: gradients without copies]: keep autograd's gradient, or add into the kept one."""
+        optim = chunk.optim
+        optim.grad_filled = optim.grads_kept = True
+        if slot.kept_grad is None:
+            slot.kept_grad = grad.reshape(-1)  # a view: autograd's gradients are contiguous
+        else:
+            slot.kept_grad.add_(grad.reshape(-1))
+        if not slot.got_grad:
+            slot.got_grad = True
+            chunk.pending -= 1
+        if slot.state is not TensorState.COMPUTE:
+            slot.set_state(TensorState.HOLD_AFTER_BWD)
+
+    def _store_kept_grads(self, chunk: Chunk) -> None:
+        """Copy kept gradients into the gradient shard (zeros where a slot has none), which
+        holds them from then on: [Note: gradients without copies]."""
+        optim = chunk.optim
+        if not optim.grads_kept:
+            return
+        shard = optim.start_grad()
+        shard.zero_()
+        for slot in chunk.slots:
+            if slot.kept_grad is not None:
+                shard[slot.offset : slot.offset + slot.numel].copy_(slot.kept_grad)
+                slot.kept_grad = None
+        optim.grads_kept = optim.grad_fresh = False
+
+    def grad_shard(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's gradient shard with this step's gradients in it."""
+        self._store_kept_grads(chunk)
+        return chunk.optim.grad.tensor
+
+    def _slot_grad(self, chunk: Chunk, shard: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+        """One parameter's gradient: its kept tensor, or its part of ``shard``."""
+        if chunk.optim.grads_kept:
+            return slot.kept_grad
+        return shard[slot.offset : slot.offset + slot.numel]
+
     def _finish_fresh_grad(self, chunk: Chunk) -> None:
         """Zero what the first backward since zero_grad left unwritten in the gradient shard:
         [Note: first gradient is a copy]."""
         optim = chunk.optim
+        if optim.grads_kept or (not optim.grad_filled and self._keeps_grads(chunk)):
+            return  # nothing to zero: [Note: gradients without copies]
         if not optim.grad_filled:  # no gradient at all since zero_grad: zeros
             optim.start_grad().zero_()
             optim.grad_filled = True

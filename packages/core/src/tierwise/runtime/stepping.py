@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tierwise.chunks import Chunk, TensorState
-from tierwise.optim import AdamHyper, adam_update_ranges
+from tierwise.optim import AdamHyper, adam_update_ranges, adam_update_tensors
 from tierwise.protocols import OptimizerPipeline
 
 
@@ -42,7 +42,7 @@ class OptimizerStep:
         if not self.multi_rank:  # in model.parameters() order, whatever the chunk layout
             norms = sorted(
                 (self._param_order[id(s.param)],
-                 torch.linalg.vector_norm(grad[s.offset : s.offset + s.numel], 2.0,
+                 torch.linalg.vector_norm(self._slot_grad(chunk, grad, s), 2.0,
                                           dtype=torch.float32))
                 for chunk, grad in self._grad_shards()
                 for s in chunk.slots
@@ -69,8 +69,10 @@ class OptimizerStep:
 
     def _found_overflow(self) -> bool:
         flag = torch.zeros((), dtype=torch.float32)
-        for _, grad in self._grad_shards():
-            if not torch.isfinite(grad).all():
+        for chunk, shard in self._grad_shards():
+            grads = ([s.kept_grad for s in chunk.slots if s.kept_grad is not None]
+                     if chunk.optim.grads_kept else [shard])
+            if not all(torch.isfinite(grad).all() for grad in grads):
                 flag.fill_(1.0)
                 break
         return bool(self._all_reduce_scalar(flag, dist.ReduceOp.MAX) > 0)
@@ -216,14 +218,27 @@ class OptimizerStep:
         optim = chunk.optim
         ranges = self._update_ranges(chunk)
         undo = self.step_undo
+        kept = ([(s, self.step_counts[s.name]) for s in chunk.slots if s.kept_grad is not None]
+                if optim.grads_kept else None)
+
+        def fp32_grad(grad: torch.Tensor, device: torch.device) -> torch.Tensor:
+            grad = grad.to(device=device, dtype=torch.float32)
+            for factor in multiplier or ():
+                grad = grad * factor.to(grad.device)
+            return grad
 
         def update(states: list[torch.Tensor]) -> None:
             master, m, v = states
-            grad = optim.grad.tensor.to(device=master.device, dtype=torch.float32)
-            for factor in multiplier or ():
-                grad = grad * factor.to(grad.device)
-            adam_update_ranges(master=master, grad=grad, exp_avg=m, exp_avg_sq=v,
-                               ranges=ranges, hyper=hyper)
+            if kept is not None:  # [Note: gradients without copies]
+                parts = [slice(s.offset, s.offset + s.numel) for s, _ in kept]
+                adam_update_tensors(
+                    masters=[master[p] for p in parts], exp_avgs=[m[p] for p in parts],
+                    exp_avg_sqs=[v[p] for p in parts],
+                    grads=[fp32_grad(s.kept_grad, master.device) for s, _ in kept],
+                    steps=[step for _, step in kept], hyper=hyper)
+            else:
+                adam_update_ranges(master=master, grad=fp32_grad(optim.grad.tensor, master.device),
+                                   exp_avg=m, exp_avg_sq=v, ranges=ranges, hyper=hyper)
             if chunk.home is not optim.master:
                 undo.home_written(chunk)
                 chunk.home.tier.write(chunk.home, master.to(self.dtype)).wait()

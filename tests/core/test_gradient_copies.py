@@ -8,8 +8,11 @@ import torch
 from helpers.models import tiny_batch, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_COPIES = {torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default,
-           torch.ops.aten.clone.default}
+_COPIES = {
+    torch.ops.aten.copy_.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.clone.default,
+}
 
 
 class CopyCounter(TorchDispatchMode):
@@ -54,17 +57,28 @@ def test_fp32_step_copies_no_more_than_plain_pytorch(kind):
     reference = copied_bytes(plain, plain_opt, with_step=True)
 
     model = tiny_model(kind)
-    model, opt = tierwise.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                precision="fp32", device="cpu", param_placement="device",
-                                optimizer_placement="device")
+    model, opt = tierwise.setup(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        precision="fp32",
+        device="cpu",
+        param_placement="device",
+        optimizer_placement="device",
+    )
     assert copied_bytes(model, opt, with_step=True) <= reference
 
     # the counter sees gradient copies: with the gradient shards on host, every gradient is
     # copied into one (at least the parameters' bytes more than plain PyTorch)
     host = tiny_model(kind)
-    host, host_opt = tierwise.setup(host, torch.optim.AdamW(host.parameters(), lr=1e-3),
-                                    precision="fp32", device="cpu", param_placement="host",
-                                    optimizer_placement="host", cache_blocks=3)
+    host, host_opt = tierwise.setup(
+        host,
+        torch.optim.AdamW(host.parameters(), lr=1e-3),
+        precision="fp32",
+        device="cpu",
+        param_placement="host",
+        optimizer_placement="host",
+        cache_blocks=3,
+    )
     assert copied_bytes(host, host_opt, with_step=True) >= reference + param_bytes(host)
 
 
@@ -74,7 +88,12 @@ def test_bf16_backward_copies_no_more_than_plain_bf16_pytorch():
     reference = copied_bytes(plain, plain_opt, with_step=False)
 
     model = tiny_model("llama")
-    model, opt = tierwise.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                precision="bf16", device="cpu", param_placement="device",
-                                optimizer_placement="device")
+    model, opt = tierwise.setup(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        precision="bf16",
+        device="cpu",
+        param_placement="device",
+        optimizer_placement="device",
+    )
     assert copied_bytes(model, opt, with_step=False) <= reference

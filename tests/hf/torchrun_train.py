@@ -1,6 +1,7 @@
 """Run by tests/hf/test_torchrun.py under `torchrun --nproc-per-node 2`: a TierwiseTrainer run
 that writes each rank's view of it to OUT/rank<r>.json and the saved model to OUT/saved."""
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -30,3 +31,8 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    # [Note: destroying process groups] (tierwise/train/distributed.py): the trainer, model and
+    # engine are gone once main returns; collect their cycles and destroy the group while the
+    # interpreter is alive (otherwise a gloo worker can abort the process at exit)
+    gc.collect()
+    torch.distributed.destroy_process_group()

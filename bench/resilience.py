@@ -13,8 +13,11 @@ anything itself:
 - rank failure (tests/core/test_rank_failure.py): a rank raising in backward on 2 and 4 gloo
   ranks (sharded and replicated; spawned ranks with a 30 s collective timeout, and torchrun);
   ``first_error_to_last_exit_s``: from the failure report to the last process's exit.
+- a disk error in a real `tierwise train` process (tests/integration/test_train_resilience.py):
+  EIO on an NVMe write in step 4; ``fault_to_exit_s``: from the failing write to the process's
+  exit (one line, exit 1); the test then resumes from the last checkpoint.
 
-    python bench/resilience.py [--only fault_matrix|rank_failure] [-- extra pytest args]
+    python bench/resilience.py [--only fault_matrix|rank_failure|train_disk_error] [-- extra pytest args]
 
 Run it with the worktree's packages and tests/ on the path (e.g. /work/bin/wtpy). The machine
 is stated on every line, with its load average (times on a shared machine are noise beyond
@@ -36,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SUITES = {
     "fault_matrix": "tests/nvme/test_fault_matrix.py::test_fault_is_one_clear_error_and_the_last_checkpoint_resumes_bitwise",
     "rank_failure": "tests/core/test_rank_failure.py",
+    "train_disk_error": "tests/integration/test_train_resilience.py::test_a_disk_error_mid_run_is_one_line_and_the_last_checkpoint_resumes",
 }
 
 

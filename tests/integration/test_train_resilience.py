@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from tierwise.cli import main
@@ -272,7 +273,7 @@ def test_second_ctrl_c_in_a_real_run_aborts_at_once_keeping_the_previous_checkpo
 
 
 NVME_FAILS_AFTER_STEP_3 = """
-import errno, os, sys
+import errno, os, sys, time
 import tierwise.train.run as run
 import tierwise_nvme.tier as tier
 from tierwise.cli import main
@@ -291,6 +292,7 @@ class FailingDisk:
     def submit(self, request):
         if armed and request.op == "write":
             armed.clear()
+            print(f"FAULT_AT {time.time()}", file=sys.stderr, flush=True)
             request.on_done(io_error(request.op, request.path, request.offset,
                                      len(request.buffer), errno.EIO))
             return
@@ -315,7 +317,9 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_a_disk_error_mid_run_is_one_line_and_the_last_checkpoint_resumes(tmp_path, capsys):
+def test_a_disk_error_mid_run_is_one_line_and_the_last_checkpoint_resumes(
+    tmp_path, capsys, record_property
+):
     """EIO on the NVMe tier in step 4 of `tierwise train`: exit 1, one line naming the failed
     write and the resume command, no traceback; --resume from step 2 ends with the losses of a
     run that never failed."""
@@ -333,7 +337,12 @@ def test_a_disk_error_mid_run_is_one_line_and_the_last_checkpoint_resumes(tmp_pa
         capture_output=True, text=True, cwd=tmp_path, timeout=600, check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+    exited = time.time()
     assert done.returncode == 1, done.stdout + done.stderr
+    fault_at = [float(line.split()[1]) for line in done.stderr.splitlines()
+                if line.startswith("FAULT_AT ")]
+    assert len(fault_at) == 1, done.stderr
+    record_property("fault_to_exit_s", round(exited - fault_at[0], 3))  # bench/resilience.py
     assert "Traceback" not in done.stderr
     ours = [line for line in done.stderr.splitlines() if line.startswith("tierwise train:")]
     assert len(ours) == 1, done.stderr

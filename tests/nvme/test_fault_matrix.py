@@ -31,9 +31,13 @@ PLAN = dict(precision="fp32", device="cpu", chunk_size=5000, cache_blocks=3,
             param_placement="nvme", optimizer_placement="nvme", activation_offload="nvme")
 # the optimizer pipeline's updates run in backward (optimizer_overlap="auto" after a step
 # without clipping) or after it; with params on the host, updates also overwrite their homes
+LATE = "optimizer pipeline, write fails late"
 OPTIMIZER_SITES = {"optimizer pipeline": {},
                    "optimizer pipeline after backward": {"optimizer_overlap": "after-backward"},
-                   "optimizer pipeline, params on host": {"param_placement": "host"}}
+                   "optimizer pipeline, params on host": {"param_placement": "host"},
+                   # the failed write completes only when waited for: the pipeline's worker has
+                   # gone idle and the step's drain is what meets the error
+                   LATE: {}}
 # what cannot be undone ([Note: a step that failed part way]): optimizer states in memory are
 # updated in place, then the new parameters written to NVMe; the engine refuses to go on
 REFUSING_SITES = {"parameter write-back": {"optimizer_placement": "host"}}
@@ -49,11 +53,20 @@ MESSAGE = {"EIO": r"\[Errno 5\]", "ENOSPC": r"is full; free space there",
 
 class Injector(FailingBackend):
     """Fails the first request ``fail_if`` accepts with EIO/ENOSPC, or as a transfer that stalled
-    after half its bytes (what the backends report for short I/O after their retries)."""
+    after half its bytes (what the backends report for short I/O after their retries). With
+    ``late``, the failure is reported only when some transfer of the tier is waited for (a
+    request split into pieces ends when its slowest piece does)."""
 
     def __init__(self, inner, fault: str):
         super().__init__(inner, fail_at=None, code=FAULTS[fault] or errno.EIO)
         self.fault = fault
+        self.late = False
+        self.held: list = []
+
+    def report_held(self) -> None:
+        held, self.held = self.held, []
+        for request, error in held:
+            request.on_done(error)
 
     def submit(self, request) -> None:
         if self.fail_if is not None and self.failed is None and self.fail_if(request):
@@ -63,7 +76,10 @@ class Injector(FailingBackend):
             error = (short_io_error(request.op, request.path, request.offset, size, size // 2)
                      if self.fault == "short I/O" else
                      io_error(request.op, request.path, request.offset, size, self.code))
-            request.on_done(error)
+            if self.late:
+                self.held.append((request, error))
+            else:
+                request.on_done(error)
             return
         self.submitted += 1
         self.inner.submit(request)
@@ -96,6 +112,16 @@ def injectors(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(tier_module, "open_backend", open_injecting)
+    from tierwise_nvme.transfer import NVMeHandle
+
+    wait = NVMeHandle.wait
+
+    def waiting_reports_held_failures(handle):
+        for injector in made:
+            injector.report_held()
+        return wait(handle)
+
+    monkeypatch.setattr(NVMeHandle, "wait", waiting_reports_held_failures)
     return made
 
 
@@ -146,9 +172,10 @@ def _nth(fail_if, n):
     return accept
 
 
-def _arm(injectors, fail_if):
+def _arm(injectors, fail_if, *, late: bool = False):
     for injector in injectors:
         injector.fail_if = fail_if
+        injector.late = late
 
 
 def _checkpoint_write_fails(monkeypatch, fault, failed_at: list):
@@ -202,7 +229,11 @@ def run_case(site, fault, nvme_dir, ckpt, injectors, monkeypatch, reference):
         monkeypatch.setattr(tier_module, "open_backend", creating)
     else:
         model, opt = _build(nvme_dir, **{**OPTIMIZER_SITES, **REFUSING_SITES}.get(site, {}))
-        train(model, opt, 2)
+        train(model, opt, 1)
+        writes = []  # the payload writes of one step (all pass)
+        _arm(injectors, lambda r: writes.append(r) if _payload("write")(r) else False)
+        train(model, opt, 1, first_seed=1)
+        _arm(injectors, None)
         mode = tierwise.engine_of(model).optimizer_mode  # where the next step's updates run
         tierwise.save_checkpoint(ckpt, model, opt)
         before = model.state_dict()
@@ -221,8 +252,10 @@ def run_case(site, fault, nvme_dir, ckpt, injectors, monkeypatch, reference):
                                  # the second chunk's first state: others were written
                                  **dict.fromkeys((*OPTIMIZER_SITES, *REFUSING_SITES),
                                                  _nth(_payload("write"), 4)),
+                                 # the step's last write: nothing after it waits for it
+                                 LATE: _nth(_payload("write"), len(writes)),
                                  "activation swap": lambda r: r.op == "write" and "-activation" in r.path,
-                                 }[site])
+                                 }[site], late=site == LATE)
                 model(**tiny_batch(seed=2)).loss.backward()
                 opt.step()
         raised = time.perf_counter()

@@ -153,9 +153,10 @@ class OptimizerPipeline:
         with self._cond:
             while self._queue or self._busy:
                 self._cond.wait()
-            error, self._error = self._error, None
-        while self._finish_oldest_write():
+        while self._finish_oldest_write():  # a write may fail here: before the error is read
             pass
+        with self._cond:
+            error, self._error = self._error, None
         if error is not None:
             with self._cond:
                 self._order = []

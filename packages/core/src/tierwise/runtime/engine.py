@@ -8,7 +8,6 @@ gradients follow [Note: gradient path] (``gradients.py``); the optimizer step is
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from tierwise.precision import compute_dtype
 from tierwise.protocols import MemoryTracer
 from tierwise.runtime.cache import AccessTrace, RCache
 from tierwise.runtime.gradients import GradientPath
+from tierwise.runtime.phases import Phases
 from tierwise.runtime.reduce import StreamingReducer
 from tierwise.runtime.relayout import relayout
 from tierwise.runtime.step_undo import StepUndo
@@ -110,9 +110,8 @@ class Engine(GradientPath, OptimizerStep):
         drops every gradient of the step (a partial sum must never reach the optimizer), and
         ``step`` refuses to run until ``zero_grad`` starts the step again."""
         self.step_time_s = 0.0
-        self._step_started: float | None = None
-        self._in_backward = False
-        self._callback_queued = False
+        self.phases = Phases(on_backward_end=self.end_backward)
+        """The phase of the step and its module pins ([Note: training phases])."""
         self._no_sync = False
         self._clip_coef: float | None = None
         self._staging_free: list[torch.Tensor] = []
@@ -126,11 +125,7 @@ class Engine(GradientPath, OptimizerStep):
         self.pipelines = self._make_pipelines()
         self.optimizer_mode = "after-backward"
         """How storage-tier optimizer states are updated next (see Config.optimizer_overlap)."""
-        self._backwards_this_step = 0
         self._early_hyper: dict = {}
-        self._backward_pins: set[torch.nn.Module] = set()
-        self._reforward_pins: list[torch.nn.Module] = []
-        self._scaled_this_backward = False
         self.multi_rank = any(g.world > 1 for g in groups)
         self.first_use: dict[str, None] = {}
         """Parameter names in the order the warm-up forward first used them."""
@@ -270,8 +265,7 @@ class Engine(GradientPath, OptimizerStep):
 
     # ------------------------------------------------------------------ hook entry points
     def begin_forward(self) -> None:
-        if self._step_started is None:
-            self._step_started = time.perf_counter()
+        self.phases.begin_forward()
         self._finish_tracing_if_ended()
         if not self.trace.recording:
             self.trace.restart()
@@ -341,7 +335,7 @@ class Engine(GradientPath, OptimizerStep):
             self._acquire_untraced(module)
 
     def _acquire_untraced(self, module: torch.nn.Module) -> None:
-        first_use = self.trace.recording and not self._in_backward
+        first_use = self.trace.recording and not self.phases.in_backward
         fetched = None
         for slot in self.modules[module]:
             if first_use:
@@ -367,33 +361,36 @@ class Engine(GradientPath, OptimizerStep):
                 slot.set_state(TensorState.HOLD_AFTER_BWD if slot.got_grad else new_state)
 
     def pre_forward(self, module: torch.nn.Module) -> None:
-        self._mark("backward" if self._in_backward else "forward", module)
+        in_backward = self.phases.in_backward
+        self._mark("backward" if in_backward else "forward", module)
         self._acquire(module)
-        if self._in_backward:  # a checkpoint re-forward
-            self._reforward_pins.append(module)
+        if in_backward:  # a checkpoint re-forward
+            self.phases.reforward_pins.append(module)
 
     def post_forward(self, module: torch.nn.Module) -> None:
-        if self._in_backward and module in self._reforward_pins:
-            self._reforward_pins.remove(module)
+        phases = self.phases
+        if phases.in_backward and module in phases.reforward_pins:
+            phases.reforward_pins.remove(module)
         recorded = torch.is_grad_enabled()
         self._release(module, TensorState.HOLD_AFTER_FWD if recorded else TensorState.HOLD)
 
     def pre_backward(self, module: torch.nn.Module) -> None:
         """Before ``module``'s backward (once per backward pass through it)."""
-        self._enter_backward()
+        phases = self.phases
+        phases.enter_backward()
         # a re-forward that torch stopped early (non-reentrant checkpoint) never ran its
         # post-hooks: release its pins now; the modules' own backward re-pins what it needs
-        while self._reforward_pins:
-            self._release(self._reforward_pins.pop(), TensorState.HOLD_AFTER_FWD)
-        if module not in self._backward_pins:
-            self._backward_pins.add(module)
+        while phases.reforward_pins:
+            self._release(phases.reforward_pins.pop(), TensorState.HOLD_AFTER_FWD)
+        if module not in phases.backward_pins:
+            phases.backward_pins.add(module)
             self._mark("backward", module)
             self._acquire(module)
 
     def post_backward(self, module: torch.nn.Module) -> None:
         """After ``module``'s backward produced the gradients of its inputs."""
-        if module in self._backward_pins:
-            self._backward_pins.discard(module)
+        if module in self.phases.backward_pins:
+            self.phases.backward_pins.discard(module)
             self._release(module, TensorState.HOLD_AFTER_BWD)
 
     # [Note: a module's backward is done when its parameters' gradients are]
@@ -410,7 +407,7 @@ class Engine(GradientPath, OptimizerStep):
     def release_finished_backward(self, param: torch.nn.Parameter) -> None:
         """A gradient of ``param`` arrived: release the modules whose backward is done."""
         for module in self._modules_of_param.get(id(param), ()):
-            if module in self._backward_pins and all(
+            if module in self.phases.backward_pins and all(
                 slot.got_grad and slot.param.requires_grad for slot in self.modules[module]
             ):
                 self.post_backward(module)
@@ -419,30 +416,18 @@ class Engine(GradientPath, OptimizerStep):
         """fp16: multiply the gradient entering the model by the loss scale, once per backward
         (the first model output backward reaches is the one the loss came from; the gradient
         then flowing into other outputs, e.g. logits under the loss, is scaled already)."""
-        if self._scaled_this_backward:
+        if self.phases.loss_scaled:
             return None
-        self._enter_backward()
-        self._scaled_this_backward = True
+        self.phases.enter_backward()
+        self.phases.loss_scaled = True
         return grad * self.loss_scale
-
-    def _enter_backward(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            self._in_backward = True
-
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def end_backward(self) -> None:
         """Runs when autograd finishes a backward: finalise every chunk, release everything."""
         if self._tracer is not None:  # stopped later, outside autograd: [Note: warm-up tracing]
             self._tracer.mark("backward:end")
             self._tracer_ended = True
-        self._callback_queued = False
-        self._in_backward = False
-        self._backwards_this_step += 1
-        self._backward_pins.clear()
-        self._reforward_pins.clear()
-        self._scaled_this_backward = False
+        self.phases.end_backward()
         self.loads.finish_all()  # prefetched but not used: [Note: prefetch overlap]
         for chunk in self.chunks():
             if chunk.trainable and chunk.group.world == 1:
@@ -475,9 +460,7 @@ class Engine(GradientPath, OptimizerStep):
     def abandon_backward(self, reason: str) -> None:
         """A backward stopped on an error (autograd ran no ``end_backward``): [Note: an
         abandoned backward]."""
-        self._callback_queued = self._in_backward = self._scaled_this_backward = False
-        self._backward_pins.clear()
-        self._reforward_pins.clear()
+        self.phases.abandon_backward()
         self.loads.finish_all()
         for chunk in self.chunks():
             if chunk.staging is not None:
@@ -497,7 +480,7 @@ class Engine(GradientPath, OptimizerStep):
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
-        if self._in_backward:
+        if self.phases.in_backward:
             raise RuntimeError("tierwise: optimizer.step() called during backward")
         if self.backward_failed is not None:
             raise RuntimeError(

@@ -49,7 +49,7 @@ class GradientPath:
             self.release_finished_backward(param)
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
-        self._enter_backward()
+        self.phases.enter_backward()
         chunk = self.slot_chunk[id(param)]
         slot = self.slot_of[id(param)]
         slot.has_grad = True  # [Note: unused parameters are skipped]

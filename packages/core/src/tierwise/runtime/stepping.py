@@ -6,8 +6,6 @@ and counters).
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -108,7 +106,7 @@ class OptimizerStep:
         if pipeline is None:
             return
         slabs = (chunk.optim.master, chunk.optim.exp_avg, chunk.optim.exp_avg_sq)
-        if self._update_in_backward() and self._backwards_this_step == 0:
+        if self._update_in_backward() and self.phases.backwards_this_step == 0:
             hyper = self._hyper(chunk)
             self._early_hyper[chunk.key] = hyper
             self.step_undo.begin()  # the step begins here: [Note: atomic optimizer step]
@@ -160,7 +158,7 @@ class OptimizerStep:
             self._update_chunk(chunk, hyper, multiplier)
         ran_in_backward = bool(self._early_hyper)
         next_in_backward = (
-            self._backwards_this_step == 1 and self._clip_coef is None and self.scaler is None
+            self.phases.backwards_this_step == 1 and self._clip_coef is None and self.scaler is None
         )
         if self.config.optimizer_overlap == "auto":
             self.optimizer_mode = "in-backward" if next_in_backward else "after-backward"
@@ -311,10 +309,9 @@ class OptimizerStep:
             for slot in chunk.slots:
                 if slot.state is not TensorState.HOLD and slot.compute_refs == 0:
                     slot.set_state(TensorState.HOLD)
-        self._backwards_this_step = 0
-        if self._step_started is not None:
-            self.step_time_s = time.perf_counter() - self._step_started
-            self._step_started = None
+        elapsed = self.phases.end_step()
+        if elapsed is not None:
+            self.step_time_s = elapsed
 
     def _finish_step(self) -> None:
         self.step_undo.clear()

@@ -11,14 +11,16 @@ holding ``--budget`` bytes so the planner weighs activations against it), on a G
     estimate fits, larger batches are tried too (auto's plan changes with the batch);
 (b) step time at batch 1, the median of ``--steps`` steps after the warm-up, the modes' steps
     taken in turn, against keep (which fits at batch 1 under the default budget) and against
-    recompute-all;
+    recompute-all; also the process CPU seconds per step (median), which the load of a shared
+    machine disturbs less than wall time;
 (c) for nvme, the fraction of its I/O hidden behind compute, two ways: from step times,
     1 - (t_nvme - t_keep) / t_io, where t_io is writing and reading back the step's swapped bytes
     through the same NVMe tier alone (on a CPU device this also charges the I/O with the copies
     into and out of the swap buffers, which run on the compute cores, and with the noise of a
     shared machine); and from the manager's own count of the seconds the step stood still
     waiting for swap I/O (``stats()["activations"]["io_wait_s"]``, median over the timed steps),
-    1 - io_wait_s / t_io.
+    1 - io_wait_s / t_io; and against host swap (on a CPU device the same copies, no I/O),
+    1 - (t_nvme - t_host) / t_io.
 
 One JSON line per result. Usage: python bench/activations.py [--budget 1GiB] [--seq 2048]
 [--nvme-path DIR] [--steps 3]
@@ -66,8 +68,13 @@ def run(mode: str, n: int, seq: int, steps: int, nvme_path: str) -> dict | None:
     extra = {"nvme_path": nvme_path} if mode == "nvme" else {}
     try:
         model, optimizer = tierwise.setup(
-            model, optimizer, device="cpu", precision="fp32", example_batch=data,
-            **MODES[mode], **extra,
+            model,
+            optimizer,
+            device="cpu",
+            precision="fp32",
+            example_batch=data,
+            **MODES[mode],
+            **extra,
         )
     except PlanError:
         return None
@@ -102,32 +109,43 @@ def interleaved_step_times(seq: int, steps: int, nvme_path: str) -> dict[str, fl
         model = gpt2_model(**MODEL, positions=seq)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         extra = {"nvme_path": nvme_path} if mode == "nvme" else {}
-        engines[mode] = tierwise.setup(model, optimizer, device="cpu", precision="fp32",
-                                       example_batch=data, **MODES[mode], **extra)
+        engines[mode] = tierwise.setup(
+            model,
+            optimizer,
+            device="cpu",
+            precision="fp32",
+            example_batch=data,
+            **MODES[mode],
+            **extra,
+        )
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    cpu: dict[str, list[float]] = {mode: [] for mode in MODES}
     waits: dict[str, list[float]] = {mode: [] for mode in MODES}
     for round_ in range(steps + 1):
         for mode, (model, optimizer) in engines.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             model(**data).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             if round_:  # the first round is the warm-up
                 times[mode].append(time.perf_counter() - start)
+                cpu[mode].append(time.process_time() - start_cpu)
                 stats = tierwise.engine_of(model).stats()["activations"]
                 waits[mode].append(stats["io_wait_s"])
     for model, _ in engines.values():
         tierwise.engine_of(model).close()
-    return ({mode: median(values) for mode, values in times.items()},
-            {mode: median(values) for mode, values in waits.items()})
+    return tuple(
+        {mode: median(values) for mode, values in kind.items()} for kind in (times, cpu, waits)
+    )
 
 
 def nvme_io_seconds(nbytes: int, nvme_path: str) -> float:
     from tierwise.config import Config
     from tierwise_nvme import NVMeTier
 
-    tier = NVMeTier(device=torch.device("cpu"), budget=None,
-                    config=Config(device="cpu", nvme_path=nvme_path))
+    tier = NVMeTier(
+        device=torch.device("cpu"), budget=None, config=Config(device="cpu", nvme_path=nvme_path)
+    )
     data = torch.ones(nbytes, dtype=torch.uint8)
     back = torch.empty_like(data)
     slab = tier.allocate(nbytes, torch.uint8, kind=PayloadKind.ACTIVATION)
@@ -154,10 +172,18 @@ def main() -> None:
         one = run(mode, 1, args.seq, 1, args.nvme_path)
         two = run(mode, 2, args.seq, 1, args.nvme_path) if one else None
         if two is None:
-            emit(bench="activations", part="a", mode=mode, seq=args.seq, budget_bytes=budget,
-                 model=MODEL, largest_batch=0 if one is None else 1,
-                 note="the planner finds no plan within the budget at batch 1" if one is None
-                 else "the planner finds no plan within the budget at batch 2")
+            emit(
+                bench="activations",
+                part="a",
+                mode=mode,
+                seq=args.seq,
+                budget_bytes=budget,
+                model=MODEL,
+                largest_batch=0 if one is None else 1,
+                note="the planner finds no plan within the budget at batch 1"
+                if one is None
+                else "the planner finds no plan within the budget at batch 2",
+            )
             if one is not None:
                 results[mode] = one
             continue
@@ -172,18 +198,29 @@ def main() -> None:
             confirmed = check is not None and check["model_bytes"] + check["peak"] <= budget
             largest_policy = check and check["policy"]
             if not confirmed:  # the planner refused (its F_frag margin) or the peak was over
-                refusals.append({"batch": largest, "why": "no plan within the budget"
-                                 if check is None else f"measured {check['model_bytes']} + "
-                                 f"{check['peak']} bytes"})
+                refusals.append(
+                    {
+                        "batch": largest,
+                        "why": "no plan within the budget"
+                        if check is None
+                        else f"measured {check['model_bytes']} + {check['peak']} bytes",
+                    }
+                )
                 largest -= 1
         grown = 0
         while confirmed and not refusals and largest and grown < MAX_TRIES:
             # fitted at the estimate: a plan that changes with the batch (auto) may fit more
             check = run(mode, largest + 1, args.seq, 0, args.nvme_path)
             if check is None or check["model_bytes"] + check["peak"] > budget:
-                refusals.append({"batch": largest + 1, "why": "no plan within the budget"
-                                 if check is None else f"measured {check['model_bytes']} + "
-                                 f"{check['peak']} bytes", "policy": check and check["policy"]})
+                refusals.append(
+                    {
+                        "batch": largest + 1,
+                        "why": "no plan within the budget"
+                        if check is None
+                        else f"measured {check['model_bytes']} + {check['peak']} bytes",
+                        "policy": check and check["policy"],
+                    }
+                )
                 break
             largest, grown = largest + 1, grown + 1
             largest_policy = check["policy"]
@@ -192,32 +229,61 @@ def main() -> None:
             largest, confirmed = (2 if fits[1] else 1 if fits[0] else 0), True
         results[mode] = one
         emit(
-            bench="activations", part="a", mode=mode, seq=args.seq, budget_bytes=budget,
-            model=MODEL, largest_batch=largest if confirmed else None,
+            bench="activations",
+            part="a",
+            mode=mode,
+            seq=args.seq,
+            budget_bytes=budget,
+            model=MODEL,
+            largest_batch=largest if confirmed else None,
             largest_tokens=largest * args.seq if confirmed else None,
-            linear_estimate_batch=estimate, confirmed=confirmed, not_fitting=refusals, per_sample_peak_bytes=per_sample,
-            model_bytes_on_device=one["model_bytes"], policy=one["policy"],
+            linear_estimate_batch=estimate,
+            confirmed=confirmed,
+            not_fitting=refusals,
+            per_sample_peak_bytes=per_sample,
+            model_bytes_on_device=one["model_bytes"],
+            policy=one["policy"],
             policy_at_largest=largest_policy,
         )
-    times, io_waits = interleaved_step_times(args.seq, args.steps, args.nvme_path)
+    times, cpu, io_waits = interleaved_step_times(args.seq, args.steps, args.nvme_path)
     keep, recompute = times["keep"], times["recompute-all"]
     keep_fits = results["keep"]["model_bytes"] + results["keep"]["peak"] <= budget
     swap_best = min(times["host"], times["nvme"])
     for mode, result in results.items():
         emit(
-            bench="activations", part="b", mode=mode, seq=args.seq, batch=1,
-            step_s=times[mode], vs_keep=times[mode] / keep if keep_fits else None,
+            bench="activations",
+            part="b",
+            mode=mode,
+            seq=args.seq,
+            batch=1,
+            step_s=times[mode],
+            vs_keep=times[mode] / keep if keep_fits else None,
             vs_recompute_all=times[mode] / recompute,
             vs_best_of_recompute_and_swap=times[mode] / min(recompute, swap_best),
+            step_cpu_s=cpu[mode],
+            cpu_vs_keep=cpu[mode] / cpu["keep"] if keep_fits else None,
+            cpu_vs_recompute_all=cpu[mode] / cpu["recompute-all"],
             swapped_out_bytes=result["activations"]["swapped_out_bytes"],
-            recomputed_blocks=result["activations"]["recomputed_blocks"], policy=result["policy"],
+            recomputed_blocks=result["activations"]["recomputed_blocks"],
+            policy=result["policy"],
         )
     swapped = results["nvme"]["activations"]["swapped_out_bytes"]["nvme"]
     io = nvme_io_seconds(swapped, args.nvme_path)
     exposed = max(0.0, times["nvme"] - keep)
     emit(
-        bench="activations", part="c", mode="nvme", seq=args.seq, batch=1, swapped_bytes=swapped,
-        io_alone_s=io, exposed_s=exposed, hidden_fraction=max(0.0, 1 - exposed / io) if io else None,
+        bench="activations",
+        part="c",
+        mode="nvme",
+        seq=args.seq,
+        batch=1,
+        swapped_bytes=swapped,
+        io_alone_s=io,
+        exposed_s=exposed,
+        hidden_fraction=max(0.0, 1 - exposed / io) if io else None,
+        exposed_vs_host_s=times["nvme"] - times["host"],
+        hidden_fraction_vs_host=max(0.0, 1 - max(0.0, times["nvme"] - times["host"]) / io)
+        if io
+        else None,
         io_wait_s=io_waits["nvme"],
         hidden_fraction_by_waits=max(0.0, 1 - io_waits["nvme"] / io) if io else None,
     )

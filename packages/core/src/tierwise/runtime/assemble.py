@@ -103,12 +103,10 @@ def assemble_engine(
         decoupled=decoupled,
         optimizer_groups=optimizer.param_groups,
         world_group=world,
-    )
-    engine.profile = profile
-    engine.patterns = patterns  # checkpoints rebuild whole-model values through them
-    engine.hardware = hardware
-    engine.make_tracer = lambda: host.memory_tracer(
-        device=engine.device, model_bytes=engine.model_bytes_on_device
+        profile=profile,
+        patterns=patterns,
+        hardware=hardware,
+        memory_tracer=host.memory_tracer,
     )
     if world is not None and dist.get_world_size(world) > 1 and world == dist.group.WORLD:
         # a second communicator for gradient reductions: [Note: streaming reduction]

@@ -12,6 +12,7 @@ import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,11 @@ from tierwise.runtime.step_undo import StepUndo
 from tierwise.runtime.stepping import OptimizerStep
 from tierwise.runtime.transfer import ChunkLoads
 from tierwise.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from tierwise.hardware import Hardware
+    from tierwise.parallel import ParallelPattern
+    from tierwise.profile import Profile
 
 _NOT_TRACING = nullcontext()  # reusable: entering it keeps no state
 
@@ -68,6 +74,10 @@ class Engine(GradientPath, OptimizerStep):
         decoupled: bool,
         optimizer_groups: list[dict],
         world_group: dist.ProcessGroup | None,
+        profile: Profile | None = None,
+        patterns: list[ParallelPattern] = (),
+        hardware: Hardware | None = None,
+        memory_tracer: Callable[..., MemoryTracer | None] | None = None,
     ):
         self.model = model
         self.config = config
@@ -82,6 +92,13 @@ class Engine(GradientPath, OptimizerStep):
         self.decoupled = decoupled
         self.optimizer_groups = optimizer_groups
         self.world_group = world_group
+        self.profile = profile
+        """The profile the plan was made from (its peak activation bytes become the measured
+        ones after warm-up: [Note: warm-up tracing])."""
+        self.patterns = list(patterns)
+        """The parallel patterns; checkpoints rebuild whole-model values through them."""
+        self.hardware = hardware
+        """What setup probed (re-layout reads the host memory from it)."""
         self.dtype = compute_dtype(config.precision)
         self.device = torch.device(config.device)
         self.trace = AccessTrace()
@@ -137,7 +154,11 @@ class Engine(GradientPath, OptimizerStep):
         """Parameters (first names) each module access fetched during the warm-up step, as the
         profiler's ``forward_order``/``backward_order`` predict them."""
         self.make_tracer: Callable[[], MemoryTracer | None] | None = None
-        """Returns a warm-up memory tracer (from tierwise-profiler) or None; set by setup."""
+        """Returns a warm-up memory tracer (from tierwise-profiler) or None."""
+        if memory_tracer is not None:
+            self.make_tracer = lambda: memory_tracer(
+                device=self.device, model_bytes=self.model_bytes_on_device
+            )
         self.memory_moments: list[tuple[str, int]] | None = None
         """Non-model bytes per moment of the warm-up step, measured ([Note: warm-up tracing])."""
         self.estimated_peak_activation_bytes: int | None = None
@@ -318,7 +339,7 @@ class Engine(GradientPath, OptimizerStep):
             _TRACING[0] = None
         self._tracer = None
         self.memory_moments = moments
-        profile = getattr(self, "profile", None)
+        profile = self.profile
         if profile is not None and moments:
             self.estimated_peak_activation_bytes = profile.peak_activation_bytes
             profile.peak_activation_bytes = max(b for _, b in moments)

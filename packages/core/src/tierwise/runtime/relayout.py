@@ -169,7 +169,7 @@ def _cannot_move(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> str 
         tier = engine.tiers[name]
         if tier.budget is not None and tier.used_bytes + extra > tier.budget:
             return f"its new layout needs {extra} more bytes in the {name} tier than its budget has"
-    host_free = getattr(getattr(engine, "hardware", None), "host_memory", None)
+    host_free = engine.hardware.host_memory if engine.hardware is not None else None
     if host_free is not None and largest_kind > host_free // 2:
         return f"re-packing holds {largest_kind} bytes of one state kind in host memory"
     cached = [c for c, t in zip(chunks, tiers["home"], strict=True) if t != "device" or group.sharded]
@@ -188,7 +188,7 @@ def _cannot_move(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> str 
 
 def _min_blocks_with(engine: Engine, group: ChunkGroup, cached: list[Chunk]) -> int:
     """[Note: the rCache minimum] with ``group``'s cached chunks replaced by ``cached``."""
-    profile = getattr(engine, "profile", None)
+    profile = engine.profile
     if profile is None:
         return 0
     chunk_of = {

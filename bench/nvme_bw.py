@@ -9,7 +9,10 @@ flight at once, between the disk and
                    through the tier's bounded staging pool ([Note: staged reads], the path of
                    parameter loads into rCache), writes go through a whole-chunk bounce buffer;
   unaligned-fresh  (reads only) newly allocated tensors each run, as the engine's rCache
-                   blocks are after ``allocate_storage`` (their first touch faults pages in).
+                   blocks were before [Note: fixed rCache blocks] (first touch faults pages in);
+  rcache-blocks    (reads only) the engine's path now: each run, empty chunk storages borrow
+                   the memory of an RCache's fixed blocks (``RCache.lend``), are read into,
+                   and give it back (``take_back``), as a fetch and an eviction do.
 
 A last line times one out-of-core AdamW pass over NVMe-resident optimizer states: transfers
 alone, updates alone, sequential (read, update, write per chunk) and through
@@ -32,7 +35,9 @@ from pathlib import Path
 
 import torch
 from tierwise.config import Config
+from tierwise.runtime.cache import RCache
 from tierwise.tiers import PayloadKind
+from tierwise.tiers.memory import DeviceTier
 from tierwise.units import parse_bytes
 from tierwise_nvme import NVMeOptions, NVMeTier, StagingPool
 
@@ -96,6 +101,25 @@ def adamw_update(grad: torch.Tensor, step: torch.Tensor):
                             amsgrad=False, maximize=False)
 
     return update
+
+
+def rcache_bandwidth(tier: NVMeTier, slabs, cache: RCache, chunk: int, expected) -> float:
+    """Bytes/s reading every slab into a fresh, empty chunk storage lent an rCache block, as
+    the engine fetches ([Note: fixed rCache blocks]); checks the values read."""
+    flats = [torch.empty(chunk, dtype=torch.uint8) for _ in slabs]
+    for block_id, flat in enumerate(flats):
+        flat.untyped_storage().resize_(0)  # an evicted chunk's storage
+        if not cache.lend(block_id, flat.untyped_storage()):
+            raise RuntimeError("rCache block not lent")
+    begin = time.perf_counter()
+    for handle in [tier.read(slab, flat) for slab, flat in zip(slabs, flats, strict=True)]:
+        handle.wait()
+    seconds = time.perf_counter() - begin
+    if not all(map(torch.equal, flats, expected)):
+        raise RuntimeError("rCache read back differs")
+    for block_id, flat in enumerate(flats):
+        cache.take_back(block_id, flat.untyped_storage())
+    return len(slabs) * chunk / seconds
 
 
 def pipeline_times(tier: NVMeTier, n_chunks: int, numel: int) -> dict[str, float]:
@@ -183,12 +207,15 @@ def main() -> None:
             buffer.random_(0, 256)
     slabs = [tier.allocate(chunk, torch.uint8, kind=PayloadKind.STAGING, what="bench") for _ in range(n_chunks)]
     info = machine(directory, tier)
+    cache = RCache(DeviceTier(device=torch.device("cpu"), budget=None, config=Config(device="cpu")),
+                   n_chunks, chunk, torch.uint8)
     fio_file = directory / "fio-bench.dat"
     results: dict[tuple[str, str], list[float]] = {}
     ok = True
     try:
         tier_bandwidth("write", tier, slabs, buffers["aligned"])
         tier_bandwidth("read", tier, slabs, buffers["unaligned"])  # first touch of the staging pool
+        rcache_bandwidth(tier, slabs, cache, chunk, buffers["aligned"])  # the blocks' first use
         for _ in range(args.repeats):
             for op in ("write", "read"):
                 results.setdefault((op, "fio"), []).append(
@@ -203,6 +230,9 @@ def main() -> None:
                     )
                     ok = ok and all(map(torch.equal, buffers["aligned"], fresh))
                     del fresh
+                    results.setdefault((op, "rcache-blocks"), []).append(
+                        rcache_bandwidth(tier, slabs, cache, chunk, buffers["aligned"])
+                    )
         ok = ok and all(map(torch.equal, buffers["aligned"], buffers["unaligned"]))
         staging = {
             "staging_buffers": tier.staging.count,
@@ -223,6 +253,7 @@ def main() -> None:
         ("read", "aligned"): "in-place",
         ("read", "unaligned"): "staged",
         ("read", "unaligned-fresh"): "staged",
+        ("read", "rcache-blocks"): "staged",
     }
     for (op, kind), path in paths.items():
         fio = statistics.median(results[(op, "fio")])

@@ -17,6 +17,19 @@ within the block reservation above). Parameters are permanent views of that stor
 what keeps autograd correct: forward saves *views* of parameters (``linear`` saves
 ``weight.t()``), and those views point at the chunk's storage object, which holds the right
 values again whenever backward re-fetches the chunk — whichever memory it lands in.
+
+[Note: fixed rCache blocks]
+The memory a cached chunk lands in is one of the cache's ``n_blocks`` fixed blocks, allocated
+(and, on CPU, every page touched) the first time the block is used and kept for the run, as
+Elixir keeps its blocks. A fetch *lends* the block's memory to the chunk's storage object by
+swapping the two storages' data pointers (``UntypedStorage._swap_data_ptr_``), an eviction swaps
+it back, so [Note: chunk storage]'s reason holds unchanged: parameters and whatever autograd
+saved stay views of the chunk's own storage object, which holds the block's memory while
+resident and none while evicted. Reading a chunk from a storage tier into memory whose pages are
+already mapped runs at the disk's speed; a freshly allocated destination faults every page in
+during the read (bench/nvme_bw.py). The blocks' bytes were counted in the device tier from the
+start ([Note: rCache replacement]), so plans are unchanged. A chunk larger than a block, or a
+torch without the swap, falls back to resizing its own storage.
 """
 
 from __future__ import annotations
@@ -109,6 +122,32 @@ class RCache:
         self.owner: list[Hashable | None] = [None] * n_blocks
         self.last_used: list[int] = [0] * n_blocks
         self._clock = 0
+        self._dtype = dtype
+        self._memory: list[torch.UntypedStorage | None] = [None] * n_blocks
+        """Each block's memory while no chunk holds it ([Note: fixed rCache blocks])."""
+        self._lent: list[bool] = [False] * n_blocks
+
+    def lend(self, block_id: int, storage: torch.UntypedStorage) -> bool:
+        """Give block ``block_id``'s memory to ``storage`` (an empty chunk storage on the cache's
+        device); False when it cannot (the caller resizes the storage itself instead)."""
+        if (self._lent[block_id] or storage.nbytes() != 0 or storage.device != torch.device(self.tier.device)
+                or not hasattr(storage, "_swap_data_ptr_")):
+            return False
+        memory = self._memory[block_id]
+        if memory is None:  # first use: allocate and touch every page once
+            block = torch.empty(self.block_numel, dtype=self._dtype, device=self.tier.device)
+            memory = self._memory[block_id] = block.zero_().untyped_storage()
+        storage._swap_data_ptr_(memory)
+        self._lent[block_id] = True
+        return True
+
+    def take_back(self, block_id: int, storage: torch.UntypedStorage) -> bool:
+        """Return the memory ``storage`` was lent (it is left empty); False if none was lent."""
+        if block_id >= len(self._lent) or not self._lent[block_id]:  # none, or closed since
+            return False
+        storage._swap_data_ptr_(self._memory[block_id])
+        self._lent[block_id] = False
+        return True
 
     def __len__(self) -> int:
         return len(self.owner)
@@ -146,3 +185,5 @@ class RCache:
         self.tier.unreserve(self.reserved)
         self.reserved = 0
         self.owner.clear()
+        self._memory.clear()
+        self._lent.clear()

@@ -220,7 +220,8 @@ class Engine(GradientPath, OptimizerStep):
 
     def _bring_in(self, chunk: Chunk, block_id: int) -> None:
         """Start loading ``chunk`` into ``block_id``; ``loads.finish`` completes it."""
-        chunk.allocate_storage()
+        if not self.cache.lend(block_id, chunk.flat.untyped_storage()):
+            chunk.allocate_storage()  # [Note: fixed rCache blocks]
         self.loads.start(chunk.key, lambda: self._issue_load(chunk, chunk.flat),
                          collective=chunk.group.sharded)
         chunk.resident, chunk.block_id = True, block_id
@@ -253,7 +254,8 @@ class Engine(GradientPath, OptimizerStep):
         if chunk.compute_refs:
             raise RuntimeError(f"tierwise bug: evicting chunk {chunk.key} while in use")
         self.loads.finish(chunk.key)  # its storage is about to be freed
-        chunk.free_storage()
+        if not self.cache.take_back(chunk.block_id, chunk.flat.untyped_storage()):
+            chunk.free_storage()
         self.cache.vacate(chunk.block_id)
         chunk.resident, chunk.block_id = False, None
 

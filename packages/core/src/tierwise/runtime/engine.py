@@ -8,10 +8,8 @@ gradients follow [Note: gradient path] (``gradients.py``); the optimizer step is
 
 from __future__ import annotations
 
-import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +30,7 @@ from tierwise.runtime.reduce import StreamingReducer
 from tierwise.runtime.relayout import relayout
 from tierwise.runtime.step_undo import StepUndo
 from tierwise.runtime.stepping import OptimizerStep
+from tierwise.runtime.tracing import WarmupTracing
 from tierwise.runtime.transfer import ChunkLoads
 from tierwise.tiers.base import Tier
 
@@ -39,23 +38,6 @@ if TYPE_CHECKING:
     from tierwise.hardware import Hardware
     from tierwise.parallel import ParallelPattern
     from tierwise.profile import Profile
-
-_NOT_TRACING = nullcontext()  # reusable: entering it keeps no state
-
-_TRACING: list = [None]
-"""(tracer, weak reference to its engine) of the warm-up trace running now, if any
-([Note: warm-up tracing])."""
-
-
-def _stop_other_tracing() -> None:
-    if _TRACING[0] is not None:
-        tracer, engine_ref = _TRACING[0]
-        _TRACING[0] = None
-        tracer.stop()
-        engine = engine_ref()
-        if engine is not None:  # it keeps its setup estimate
-            engine._tracer = engine.make_tracer = None
-
 
 class Engine(GradientPath, OptimizerStep):
     """Owns the chunk groups, tiers, rCache and optimizer states of one model."""
@@ -153,17 +135,12 @@ class Engine(GradientPath, OptimizerStep):
         self.recorded_order: dict[str, list[str]] = {"forward": [], "backward": []}
         """Parameters (first names) each module access fetched during the warm-up step, as the
         profiler's ``forward_order``/``backward_order`` predict them."""
-        self.make_tracer: Callable[[], MemoryTracer | None] | None = None
-        """Returns a warm-up memory tracer (from tierwise-profiler) or None."""
+        make_tracer = None
         if memory_tracer is not None:
-            self.make_tracer = lambda: memory_tracer(
-                device=self.device, model_bytes=self.model_bytes_on_device
-            )
-        self.memory_moments: list[tuple[str, int]] | None = None
-        """Non-model bytes per moment of the warm-up step, measured ([Note: warm-up tracing])."""
-        self.estimated_peak_activation_bytes: int | None = None
-        self._tracer: MemoryTracer | None = None
-        self._tracer_ended = False
+            def make_tracer() -> MemoryTracer | None:
+                return memory_tracer(device=self.device, model_bytes=self.model_bytes_on_device)
+        self.tracing = WarmupTracing(make_tracer=make_tracer, profile=profile)
+        """The warm-up trace ([Note: warm-up tracing])."""
         self._module_names = {m: n for n, m in model.named_modules()}
         self._modules_of_param: dict[int, list[torch.nn.Module]] = defaultdict(list)
         for module, slots in modules.items():
@@ -289,62 +266,40 @@ class Engine(GradientPath, OptimizerStep):
     # ------------------------------------------------------------------ hook entry points
     def begin_forward(self) -> None:
         self.phases.begin_forward()
-        self._finish_tracing_if_ended()
+        self.tracing.finish_if_ended()
         if not self.trace.recording:
             self.trace.restart()
-        elif (self.memory_moments is None and self._tracer is None and torch.is_grad_enabled()
-              and self.make_tracer is not None):
-            _stop_other_tracing()
-            self._tracer = self.make_tracer()
-            if self._tracer is not None:
-                self._tracer.start()
-                _TRACING[0] = (self._tracer, weakref.ref(self))
+        else:
+            self.tracing.maybe_start()
 
-    # [Note: warm-up tracing]
-    # During the warm-up step a tracer (tierwise-profiler's MemoryTracer, through the
-    # tierwise_memory_tracer hook) measures the peak non-model memory between module accesses:
-    # each access marks a moment. The engine's own work runs inside ``tracer.paused()`` so chunk
-    # and staging buffers are not mistaken for activations. At the end of the warm-up backward the
-    # measured peak replaces the profile's estimate (``profile.peak_activation_bytes``; the estimate
-    # stays in ``estimated_peak_activation_bytes``) and the moments stay in ``memory_moments``.
-    # On CPU the tracer is a dispatch mode, pushed when the warm-up forward begins; it must be on
-    # the stack when ``backward()`` is called (autograd runs every node, and its end-of-backward
-    # callback, with a copy of the thread-local state of that moment), so the end of the first
-    # backward only closes the last moment, and the mode is popped on the caller's thread at the
-    # next ``optimizer.step()`` or forward (popping it inside autograd would change the copy
-    # only and leave the mode behind for good). It starts only for a forward
-    # that records a graph; an engine whose traced forward is never followed by a backward
-    # (set up, run forward, dropped: common in tests) would leave its mode behind, so at most one
-    # engine traces at a time: the next engine to start tracing stops the previous one.
+    # a moment of the warm-up trace per module access: [Note: warm-up tracing]
     def _mark(self, phase: str, module: torch.nn.Module) -> None:
         if self.trace.recording and not self._relayout_checked:  # the first warm-up only
             names = [slot.name for slot in self.modules[module]]
             self.recorded_order[phase].extend(dict.fromkeys(names))
-        if self._tracer is not None:
-            self._tracer.mark(f"{phase}:{self._module_names.get(module, '?')}")
+        tracing = self.tracing
+        if tracing.tracer is not None:
+            tracing.mark(f"{phase}:{self._module_names.get(module, '?')}")
 
     def untraced(self):
         """A context in which the warm-up tracer does not count allocations (engine work)."""
-        return self._untraced()
+        return self.tracing.untraced()
 
     def _untraced(self):
-        return _NOT_TRACING if self._tracer is None else self._tracer.paused()
+        return self.tracing.untraced()
 
-    def _finish_tracing_if_ended(self) -> None:
-        if self._tracer is not None and self._tracer_ended:
-            self._tracer_ended = False
-            self._finish_tracing()
+    @property
+    def memory_moments(self) -> list[tuple[str, int]] | None:
+        """Non-model bytes per moment of the warm-up step, measured ([Note: warm-up tracing])."""
+        return self.tracing.memory_moments
 
-    def _finish_tracing(self) -> None:
-        moments = [m for m in self._tracer.stop() if m[0] != "stop"]
-        if _TRACING[0] is not None and _TRACING[0][0] is self._tracer:
-            _TRACING[0] = None
-        self._tracer = None
-        self.memory_moments = moments
-        profile = self.profile
-        if profile is not None and moments:
-            self.estimated_peak_activation_bytes = profile.peak_activation_bytes
-            profile.peak_activation_bytes = max(b for _, b in moments)
+    @property
+    def estimated_peak_activation_bytes(self) -> int | None:
+        return self.tracing.estimated_peak_activation_bytes
+
+    @property
+    def make_tracer(self):
+        return self.tracing.make_tracer
 
     def model_bytes_on_device(self) -> int:
         """Bytes of model data on the compute device now (what an allocator count includes)."""
@@ -447,9 +402,7 @@ class Engine(GradientPath, OptimizerStep):
 
     def end_backward(self) -> None:
         """Runs when autograd finishes a backward: finalise every chunk, release everything."""
-        if self._tracer is not None:  # stopped later, outside autograd: [Note: warm-up tracing]
-            self._tracer.mark("backward:end")
-            self._tracer_ended = True
+        self.tracing.end_backward()  # stopped later, outside autograd: [Note: warm-up tracing]
         self.phases.end_backward()
         self.loads.finish_all()  # prefetched but not used: [Note: prefetch overlap]
         for chunk in self.chunks():
@@ -510,7 +463,7 @@ class Engine(GradientPath, OptimizerStep):
                 f"tierwise: this step's backward failed ({self.backward_failed}) and its gradients "
                 "were dropped; call zero_grad() and run the step's forward and backward again"
             )
-        self._finish_tracing_if_ended()
+        self.tracing.finish_if_ended()
         if self.step_failed is not None:
             raise RuntimeError(
                 f"tierwise: an earlier optimizer step failed part way ({self.step_failed}); load "

@@ -79,3 +79,42 @@ def test_search_and_core_planners_state_one_minimum_that_trains(kind, chunk_size
                 cache_blocks=searched - 1,
             )
         assert not hasattr(fresh, "_tierwise_engine")
+
+
+@pytest.mark.parametrize("kind", ["opt", "llama"])
+def test_search_minimum_holds_through_checkpoint_re_forward(kind, monkeypatch):
+    """With activation checkpointing (a block's forward re-run in backward), the search states
+    core's number, trains at it and refuses one fewer."""
+
+    def build(blocks):
+        model = tiny_model(kind)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return tierwise.setup(
+            model,
+            opt,
+            precision="fp32",
+            device="cpu",
+            chunk_size=2048,
+            param_placement="host",
+            optimizer_placement="host",
+            cache_blocks=blocks,
+            activation_checkpointing=True,
+        )
+
+    def stated() -> int:
+        with pytest.raises((PlanError, ConfigError)) as info:
+            build(1)
+        return int(re.search(r"minimum of (\d+) rCache blocks", str(info.value)).group(1))
+
+    searched = stated()
+    monkeypatch.setenv("TIERWISE_DISABLE_PLUGINS", "search")
+    assert stated() == searched
+    monkeypatch.delenv("TIERWISE_DISABLE_PLUGINS")
+    model, opt = build(searched)
+    assert tierwise.engine_of(model).plan.planner == "search"
+    for step in range(2):
+        model(**tiny_batch(seed=step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    with pytest.raises((PlanError, ConfigError), match=f"minimum of {searched} rCache"):
+        build(searched - 1)

@@ -29,12 +29,20 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def gpt2_model(*, n_embd: int, n_layer: int, n_head: int, vocab: int = 50257, positions: int = 1024):
+def gpt2_model(
+    *, n_embd: int, n_layer: int, n_head: int, vocab: int = 50257, positions: int = 1024
+):
     import transformers as tf
 
     config = tf.GPT2Config(
-        n_embd=n_embd, n_layer=n_layer, n_head=n_head, vocab_size=vocab, n_positions=positions,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        vocab_size=vocab,
+        n_positions=positions,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     config._attn_implementation = "eager"
     torch.manual_seed(0)

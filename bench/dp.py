@@ -48,11 +48,19 @@ def _rank(rank: int, world: int, kind: str, dims: dict, steps: int, bsz: int, se
         # use and the next (ZeRO-3-like, as FSDP2 keeps the root gathered and prefetches a block)
         block = sum(p.numel() for p in model.transformer.h[0].parameters())
         model, opt = tierwise.setup(
-            model, opt, precision="fp32", device="cpu", param_placement="host",
-            optimizer_placement="host", chunk_size=block, cache_blocks=3,
+            model,
+            opt,
+            precision="fp32",
+            device="cpu",
+            param_placement="host",
+            optimizer_placement="host",
+            chunk_size=block,
+            cache_blocks=3,
         )
         engine = tierwise.engine_of(model)
-        info = dict(chunk_size=block, chunks=engine.stats()["n_chunks"], cache_blocks=len(engine.cache))
+        info = dict(
+            chunk_size=block, chunks=engine.stats()["n_chunks"], cache_blocks=len(engine.cache)
+        )
     times = []
     for step in range(steps + 1):
         data = batch(bsz, seq, VOCAB, seed=100 * step + rank)
@@ -63,8 +71,12 @@ def _rank(rank: int, world: int, kind: str, dims: dict, steps: int, bsz: int, se
         opt.zero_grad()
         if step:  # the first step warms up (and records tierwise's access trace)
             times.append(time.perf_counter() - start)
-    return {"times": times, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "loss": loss.item(), "info": info}
+    return {
+        "times": times,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "loss": loss.item(),
+        "info": info,
+    }
 
 
 def main() -> None:
@@ -75,14 +87,20 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--small", action="store_true", help="a ~10M-param model (quick check)")
     args = parser.parse_args()
-    dims = dict(n_embd=256, n_layer=4, n_head=4) if args.small else dict(n_embd=512, n_layer=8, n_head=8)
+    dims = (
+        dict(n_embd=256, n_layer=4, n_head=4)
+        if args.small
+        else dict(n_embd=512, n_layer=8, n_head=8)
+    )
     kinds = ("ddp", "fsdp2-cpu-offload", "tierwise-zero3-host")
     times = {k: [] for k in kinds}
     rss = {k: [] for k in kinds}
     info = {}
     for _ in range(args.rounds):
         for kind in kinds:
-            results = run_ranks(_rank, 2, kind, dims, args.steps, args.batch, args.seq, timeout=3600)
+            results = run_ranks(
+                _rank, 2, kind, dims, args.steps, args.batch, args.seq, timeout=3600
+            )
             for r in results:
                 times[kind] += r["times"]
             rss[kind].append(max(r["peak_rss_mib"] for r in results))
@@ -90,11 +108,20 @@ def main() -> None:
     base = median(times["fsdp2-cpu-offload"])
     params = sum(p.numel() for p in gpt2_model(**dims).parameters())
     for kind in kinds:
-        emit(bench="dp", config=kind, ranks=2, backend="gloo", params=params, batch_per_rank=args.batch,
-             seq=args.seq, median_step_s=round(median(times[kind]), 4),
-             ratio_vs_fsdp2_cpu_offload=round(median(times[kind]) / base, 3),
-             per_rank_peak_rss_mib=round(median(rss[kind]), 1),
-             rss_vs_fsdp2=round(median(rss[kind]) / median(rss["fsdp2-cpu-offload"]), 3), **info[kind])
+        emit(
+            bench="dp",
+            config=kind,
+            ranks=2,
+            backend="gloo",
+            params=params,
+            batch_per_rank=args.batch,
+            seq=args.seq,
+            median_step_s=round(median(times[kind]), 4),
+            ratio_vs_fsdp2_cpu_offload=round(median(times[kind]) / base, 3),
+            per_rank_peak_rss_mib=round(median(rss[kind]), 1),
+            rss_vs_fsdp2=round(median(rss[kind]) / median(rss["fsdp2-cpu-offload"]), 3),
+            **info[kind],
+        )
 
 
 if __name__ == "__main__":

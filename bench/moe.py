@@ -147,7 +147,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument(
-        "--expert-intermediate", type=int, default=None,
+        "--expert-intermediate",
+        type=int,
+        default=None,
         help="each expert's intermediate size (default 3.5 x hidden: Mixtral-8x7B's 14336/4096)",
     )
     parser.add_argument("--vocab", type=int, default=1024)
@@ -206,8 +208,14 @@ def main() -> None:
         ),
         target=2.5,
         elixir_reported=5.3,
-        shape=dict(hidden=args.hidden, layers=args.layers, expert_intermediate=args.expert_intermediate,
-                   vocab=args.vocab, seq=args.seq, batch_per_rank=args.batch),
+        shape=dict(
+            hidden=args.hidden,
+            layers=args.layers,
+            expert_intermediate=args.expert_intermediate,
+            vocab=args.vocab,
+            seq=args.seq,
+            batch_per_rank=args.batch,
+        ),
     )
 
 

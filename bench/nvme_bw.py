@@ -65,9 +65,17 @@ def machine(directory: Path, tier: NVMeTier) -> dict:
 def fio_bandwidth(op: str, path: Path, size: int, block_size: int, queue_depth: int) -> float:
     """Bytes/s of one sequential fio job."""
     cmd = [
-        "fio", "--name=bench", f"--filename={path}", f"--rw={op}", f"--bs={block_size}",
-        f"--iodepth={queue_depth}", "--ioengine=libaio", "--direct=1", f"--size={size}",
-        "--output-format=json", "--fallocate=native",
+        "fio",
+        "--name=bench",
+        f"--filename={path}",
+        f"--rw={op}",
+        f"--bs={block_size}",
+        f"--iodepth={queue_depth}",
+        "--ioengine=libaio",
+        "--direct=1",
+        f"--size={size}",
+        "--output-format=json",
+        "--fallocate=native",
     ]
     result = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     job = result["jobs"][0]["write" if op == "write" else "read"]
@@ -96,9 +104,21 @@ def adamw_update(grad: torch.Tensor, step: torch.Tensor):
     def update(states: list[torch.Tensor]) -> None:
         master, exp_avg, exp_avg_sq = states
         step.add_(1)
-        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=1e-3,
-                            beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
-                            amsgrad=False, maximize=False)
+        torch._fused_adamw_(
+            [master],
+            [grad],
+            [exp_avg],
+            [exp_avg_sq],
+            [],
+            [step],
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            weight_decay=0.01,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
+        )
 
     return update
 
@@ -127,7 +147,10 @@ def pipeline_times(tier: NVMeTier, n_chunks: int, numel: int) -> dict[str, float
     ``numel`` each): transfers alone, updates alone, sequential, and pipelined."""
     from tierwise_nvme.optimizer_pipeline import OptimizerPipeline
 
-    slabs = [[tier.allocate(numel, torch.float32, kind=PayloadKind.OPTIM_STATE) for _ in range(3)] for _ in range(n_chunks)]
+    slabs = [
+        [tier.allocate(numel, torch.float32, kind=PayloadKind.OPTIM_STATE) for _ in range(3)]
+        for _ in range(n_chunks)
+    ]
     grad = torch.randn(numel)
     step = torch.zeros(())
     pool = StagingPool(buffer_bytes=numel * 4, count=9)
@@ -176,7 +199,9 @@ def main() -> None:
     parser.add_argument("--queue-depth", type=int, default=None, help="requests in flight")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--optim-chunks", type=int, default=16, help="chunks in the optimizer pass")
-    parser.add_argument("--optim-numel", type=int, default=8 << 20, help="elements per optimizer chunk")
+    parser.add_argument(
+        "--optim-numel", type=int, default=8 << 20, help="elements per optimizer chunk"
+    )
     args = parser.parse_args()
 
     if shutil.which("fio") is None:
@@ -194,8 +219,10 @@ def main() -> None:
     size = n_chunks * chunk
 
     tier = NVMeTier(
-        device=torch.device("cpu"), budget=None,
-        config=Config(nvme_path=str(directory), device="cpu"), options=options,
+        device=torch.device("cpu"),
+        budget=None,
+        config=Config(nvme_path=str(directory), device="cpu"),
+        options=options,
     )
     pool = StagingPool(buffer_bytes=chunk, count=n_chunks)
     buffers = {
@@ -205,10 +232,17 @@ def main() -> None:
     for group in buffers.values():
         for buffer in group:
             buffer.random_(0, 256)
-    slabs = [tier.allocate(chunk, torch.uint8, kind=PayloadKind.STAGING, what="bench") for _ in range(n_chunks)]
+    slabs = [
+        tier.allocate(chunk, torch.uint8, kind=PayloadKind.STAGING, what="bench")
+        for _ in range(n_chunks)
+    ]
     info = machine(directory, tier)
-    cache = RCache(DeviceTier(device=torch.device("cpu"), budget=None, config=Config(device="cpu")),
-                   n_chunks, chunk, torch.uint8)
+    cache = RCache(
+        DeviceTier(device=torch.device("cpu"), budget=None, config=Config(device="cpu")),
+        n_chunks,
+        chunk,
+        torch.uint8,
+    )
     fio_file = directory / "fio-bench.dat"
     results: dict[tuple[str, str], list[float]] = {}
     ok = True
@@ -222,7 +256,9 @@ def main() -> None:
                     fio_bandwidth(op, fio_file, size, options.block_size, options.queue_depth)
                 )
                 for kind, group in buffers.items():
-                    results.setdefault((op, kind), []).append(tier_bandwidth(op, tier, slabs, group))
+                    results.setdefault((op, kind), []).append(
+                        tier_bandwidth(op, tier, slabs, group)
+                    )
                 if op == "read":
                     fresh = [unaligned(chunk) for _ in range(n_chunks)]
                     results.setdefault((op, "unaligned-fresh"), []).append(
@@ -258,41 +294,50 @@ def main() -> None:
     for (op, kind), path in paths.items():
         fio = statistics.median(results[(op, "fio")])
         ours = statistics.median(results[(op, kind)])
-        print(json.dumps({
-            "bench": "nvme_bw",
-            "op": op,
-            "buffers": kind,
-            "path": path,
-            "bytes": size,
-            "chunk": chunk,
-            "block_size": options.block_size,
-            "queue_depth": options.queue_depth,
-            "repeats": args.repeats,
-            "tier_GBps": round(ours / 1e9, 3),
-            "fio_GBps": round(fio / 1e9, 3),
-            "ratio_tier_over_fio": round(ours / fio, 3),
-            "tier_runs_GBps": [round(x / 1e9, 3) for x in results[(op, kind)]],
-            "fio_runs_GBps": [round(x / 1e9, 3) for x in results[(op, "fio")]],
-            "read_back_identical": ok,
-            **(staging if path == "staged" else {}),
-            "machine": info,
-        }))
+        print(
+            json.dumps(
+                {
+                    "bench": "nvme_bw",
+                    "op": op,
+                    "buffers": kind,
+                    "path": path,
+                    "bytes": size,
+                    "chunk": chunk,
+                    "block_size": options.block_size,
+                    "queue_depth": options.queue_depth,
+                    "repeats": args.repeats,
+                    "tier_GBps": round(ours / 1e9, 3),
+                    "fio_GBps": round(fio / 1e9, 3),
+                    "ratio_tier_over_fio": round(ours / fio, 3),
+                    "tier_runs_GBps": [round(x / 1e9, 3) for x in results[(op, kind)]],
+                    "fio_runs_GBps": [round(x / 1e9, 3) for x in results[(op, "fio")]],
+                    "read_back_identical": ok,
+                    **(staging if path == "staged" else {}),
+                    "machine": info,
+                }
+            )
+        )
 
     median = {key: statistics.median(p[key] for p in passes) for key in passes[0]}
     bound = max(median["transfer_only_s"], median["update_only_s"])
-    print(json.dumps({
-        "bench": "nvme_optimizer_pipeline",
-        "chunks": args.optim_chunks,
-        "numel_per_chunk": numel,
-        "state_bytes_each_way": args.optim_chunks * numel * 12,
-        "repeats": args.repeats,
-        **{key: round(value, 3) for key, value in median.items()},
-        "pipelined_over_max_transfer_update": round(median["pipelined_s"] / bound, 3),
-        "sequential_over_pipelined": round(median["sequential_s"] / median["pipelined_s"], 3),
-        "machine": info,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "nvme_optimizer_pipeline",
+                "chunks": args.optim_chunks,
+                "numel_per_chunk": numel,
+                "state_bytes_each_way": args.optim_chunks * numel * 12,
+                "repeats": args.repeats,
+                **{key: round(value, 3) for key, value in median.items()},
+                "pipelined_over_max_transfer_update": round(median["pipelined_s"] / bound, 3),
+                "sequential_over_pipelined": round(
+                    median["sequential_s"] / median["pipelined_s"], 3
+                ),
+                "machine": info,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
     main()
-

@@ -54,9 +54,16 @@ def opt_model(*, hidden: int, layers: int, vocab: int):
     import transformers as tf
 
     config = tf.OPTConfig(
-        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
-        ffn_dim=4 * hidden, vocab_size=vocab, word_embed_proj_dim=hidden,
-        max_position_embeddings=2048, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        ffn_dim=4 * hidden,
+        vocab_size=vocab,
+        word_embed_proj_dim=hidden,
+        max_position_embeddings=2048,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
     )
     config._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -76,8 +83,11 @@ def make(kind: str, precision: str, dims: dict):
         return model, MasterWeightsAdamW(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     host = dict(param_placement="host", optimizer_placement="host", cache_blocks=2, prefetch=1)
-    plan = {"device": dict(param_placement="device", optimizer_placement="device"),
-            "host-2blocks": host, "host-2blocks-copy-thread": host}[kind]
+    plan = {
+        "device": dict(param_placement="device", optimizer_placement="device"),
+        "host-2blocks": host,
+        "host-2blocks-copy-thread": host,
+    }[kind]
     model, opt = tierwise.setup(model, opt, precision=precision, device="cpu", **plan)
     if kind == "host-2blocks-copy-thread":  # [Note: prefetch overlap]: CPU copies on a thread
         tierwise.engine_of(model).loads.copy_thread = True
@@ -103,12 +113,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a 10M-param model (quick check)")
-    parser.add_argument("--opt14m", action="store_true",
-                        help="a 14M-param OPT (6 layers, hidden 384) at 4x128 tokens")
+    parser.add_argument(
+        "--opt14m",
+        action="store_true",
+        help="a 14M-param OPT (6 layers, hidden 384) at 4x128 tokens",
+    )
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     args = parser.parse_args()
-    dims = dict(n_embd=256, n_layer=4, n_head=4) if args.small else dict(n_embd=512, n_layer=8, n_head=8)
+    dims = (
+        dict(n_embd=256, n_layer=4, n_head=4)
+        if args.small
+        else dict(n_embd=512, n_layer=8, n_head=8)
+    )
     vocab = VOCAB
     if args.opt14m:
         dims, vocab = {"opt": dict(hidden=384, layers=6, vocab=8192)}, 8192
@@ -126,11 +143,15 @@ def main() -> None:
             for kind in kinds:  # alternate kinds so machine noise hits all of them alike
                 model, opt = runs[kind]
                 autocast = kind == "pytorch" and precision == "bf16"
-                step(model, opt, batch(args.batch, args.seq, vocab, round_), autocast=autocast)  # warm
+                step(
+                    model, opt, batch(args.batch, args.seq, vocab, round_), autocast=autocast
+                )  # warm
                 for s in range(args.steps):
                     managed = not kind.startswith("pytorch")
                     before = tierwise.engine_of(model).stats()["moved_bytes"] if managed else {}
-                    wall, cpu = step(model, opt, batch(args.batch, args.seq, vocab, s), autocast=autocast)
+                    wall, cpu = step(
+                        model, opt, batch(args.batch, args.seq, vocab, s), autocast=autocast
+                    )
                     times[kind].append(wall)
                     cpu_times[kind].append(cpu)
                     if managed:
@@ -140,19 +161,28 @@ def main() -> None:
         cpu_base, fastest_base = median(cpu_times["pytorch"]), min(times["pytorch"])
         elem = 4 if precision == "fp32" else 2
         for kind in kinds:
-            fields = dict(bench="overhead", precision=precision, config=kind, params=n_params,
-                          batch=args.batch, seq=args.seq, median_step_s=round(median(times[kind]), 4),
-                          ratio_vs_pytorch=round(median(times[kind]) / base, 3),
-                          fastest_ratio_vs_pytorch=round(min(times[kind]) / fastest_base, 3),
-                          cpu_ratio_vs_pytorch=round(median(cpu_times[kind]) / cpu_base, 3),
-                          samples=len(times[kind]))
+            fields = dict(
+                bench="overhead",
+                precision=precision,
+                config=kind,
+                params=n_params,
+                batch=args.batch,
+                seq=args.seq,
+                median_step_s=round(median(times[kind]), 4),
+                ratio_vs_pytorch=round(median(times[kind]) / base, 3),
+                fastest_ratio_vs_pytorch=round(min(times[kind]) / fastest_base, 3),
+                cpu_ratio_vs_pytorch=round(median(cpu_times[kind]) / cpu_base, 3),
+                samples=len(times[kind]),
+            )
             if "pytorch-bf16-params" in times:
                 same_math = median(times["pytorch-bf16-params"])
                 fields["ratio_vs_pytorch_bf16_params"] = round(median(times[kind]) / same_math, 3)
             if kind in moved:
                 h2d = moved[kind].get("host->device", 0)
-                fields.update(moved_bytes_per_step=moved[kind],
-                              h2d_over_2x_param_bytes=round(h2d / (2 * n_params * elem), 3))
+                fields.update(
+                    moved_bytes_per_step=moved[kind],
+                    h2d_over_2x_param_bytes=round(h2d / (2 * n_params * elem), 3),
+                )
             emit(**fields)
 
 

@@ -31,8 +31,13 @@ def llama(layers: int):
     import transformers as tf
 
     config = tf.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     config._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -57,8 +62,14 @@ def make(kind: str, layers: int):
     import tierwise
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return tierwise.setup(model, opt, precision="fp32", device="cpu",
-                          param_placement="device", optimizer_placement="device")
+    return tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        param_placement="device",
+        optimizer_placement="device",
+    )
 
 
 def step(model, opt, data) -> float:
@@ -125,17 +136,24 @@ def main() -> None:
                     times[kind].append(step(*runs[kind], data))
             base_min, base_med = min(times["pytorch"]), median(times["pytorch"])
             for kind in kinds:
-                fields = dict(bench="overhead_hooks", config=kind, layers=layers,
-                              param_modules=n_modules, threads=1,
-                              min_step_cpu_ms=round(min(times[kind]) * 1e3, 2),
-                              median_step_cpu_ms=round(median(times[kind]) * 1e3, 2),
-                              samples=len(times[kind]))
+                fields = dict(
+                    bench="overhead_hooks",
+                    config=kind,
+                    layers=layers,
+                    param_modules=n_modules,
+                    threads=1,
+                    min_step_cpu_ms=round(min(times[kind]) * 1e3, 2),
+                    median_step_cpu_ms=round(median(times[kind]) * 1e3, 2),
+                    samples=len(times[kind]),
+                )
                 if kind != "pytorch":
                     fields.update(
                         us_per_module_min=round((min(times[kind]) - base_min) / n_modules * 1e6, 1),
                         us_per_module_median=round(
-                            (median(times[kind]) - base_med) / n_modules * 1e6, 1),
-                        ratio_min=round(min(times[kind]) / base_min, 3))
+                            (median(times[kind]) - base_med) / n_modules * 1e6, 1
+                        ),
+                        ratio_min=round(min(times[kind]) / base_min, 3),
+                    )
                 emit(**fields)
             del runs
     finally:

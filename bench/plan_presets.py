@@ -26,8 +26,12 @@ from tierwise.hardware import hardware_facts, preset_names
 from tierwise_search.hf_profile import hf_config, meta_model, profile_hf_config
 from tierwise_search.search import search_plan
 
-MODELS = {"llama-7b": ("llama", "7b"), "llama-13b": ("llama", "13b"), "opt-30b": ("opt", "30b"),
-          "llama-70b": ("llama", "70b")}
+MODELS = {
+    "llama-7b": ("llama", "7b"),
+    "llama-13b": ("llama", "13b"),
+    "opt-30b": ("opt", "30b"),
+    "llama-70b": ("llama", "70b"),
+}
 SEQ, BATCH = 2048, 8
 HOST_MEMORY = 512 * 2**30
 
@@ -47,14 +51,21 @@ def main() -> None:
         "note": "planning only: the numbers are the search's predictions for the preset GPU",
     }
     config = Config(
-        device="cuda", precision="bf16", activation_checkpointing=True,
-        host_memory=HOST_MEMORY, nvme_path="/nvme",
+        device="cuda",
+        precision="bf16",
+        activation_checkpointing=True,
+        host_memory=HOST_MEMORY,
+        nvme_path="/nvme",
     )
     for model_name in args.models.split(","):
         family, size = MODELS[model_name]
         cfg = hf_config(family, size, seq_len=SEQ)
         profile = profile_hf_config(
-            cfg, batch=BATCH, seq_len=SEQ, precision="bf16", checkpointing=True,
+            cfg,
+            batch=BATCH,
+            seq_len=SEQ,
+            precision="bf16",
+            checkpointing=True,
             model=meta_model(cfg),
         )
         for preset in gpu_presets():
@@ -62,16 +73,23 @@ def main() -> None:
             hardware = Hardware(**facts)
             started = time.perf_counter()
             row = {
-                "bench": "plan_presets", "preset": preset, "model": model_name,
-                "params": profile.total_numel, "gpus": args.gpus, "batch_per_gpu": BATCH,
+                "bench": "plan_presets",
+                "preset": preset,
+                "model": model_name,
+                "params": profile.total_numel,
+                "gpus": args.gpus,
+                "batch_per_gpu": BATCH,
                 "seq": SEQ,
             }
             try:
                 plan = search_plan(profile, hardware, config)
             except PlanError as err:
-                row.update(fits=False, binding_tier=err.tier,
-                           shortfall_gib=round((err.shortfall or 0) / 2**30, 2),
-                           predicted_tflops=None)
+                row.update(
+                    fits=False,
+                    binding_tier=err.tier,
+                    shortfall_gib=round((err.shortfall or 0) / 2**30, 2),
+                    predicted_tflops=None,
+                )
             else:
                 tiers = [t for group in plan.param_tiers.values() for t in group]
                 step = {k: v for k, v in plan.predicted_step_s.items() if k != "total"}

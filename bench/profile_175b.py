@@ -118,9 +118,19 @@ def run_command(config_path: str) -> dict:
     """One ``tierwise profile`` in a fresh interpreter: wall seconds and the child's peak RSS."""
     started = time.perf_counter()
     child = subprocess.Popen(
-        [sys.executable, "-m", "tierwise.cli", "profile", "--model", config_path, "--seq",
-         "2048", "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "tierwise.cli",
+            "profile",
+            "--model",
+            config_path,
+            "--seq",
+            "2048",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     out, err = child.communicate()
     wall = time.perf_counter() - started

@@ -93,7 +93,14 @@ GROUP_SYSTEMS = {
     "1.3b": ["pytorch-amp", "pytorch-bf16-master", "tierwise-device"],
     "4b": ["tierwise", "deepspeed", "fsdp2"],
     "10b": ["tierwise", "deepspeed", "fsdp2"],
-    "smoke": ["pytorch-amp", "pytorch-bf16-master", "tierwise-device", "tierwise", "fsdp2", "deepspeed"],
+    "smoke": [
+        "pytorch-amp",
+        "pytorch-bf16-master",
+        "tierwise-device",
+        "tierwise",
+        "fsdp2",
+        "deepspeed",
+    ],
 }
 HOST_BYTES_PER_PARAM = {"deepspeed": 18, "fsdp2": 16}
 """Host RAM the offloading baselines need per parameter: DeepSpeed keeps a bf16 copy, an fp32
@@ -128,7 +135,10 @@ def _driver_version() -> str | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30, check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
         )
         return out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
@@ -152,9 +162,17 @@ def gpt2_config(shape: Shape, *, attn: str = "sdpa"):
     import transformers as tf
 
     config = tf.GPT2Config(
-        n_embd=shape.hidden, n_layer=shape.layers, n_head=shape.heads, vocab_size=shape.vocab,
-        n_positions=shape.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-        bos_token_id=shape.vocab - 1, eos_token_id=shape.vocab - 1,
+        n_embd=shape.hidden,
+        n_layer=shape.layers,
+        n_head=shape.heads,
+        vocab_size=shape.vocab,
+        n_positions=shape.seq,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=shape.vocab - 1,
+        eos_token_id=shape.vocab - 1,
     )
     config._attn_implementation = attn
     return config
@@ -205,7 +223,9 @@ class PlainRunner(Runner):
         import torch
 
         self.model = build_model(self.shape).to(self.device)
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
         self.amp = system == "pytorch-amp"
         if self.amp:
             self.params = list(self.model.parameters())
@@ -221,7 +241,11 @@ class PlainRunner(Runner):
         import torch
 
         def forward():
-            ctx = torch.autocast(self.device, dtype=torch.bfloat16) if self.amp else contextlib.nullcontext()
+            ctx = (
+                torch.autocast(self.device, dtype=torch.bfloat16)
+                if self.amp
+                else contextlib.nullcontext()
+            )
             with ctx:
                 return self.model(**batch).loss
 
@@ -264,10 +288,14 @@ class TierwiseRunner(Runner):
         self.engine = tierwise.engine_of(self.model)
         plan = self.engine.plan
         self.extra["plan"] = {
-            "chunk_size": plan.chunk_size, "cache_blocks": plan.cache_blocks,
-            "param_tiers": _count(plan, "param"), "optim_tiers": _count(plan, "optim"),
-            "activation_policy": _policy_counts(plan), "planner": plan.planner,
-            "device_allowance": plan.device_allowance, "reasons": plan.reasons[:6],
+            "chunk_size": plan.chunk_size,
+            "cache_blocks": plan.cache_blocks,
+            "param_tiers": _count(plan, "param"),
+            "optim_tiers": _count(plan, "optim"),
+            "activation_policy": _policy_counts(plan),
+            "planner": plan.planner,
+            "device_allowance": plan.device_allowance,
+            "reasons": plan.reasons[:6],
         }
         self.extra["predicted_step_s"] = dict(plan.predicted_step_s)
         self.extra["plugins"] = sorted(_plugin_names())
@@ -286,9 +314,18 @@ class TierwiseRunner(Runner):
     def finish(self) -> None:
         stats = self.engine.stats()
         self.extra["stats"] = {
-            key: stats.get(key) for key in (
-                "bytes_by_tier", "peak_bytes_by_tier", "moved_bytes", "moves", "step_time_s",
-                "chunk_size", "n_chunks", "cache_blocks", "optimizer_mode", "non_model_peak_bytes",
+            key: stats.get(key)
+            for key in (
+                "bytes_by_tier",
+                "peak_bytes_by_tier",
+                "moved_bytes",
+                "moves",
+                "step_time_s",
+                "chunk_size",
+                "n_chunks",
+                "cache_blocks",
+                "optimizer_mode",
+                "non_model_peak_bytes",
                 "activations",
             )
         }
@@ -335,8 +372,9 @@ def _init_single_rank(backend: str) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
     dist.init_process_group(backend, rank=0, world_size=1)
 
 
@@ -399,8 +437,11 @@ class DeepSpeedRunner(Runner):
             "gradient_accumulation_steps": 1,
             "bf16": {"enabled": True},
             "zero_optimization": {
-                "stage": 3, "offload_param": offload, "offload_optimizer": offload,
-                "overlap_comm": True, "contiguous_gradients": True,
+                "stage": 3,
+                "offload_param": offload,
+                "offload_optimizer": offload,
+                "overlap_comm": True,
+                "contiguous_gradients": True,
             },
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
             "zero_allow_untested_optimizer": True,
@@ -412,8 +453,11 @@ class DeepSpeedRunner(Runner):
 
         config = gpt2_config(self.shape)
         torch.manual_seed(0)
-        with deepspeed.zero.Init(config_dict_or_path=self.ds_config, remote_device="cpu",
-                                 pin_memory=self.device == "cuda"):
+        with deepspeed.zero.Init(
+            config_dict_or_path=self.ds_config,
+            remote_device="cpu",
+            pin_memory=self.device == "cuda",
+        ):
             model = GPT2LMHeadModel(config).train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model, self.opt, _, _ = deepspeed.initialize(
@@ -429,8 +473,12 @@ class DeepSpeedRunner(Runner):
 
 
 RUNNERS = {
-    "tierwise": TierwiseRunner, "tierwise-device": TierwiseRunner, "deepspeed": DeepSpeedRunner,
-    "fsdp2": FSDP2Runner, "pytorch-amp": PlainRunner, "pytorch-bf16-master": PlainRunner,
+    "tierwise": TierwiseRunner,
+    "tierwise-device": TierwiseRunner,
+    "deepspeed": DeepSpeedRunner,
+    "fsdp2": FSDP2Runner,
+    "pytorch-amp": PlainRunner,
+    "pytorch-bf16-master": PlainRunner,
 }
 
 
@@ -468,8 +516,10 @@ def child(spec: dict) -> None:
         runner.finish()
     gpu = {}
     if device == "cuda":
-        gpu = {"peak_gpu_allocated_bytes": torch.cuda.max_memory_allocated(),
-               "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved()}
+        gpu = {
+            "peak_gpu_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved(),
+        }
     write("done", peak_host_rss_bytes=peak_host_rss(), extra=_jsonable(runner.extra), **gpu)
 
 
@@ -480,10 +530,18 @@ def _jsonable(value):
 # -- the parent: one subprocess per system -------------------------------------------------
 def base_line(group: str, shape: Shape, system: str, args) -> dict:
     return {
-        "bench": "gpu-compare", "group": group, "model": shape.name, "system": system,
-        "description": SYSTEMS[system], "params": shape.params, "batch": shape.batch,
-        "seq": shape.seq, "precision": "bf16", "activation_checkpointing": True,
-        "gpu_mem_cap_gib": args.gpu_mem_gib, "steps": args.steps,
+        "bench": "gpu-compare",
+        "group": group,
+        "model": shape.name,
+        "system": system,
+        "description": SYSTEMS[system],
+        "params": shape.params,
+        "batch": shape.batch,
+        "seq": shape.seq,
+        "precision": "bf16",
+        "activation_checkpointing": True,
+        "gpu_mem_cap_gib": args.gpu_mem_gib,
+        "steps": args.steps,
         "warmup_steps": warmup_steps(system, args),
     }
 
@@ -500,11 +558,20 @@ def precheck(group: str, shape: Shape, system: str, args) -> dict | None:
     need = HOST_BYTES_PER_PARAM.get(system, 0) * shape.params
     available = _meminfo("MemAvailable")
     if need and available and need > 0.9 * available:
-        return {**base, "status": "does-not-fit", "reason": (
-            f"needs about {need / GIB:.0f} GiB of host RAM ({HOST_BYTES_PER_PARAM[system]} bytes "
-            f"per parameter), {available / GIB:.0f} GiB available")}
+        return {
+            **base,
+            "status": "does-not-fit",
+            "reason": (
+                f"needs about {need / GIB:.0f} GiB of host RAM ({HOST_BYTES_PER_PARAM[system]} bytes "
+                f"per parameter), {available / GIB:.0f} GiB available"
+            ),
+        }
     if system == "deepspeed" and not _importable("deepspeed"):
-        return {**base, "status": "skipped", "reason": "deepspeed is not installed (bench/gpu/run.sh installs it)"}
+        return {
+            **base,
+            "status": "skipped",
+            "reason": "deepspeed is not installed (bench/gpu/run.sh installs it)",
+        }
     return None
 
 
@@ -513,8 +580,13 @@ def run_system(group: str, shape: Shape, system: str, args, budget_s: float, out
     stem = file_stem(group)
     progress = Path(tempfile.mkdtemp(prefix="tierwise-bench-")) / f"{system}.progress.jsonl"
     log = out_dir / f"{stem}.log"  # every system of the group, one after another
-    spec = {"system": system, "shape": asdict(shape), "args": vars(args), "progress": str(progress),
-            "budget_s": budget_s}
+    spec = {
+        "system": system,
+        "shape": asdict(shape),
+        "args": vars(args),
+        "progress": str(progress),
+        "budget_s": budget_s,
+    }
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     started = time.perf_counter()
     status, reason = "ok", None
@@ -522,14 +594,21 @@ def run_system(group: str, shape: Shape, system: str, args, budget_s: float, out
         log_file.write(f"\n===== {system} ({SYSTEMS[system]}) =====\n")
         log_file.flush()
         try:
-            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
-                                  stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                  timeout=max(10.0, budget_s))
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", json.dumps(spec)],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=max(10.0, budget_s),
+            )
             if proc.returncode != 0:
                 status = "failed"
                 reason = f"exit status {proc.returncode}: " + _last_error(log, system)
         except subprocess.TimeoutExpired:
-            status, reason = "timeout", f"still running after {budget_s:.0f} s (its share of the group's budget)"
+            status, reason = (
+                "timeout",
+                f"still running after {budget_s:.0f} s (its share of the group's budget)",
+            )
     result = {**base, "status": status, "wall_s": round(time.perf_counter() - started, 1)}
     if reason:
         result["reason"] = reason
@@ -575,17 +654,22 @@ def summarise(shape: Shape, progress: Path, system: str) -> dict:
     timed = [r for r in steps if not r["warmup"]]
     out["losses"] = [round(r["loss"], 4) for r in steps]
     if steps:
-        out["first_step_s"] = round(sum(steps[0][k] for k in ("forward_s", "backward_s", "optimizer_s")), 3)
+        out["first_step_s"] = round(
+            sum(steps[0][k] for k in ("forward_s", "backward_s", "optimizer_s")), 3
+        )
     if not timed:
         return out
     totals = [r["forward_s"] + r["backward_s"] + r["optimizer_s"] for r in timed]
     step_s = statistics.median(totals)
     out.update(
-        step_s=[round(t, 4) for t in totals], median_step_s=round(step_s, 4),
+        step_s=[round(t, 4) for t in totals],
+        median_step_s=round(step_s, 4),
         tokens_per_s=round(shape.batch * shape.seq / step_s, 1),
         tflops=round(shape.flops_per_step() / step_s / 1e12, 4),
-        breakdown_s={k: round(statistics.median(r[k] for r in timed), 4)
-                     for k in ("forward_s", "backward_s", "optimizer_s")},
+        breakdown_s={
+            k: round(statistics.median(r[k] for r in timed), 4)
+            for k in ("forward_s", "backward_s", "optimizer_s")
+        },
     )
     predicted = out.get("predicted_step_s") or {}
     if system.startswith("tierwise") and predicted.get("total"):
@@ -600,7 +684,9 @@ def parse_group(text: str) -> tuple[str, Shape, list[str]]:
     chosen = systems.split(",") if systems else GROUP_SYSTEMS[model]
     unknown = [s for s in chosen if s not in SYSTEMS]
     if unknown:
-        raise SystemExit(f"unknown system(s) {unknown} in group {text!r}; systems: {', '.join(SYSTEMS)}")
+        raise SystemExit(
+            f"unknown system(s) {unknown} in group {text!r}; systems: {', '.join(SYSTEMS)}"
+        )
     return model, SHAPES[model], chosen
 
 
@@ -608,20 +694,43 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--group", help="MODEL or MODEL:SYSTEM[,SYSTEM] (see --list)")
     parser.add_argument("--list", action="store_true", help="print models, groups and systems")
-    parser.add_argument("--smoke", action="store_true",
-                        help="the tiny model instead of the group's (a quick end-to-end check)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the tiny model instead of the group's (a quick end-to-end check)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 2)")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="untimed first steps (default 1; tierwise gets one more)")
-    parser.add_argument("--budget-s", type=float, default=540.0,
-                        help="wall-clock seconds for the whole group, shared by its systems (default 540)")
-    parser.add_argument("--gpu-mem-gib", type=float, default=40.0, help="GPU memory cap (default 40)")
-    parser.add_argument("--nvme-path", default=os.environ.get("TIERWISE_BENCH_NVME", "/var/tmp/tierwise-bench-nvme"),
-                        help="directory for tierwise's NVMe tier (the auto plan decides whether to use it)")
-    parser.add_argument("--no-tierwise-meta", dest="tierwise_meta", action="store_false",
-                        help="build tierwise's model on cpu instead of the meta device")
-    parser.add_argument("--out", default=os.environ.get("TIERWISE_BENCH_OUT", str(HERE.parent / "results" / "gpu")),
-                        help="results directory: <group>.jsonl plus one log per system")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed first steps (default 1; tierwise gets one more)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=540.0,
+        help="wall-clock seconds for the whole group, shared by its systems (default 540)",
+    )
+    parser.add_argument(
+        "--gpu-mem-gib", type=float, default=40.0, help="GPU memory cap (default 40)"
+    )
+    parser.add_argument(
+        "--nvme-path",
+        default=os.environ.get("TIERWISE_BENCH_NVME", "/var/tmp/tierwise-bench-nvme"),
+        help="directory for tierwise's NVMe tier (the auto plan decides whether to use it)",
+    )
+    parser.add_argument(
+        "--no-tierwise-meta",
+        dest="tierwise_meta",
+        action="store_false",
+        help="build tierwise's model on cpu instead of the meta device",
+    )
+    parser.add_argument(
+        "--out",
+        default=os.environ.get("TIERWISE_BENCH_OUT", str(HERE.parent / "results" / "gpu")),
+        help="results directory: <group>.jsonl plus one log per system",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -629,8 +738,10 @@ def main() -> None:
         return
     if args.list or not args.group:
         for name, shape in SHAPES.items():
-            print(f"{name:6} {shape.name}: hidden {shape.hidden}, layers {shape.layers}, heads {shape.heads}, "
-                  f"{shape.params / 1e9:.2f}B params; systems {', '.join(GROUP_SYSTEMS[name])}")
+            print(
+                f"{name:6} {shape.name}: hidden {shape.hidden}, layers {shape.layers}, heads {shape.heads}, "
+                f"{shape.params / 1e9:.2f}B params; systems {', '.join(GROUP_SYSTEMS[name])}"
+            )
         for name, text in SYSTEMS.items():
             print(f"  {name:20} {text}")
         return

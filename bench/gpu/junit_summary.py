@@ -1,6 +1,6 @@
 """One JSON line summing up a pytest JUnit XML report, with the machine it ran on (run.sh).
 
-    python bench/gpu/junit_summary.py REPORT.xml --name cuda-tests --rc 0
+python bench/gpu/junit_summary.py REPORT.xml --name cuda-tests --rc 0
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ def summarise(report: Path) -> dict:
         return {**counts, "report": "missing (pytest did not finish: see the log)"}
     for case in ET.parse(report).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
-        outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
+        outcome = next(
+            (child for child in case if child.tag in ("failure", "error", "skipped")), None
+        )
         if outcome is None:
             counts["passed"] += 1
         elif outcome.tag == "skipped":
@@ -39,8 +41,13 @@ def main() -> None:
     parser.add_argument("--name", required=True)
     parser.add_argument("--rc", type=int, required=True, help="pytest's exit status")
     args = parser.parse_args()
-    line = {"bench": "gpu-tests", "name": args.name, "pytest_exit_status": args.rc,
-            **summarise(args.report), "machine": machine()}
+    line = {
+        "bench": "gpu-tests",
+        "name": args.name,
+        "pytest_exit_status": args.rc,
+        **summarise(args.report),
+        "machine": machine(),
+    }
     print(json.dumps(line))
 
 

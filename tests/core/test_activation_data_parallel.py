@@ -21,8 +21,17 @@ def _train_every_policy(rank, world):
     for name, policy in POLICIES.items():
         model = tiny_model("gpt2")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-        model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", chunk_size=4096,
-                                    shard=True, cache_blocks=6, param_placement="host", **policy)
+        model, opt = tierwise.setup(
+            model,
+            opt,
+            precision="fp32",
+            device="cpu",
+            chunk_size=4096,
+            shard=True,
+            cache_blocks=6,
+            param_placement="host",
+            **policy,
+        )
         losses = []
         for step in range(STEPS):
             loss = model(**tiny_batch(seed=1000 * step + rank)).loss

@@ -29,10 +29,13 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_every_activation_policy_trains_bitwise_alike(kind, precision):
-    runs = {name: run_tierwise(kind, 4, precision=precision, device="cpu", **cfg)
-            for name, cfg in POLICIES.items()}
-    runs["mixed"] = run_tierwise(kind, 4, precision=precision, device="cpu",
-                                 activation_policy=MIXED[kind])
+    runs = {
+        name: run_tierwise(kind, 4, precision=precision, device="cpu", **cfg)
+        for name, cfg in POLICIES.items()
+    }
+    runs["mixed"] = run_tierwise(
+        kind, 4, precision=precision, device="cpu", activation_policy=MIXED[kind]
+    )
     base_losses, base = runs["keep"]
     for name, (losses, model) in runs.items():
         assert losses == base_losses, name
@@ -48,8 +51,11 @@ def test_every_activation_policy_trains_bitwise_alike(kind, precision):
     assert moved["act:device->host"] == moved["act:host->device"] > 0
 
 
-FP16_POLICIES = {"host": dict(activation_offload="host"), "auto": dict(activation_offload="auto"),
-                 "recompute-all": dict(activation_checkpointing=True)}
+FP16_POLICIES = {
+    "host": dict(activation_offload="host"),
+    "auto": dict(activation_offload="auto"),
+    "recompute-all": dict(activation_checkpointing=True),
+}
 
 
 @pytest.fixture
@@ -72,7 +78,9 @@ def test_fp16_loss_scaled_training_is_bitwise_alike_under_every_policy(one_threa
         assert _same(model, base), name
         stats, base_stats = tierwise.engine_of(model).stats(), tierwise.engine_of(base).stats()
         assert (stats["loss_scale"], stats["skipped_steps"]) == (
-            base_stats["loss_scale"], base_stats["skipped_steps"]), name
+            base_stats["loss_scale"],
+            base_stats["skipped_steps"],
+        ), name
         if name == "host":
             assert stats["activations"]["swapped_out_bytes"]["host"] > 0
         if name == "recompute-all":
@@ -107,8 +115,11 @@ def _reference_swap_bytes(kind: str, blocks: list[str], min_bytes: int = 1024) -
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in param_storages and storage.nbytes() >= min_bytes \
-                and storage.data_ptr() not in seen:
+        if (
+            storage.data_ptr() not in param_storages
+            and storage.nbytes() >= min_bytes
+            and storage.data_ptr() not in seen
+        ):
             seen.add(storage.data_ptr())
             total[0] += storage.nbytes()
         return tensor
@@ -132,8 +143,9 @@ def _reference_swap_bytes(kind: str, blocks: list[str], min_bytes: int = 1024) -
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_swapped_bytes_equal_a_plain_saved_tensors_hooks_count(kind):
     block = MIXED[kind] and next(b for b, a in MIXED[kind].items() if a == "host")
-    _, model = run_tierwise(kind, 1, precision="fp32", device="cpu",
-                            activation_policy={block: "host"})
+    _, model = run_tierwise(
+        kind, 1, precision="fp32", device="cpu", activation_policy={block: "host"}
+    )
     stats = tierwise.engine_of(model).stats()["activations"]
     expected = _reference_swap_bytes(kind, [block])
     assert expected > 0
@@ -143,7 +155,9 @@ def test_swapped_bytes_equal_a_plain_saved_tensors_hooks_count(kind):
 def test_host_swap_leaves_nothing_between_steps_for_20_steps():
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = tierwise.setup(model, opt, device="cpu", precision="fp32", activation_offload="host")
+    model, opt = tierwise.setup(
+        model, opt, device="cpu", precision="fp32", activation_offload="host"
+    )
     engine = tierwise.engine_of(model)
     for step in range(20):
         train(model, opt, 1, first_seed=step)
@@ -161,7 +175,9 @@ def test_gradient_accumulation_with_swaps_matches_keep():
 def test_nothing_is_swapped_under_no_grad():
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = tierwise.setup(model, opt, device="cpu", precision="fp32", activation_offload="host")
+    model, opt = tierwise.setup(
+        model, opt, device="cpu", precision="fp32", activation_offload="host"
+    )
     engine = tierwise.engine_of(model)
     with torch.no_grad():
         model(**tiny_batch())
@@ -186,8 +202,9 @@ def test_recompute_composes_with_hf_checkpointing_without_double_recompute(user_
     if user_enabled:  # the user turned on HF's own checkpointing before setup
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    model, opt = tierwise.setup(model, opt, device="cpu", precision="fp32",
-                                activation_policy={"model.layers.1": "host"})
+    model, opt = tierwise.setup(
+        model, opt, device="cpu", precision="fp32", activation_policy={"model.layers.1": "host"}
+    )
     calls = _count_mlp_calls(model)
     losses = train(model, opt, 2)
     assert losses == base_losses and _same(model, base)
@@ -200,26 +217,35 @@ def test_recompute_composes_with_hf_checkpointing_without_double_recompute(user_
 def test_a_pattern_matching_no_block_lists_the_blocks():
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters())
-    with pytest.raises(ConfigError, match=r"'model\.layers\.\*' matches no transformer block; "
-                       r"the blocks are: transformer\.h\.0, transformer\.h\.1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'model\.layers\.\*' matches no transformer block; "
+        r"the blocks are: transformer\.h\.0, transformer\.h\.1",
+    ):
         tierwise.setup(model, opt, device="cpu", activation_policy={"model.layers.*": "host"})
     # nothing was changed: the model can still be set up
     tierwise.setup(model, opt, device="cpu", activation_policy={"transformer.h.*": "host"})
 
 
-@pytest.mark.parametrize("policy, match", [
-    ({"transformer.h.0": "disk"}, r"'disk': choose one of keep, recompute, host, nvme"),
-    (["transformer.h.0"], r"give a dict of block name or pattern to action"),
-    ({"transformer.h.0": "nvme"}, r"needs nvme_path"),
-])
+@pytest.mark.parametrize(
+    "policy, match",
+    [
+        ({"transformer.h.0": "disk"}, r"'disk': choose one of keep, recompute, host, nvme"),
+        (["transformer.h.0"], r"give a dict of block name or pattern to action"),
+        ({"transformer.h.0": "nvme"}, r"needs nvme_path"),
+    ],
+)
 def test_bad_activation_policies_are_one_line_errors(policy, match):
     with pytest.raises(ConfigError, match=match):
         tierwise.Config(device="cpu", activation_policy=policy)
 
 
 def test_nvme_activation_offload_without_nvme_path_names_the_path_and_the_plugin():
-    with pytest.raises(ConfigError, match=r"^Config\.activation_offload='nvme': .*needs nvme_path "
-                       r"set to a directory on a fast disk \(and the tierwise-nvme plugin\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^Config\.activation_offload='nvme': .*needs nvme_path "
+        r"set to a directory on a fast disk \(and the tierwise-nvme plugin\)$",
+    ):
         tierwise.Config(device="cpu", activation_offload="nvme")
 
 
@@ -229,7 +255,8 @@ def _stack_profile(blocks: int, numel: int, act: int):
     names = [f"layers.{b}.w" for b in range(blocks)]
     return Profile(
         params=[ParamInfo(name=n, shape=(numel,), numel=numel) for n in names],
-        forward_order=names, backward_order=names[::-1],
+        forward_order=names,
+        backward_order=names[::-1],
         module_params={n[:-2]: [n] for n in names},
         layer_activation_bytes={f"layers.{b}": act for b in range(blocks)},
         peak_activation_bytes=blocks * act,
@@ -242,9 +269,14 @@ def test_core_auto_recomputes_blocks_only_when_keeping_them_pushes_model_data_of
 
     profile = _stack_profile(4, 1 << 20, 100 << 20)  # model data 4 Mi elements, activations 400 MiB
     need = 4 * (1 << 20) * (2 + 14)  # bf16 params + fp32 master/moments + bf16 grads: 64 MiB
+
     def plan_for(capacity):
-        return default_plan(profile=profile, config=Config(device="cpu", activation_offload="auto"),
-                            hardware=Hardware(device_type="cuda", device_memory=capacity))
+        return default_plan(
+            profile=profile,
+            config=Config(device="cpu", activation_offload="auto"),
+            hardware=Hardware(device_type="cuda", device_memory=capacity),
+        )
+
     roomy = plan_for(2 * (400 << 20) + 4 * need)
     assert set(roomy.activation_policy.values()) == {"keep"}
     assert roomy.param_tier == roomy.optim_tier == "device"
@@ -259,12 +291,16 @@ def test_saved_activations_over_the_plans_allotment_name_the_block():
 
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = tierwise.setup(model, opt, device="cpu", precision="fp32",
-                                activation_policy={"transformer.h.0": "host"})
+    model, opt = tierwise.setup(
+        model, opt, device="cpu", precision="fp32", activation_policy={"transformer.h.0": "host"}
+    )
     engine = tierwise.engine_of(model)
     engine.activations.allowance = 4096  # as a plan that under-counted activations would
-    with pytest.raises(PlanError, match=r"over the 4\.00 KiB the plan allotted them \(Invariant 4\); "
-                       r"block transformer\.h\.1 keeps the most"):
+    with pytest.raises(
+        PlanError,
+        match=r"over the 4\.00 KiB the plan allotted them \(Invariant 4\); "
+        r"block transformer\.h\.1 keeps the most",
+    ):
         model(**tiny_batch())
     assert engine.activations.swapped_now() == {"device": 0, "host": 0, "nvme": 0}
     engine.activations.allowance = None
@@ -274,12 +310,16 @@ def test_saved_activations_over_the_plans_allotment_name_the_block():
 def test_a_second_backward_through_a_swapped_block_is_a_clear_error():
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = tierwise.setup(model, opt, device="cpu", precision="fp32",
-                                activation_policy={"transformer.h.1": "host"})
+    model, opt = tierwise.setup(
+        model, opt, device="cpu", precision="fp32", activation_policy={"transformer.h.1": "host"}
+    )
     loss = model(**tiny_batch()).loss
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match=r"block transformer\.h\.1 swapped to host were already "
-                       r"used by a backward"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"block transformer\.h\.1 swapped to host were already "
+        r"used by a backward",
+    ):
         loss.backward()
 
 
@@ -289,7 +329,9 @@ def test_the_memory_trace_and_plot_show_swapped_activations(tmp_path, monkeypatc
 
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = tierwise.setup(model, opt, device="cpu", precision="fp32", activation_offload="host")
+    model, opt = tierwise.setup(
+        model, opt, device="cpu", precision="fp32", activation_offload="host"
+    )
     engine = tierwise.engine_of(model)
     train(model, opt, 1)  # the warm-up step
     tracer = StepTracer(model, engine.stats, step=2, budgets={"device": None})
@@ -308,7 +350,9 @@ def test_the_memory_trace_and_plot_show_swapped_activations(tmp_path, monkeypatc
     assert 0 < swapped["block 0 forward"] < swapped["block 1 forward"] == everything
     assert swapped["step starts"] == swapped["optimizer step done"] == 0
     figures = []
-    monkeypatch.setattr("matplotlib.figure.Figure.savefig", lambda fig, *a, **k: figures.append(fig))
+    monkeypatch.setattr(
+        "matplotlib.figure.Figure.savefig", lambda fig, *a, **k: figures.append(fig)
+    )
     assert plot_memory(tmp_path / "memory.png", tracer.trace, [], title="host swap") is None
     labels = [text.get_text() for text in figures[0].axes[0].get_legend().get_texts()]
     assert "activations swapped to host" in labels

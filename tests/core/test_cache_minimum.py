@@ -13,9 +13,11 @@ from tierwise.plan import PlanError
 KINDS = ["gpt2", "opt", "llama", "qwen2_moe", "mixtral"]
 # PEFT LoRA: frozen base layers sharing an input ([Note: frozen modules are released after
 # their own nodes]); gpt2's fused c_attn is a Conv1D, which PEFT wraps as well
-LORA = {"lora-llama": ("llama", ("q_proj", "v_proj")),
-        "lora-llama-qkv": ("llama", ("q_proj", "k_proj", "v_proj")),
-        "lora-gpt2": ("gpt2", ("c_attn",))}
+LORA = {
+    "lora-llama": ("llama", ("q_proj", "v_proj")),
+    "lora-llama-qkv": ("llama", ("q_proj", "k_proj", "v_proj")),
+    "lora-gpt2": ("gpt2", ("c_attn",)),
+}
 
 
 def build(kind: str):
@@ -35,9 +37,17 @@ def build(kind: str):
 def setup(kind: str, chunk_size: int, blocks: int, checkpointing: bool = False):
     model = build(kind)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    return tierwise.setup(model, opt, precision="fp32", device="cpu", chunk_size=chunk_size,
-                          param_placement="host", optimizer_placement="host", cache_blocks=blocks,
-                          activation_checkpointing=checkpointing)
+    return tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        chunk_size=chunk_size,
+        param_placement="host",
+        optimizer_placement="host",
+        cache_blocks=blocks,
+        activation_checkpointing=checkpointing,
+    )
 
 
 def minimum(kind: str, chunk_size: int, checkpointing: bool = False) -> int:
@@ -51,18 +61,26 @@ def minimum(kind: str, chunk_size: int, checkpointing: bool = False) -> int:
     return 1
 
 
-def assert_one_fewer_is_refused(kind: str, chunk_size: int, least: int,
-                                checkpointing: bool = False) -> None:
+def assert_one_fewer_is_refused(
+    kind: str, chunk_size: int, least: int, checkpointing: bool = False
+) -> None:
     """One block below ``least`` is refused at setup, in one line, with nothing changed."""
     if least == 1:
         return
     fresh = build(kind)
     before = {n: p.detach().clone() for n, p in fresh.named_parameters()}
     with pytest.raises((ConfigError, PlanError), match=f"minimum of {least} rCache blocks"):
-        tierwise.setup(fresh, torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad]),
-                       precision="fp32", device="cpu", chunk_size=chunk_size,
-                       param_placement="host", optimizer_placement="host",
-                       cache_blocks=least - 1, activation_checkpointing=checkpointing)
+        tierwise.setup(
+            fresh,
+            torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad]),
+            precision="fp32",
+            device="cpu",
+            chunk_size=chunk_size,
+            param_placement="host",
+            optimizer_placement="host",
+            cache_blocks=least - 1,
+            activation_checkpointing=checkpointing,
+        )
     assert not hasattr(fresh, "_tierwise_engine")  # nothing changed on the model
     for name, param in fresh.named_parameters():
         assert torch.equal(param, before[name]) and not getattr(param, "_tierwise_managed", False)
@@ -94,8 +112,15 @@ def test_the_minimum_holds_through_checkpoint_re_forward(kind):
 def test_auto_plans_at_least_the_minimum():
     model = tiny_model("opt")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", chunk_size=1024,
-                                param_placement="host", optimizer_placement="host")
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        chunk_size=1024,
+        param_placement="host",
+        optimizer_placement="host",
+    )
     assert tierwise.engine_of(model).plan.cache_blocks >= minimum("opt", 1024)
 
 
@@ -107,8 +132,9 @@ def test_lora_at_the_minimum_is_bitwise_plain_peft(kind, checkpointing):
     ref = build(kind)
     if checkpointing:
         ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2,
-                                fused=True)
+    ref_opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad], lr=1e-2, fused=True
+    )
     model, opt = setup(kind, 1024, least, checkpointing)
     for step in range(3):
         losses = []

@@ -13,7 +13,13 @@ from tierwise.checkpoint_reader import CheckpointReader
 
 PLANS = {
     "device": dict(precision="bf16", device="cpu"),
-    "host": dict(precision="fp32", device="cpu", param_placement="host", optimizer_placement="host", cache_blocks=3),
+    "host": dict(
+        precision="fp32",
+        device="cpu",
+        param_placement="host",
+        optimizer_placement="host",
+        cache_blocks=3,
+    ),
     "fp16": dict(precision="fp16", device="cpu", param_placement="host", cache_blocks=3),
 }
 
@@ -101,8 +107,10 @@ def test_reader_gives_each_parameter_by_name(tmp_path):
     assert reader.aliases() == {"lm_head.weight": "transformer.wte.weight"}
     for name in [*reader.names(), "lm_head.weight"]:
         assert torch.equal(reader.tensor(name), state[name]), name
-        assert torch.equal(reader.read(name, "exp_avg_sq", 1, 3),
-                           reader.tensor(name, "exp_avg_sq").reshape(-1)[1:3])
+        assert torch.equal(
+            reader.read(name, "exp_avg_sq", 1, 3),
+            reader.tensor(name, "exp_avg_sq").reshape(-1)[1:3],
+        )
         assert reader.step(name) == 2.0
 
 
@@ -129,7 +137,9 @@ def _save_then_die(path):
 def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):
     import multiprocessing
 
-    process = multiprocessing.get_context("spawn").Process(target=_save_then_die, args=(tmp_path / "ckpt",))
+    process = multiprocessing.get_context("spawn").Process(
+        target=_save_then_die, args=(tmp_path / "ckpt",)
+    )
     process.start()
     process.join(timeout=300)
     assert process.exitcode == -9
@@ -143,8 +153,12 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):
 
 @pytest.mark.parametrize(
     ("damage", "message"),
-    [("truncate", "has .* bytes, the manifest says"), ("flip", "does not match its checksum"),
-     ("no-manifest", "incomplete: it has no manifest.json"), ("missing", "incomplete: engine.pt is missing")],
+    [
+        ("truncate", "has .* bytes, the manifest says"),
+        ("flip", "does not match its checksum"),
+        ("no-manifest", "incomplete: it has no manifest.json"),
+        ("missing", "incomplete: engine.pt is missing"),
+    ],
 )
 def test_damaged_checkpoint_is_refused_in_one_line(tmp_path, damage, message):
     model, opt = build("gpt2", "host")

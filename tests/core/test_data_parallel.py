@@ -13,7 +13,9 @@ STEPS = 6
 SETTINGS = {
     "zero2": dict(shard=True, param_placement="device"),  # auto cache: every chunk
     "zero3": dict(shard=True, cache_blocks=2, param_placement="device", prefetch=0),
-    "zero3-host": dict(shard=True, cache_blocks=2, param_placement="host", optimizer_placement="host"),
+    "zero3-host": dict(
+        shard=True, cache_blocks=2, param_placement="host", optimizer_placement="host"
+    ),
     "between": dict(shard=True, cache_blocks=6, param_placement="host"),
     "ddp-like": dict(shard=False, param_placement="device"),
 }
@@ -34,13 +36,17 @@ def _ddp(rank, world, kind):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return losses, {
+        n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)
+    }
 
 
 def _tierwise(rank, world, kind, settings, chunk_size=4096, layers=None):
     model = tiny_model(kind, **({"n_layer": layers} if layers else {}))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", chunk_size=chunk_size, **settings)
+    model, opt = tierwise.setup(
+        model, opt, precision="fp32", device="cpu", chunk_size=chunk_size, **settings
+    )
     engine = tierwise.engine_of(model)
     losses = []
     for step in range(STEPS):
@@ -107,8 +113,16 @@ def test_settings_are_bitwise_identical_and_comm_matches_elixir_table1():
 def _memory(rank, world, sharded):
     model = tiny_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", shard=sharded,
-                                param_placement="host", optimizer_placement="host", cache_blocks=3)
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        shard=sharded,
+        param_placement="host",
+        optimizer_placement="host",
+        cache_blocks=3,
+    )
     return tierwise.engine_of(model).stats()["bytes_by_tier"]["host"]
 
 
@@ -120,8 +134,16 @@ def _gradient_memory(rank, world):
     """Bytes of gradient memory held (shards plus staging buffers) at each point of two steps."""
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", shard=True,
-                                param_placement="host", optimizer_placement="host", cache_blocks=3)
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        shard=True,
+        param_placement="host",
+        optimizer_placement="host",
+        cache_blocks=3,
+    )
     engine = tierwise.engine_of(model)
 
     def held():
@@ -159,8 +181,15 @@ def test_per_rank_model_data_is_one_over_n():
 def _checkpoint(rank, world, path, phase):
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", cache_blocks=3,
-                                param_placement="host", chunk_size=4096)
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        cache_blocks=3,
+        param_placement="host",
+        chunk_size=4096,
+    )
 
     def run(steps, start):
         out = []
@@ -194,14 +223,17 @@ def test_checkpoint_resume_and_consolidated_state_dict(tmp_path):
     fresh.load_state_dict(state)
     for name, p in fresh.named_parameters():
         assert torch.equal(p.detach(), state[name])
-    assert len(list((tmp_path / "ckpt").glob("rank*.pt"))) == 2  # other world sizes: test_resharding
+    assert (
+        len(list((tmp_path / "ckpt").glob("rank*.pt"))) == 2
+    )  # other world sizes: test_resharding
 
 
 def _no_sync(rank, world, use_no_sync):
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", cache_blocks=3,
-                                param_placement="host")
+    model, opt = tierwise.setup(
+        model, opt, precision="fp32", device="cpu", cache_blocks=3, param_placement="host"
+    )
     engine = tierwise.engine_of(model)
     for micro in range(4):
         loss = model(**rank_batch(rank, micro)).loss / 4

@@ -31,8 +31,16 @@ def test_device_budget_is_honoured_and_a_4x_larger_model_trains():
 def test_moved_bytes_match_two_fetches_per_step_when_nothing_stays_cached():
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", param_placement="host",
-                                optimizer_placement="host", cache_blocks=2, prefetch=0)
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        param_placement="host",
+        optimizer_placement="host",
+        cache_blocks=2,
+        prefetch=0,
+    )
     engine = tierwise.engine_of(model)
     train(model, opt, 2)
     before = engine.stats()["moved_bytes"]["host->device"]

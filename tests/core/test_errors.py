@@ -68,4 +68,3 @@ def test_setup_works_after_a_failed_attempt():
     model, opt = tierwise.setup(model, torch.optim.AdamW(model.parameters()), device="cpu")
     model(**tiny_batch()).loss.backward()
     opt.step()
-

@@ -9,15 +9,18 @@ def _stack_profile(blocks: int, numel: int) -> Profile:
     names = [f"layers.{b}.w" for b in range(blocks)]
     return Profile(
         params=[ParamInfo(name=n, shape=(numel,), numel=numel) for n in names],
-        forward_order=names, backward_order=names[::-1],
+        forward_order=names,
+        backward_order=names[::-1],
         module_params={n[:-2]: [n] for n in names},
     )
 
 
 def _plan(profile, budget, **config):
-    return default_plan(profile=profile, hardware=Hardware(device_type="cpu"),
-                        config=Config(device="cpu", device_memory=budget, chunk_size=1 << 20,
-                                      **config))
+    return default_plan(
+        profile=profile,
+        hardware=Hardware(device_type="cpu"),
+        config=Config(device="cpu", device_memory=budget, chunk_size=1 << 20, **config),
+    )
 
 
 def test_forced_cache_blocks_names_itself_and_how_many_fit():

@@ -44,14 +44,18 @@ def deferred_host_reads(monkeypatch):
 def copy_thread(monkeypatch):
     """Loads run on the background copy thread (an option on CPU)."""
     original = ChunkLoads.__init__
-    monkeypatch.setattr(ChunkLoads, "__init__",
-                        lambda self, device, copy_thread=False: original(self, device, copy_thread=True))
+    monkeypatch.setattr(
+        ChunkLoads,
+        "__init__",
+        lambda self, device, copy_thread=False: original(self, device, copy_thread=True),
+    )
 
 
 def assert_trains_like_all_on_device(losses, model) -> None:
     """Losses and parameters bitwise equal to the same 4 steps with everything on the device."""
-    ref_losses, ref_model = run_tierwise("gpt2", 4, device="cpu", param_placement="device",
-                                         optimizer_placement="device")
+    ref_losses, ref_model = run_tierwise(
+        "gpt2", 4, device="cpu", param_placement="device", optimizer_placement="device"
+    )
     assert losses == ref_losses
     ref = ref_model.state_dict()
     for name, value in model.state_dict().items():
@@ -60,8 +64,13 @@ def assert_trains_like_all_on_device(losses, model) -> None:
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_deferred_loads_train_exactly_like_all_on_device(deferred_host_reads, prefetch):
-    plan = dict(param_placement="host", optimizer_placement="host", cache_blocks=3,
-                chunk_size=5000, prefetch=prefetch)
+    plan = dict(
+        param_placement="host",
+        optimizer_placement="host",
+        cache_blocks=3,
+        chunk_size=5000,
+        prefetch=prefetch,
+    )
     losses, model = run_tierwise("gpt2", 4, device="cpu", **plan)
     log = list(deferred_host_reads)
     deferred_host_reads.clear()
@@ -71,19 +80,29 @@ def test_deferred_loads_train_exactly_like_all_on_device(deferred_host_reads, pr
     assert issued.keys() == waited.keys(), "every load is finished"
     # a load is overlapped when another load was issued before it was waited on
     starts = sorted(issued.values())
-    overlapped = [h for h, start in issued.items()
-                  if any(start < other < waited[h] for other in starts)]
+    overlapped = [
+        h for h, start in issued.items() if any(start < other < waited[h] for other in starts)
+    ]
     if prefetch:
         assert overlapped, "with prefetch some loads must still be in flight when others start"
     else:
         assert not overlapped, "without prefetch every load is waited on before the next"
 
 
-def test_loads_on_the_copy_thread_train_exactly_like_all_on_device(deferred_host_reads, copy_thread):
+def test_loads_on_the_copy_thread_train_exactly_like_all_on_device(
+    deferred_host_reads, copy_thread
+):
     """Loads run (and complete) on the background copy thread."""
-    plan = dict(param_placement="host", optimizer_placement="host", cache_blocks=3,
-                chunk_size=5000, prefetch=2)
+    plan = dict(
+        param_placement="host",
+        optimizer_placement="host",
+        cache_blocks=3,
+        chunk_size=5000,
+        prefetch=2,
+    )
     losses, model = run_tierwise("gpt2", 4, device="cpu", **plan)
     assert tierwise.engine_of(model).loads.copy_thread
     assert_trains_like_all_on_device(losses, model)
-    assert deferred_host_reads and all(h.copied for kind, h in deferred_host_reads if kind == "issue")
+    assert deferred_host_reads and all(
+        h.copied for kind, h in deferred_host_reads if kind == "issue"
+    )

@@ -22,12 +22,15 @@ def test_fp32_adam_with_param_groups_and_scheduler():
         model = tiny_model("llama")
         decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": 0.1, "lr": 3e-3},
-                  {"params": no_decay, "weight_decay": 0.0, "lr": 1e-2, "betas": (0.8, 0.99)}]
+        groups = [
+            {"params": decay, "weight_decay": 0.1, "lr": 3e-3},
+            {"params": no_decay, "weight_decay": 0.0, "lr": 1e-2, "betas": (0.8, 0.99)},
+        ]
         opt = torch.optim.Adam(groups, lr=1e-3, fused=not use_tierwise)
         if use_tierwise:
-            model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu",
-                                        param_placement="host", cache_blocks=3)
+            model, opt = tierwise.setup(
+                model, opt, precision="fp32", device="cpu", param_placement="host", cache_blocks=3
+            )
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
         return model, opt, sched
 

@@ -6,7 +6,9 @@ import torch
 from helpers.models import tiny_model
 from helpers.train import run_reference, train
 
-HOST = dict(param_placement="host", optimizer_placement="host", cache_blocks=3, chunk_size=5000, prefetch=1)
+HOST = dict(
+    param_placement="host", optimizer_placement="host", cache_blocks=3, chunk_size=5000, prefetch=1
+)
 
 
 def first_use_reference(kind: str) -> list[str]:
@@ -33,8 +35,9 @@ def layout(model) -> list[str]:
 def test_chunks_follow_the_recorded_first_use_order_after_step_one(kind):
     model = tiny_model(kind)
     module_order = [n for n, _ in model.named_parameters()]
-    model, opt = tierwise.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                device="cpu", **HOST)
+    model, opt = tierwise.setup(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu", **HOST
+    )
     assert layout(model) == module_order  # no profile: module order before the first step
     expected = first_use_reference(kind)
     assert expected != module_order, "the model must define modules out of use order"
@@ -44,14 +47,22 @@ def test_chunks_follow_the_recorded_first_use_order_after_step_one(kind):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("plan", [dict(param_placement="device", optimizer_placement="device"), HOST],
-                         ids=["device", "host"])
+@pytest.mark.parametrize(
+    "plan",
+    [dict(param_placement="device", optimizer_placement="device"), HOST],
+    ids=["device", "host"],
+)
 def test_relayout_changes_no_arithmetic(plan, precision):
     """Re-packing moves params, masters and Adam moments: training continues exactly."""
     model = tiny_model("llama")
-    model, opt = tierwise.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01),
-                                device="cpu", precision=precision, chunk_size=5000,
-                                **{k: v for k, v in plan.items() if k != "chunk_size"})
+    model, opt = tierwise.setup(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01),
+        device="cpu",
+        precision=precision,
+        chunk_size=5000,
+        **{k: v for k, v in plan.items() if k != "chunk_size"},
+    )
     losses = train(model, opt, 6, clip=1.0)
     if precision == "fp32":
         ref_losses, ref = run_reference("llama", 6, train_kwargs=dict(clip=1.0))
@@ -62,9 +73,15 @@ def test_relayout_changes_no_arithmetic(plan, precision):
     else:  # the same plan without re-packing (layout already in use order) is the reference
         other = tiny_model("llama")
         other, other_opt = tierwise.setup(
-            other, torch.optim.AdamW(other.parameters(), lr=1e-2, weight_decay=0.01),
-            device="cpu", precision=precision, chunk_size=5000, param_placement="device",
-            optimizer_placement="device", example_batch=None)
+            other,
+            torch.optim.AdamW(other.parameters(), lr=1e-2, weight_decay=0.01),
+            device="cpu",
+            precision=precision,
+            chunk_size=5000,
+            param_placement="device",
+            optimizer_placement="device",
+            example_batch=None,
+        )
         tierwise.engine_of(other)._relayout_checked = True  # keep module order throughout
         assert train(other, other_opt, 6, clip=1.0) == losses
 
@@ -92,9 +109,15 @@ def test_resume_after_relayout_is_bitwise(tmp_path):
 def test_relayout_that_does_not_fit_the_budget_keeps_the_layout():
     model = tiny_model("opt")
     module_order = [n for n, _ in model.named_parameters()]
-    model, opt = tierwise.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01),
-                                device="cpu", precision="fp32", param_placement="device",
-                                optimizer_placement="device", chunk_size=5000)
+    model, opt = tierwise.setup(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01),
+        device="cpu",
+        precision="fp32",
+        param_placement="device",
+        optimizer_placement="device",
+        chunk_size=5000,
+    )
     engine = tierwise.engine_of(model)
     engine.tiers["device"].budget = engine.tiers["device"].used_bytes - 1  # no room at all
     losses = train(model, opt, 3)

@@ -13,11 +13,21 @@ from tierwise.checkpoint_reader import KINDS, CheckpointReader
 pytestmark = pytest.mark.multiprocess
 GLOBAL_BATCH = 4
 PLANS = {
-    "zero3-host": dict(shard=True, chunk_size=2048, cache_blocks=2, param_placement="host",
-                       optimizer_placement="host"),
+    "zero3-host": dict(
+        shard=True,
+        chunk_size=2048,
+        cache_blocks=2,
+        param_placement="host",
+        optimizer_placement="host",
+    ),
     "device-big-chunks": dict(shard=True, chunk_size=8192, param_placement="device"),
-    "replicated": dict(shard=False, chunk_size=4096, cache_blocks=3, param_placement="host",
-                       optimizer_placement="host"),
+    "replicated": dict(
+        shard=False,
+        chunk_size=4096,
+        cache_blocks=3,
+        param_placement="host",
+        optimizer_placement="host",
+    ),
 }
 
 
@@ -58,9 +68,13 @@ def _load(rank, world, path, plan, resaved):
 
 @pytest.mark.parametrize(
     ("old", "new", "old_plan", "new_plan"),
-    [(2, 1, "zero3-host", "zero3-host"), (1, 2, "zero3-host", "zero3-host"),
-     (2, 4, "zero3-host", "zero3-host"), (2, 2, "zero3-host", "device-big-chunks"),
-     (2, 2, "replicated", "zero3-host")],
+    [
+        (2, 1, "zero3-host", "zero3-host"),
+        (1, 2, "zero3-host", "zero3-host"),
+        (2, 4, "zero3-host", "zero3-host"),
+        (2, 2, "zero3-host", "device-big-chunks"),
+        (2, 2, "replicated", "zero3-host"),
+    ],
 )
 def test_resharded_checkpoint_continues_like_the_saving_run(tmp_path, old, new, old_plan, new_plan):
     path, resaved = str(tmp_path / "ckpt"), str(tmp_path / "again")
@@ -101,7 +115,9 @@ def test_each_rank_reads_only_the_files_holding_its_shard(tmp_path):
     path = str(tmp_path / "ckpt")
     run_ranks(_save, 2, path, "zero3-host")
     assert run_ranks(_opened_files, 2, path, "zero3-host") == [
-        ["rank00000-of-00002.pt"], ["rank00001-of-00002.pt"]]
+        ["rank00000-of-00002.pt"],
+        ["rank00001-of-00002.pt"],
+    ]
 
 
 def test_each_rank_of_a_larger_world_reads_only_the_files_holding_its_shard(tmp_path):
@@ -110,5 +126,8 @@ def test_each_rank_of_a_larger_world_reads_only_the_files_holding_its_shard(tmp_
     path = str(tmp_path / "ckpt")
     run_ranks(_save, 2, path, "zero3-host")
     assert run_ranks(_opened_files, 4, path, "zero3-host") == [
-        ["rank00000-of-00002.pt"], ["rank00000-of-00002.pt"],
-        ["rank00001-of-00002.pt"], ["rank00001-of-00002.pt"]]
+        ["rank00000-of-00002.pt"],
+        ["rank00000-of-00002.pt"],
+        ["rank00001-of-00002.pt"],
+        ["rank00001-of-00002.pt"],
+    ]

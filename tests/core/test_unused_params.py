@@ -40,8 +40,18 @@ def uses_aux(step: int, micro: int = 0, rank: int = 0) -> bool:
     return (step + micro + rank) % 3 == 0
 
 
-def run(model, opt, *, tw: bool, clip: float | None = 0.05, accum: int = 1, steps: int = STEPS,
-        first: int = 0, rank: int = 0, aux_rank: int | None = None):
+def run(
+    model,
+    opt,
+    *,
+    tw: bool,
+    clip: float | None = 0.05,
+    accum: int = 1,
+    steps: int = STEPS,
+    first: int = 0,
+    rank: int = 0,
+    aux_rank: int | None = None,
+):
     aux_rank = rank if aux_rank is None else aux_rank
     losses = []
     for step in range(first, first + steps):
@@ -69,7 +79,9 @@ def reference(steps: int = STEPS, **kw):
 def tierwise_run(config: dict, steps: int = STEPS, **kw):
     model = Gated()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", chunk_size=4096, **config)
+    model, opt = tierwise.setup(
+        model, opt, precision="fp32", device="cpu", chunk_size=4096, **config
+    )
     losses = run(model, opt, tw=True, steps=steps, **kw)
     return losses, model, opt
 
@@ -90,7 +102,9 @@ def test_fp32_unused_and_sometimes_used_params_match_fused_adamw_bitwise(plan, a
     for name, value in ref_params.items():
         assert torch.equal(state[name], value), name
     never = Gated().never.weight.detach()  # no weight decay without a gradient
-    assert torch.equal(ref_params["never.weight"], never) and torch.equal(state["never.weight"], never)
+    assert torch.equal(ref_params["never.weight"], never) and torch.equal(
+        state["never.weight"], never
+    )
 
 
 def test_step_counts_survive_a_checkpoint_bitwise(tmp_path):
@@ -99,8 +113,9 @@ def test_step_counts_survive_a_checkpoint_bitwise(tmp_path):
     tierwise.save_checkpoint(tmp_path / "ckpt", model, opt)
     model2 = Gated()
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2, weight_decay=0.1)
-    model2, opt2 = tierwise.setup(model2, opt2, precision="fp32", device="cpu", chunk_size=4096,
-                                  **PLANS["host"])
+    model2, opt2 = tierwise.setup(
+        model2, opt2, precision="fp32", device="cpu", chunk_size=4096, **PLANS["host"]
+    )
     tierwise.load_checkpoint(tmp_path / "ckpt", model2, opt2)
     counts = tierwise.engine_of(model2).step_counts.counts
     assert counts["aux.weight"] == 1 and counts["body.weight"] == 2 and counts["never.weight"] == 0
@@ -142,8 +157,9 @@ def test_bf16_unused_params_match_a_reference_mixed_precision_loop(plan):
     model = Gated()
     never_before = model.never.weight.detach().clone()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    model, opt = tierwise.setup(model, opt, precision="bf16", device="cpu", chunk_size=4096,
-                                **PLANS[plan])
+    model, opt = tierwise.setup(
+        model, opt, precision="bf16", device="cpu", chunk_size=4096, **PLANS[plan]
+    )
     losses = run(model, opt, tw=True)
     assert losses == ref_losses
     state = model.state_dict()
@@ -166,8 +182,16 @@ def _ddp_and_tierwise(rank, world, shard):
     ref = {n: p.detach().clone() for n, p in model.named_parameters()}
     model = Gated()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", chunk_size=4096,
-                                shard=shard, param_placement="host", cache_blocks=3)
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        chunk_size=4096,
+        shard=shard,
+        param_placement="host",
+        cache_blocks=3,
+    )
     losses = run(model, opt, tw=True, rank=rank, aux_rank=aux_rank)
     counts = dict(tierwise.engine_of(model).step_counts.counts)
     return ref_losses, ref, losses, model.state_dict(), counts
@@ -197,7 +221,14 @@ def test_fused_moe_experts_keep_matching_fused_adamw_bitwise(kind):
     from helpers.train import run_tierwise as run_hf
 
     ref_losses, ref_model = run_reference(kind, 4)
-    losses, model = run_hf(kind, 4, precision="fp32", device="cpu", chunk_size=2048,
-                           param_placement="host", cache_blocks=4)
+    losses, model = run_hf(
+        kind,
+        4,
+        precision="fp32",
+        device="cpu",
+        chunk_size=2048,
+        param_placement="host",
+        cache_blocks=4,
+    )
     assert losses == ref_losses
     assert max_rel_diff(model.state_dict(), ref_model) == 0.0

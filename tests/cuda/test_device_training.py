@@ -51,7 +51,9 @@ def test_fp32_matches_fused_adamw_on_device(device, plan):
         losses, model = run_tierwise("gpt2", 10, precision="fp32", device=device, **PLANS[plan])
     for a, b in zip(losses, ref_losses, strict=True):
         assert abs(a - b) <= 1e-6 * abs(b)
-    reference = {name: p.detach().cpu() for name, p in ref_model.named_parameters(remove_duplicate=False)}
+    reference = {
+        name: p.detach().cpu() for name, p in ref_model.named_parameters(remove_duplicate=False)
+    }
     assert max_rel_diff(_cpu_state(model), reference) <= 1e-6
 
 

@@ -13,9 +13,15 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-NO_CUDA_REASON = "no CUDA device (torch.cuda.is_available() is False); bench/gpu/run.sh tests runs it on a GPU"
+NO_CUDA_REASON = (
+    "no CUDA device (torch.cuda.is_available() is False); bench/gpu/run.sh tests runs it on a GPU"
+)
 
-CUDA = pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_REASON)])
+CUDA = pytest.param(
+    "cuda",
+    id="cuda",
+    marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_REASON)],
+)
 DEVICES = [pytest.param("cpu", id="cpu"), CUDA]
 ONLY_CUDA = [CUDA]
 
@@ -28,8 +34,10 @@ def deterministic(device: str):
     if torch.device(device).type != "cuda":
         yield
         return
-    before, before_warn = (torch.are_deterministic_algorithms_enabled(),
-                           torch.is_deterministic_algorithms_warn_only_enabled())
+    before, before_warn = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         yield

@@ -22,20 +22,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue,
-            collective_timeout: float) -> None:
+def _worker(
+    rank: int, world: int, port: int, fn: Callable, args: tuple, queue, collective_timeout: float
+) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
         TIERWISE_COLLECTIVE_TIMEOUT=str(collective_timeout),  # [Note: bounded collectives]
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=collective_timeout))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=collective_timeout)
+        )
         result = fn(rank, world, *args)
         # plain bytes: tensors passed through shared memory die with the exiting child
         buffer = io.BytesIO()
@@ -59,8 +64,14 @@ class RankFailed(AssertionError):
     killed: list[int] = []
 
 
-def run_ranks(fn: Callable, world: int = 2, *args: Any, timeout: float = 240.0,
-              collective_timeout: float = 120.0, grace: float = 5.0) -> list[Any]:
+def run_ranks(
+    fn: Callable,
+    world: int = 2,
+    *args: Any,
+    timeout: float = 240.0,
+    collective_timeout: float = 120.0,
+    grace: float = 5.0,
+) -> list[Any]:
     """Call ``fn(rank, world, *args)`` on ``world`` spawned ranks; return results by rank.
 
     ``fn`` must be a module-level function (it is pickled). Raises RankFailed with the failing
@@ -73,8 +84,11 @@ def run_ranks(fn: Callable, world: int = 2, *args: Any, timeout: float = 240.0,
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world, port, fn, args, queue, collective_timeout),
-                    daemon=True)
+        ctx.Process(
+            target=_worker,
+            args=(rank, world, port, fn, args, queue, collective_timeout),
+            daemon=True,
+        )
         for rank in range(world)
     ]
     for proc in procs:
@@ -88,10 +102,16 @@ def run_ranks(fn: Callable, world: int = 2, *args: Any, timeout: float = 240.0,
             try:
                 rank, status, payload = queue.get(timeout=1.0)
             except Exception:  # nothing yet: a rank that died without reporting fails the run
-                dead = [i for i, p in enumerate(procs) if i not in results and p.exitcode not in (None, 0)]
+                dead = [
+                    i
+                    for i, p in enumerate(procs)
+                    if i not in results and p.exitcode not in (None, 0)
+                ]
                 if dead:
                     failed_at = time.monotonic()
-                    failure = RankFailed(f"ranks {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
+                    failure = RankFailed(
+                        f"ranks {dead} died (exit codes {[procs[i].exitcode for i in dead]})"
+                    )
                     raise failure from None
                 if time.monotonic() > deadline:
                     alive = [i for i, p in enumerate(procs) if p.is_alive()]

@@ -18,11 +18,19 @@ def main() -> None:
     torch.set_num_threads(1)
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", chunk_size=2048,
-                                param_placement="host", cache_blocks=4)
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        chunk_size=2048,
+        param_placement="host",
+        cache_blocks=4,
+    )
     for step in range(3):
         loss = model(**tiny_batch(seed=10 * step + world.rank)).loss
         if world.rank == world.size - 1 and step == 1:
+
             def boom(grad):
                 print(f"FAILED_AT {time.time()}", file=sys.stderr, flush=True)
                 raise RuntimeError(f"boom in backward on rank {world.rank}")

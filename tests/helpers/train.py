@@ -8,9 +8,19 @@ import torch
 from helpers.models import tiny_batch, tiny_model
 
 
-def train(model, optimizer, steps: int, *, clip: float | None = None, accum: int = 1,
-          batch: int = 2, seq: int = 16, first_seed: int = 0, tierwise_model: bool = True,
-          scheduler=None) -> list[float]:
+def train(
+    model,
+    optimizer,
+    steps: int,
+    *,
+    clip: float | None = None,
+    accum: int = 1,
+    batch: int = 2,
+    seq: int = 16,
+    first_seed: int = 0,
+    tierwise_model: bool = True,
+    scheduler=None,
+) -> list[float]:
     """A plain PyTorch loop; returns the per-step losses (mean over micro-batches). Batches go to
     the model's compute device (the engine's for a tierwise model)."""
     device = model_device(model, tierwise_model)
@@ -45,12 +55,23 @@ def model_device(model, tierwise_model: bool = True) -> torch.device:
 
 def params_of(model) -> dict[str, torch.Tensor]:
     """Full fp32 parameters by name (tierwise models return their masters)."""
-    return {k: v.detach().float().clone() for k, v in model.state_dict().items()
-            if k in dict(model.named_parameters(remove_duplicate=False)) or "weight" in k or "bias" in k}
+    return {
+        k: v.detach().float().clone()
+        for k, v in model.state_dict().items()
+        if k in dict(model.named_parameters(remove_duplicate=False)) or "weight" in k or "bias" in k
+    }
 
 
-def run_tierwise(kind: str, steps: int, *, lr: float = 1e-2, opt_cls=torch.optim.AdamW,
-                 model_kwargs: dict | None = None, train_kwargs: dict | None = None, **config):
+def run_tierwise(
+    kind: str,
+    steps: int,
+    *,
+    lr: float = 1e-2,
+    opt_cls=torch.optim.AdamW,
+    model_kwargs: dict | None = None,
+    train_kwargs: dict | None = None,
+    **config,
+):
     model = tiny_model(kind, **(model_kwargs or {}))
     opt = opt_cls(model.parameters(), lr=lr, weight_decay=0.01)
     model, opt = tierwise.setup(model, opt, **config)
@@ -58,9 +79,16 @@ def run_tierwise(kind: str, steps: int, *, lr: float = 1e-2, opt_cls=torch.optim
     return losses, model
 
 
-def run_reference(kind: str, steps: int, *, lr: float = 1e-2, opt_cls=torch.optim.AdamW,
-                  model_kwargs: dict | None = None, train_kwargs: dict | None = None,
-                  device: str = "cpu"):
+def run_reference(
+    kind: str,
+    steps: int,
+    *,
+    lr: float = 1e-2,
+    opt_cls=torch.optim.AdamW,
+    model_kwargs: dict | None = None,
+    train_kwargs: dict | None = None,
+    device: str = "cpu",
+):
     model = tiny_model(kind, **(model_kwargs or {})).to(device)
     opt = opt_cls(model.parameters(), lr=lr, weight_decay=0.01, fused=True)
     losses = train(model, opt, steps, tierwise_model=False, **(train_kwargs or {}))

@@ -27,10 +27,22 @@ def training_args(out, **overrides):
     import transformers
 
     values = dict(
-        output_dir=str(out), per_device_train_batch_size=2, max_steps=6, learning_rate=1e-2,
-        weight_decay=0.01, lr_scheduler_type="linear", warmup_steps=2, max_grad_norm=0.5,
-        optim="adamw_torch_fused", logging_steps=1, seed=0, use_cpu=True, report_to=[],
-        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        max_steps=6,
+        learning_rate=1e-2,
+        weight_decay=0.01,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        max_grad_norm=0.5,
+        optim="adamw_torch_fused",
+        logging_steps=1,
+        seed=0,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
     )
     values.update(overrides)
     return transformers.TrainingArguments(**values)

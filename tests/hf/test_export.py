@@ -15,8 +15,26 @@ from tierwise.cli import main
 from tierwise.train.export import PEFT_PREFIX, export
 from tierwise.train.lora import describe_model
 
-RUN = ["--model", "llama", "--size", "tiny", "--batch", "2", "--seq", "32", "--sample-tokens", "0",
-       "--steps", "3", "--precision", "fp32", "--device", "cpu", "--eval-batches", "1"]
+RUN = [
+    "--model",
+    "llama",
+    "--size",
+    "tiny",
+    "--batch",
+    "2",
+    "--seq",
+    "32",
+    "--sample-tokens",
+    "0",
+    "--steps",
+    "3",
+    "--precision",
+    "fp32",
+    "--device",
+    "cpu",
+    "--eval-batches",
+    "1",
+]
 IDS = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(3))
 
 
@@ -63,8 +81,9 @@ def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(tmp_path
     assert code == 0, err
     config = json.loads((tmp_path / "fp32" / "config.json").read_text())
     assert config["dtype"] == "float32"
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32",
-                                                               attn_implementation="eager")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "fp32", attn_implementation="eager"
+    )
     trained = resumed_model(run)
     trained.config._attn_implementation = "eager"
     assert torch.equal(logits_of(loaded, IDS), logits_of(trained, IDS))
@@ -75,8 +94,9 @@ def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(tmp_path
     assert len(files) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     biggest = max(v.numel() * 4 for v in weights(tmp_path / "fp32").values())
     assert all(f.stat().st_size <= max(20_000, biggest) + 4096 for f in files)  # + header
-    resharded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sharded",
-                                                                  attn_implementation="eager")
+    resharded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "sharded", attn_implementation="eager"
+    )
     assert torch.equal(logits_of(resharded, IDS), logits_of(loaded, IDS))
 
     code, _, err = cli(capsys, "export", run, tmp_path / "bf16", "--dtype", "bf16")
@@ -84,8 +104,10 @@ def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(tmp_path
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     halves, singles = weights(tmp_path / "bf16"), weights(tmp_path / "fp32")
     assert halves.keys() == singles.keys()
-    assert all(v.dtype == torch.bfloat16 and torch.equal(v, singles[k].bfloat16())
-               for k, v in halves.items())
+    assert all(
+        v.dtype == torch.bfloat16 and torch.equal(v, singles[k].bfloat16())
+        for k, v in halves.items()
+    )
 
 
 def test_export_of_a_run_without_checkpoint_is_one_line(tmp_path, corpus, capsys):
@@ -128,8 +150,21 @@ def test_lora_run_exports_adapters_and_a_merged_model_equal_to_merge_and_unload(
 ):
     peft = pytest.importorskip("peft", reason="--lora needs peft (tierwise[peft])")
     run = tmp_path / "run"
-    code, out, err = cli(capsys, "train", *RUN, "--data", corpus, "--out", run, "--lora", "4",
-                         "--lora-alpha", "16", "--lora-targets", "q_proj,v_proj")
+    code, out, err = cli(
+        capsys,
+        "train",
+        *RUN,
+        "--data",
+        corpus,
+        "--out",
+        run,
+        "--lora",
+        "4",
+        "--lora-alpha",
+        "16",
+        "--lora-targets",
+        "q_proj,v_proj",
+    )
     assert code == 0, err
     assert "--merge-lora" in out
     reader = CheckpointReader(latest(run))
@@ -145,7 +180,8 @@ def test_lora_run_exports_adapters_and_a_merged_model_equal_to_merge_and_unload(
     )
     base_state = {
         n.removeprefix(PEFT_PREFIX).replace(".base_layer.", "."): reader.tensor(n)
-        for n in reader.names() if ".lora_" not in n
+        for n in reader.names()
+        if ".lora_" not in n
     }
     base.load_state_dict(base_state)
     with_adapters = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
@@ -155,13 +191,17 @@ def test_lora_run_exports_adapters_and_a_merged_model_equal_to_merge_and_unload(
     merged = weights(tmp_path / "merged")
     assert all(torch.equal(v, reference[k]) for k, v in merged.items())
     q = "model.layers.0.self_attn.q_proj.weight"
-    assert not torch.equal(merged[q], reader.tensor(f"{PEFT_PREFIX}model.layers.0.self_attn.q_proj.base_layer.weight"))
+    assert not torch.equal(
+        merged[q], reader.tensor(f"{PEFT_PREFIX}model.layers.0.self_attn.q_proj.base_layer.weight")
+    )
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert loaded.config.architectures == ["LlamaForCausalLM"]
 
     # the run had a random base (no --from-pretrained): the adapter export carries it in base/
     adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert adapter_config["base_model_name_or_path"] == str((tmp_path / "adapter" / "base").resolve())
+    assert adapter_config["base_model_name_or_path"] == str(
+        (tmp_path / "adapter" / "base").resolve()
+    )
     written_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "adapter" / "base")
     assert written_base.state_dict().keys() == base_state.keys()
     assert all(torch.equal(written_base.state_dict()[k], v) for k, v in base_state.items())
@@ -170,11 +210,14 @@ def test_lora_run_exports_adapters_and_a_merged_model_equal_to_merge_and_unload(
     assert torch.allclose(logits_of(auto, IDS), logits_of(loaded, IDS), atol=1e-5)
 
 
-@pytest.mark.parametrize(("given", "message"), [
-    ({"lora": 0}, "--lora 0: the adapter rank must be at least 1"),
-    ({"lora_alpha": 8.0}, "need --lora R"),
-    ({"lora": 4, "lora_alpha": -1.0}, "--lora-alpha -1.0: must be positive"),
-])
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"lora": 0}, "--lora 0: the adapter rank must be at least 1"),
+        ({"lora_alpha": 8.0}, "need --lora R"),
+        ({"lora": 4, "lora_alpha": -1.0}, "--lora-alpha -1.0: must be positive"),
+    ],
+)
 def test_lora_options_say_what_to_change(given, message):
     from tierwise.train.errors import TrainError
     from tierwise.train.options import TrainOptions
@@ -205,8 +248,9 @@ def test_export_copies_the_run_tokenizer(tmp_path, corpus, capsys, flag):
     if flag == "--from-pretrained":  # a model folder that has a tokenizer
         tiny_model("llama").save_pretrained(tmp_path / "given")
     run = tmp_path / "run"
-    code, _, err = cli(capsys, "train", *RUN, "--data", corpus, "--out", run,
-                       flag, tmp_path / "given")
+    code, _, err = cli(
+        capsys, "train", *RUN, "--data", corpus, "--out", run, flag, tmp_path / "given"
+    )
     assert code == 0, err
     for flags in ([], ["--dtype", "bf16"]):
         out = tmp_path / f"out{len(flags)}"
@@ -217,4 +261,5 @@ def test_export_copies_the_run_tokenizer(tmp_path, corpus, capsys, flag):
         for text in ["def f(x):\n    return x * 2", "two values, unseen words: zebra"]:
             assert exported(text)["input_ids"] == original(text)["input_ids"]
             assert exported.decode(exported(text)["input_ids"]) == original.decode(
-                original(text)["input_ids"])
+                original(text)["input_ids"]
+            )

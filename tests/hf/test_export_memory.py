@@ -37,8 +37,13 @@ print(json.dumps({"growth": status("VmHWM:") - before}))
 
 def _model():
     config = transformers.LlamaConfig(
-        vocab_size=4096, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
-        num_attention_heads=6, num_key_value_heads=6, tie_word_embeddings=False,
+        vocab_size=4096,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config)
@@ -64,7 +69,9 @@ def test_export_peak_memory_is_one_shard_plus_one_parameter_not_the_model(tmp_pa
 
     result = subprocess.run(
         [sys.executable, "-c", EXPORT, str(run), str(tmp_path / "out"), str(SHARD)],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr
     growth = json.loads(result.stdout.strip().splitlines()[-1])["growth"]

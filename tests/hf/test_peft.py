@@ -21,12 +21,21 @@ def _base_weights(model):
 
 def test_lora_through_setup_matches_plain_peft_and_keeps_the_base():
     ref = lora_model()
-    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, fused=True)
+    ref_opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad], lr=1e-2, fused=True
+    )
     model = lora_model()
     base_before = _base_weights(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", chunk_size=2048,
-                                param_placement="host", cache_blocks=4)
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        chunk_size=2048,
+        param_placement="host",
+        cache_blocks=4,
+    )
     engine = tierwise.engine_of(model)
     frozen = [c for c in engine.chunks() if not c.trainable]
     assert frozen and all(c.optim is None for c in frozen)  # no Adam states, no gradient shard
@@ -52,14 +61,18 @@ def test_lora_trainer_matches_plain_trainer_and_saves_adapters(tmp_path, monkeyp
     from tierwise.integrations.hf import TierwiseTrainer
 
     data = TokenBlocks()
-    ref = transformers.Trainer(model=lora_model(), args=training_args(tmp_path / "ref"),
-                               train_dataset=data)
+    ref = transformers.Trainer(
+        model=lora_model(), args=training_args(tmp_path / "ref"), train_dataset=data
+    )
     ref.train()
     model = lora_model()
     base_before = _base_weights(model)
-    ours = TierwiseTrainer(model=model, args=training_args(tmp_path / "ours"), train_dataset=data,
-                           tierwise_config={"chunk_size": 2048, "param_placement": "host",
-                                            "cache_blocks": 4})
+    ours = TierwiseTrainer(
+        model=model,
+        args=training_args(tmp_path / "ours"),
+        train_dataset=data,
+        tierwise_config={"chunk_size": 2048, "param_placement": "host", "cache_blocks": 4},
+    )
     ours.train()
     for key in ("loss", "grad_norm"):
         for a, b in zip(logged(ours, key), logged(ref, key), strict=True):
@@ -70,8 +83,9 @@ def test_lora_trainer_matches_plain_trainer_and_saves_adapters(tmp_path, monkeyp
 
     gathered = []  # what save_model gathers from the chunks: the adapters, never the base
     real_full_state = hf.full_state
-    monkeypatch.setattr(hf, "full_state",
-                        lambda *a, **k: gathered.append(real_full_state(*a, **k)) or gathered[-1])
+    monkeypatch.setattr(
+        hf, "full_state", lambda *a, **k: gathered.append(real_full_state(*a, **k)) or gathered[-1]
+    )
     ours.save_model(str(tmp_path / "adapter"))
     assert gathered and all(".lora_" in name for name in gathered[0])
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
@@ -85,13 +99,25 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
     import safetensors.torch
     from tierwise.integrations.hf import TierwiseTrainer
 
-    args = training_args(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=2,
-                         save_strategy="steps", save_steps=2, load_best_model_at_end=True,
-                         metric_for_best_model="eval_loss", learning_rate=5e-2,
-                         greater_is_better=True)  # the worst loss: an earlier checkpoint
-    trainer = TierwiseTrainer(model=lora_model(), args=args, train_dataset=TokenBlocks(),
-                              eval_dataset=TokenBlocks(n=4, seed=9),
-                              tierwise_config={"chunk_size": 2048})
+    args = training_args(
+        tmp_path,
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        learning_rate=5e-2,
+        greater_is_better=True,
+    )  # the worst loss: an earlier checkpoint
+    trainer = TierwiseTrainer(
+        model=lora_model(),
+        args=args,
+        train_dataset=TokenBlocks(),
+        eval_dataset=TokenBlocks(n=4, seed=9),
+        tierwise_config={"chunk_size": 2048},
+    )
     trainer.train()
     best = trainer.state.best_model_checkpoint
     assert best is not None and not best.endswith("checkpoint-6")  # not the final weights

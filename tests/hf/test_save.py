@@ -23,14 +23,20 @@ def _weights(folder):
 
 def test_save_model_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path):
     tokenizer = tiny_tokenizer()
-    trainer = run_tierwise("qwen2", training_args(tmp_path / "run"), TokenBlocks(),
-                           processing_class=tokenizer,
-                           data_collator=transformers.default_data_collator)
+    trainer = run_tierwise(
+        "qwen2",
+        training_args(tmp_path / "run"),
+        TokenBlocks(),
+        processing_class=tokenizer,
+        data_collator=transformers.default_data_collator,
+    )
     trainer.save_model(str(tmp_path / "out"))
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["dtype"] == "float32"
     assert all(v.dtype == torch.float32 for v in _weights(tmp_path / "out").values())
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager"
+    )
     assert torch.equal(logits_of(loaded, IDS), logits_of(trainer.model, IDS))
     reloaded_tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path / "out")
     assert reloaded_tokenizer.get_vocab() == tokenizer.get_vocab()
@@ -47,8 +53,9 @@ def test_save_model_writes_shards_of_at_most_the_shard_size(tmp_path, monkeypatc
     assert len(files) > 2 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
     biggest = max(v.numel() * v.element_size() for v in trainer.model.state_dict().values())
     assert all(f.stat().st_size <= max(20_000, biggest) + 4096 for f in files)  # + header
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
-                                                               attn_implementation="eager")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager"
+    )
     assert torch.equal(logits_of(loaded, IDS), logits_of(trainer.model, IDS))
 
 
@@ -56,9 +63,13 @@ def test_save_model_in_bf16_says_so(tmp_path):
     from tierwise.integrations.hf import TierwiseTrainer
 
     model = tiny_model("llama")
-    trainer = TierwiseTrainer(model=model, args=training_args(tmp_path / "run", max_steps=2),
-                              train_dataset=TokenBlocks(), save_dtype="bf16",
-                              tierwise_config={"chunk_size": 2048})
+    trainer = TierwiseTrainer(
+        model=model,
+        args=training_args(tmp_path / "run", max_steps=2),
+        train_dataset=TokenBlocks(),
+        save_dtype="bf16",
+        tierwise_config={"chunk_size": 2048},
+    )
     trainer.train()
     trainer.save_model(str(tmp_path / "out"))
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
@@ -81,7 +92,9 @@ def test_save_pretrained_of_a_bf16_run_records_the_fp32_it_writes(tmp_path):
     weights = _weights(tmp_path / "out")
     masters = model.state_dict()
     assert all(v.dtype == torch.float32 and torch.equal(v, masters[k]) for k, v in weights.items())
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager"
+    )
     assert loaded.dtype == torch.float32
 
 

@@ -13,17 +13,25 @@ def _assert_close(ours, ref, what):
         assert abs(a - b) <= 1e-5 * max(abs(b), 1e-12), (what, ours, ref)
 
 
-@pytest.mark.parametrize("kind,accum,optim", [
-    ("qwen2", 1, "adamw_torch_fused"), ("llama", 1, "adamw_torch_fused"),
-    ("qwen2", 2, "adamw_torch_fused"), ("llama", 3, "adamw_torch_fused"), ("llama", 1, "adamw_torch"),
-])
+@pytest.mark.parametrize(
+    "kind,accum,optim",
+    [
+        ("qwen2", 1, "adamw_torch_fused"),
+        ("llama", 1, "adamw_torch_fused"),
+        ("qwen2", 2, "adamw_torch_fused"),
+        ("llama", 3, "adamw_torch_fused"),
+        ("llama", 1, "adamw_torch"),
+    ],
+)
 def test_trainer_parity_with_plain_trainer_under_offload(tmp_path, kind, accum, optim):
     data, held_out = TokenBlocks(), TokenBlocks(n=6, seed=9)
-    settings = dict(gradient_accumulation_steps=accum, eval_strategy="steps", eval_steps=3,
-                    optim=optim)
+    settings = dict(
+        gradient_accumulation_steps=accum, eval_strategy="steps", eval_steps=3, optim=optim
+    )
     ref = run_plain(kind, training_args(tmp_path / "ref", **settings), data, eval_dataset=held_out)
-    ours = run_tierwise(kind, training_args(tmp_path / "ours", **settings), data,
-                        eval_dataset=held_out)
+    ours = run_tierwise(
+        kind, training_args(tmp_path / "ours", **settings), data, eval_dataset=held_out
+    )
     engine = tierwise.engine_of(ours.model)
     assert engine.stats()["moved_bytes"].get("host->device", 0) > 0  # the budget forced offload
     _assert_close(logged(ours, "loss"), logged(ref, "loss"), "loss")
@@ -49,9 +57,12 @@ class _StopAt(transformers_callback := __import__("transformers").TrainerCallbac
 
 def test_resume_from_checkpoint_continues_bitwise(tmp_path):
     data = TokenBlocks()
-    whole = run_tierwise("llama", training_args(tmp_path / "whole", gradient_accumulation_steps=2), data)
-    args = training_args(tmp_path / "parts", gradient_accumulation_steps=2, save_strategy="steps",
-                         save_steps=3)
+    whole = run_tierwise(
+        "llama", training_args(tmp_path / "whole", gradient_accumulation_steps=2), data
+    )
+    args = training_args(
+        tmp_path / "parts", gradient_accumulation_steps=2, save_strategy="steps", save_steps=3
+    )
     first = run_tierwise("llama", args, data, callbacks=[_StopAt(3)])
     assert first.state.global_step == 3
     checkpoint = tmp_path / "parts" / "checkpoint-3"
@@ -62,8 +73,9 @@ def test_resume_from_checkpoint_continues_bitwise(tmp_path):
     from tierwise.integrations.hf import TierwiseTrainer
 
     model = tiny_model("llama", seed=123)  # other initial values: the checkpoint replaces them
-    second = TierwiseTrainer(model=model, args=args, train_dataset=data,
-                             tierwise_config=budget_config(model))
+    second = TierwiseTrainer(
+        model=model, args=args, train_dataset=data, tierwise_config=budget_config(model)
+    )
     second.train(resume_from_checkpoint=str(checkpoint))
     # the log history holds the first run's 3 steps (restored) and the 3 resumed ones
     assert logged(second, "loss") == logged(whole, "loss")
@@ -78,8 +90,11 @@ def test_unsupported_optim_is_one_line(tmp_path):
 
     model = tiny_model("llama")
     with pytest.raises(TierwiseTrainerError) as err:
-        TierwiseTrainer(model=model, args=training_args(tmp_path, optim="adafactor"),
-                        train_dataset=TokenBlocks())
+        TierwiseTrainer(
+            model=model,
+            args=training_args(tmp_path, optim="adafactor"),
+            train_dataset=TokenBlocks(),
+        )
     message = str(err.value)
     assert "\n" not in message and "adafactor" in message and "adamw_torch_fused" in message
     assert not hasattr(model, "_tierwise_engine")  # nothing was set up
@@ -91,8 +106,12 @@ def test_conflicting_precision_is_one_line(tmp_path):
 
     model = tiny_model("llama")
     with pytest.raises(TierwiseTrainerError) as err:
-        TierwiseTrainer(model=model, args=training_args(tmp_path, bf16=True),
-                        train_dataset=TokenBlocks(), tierwise_config={"precision": "fp32"})
+        TierwiseTrainer(
+            model=model,
+            args=training_args(tmp_path, bf16=True),
+            train_dataset=TokenBlocks(),
+            tierwise_config={"precision": "fp32"},
+        )
     message = str(err.value)
     assert "\n" not in message and "bf16" in message and "precision='fp32'" in message
     assert not hasattr(model, "_tierwise_engine")
@@ -109,10 +128,15 @@ def test_half_precision_arguments_train_in_tierwise_precision_without_autocast(t
         raise AssertionError("model.to() was called on a tierwise-managed model")
 
     model.to = model.cuda = moved  # nothing may move it behind tierwise's back
-    ours = TierwiseTrainer(model=model, train_dataset=TokenBlocks(), eval_dataset=TokenBlocks(n=4),
-                           args=training_args(tmp_path, max_steps=4, eval_strategy="steps",
-                                              eval_steps=2, **{precision: True}),
-                           tierwise_config={"chunk_size": 2048})
+    ours = TierwiseTrainer(
+        model=model,
+        train_dataset=TokenBlocks(),
+        eval_dataset=TokenBlocks(n=4),
+        args=training_args(
+            tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, **{precision: True}
+        ),
+        tierwise_config={"chunk_size": 2048},
+    )
     engine = tierwise.engine_of(ours.model)
     if precision == "fp16":  # a loss scale fp16 cannot hold: the first steps overflow
         engine.scaler.scale = 2.0**20
@@ -134,8 +158,10 @@ def test_user_optimizer_and_scheduler_are_honoured(tmp_path):
     from tierwise.integrations.hf import TierwiseTrainer
 
     def optimizers(model):
-        groups = [{"params": [p for n, p in model.named_parameters() if "norm" not in n]},
-                  {"params": [p for n, p in model.named_parameters() if "norm" in n], "lr": 3e-3}]
+        groups = [
+            {"params": [p for n, p in model.named_parameters() if "norm" not in n]},
+            {"params": [p for n, p in model.named_parameters() if "norm" in n], "lr": 3e-3},
+        ]
         opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, fused=True)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
 
@@ -143,12 +169,21 @@ def test_user_optimizer_and_scheduler_are_honoured(tmp_path):
 
     data = TokenBlocks()
     ref_model = tiny_model("llama")
-    ref = transformers.Trainer(model=ref_model, args=training_args(tmp_path / "ref"),
-                               train_dataset=data, optimizers=optimizers(ref_model))
+    ref = transformers.Trainer(
+        model=ref_model,
+        args=training_args(tmp_path / "ref"),
+        train_dataset=data,
+        optimizers=optimizers(ref_model),
+    )
     ref.train()
     model = tiny_model("llama")
-    ours = TierwiseTrainer(model=model, args=training_args(tmp_path / "ours"), train_dataset=data,
-                           optimizers=optimizers(model), tierwise_config=budget_config(model))
+    ours = TierwiseTrainer(
+        model=model,
+        args=training_args(tmp_path / "ours"),
+        train_dataset=data,
+        optimizers=optimizers(model),
+        tierwise_config=budget_config(model),
+    )
     ours.train()
     _assert_close(logged(ours, "loss"), logged(ref, "loss"), "loss")
     _assert_close(logged(ours, "learning_rate"), logged(ref, "learning_rate"), "learning_rate")

@@ -24,11 +24,15 @@ def _both(rank, world, out, kind, accum):
             reductions = (engine.collectives.calls["reduce_scatter"], chunks)
             trainer.save_model(str(out / "saved"))  # every rank gathers, rank 0 writes
         state = trainer.model.state_dict()  # tierwise: a collective, every rank calls it
-        results.append({
-            "loss": logged(trainer, "loss"), "grad_norm": logged(trainer, "grad_norm"),
-            "state": {k: v.detach().clone() for k, v in state.items()}, "wrapped": wrapped,
-            "reductions": reductions,
-        })
+        results.append(
+            {
+                "loss": logged(trainer, "loss"),
+                "grad_norm": logged(trainer, "grad_norm"),
+                "state": {k: v.detach().clone() for k, v in state.items()},
+                "wrapped": wrapped,
+                "reductions": reductions,
+            }
+        )
         del trainer
     return results
 

@@ -16,17 +16,23 @@ from tierwise.integrations.hf import TierwiseTrainer
 def main(out: Path) -> None:
     model = tiny_model("llama")
     args = training_args(out / "run", max_steps=3, gradient_accumulation_steps=2)
-    trainer = TierwiseTrainer(model=model, args=args, train_dataset=TokenBlocks(),
-                              tierwise_config=budget_config(model))
+    trainer = TierwiseTrainer(
+        model=model, args=args, train_dataset=TokenBlocks(), tierwise_config=budget_config(model)
+    )
     trainer.train()
     trainer.save_model(str(out / "saved"))
     engine = tierwise.engine_of(trainer.model)
     rank = torch.distributed.get_rank()
-    (out / f"rank{rank}.json").write_text(json.dumps({
-        "world": torch.distributed.get_world_size(), "loss": logged(trainer, "loss"),
-        "dp_sizes": sorted({g.world for g in engine.groups}),
-        "wrapped": type(trainer.model_wrapped).__name__,
-    }))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "world": torch.distributed.get_world_size(),
+                "loss": logged(trainer, "loss"),
+                "dp_sizes": sorted({g.world for g in engine.groups}),
+                "wrapped": type(trainer.model_wrapped).__name__,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -6,8 +6,22 @@ import pytest
 from tierwise.cli import main
 from tierwise.train.metrics import read_metrics, train_losses
 
-TINY = ["--model", "llama", "--size", "tiny", "--batch", "2", "--seq", "32", "--sample-tokens",
-        "0", "--steps", "3", "--device-memory", "all"]
+TINY = [
+    "--model",
+    "llama",
+    "--size",
+    "tiny",
+    "--batch",
+    "2",
+    "--seq",
+    "32",
+    "--sample-tokens",
+    "0",
+    "--steps",
+    "3",
+    "--device-memory",
+    "all",
+]
 
 
 def run(capsys, monkeypatch, tmp_path, *args, env=None):
@@ -28,9 +42,17 @@ def test_policy_flags_train_like_keep_and_report_activation_traffic(capsys, monk
     keep, mixed = tmp_path / "keep", tmp_path / "mixed"
     code, out = run(capsys, monkeypatch, tmp_path, "--out", str(keep))
     assert code == 0, out.err
-    code, out = run(capsys, monkeypatch, tmp_path, "--out", str(mixed),
-                    "--activation-policy", "model.layers.*=host",
-                    "--activation-policy", str(policy_file))
+    code, out = run(
+        capsys,
+        monkeypatch,
+        tmp_path,
+        "--out",
+        str(mixed),
+        "--activation-policy",
+        "model.layers.*=host",
+        "--activation-policy",
+        str(policy_file),
+    )
     assert code == 0, out.err
     assert train_losses(mixed / "metrics.jsonl") == train_losses(keep / "metrics.jsonl")
     lines = [line for line in read_metrics(mixed / "metrics.jsonl") if line["kind"] == "train"]
@@ -39,13 +61,23 @@ def test_policy_flags_train_like_keep_and_report_activation_traffic(capsys, monk
     assert "model.layers.0" in plan and "recompute" in plan
 
 
-@pytest.mark.parametrize("args, env, fix", [
-    (["--activation-policy", "transformer.h.*=host"], {}, "the blocks are: model.layers.0, model.layers.1"),
-    (["--activation-policy", "model.layers.*"], {}, "give PATTERN=ACTION"),
-    (["--activation-offload", "disk"], {}, "invalid choice: 'disk'"),
-    (["--activation-offload", "nvme", "--nvme-path", "."], {"TIERWISE_DISABLE_PLUGINS": "nvme"},
-     "pip install tierwise-nvme"),
-])
+@pytest.mark.parametrize(
+    "args, env, fix",
+    [
+        (
+            ["--activation-policy", "transformer.h.*=host"],
+            {},
+            "the blocks are: model.layers.0, model.layers.1",
+        ),
+        (["--activation-policy", "model.layers.*"], {}, "give PATTERN=ACTION"),
+        (["--activation-offload", "disk"], {}, "invalid choice: 'disk'"),
+        (
+            ["--activation-offload", "nvme", "--nvme-path", "."],
+            {"TIERWISE_DISABLE_PLUGINS": "nvme"},
+            "pip install tierwise-nvme",
+        ),
+    ],
+)
 def test_bad_activation_flags_are_one_line(capsys, monkeypatch, tmp_path, args, env, fix):
     code, out = run(capsys, monkeypatch, tmp_path, "--out", str(tmp_path / "run"), *args, env=env)
     assert code == 2

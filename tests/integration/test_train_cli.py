@@ -32,7 +32,11 @@ def train_subprocess(*args: str, cwd: Path) -> Result:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "tierwise.cli", "train", *args],
-        capture_output=True, text=True, cwd=cwd, env=env, check=False,
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        check=False,
     )
     return Result(done.returncode, done.stdout, done.stderr)
 
@@ -60,7 +64,9 @@ def ok(result: Result) -> Result:
 
 def test_defaults_train_a_model_that_does_not_fit_the_device(tmp_path):
     run = tmp_path / "run"
-    result = ok(train_subprocess("--steps", "8", "--sample-tokens", "16", "--out", str(run), cwd=tmp_path))
+    result = ok(
+        train_subprocess("--steps", "8", "--sample-tokens", "16", "--out", str(run), cwd=tmp_path)
+    )
 
     # the plan is printed and saved, and it is the engine's plan
     assert "== plan ==" in result.stdout
@@ -111,7 +117,10 @@ def test_resume_continues_bitwise(train, tmp_path):
     expected = train_losses(straight / "metrics.jsonl")
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
     assert train_losses(split / "metrics.jsonl") == expected  # float equality: bitwise
-    evals = lambda run: [line for line in read_metrics(run / "metrics.jsonl") if line["kind"] == "eval"]  # noqa: E731
+
+    def evals(run):
+        return [line for line in read_metrics(run / "metrics.jsonl") if line["kind"] == "eval"]
+
     assert evals(split) == evals(straight)
 
 
@@ -156,11 +165,25 @@ def test_nvme_tier_run_matches_in_memory_run(train, tmp_path):
     env = {"TIERWISE_DISABLE_PLUGINS": "search"}
     memory, nvme = tmp_path / "memory", tmp_path / "on-nvme"
     ok(train(*TINY, "--steps", "4", "--out", str(memory), cwd=tmp_path, env=env))
-    ok(train(
-        *TINY, "--steps", "4", "--out", str(nvme), "--host-memory", "1MiB",
-        "--nvme-path", str(nvme_dir), "--param-placement", "host", "--optimizer-placement", "nvme",
-        cwd=tmp_path, env=env,
-    ))
+    ok(
+        train(
+            *TINY,
+            "--steps",
+            "4",
+            "--out",
+            str(nvme),
+            "--host-memory",
+            "1MiB",
+            "--nvme-path",
+            str(nvme_dir),
+            "--param-placement",
+            "host",
+            "--optimizer-placement",
+            "nvme",
+            cwd=tmp_path,
+            env=env,
+        )
+    )
     lines = [line for line in read_metrics(nvme / "metrics.jsonl") if line["kind"] == "train"]
     assert all(line["bytes_by_tier"].get("nvme", 0) > 0 for line in lines)
     assert all(line["peak_bytes_by_tier"]["host"] <= 1 << 20 for line in lines)
@@ -172,7 +195,9 @@ BAD_INPUTS = {
     "unknown preset": (["--model", "gpt5"], {}, "choose one of gpt2, opt, llama, mixtral"),
     "budget below the minimum plan": (["--device-memory", "1KiB"], {}, "raise device_memory"),
     "nvme without the plugin": (
-        ["--nvme-path", "."], {"TIERWISE_DISABLE_PLUGINS": "nvme"}, "pip install tierwise-nvme"
+        ["--nvme-path", "."],
+        {"TIERWISE_DISABLE_PLUGINS": "nvme"},
+        "pip install tierwise-nvme",
     ),
 }
 
@@ -180,7 +205,9 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_is_one_line_and_writes_nothing(train, tmp_path, case):
     args, env, fix = BAD_INPUTS[case]
-    result = train(*TINY, "--steps", "2", "--out", str(tmp_path / "run"), *args, cwd=tmp_path, env=env)
+    result = train(
+        *TINY, "--steps", "2", "--out", str(tmp_path / "run"), *args, cwd=tmp_path, env=env
+    )
     assert result.returncode == 2
     message = result.stderr.strip()
     assert "\n" not in message, message

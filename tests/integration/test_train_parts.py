@@ -55,7 +55,10 @@ def test_sources_files_globs_jsonl_and_directories(tmp_path):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ('{"text": "ok"}\n{"body": "no text"}\n', "notes.jsonl:2: each jsonl line needs a string field 'text'"),
+        (
+            '{"text": "ok"}\n{"body": "no text"}\n',
+            "notes.jsonl:2: each jsonl line needs a string field 'text'",
+        ),
         ("{broken\n", "notes.jsonl:1: not valid JSON"),
     ],
 )
@@ -132,7 +135,9 @@ def test_warmup_then_cosine_to_the_floor():
     assert lrs[:4] == pytest.approx([0.5, 1.0, 1.5, 2.0])
     for step in range(3, 11):
         progress = (step - 3) / 7
-        assert lrs[step] == pytest.approx(2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))))
+        assert lrs[step] == pytest.approx(
+            2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        )
     assert lrs[10] == lrs[11] == lrs[12] == pytest.approx(0.2)
 
 
@@ -149,7 +154,10 @@ def test_presets_build_a_causal_lm_with_the_tokenizer_vocabulary(family):
     assert out.logits.shape == (2, 16, tokenizer.vocab_size)
     assert math.isfinite(out.loss.item())
     again = presets.build_random(config, seed=0)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True)
+    )
 
 
 def test_unknown_preset_and_size():
@@ -173,9 +181,18 @@ def test_from_pretrained_loads_the_saved_weights(tmp_path, family):
 
 def test_model_config_file(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-                                "num_hidden_layers": 1, "num_attention_heads": 2,
-                                "vocab_size": 300}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "vocab_size": 300,
+            }
+        )
+    )
     config = presets.config_from_file(str(path))
     assert (config.model_type, config.hidden_size, config.vocab_size) == ("llama", 32, 300)
     presets.check_vocab(config, data.ByteTokenizer(), "--model-config")
@@ -207,14 +224,21 @@ def test_options_say_what_to_change(given, message):
 def test_step_record_counts_what_moved_in_the_step():
     before = {"moved_bytes": {"host->device": 100}, "moves": {"host->device": 1}}
     now = {
-        "bytes_by_tier": {"device": 10, "host": 20}, "peak_bytes_by_tier": {"device": 12},
+        "bytes_by_tier": {"device": 10, "host": 20},
+        "peak_bytes_by_tier": {"device": 12},
         "moved_bytes": {"host->device": 350, "device->host": 40},
-        "moves": {"host->device": 3, "device->host": 1}, "comm_bytes": {},
+        "moves": {"host->device": 3, "device->host": 1},
+        "comm_bytes": {},
     }
     record = step_record(
-        step=4, loss=1.5, lr=0.1, grad_norm=None, tokens=1000,
+        step=4,
+        loss=1.5,
+        lr=0.1,
+        grad_norm=None,
+        tokens=1000,
         times={"data": 0.1, "forward": 0.2, "backward": 0.3, "optimizer": 0.4, "total": 2.0},
-        stats=now, stats_before=before,
+        stats=now,
+        stats_before=before,
     )
     assert record["moved_bytes"] == {"host->device": 250, "device->host": 40}
     assert record["moved_bytes_total"] == {"host->device": 350, "device->host": 40}
@@ -233,7 +257,9 @@ def test_metrics_log_drops_steps_after_the_resumed_checkpoint(tmp_path):
     log.write({"kind": "train", "step": 3, "loss": 30.0})
     log.close()
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
-        (1, 1.0), (2, 2.0), (3, 30.0)
+        (1, 1.0),
+        (2, 2.0),
+        (3, 30.0),
     ]
 
 
@@ -242,8 +268,10 @@ class _FakeStats:
     """Stands in for engine.stats(): nothing is managed by an engine in these tests."""
 
     def __call__(self):
-        return {"bytes_by_tier": {"device": 1 << 20, "host": 3 << 20},
-                "moved_bytes": {"host->device": 0}}
+        return {
+            "bytes_by_tier": {"device": 1 << 20, "host": 3 << 20},
+            "moved_bytes": {"host->device": 0},
+        }
 
 
 def _traced_step(model):
@@ -268,13 +296,18 @@ def test_trace_follows_the_blocks_and_frees_activations_in_backward():
     assert labels == (
         ["step starts"]
         + [f"block {i} forward" for i in range(n_blocks)]
-        + [x for i in reversed(range(n_blocks))
-           for x in (f"block {i} backward starts", f"block {i} backward done")]
+        + [
+            x
+            for i in reversed(range(n_blocks))
+            for x in (f"block {i} backward starts", f"block {i} backward done")
+        ]
         + ["backward done", "optimizer step done"]
     )
     alive = [s.activation_bytes for s in trace.samples]
     forward = alive[1 : n_blocks + 1]
-    assert all(b > a for a, b in zip([0] + forward, forward, strict=False)), "each block saves activations"
+    assert all(b > a for a, b in zip([0] + forward, forward, strict=False)), (
+        "each block saves activations"
+    )
     done = [s.activation_bytes for s in trace.samples if s.label.endswith("backward done")]
     assert all(b < a for a, b in zip(done, done[1:], strict=False)) and done[-1] == 0
 

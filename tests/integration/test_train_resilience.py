@@ -65,9 +65,23 @@ def test_signal_stops_after_the_step_with_a_checkpoint_and_resume_finishes(
         sys.exit(main(sys.argv[1:]))
     """)
     child = subprocess.Popen(
-        [sys.executable, "-c", script, "train", *TINY, "--steps", str(STEPS), "--json",
-         "--out", str(run)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env,
+        [
+            sys.executable,
+            "-c",
+            script,
+            "train",
+            *TINY,
+            "--steps",
+            str(STEPS),
+            "--json",
+            "--out",
+            str(run),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=env,
     )
     stdout, stderr = child.communicate(timeout=600)
     assert child.returncode == 128 + signum, stdout + stderr
@@ -85,8 +99,19 @@ def test_signal_stops_after_the_step_with_a_checkpoint_and_resume_finishes(
 
 def test_corrupt_newest_checkpoint_falls_back_with_one_line(tmp_path, capsys, straight):
     run = tmp_path / "run"
-    code, _, err = _train(tmp_path, capsys, *TINY, "--steps", str(STEPS), "--stop-after", "4",
-                          "--save-every", "2", "--out", str(run))
+    code, _, err = _train(
+        tmp_path,
+        capsys,
+        *TINY,
+        "--steps",
+        str(STEPS),
+        "--stop-after",
+        "4",
+        "--save-every",
+        "2",
+        "--out",
+        str(run),
+    )
     assert code == 0, err
     newest = run / "checkpoints" / "step-000004" / "rank00000-of-00001.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a torn write
@@ -120,8 +145,9 @@ def test_second_interrupt_aborts_at_once(tmp_path):
             while True:
                 pass
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
     assert done.returncode == 130
     assert done.stdout == "first recorded\n"
     assert done.stderr.strip().count("\n") == 0 and "aborted at once" in done.stderr
@@ -156,10 +182,32 @@ def test_a_two_process_run_resumes_on_one_process(tmp_path, capsys):
         port = sock.getsockname()[1]
     run = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "tierwise.cli", "train",
-         *TINY, "--steps", "6", "--stop-after", "3", "--out", str(run)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=600, check=False,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-m",
+            "tierwise.cli",
+            "train",
+            *TINY,
+            "--steps",
+            "6",
+            "--stop-after",
+            "3",
+            "--out",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+        check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stderr[-4000:]
@@ -207,8 +255,18 @@ def _saved_steps(tmp_path, capsys, monkeypatch, minutes_per_step, *args):
         return save(run_dir, **kwargs)
 
     monkeypatch.setattr(checkpoints, "save", recording)
-    code, _, err = _train(tmp_path, capsys, *TINY, "--steps", "7", "--eval-every", "100",
-                          "--out", str(tmp_path / "run"), *args)
+    code, _, err = _train(
+        tmp_path,
+        capsys,
+        *TINY,
+        "--steps",
+        "7",
+        "--eval-every",
+        "100",
+        "--out",
+        str(tmp_path / "run"),
+        *args,
+    )
     assert code == 0, err
     return saved
 
@@ -225,8 +283,9 @@ def test_periodic_checkpoints_are_on_by_default(tmp_path, capsys, monkeypatch):
 
 def test_save_every_overrides_the_periodic_default(tmp_path, capsys, monkeypatch):
     """--save-every 2 --save-minutes 0: by step count only, whatever the clock says."""
-    assert _saved_steps(tmp_path, capsys, monkeypatch, 12, "--save-every", "2",
-                        "--save-minutes", "0") == [2, 4, 6, 7]
+    assert _saved_steps(
+        tmp_path, capsys, monkeypatch, 12, "--save-every", "2", "--save-minutes", "0"
+    ) == [2, 4, 6, 7]
 
 
 def test_second_ctrl_c_in_a_real_run_aborts_at_once_keeping_the_previous_checkpoint(tmp_path):
@@ -259,9 +318,25 @@ def test_second_ctrl_c_in_a_real_run_aborts_at_once_keeping_the_previous_checkpo
         sys.exit(main(sys.argv[1:]))
     """)
     done = subprocess.run(
-        [sys.executable, "-c", script, "train", *TINY, "--steps", str(STEPS), "--save-every", "2",
-         "--json", "--out", str(run)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=600, check=False,
+        [
+            sys.executable,
+            "-c",
+            script,
+            "train",
+            *TINY,
+            "--steps",
+            str(STEPS),
+            "--save-every",
+            "2",
+            "--json",
+            "--out",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+        check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 130, done.stdout + done.stderr
@@ -326,21 +401,45 @@ def test_a_disk_error_mid_run_is_one_line_and_the_last_checkpoint_resumes(
     pytest.importorskip("tierwise_nvme")
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    flags = [*TINY, "--steps", "6", "--save-every", "2", "--eval-every", "100",
-             "--optimizer-placement", "nvme", "--nvme-path", str(nvme)]
+    flags = [
+        *TINY,
+        "--steps",
+        "6",
+        "--save-every",
+        "2",
+        "--eval-every",
+        "100",
+        "--optimizer-placement",
+        "nvme",
+        "--nvme-path",
+        str(nvme),
+    ]
     code, _, err = _train(tmp_path, capsys, *flags, "--out", str(tmp_path / "straight"))
     assert code == 0, err
     run = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-c", NVME_FAILS_AFTER_STEP_3, "train", *flags, "--json",
-         "--out", str(run)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=600, check=False,
+        [
+            sys.executable,
+            "-c",
+            NVME_FAILS_AFTER_STEP_3,
+            "train",
+            *flags,
+            "--json",
+            "--out",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+        check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     exited = time.time()
     assert done.returncode == 1, done.stdout + done.stderr
-    fault_at = [float(line.split()[1]) for line in done.stderr.splitlines()
-                if line.startswith("FAULT_AT ")]
+    fault_at = [
+        float(line.split()[1]) for line in done.stderr.splitlines() if line.startswith("FAULT_AT ")
+    ]
     assert len(fault_at) == 1, done.stderr
     record_property("fault_to_exit_s", round(exited - fault_at[0], 3))  # bench/resilience.py
     assert "Traceback" not in done.stderr
@@ -352,7 +451,9 @@ def test_a_disk_error_mid_run_is_one_line_and_the_last_checkpoint_resumes(
     code, out, err = _train(tmp_path, capsys, "--resume", str(run))
     assert code == 0, err
     assert "at step 2" in out
-    assert train_losses(run / "metrics.jsonl") == train_losses(tmp_path / "straight" / "metrics.jsonl")
+    assert train_losses(run / "metrics.jsonl") == train_losses(
+        tmp_path / "straight" / "metrics.jsonl"
+    )
 
 
 def test_nvme_path_problems_are_one_line_before_the_run_starts(tmp_path, capsys):
@@ -361,8 +462,17 @@ def test_nvme_path_problems_are_one_line_before_the_run_starts(tmp_path, capsys)
     pytest.importorskip("tierwise_nvme")
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
-    code, _, err = _train(tmp_path, capsys, *TINY, "--optimizer-placement", "nvme",
-                          "--nvme-path", str(a_file), "--out", str(tmp_path / "run1"))
+    code, _, err = _train(
+        tmp_path,
+        capsys,
+        *TINY,
+        "--optimizer-placement",
+        "nvme",
+        "--nvme-path",
+        str(a_file),
+        "--out",
+        str(tmp_path / "run1"),
+    )
     assert code == 2 and err.strip().count("\n") == 0, err
     assert f"--nvme-path {a_file} is a file, not a directory" in err
     assert not (tmp_path / "run1").exists()

@@ -23,7 +23,10 @@ def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "Optimizer steps of the whole run (the learning-rate schedule spans them). (default: 200)" in text
+    assert (
+        "Optimizer steps of the whole run (the learning-rate schedule spans them). (default: 200)"
+        in text
+    )
     assert "Sequences per micro-batch on each rank. (default: 8)" in text
     assert "(default: 30.0)" in text and "default: 100." in text  # checkpoint schedule
 
@@ -31,8 +34,23 @@ def test_help_shows_defaults(capsys):
 def test_eval_schedule_and_summary_headers_match_the_help(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"
-    assert main(["train", *TINY, "--steps", "5", "--eval-every", "2", "--sample-tokens", "8",
-                 "--out", str(run)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *TINY,
+                "--steps",
+                "5",
+                "--eval-every",
+                "2",
+                "--sample-tokens",
+                "8",
+                "--out",
+                str(run),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     evals = [line["step"] for line in read_metrics(run / "metrics.jsonl") if line["kind"] == "eval"]
     assert evals == [2, 4, 5]  # "every this many steps (and at the end)"
@@ -53,10 +71,22 @@ def test_unknown_model_type_lists_a_few_close_matches(tmp_path, capsys):
 
 def test_config_without_a_size_field_warns_in_one_line(tmp_path, capsys):
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 1,
-                                  "num_attention_heads": 2, "n_embd": 0, "intermediate_size": 8}))
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "n_embd": 0,
+                "intermediate_size": 8,
+            }
+        )
+    )
     built = config_from_file(str(config))
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("tierwise train: warning: ")
-    assert f"has no hidden_size; using the Hugging Face llama defaults (hidden_size {built.hidden_size})" in err
+    assert (
+        f"has no hidden_size; using the Hugging Face llama defaults (hidden_size {built.hidden_size})"
+        in err
+    )
     assert built.hidden_size == 4096

@@ -398,8 +398,15 @@ def state_dict_run(rank: int, world: int, kind: str, parallel: dict[str, int]) -
     model = build_model(kind)
     opt = make_optimizer(model)
     model, opt = tierwise.setup(
-        model, opt, precision="fp32", device="cpu", chunk_size=4096, parallel=parallel,
-        param_placement="host", optimizer_placement="host", cache_blocks=3,
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        chunk_size=4096,
+        parallel=parallel,
+        param_placement="host",
+        optimizer_placement="host",
+        cache_blocks=3,
     )
     tensor = parallel.get("tensor", 1)
     batch = batch_slice(global_batch(), rank // tensor, world // tensor)
@@ -426,7 +433,9 @@ def state_dict_run(rank: int, world: int, kind: str, parallel: dict[str, int]) -
         "strict_load": not load_result.missing_keys and not load_result.unexpected_keys,
         "shapes_match": {n: tuple(v.shape) for n, v in state.items()}
         == {n: tuple(v.shape) for n, v in single.state_dict().items()},
-        "trained": any(not torch.equal(v, build_model(kind).state_dict()[n]) for n, v in state.items()),
+        "trained": any(
+            not torch.equal(v, build_model(kind).state_dict()[n]) for n, v in state.items()
+        ),
         "saved_error": max_relative_error(single_logits, own_logits),
         "loaded_error": max_relative_error(loaded_logits, other_logits),
         "round_trip": all(torch.equal(again[n], v.float()) for n, v in other_state.items()),
@@ -440,12 +449,20 @@ def _model_facts(model: torch.nn.Module) -> dict:
     hooks = sum(
         len(d)
         for m in model.modules()
-        for d in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks,
-                  m._backward_pre_hooks, m._state_dict_hooks, m._load_state_dict_pre_hooks)
+        for d in (
+            m._forward_pre_hooks,
+            m._forward_hooks,
+            m._backward_hooks,
+            m._backward_pre_hooks,
+            m._state_dict_hooks,
+            m._load_state_dict_pre_hooks,
+        )
     )
     return {
-        "params": [(n, id(p), tuple(p.shape), p.detach().clone(), sorted(vars(p)))
-                   for n, p in model.named_parameters()],
+        "params": [
+            (n, id(p), tuple(p.shape), p.detach().clone(), sorted(vars(p)))
+            for n, p in model.named_parameters()
+        ],
         "classes": [(n, type(m)) for n, m in model.named_modules()],
         "hooks": hooks,
         "attrs": [(n, sorted(vars(m))) for n, m in model.named_modules()],
@@ -454,7 +471,9 @@ def _model_facts(model: torch.nn.Module) -> dict:
 
 
 def _same_facts(before: dict, after: dict) -> bool:
-    for (n, i, s, v, a), (n2, i2, s2, v2, a2) in zip(before["params"], after["params"], strict=True):
+    for (n, i, s, v, a), (n2, i2, s2, v2, a2) in zip(
+        before["params"], after["params"], strict=True
+    ):
         if (n, i, s, a) != (n2, i2, s2, a2) or not torch.equal(v, v2):
             return False
     return all(before[k] == after[k] for k in ("classes", "hooks", "attrs", "load_state_dict"))
@@ -473,8 +492,10 @@ def atomic_setup_run(rank: int, world: int) -> dict:
         "sgd": (torch.optim.SGD(model.parameters(), lr=0.1), {}),
         "chunk_size": (opt, {"chunk_size": 16}),
         "device_budget": (opt, {"device_memory": 1000}),
-        "host_budget": (opt, {"param_placement": "host", "optimizer_placement": "host",
-                              "host_memory": 100_000}),
+        "host_budget": (
+            opt,
+            {"param_placement": "host", "optimizer_placement": "host", "host_memory": 100_000},
+        ),
         "sizes": (opt, {"parallel": {"tensor": world, "expert": world}}),
     }
     errors, unchanged = {}, {}
@@ -490,8 +511,9 @@ def atomic_setup_run(rank: int, world: int) -> dict:
     batch = batch_slice(global_batch(), rank, world)
     with torch.no_grad():
         plain_loss = build_model("mixtral")(**batch).loss.item()
-    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", chunk_size=4096,
-                                parallel={"expert": world})
+    model, opt = tierwise.setup(
+        model, opt, precision="fp32", device="cpu", chunk_size=4096, parallel={"expert": world}
+    )
     loss = model(**batch).loss
     loss.backward()
     opt.step()

@@ -56,7 +56,9 @@ def test_llama_tp2_trains_bitwise_alike_under_host_swap_and_recompute():
         for name, settings in {
             "keep": {},
             "host": {"activation_offload": "host"},
-            "mixed": {"activation_policy": {"model.layers.0": "host", "model.layers.1": "recompute"}},
+            "mixed": {
+                "activation_policy": {"model.layers.0": "host", "model.layers.1": "recompute"}
+            },
         }.items()
     }
     for name in ("host", "mixed"):

@@ -23,9 +23,17 @@ pytestmark = pytest.mark.multiprocess
 def _train_and_save(rank, world, kind, parallel, run):
     model = w.build_model(kind)
     opt = w.make_optimizer(model)
-    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", chunk_size=4096,
-                                parallel=parallel, param_placement="host",
-                                optimizer_placement="host", cache_blocks=3)
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        chunk_size=4096,
+        parallel=parallel,
+        param_placement="host",
+        optimizer_placement="host",
+        cache_blocks=3,
+    )
     tensor = parallel.get("tensor", 1)
     batch = w.batch_slice(w.global_batch(), rank // tensor, world // tensor)
     for _ in range(2):
@@ -40,7 +48,8 @@ def _train_and_save(rank, world, kind, parallel, run):
 
 
 @pytest.mark.parametrize(
-    ("kind", "parallel"), [("mixtral", {"expert": 2}), ("llama", {"tensor": 2})],
+    ("kind", "parallel"),
+    [("mixtral", {"expert": 2}), ("llama", {"tensor": 2})],
     ids=["ep2", "tp2"],
 )
 def test_export_of_a_model_parallel_run_gives_the_single_process_logits(tmp_path, kind, parallel):
@@ -52,7 +61,8 @@ def test_export_of_a_model_parallel_run_gives_the_single_process_logits(tmp_path
 
     assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) > 1
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", attn_implementation="eager").eval()
+        tmp_path / "out", attn_implementation="eager"
+    ).eval()
     single = w.build_model(kind)  # the same weights, gathered by the parallel model itself
     single.load_state_dict(ranks[0]["state"], strict=True)
     single.config._attn_implementation = "eager"

@@ -29,12 +29,22 @@ def _train_and_save(rank, world, out, kind, parallel):
             return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
     args = transformers.TrainingArguments(
-        output_dir=str(out / "run"), per_device_train_batch_size=2, max_steps=2,
-        learning_rate=1e-2, optim="adamw_torch_fused", use_cpu=True, report_to=[],
-        save_strategy="no", disable_tqdm=True,
+        output_dir=str(out / "run"),
+        per_device_train_batch_size=2,
+        max_steps=2,
+        learning_rate=1e-2,
+        optim="adamw_torch_fused",
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
     )
-    trainer = TierwiseTrainer(model=tiny_model(kind), args=args, train_dataset=Blocks(),
-                              tierwise_config={"parallel": parallel, "chunk_size": 2048})
+    trainer = TierwiseTrainer(
+        model=tiny_model(kind),
+        args=args,
+        train_dataset=Blocks(),
+        tierwise_config={"parallel": parallel, "chunk_size": 2048},
+    )
     trainer.train()
     trainer.save_model(str(out / "saved"))  # collective: rank 0 writes
     ids = Blocks.ids[:2]

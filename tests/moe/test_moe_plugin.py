@@ -117,8 +117,14 @@ def test_capacity_factor_reaches_the_experts_through_setup():
 
     model = tiny_model("mixtral")
     opt = torch.optim.AdamW(model.parameters())
-    model, _ = tierwise.setup(model, opt, device="cpu", precision="fp32",
-                              parallel={"expert": 1}, expert_capacity_factor=0.5)
+    model, _ = tierwise.setup(
+        model,
+        opt,
+        device="cpu",
+        precision="fp32",
+        parallel={"expert": 1},
+        expert_capacity_factor=0.5,
+    )
     factors = {m.capacity_factor for m in model.modules() if hasattr(m, "capacity_factor")}
     assert factors == {0.5}
     with pytest.raises(tierwise.ConfigError, match="expert_capacity_factor"):

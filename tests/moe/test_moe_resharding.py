@@ -21,9 +21,17 @@ pytestmark = pytest.mark.multiprocess
 def _build(kind, parallel):
     model = w.build_model(kind)
     opt = w.make_optimizer(model)
-    return tierwise.setup(model, opt, precision="fp32", device="cpu", chunk_size=4096,
-                          parallel=parallel, param_placement="host", optimizer_placement="host",
-                          cache_blocks=3)
+    return tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        chunk_size=4096,
+        parallel=parallel,
+        param_placement="host",
+        optimizer_placement="host",
+        cache_blocks=3,
+    )
 
 
 def _step(model, opt, rank, world, parallel):
@@ -54,8 +62,11 @@ def _load(rank, world, kind, parallel, path, resaved):
 
 @pytest.mark.parametrize(
     ("kind", "old", "new"),
-    [("mixtral", (2, {"expert": 2}), (1, {})), ("llama", (2, {"tensor": 2}), (2, {})),
-     ("mixtral", (1, {}), (2, {"expert": 2}))],
+    [
+        ("mixtral", (2, {"expert": 2}), (1, {})),
+        ("llama", (2, {"tensor": 2}), (2, {})),
+        ("mixtral", (1, {}), (2, {"expert": 2})),
+    ],
     ids=["ep2-to-1-rank", "tp2-to-dp2", "1-rank-to-ep2"],
 )
 def test_model_parallel_layout_changes_on_resume(tmp_path, kind, old, new):

@@ -26,8 +26,13 @@ def make_tier(nvme_dir):
     tiers = []
 
     def make(
-        backend: str = "libaio", *, directory: Path | None = None, budget=None, io=None,
-        device: str = "cpu", **options
+        backend: str = "libaio",
+        *,
+        directory: Path | None = None,
+        budget=None,
+        io=None,
+        device: str = "cpu",
+        **options,
     ):
         if backend == "libaio":
             require_libaio()

@@ -46,8 +46,14 @@ def test_nvme_and_mixed_policies_train_bitwise_like_keep(nvme_dir, kind, precisi
 def test_no_leak_over_20_steps_and_swap_files_gone_after_close(nvme_dir):
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = tierwise.setup(model, opt, device="cpu", precision="fp32",
-                                activation_offload="nvme", nvme_path=str(nvme_dir))
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        device="cpu",
+        precision="fp32",
+        activation_offload="nvme",
+        nvme_path=str(nvme_dir),
+    )
     engine = tierwise.engine_of(model)
     for step in range(20):
         train(model, opt, 1, first_seed=step)
@@ -84,13 +90,17 @@ def test_failed_swap_out_is_a_clear_error_and_the_engine_goes_on(nvme_dir, faili
     base_losses, base = run_tierwise("llama", 3, **kw)
     model = tiny_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    model, opt = tierwise.setup(model, opt, activation_offload="nvme", nvme_path=str(nvme_dir), **kw)
+    model, opt = tierwise.setup(
+        model, opt, activation_offload="nvme", nvme_path=str(nvme_dir), **kw
+    )
     engine = tierwise.engine_of(model)
     losses = train(model, opt, 1)
     for io in failing_io:
         io.code = code
         io.fail_if = _activation_write
-    with pytest.raises(error, match=r"nvme tier: write of \d+ bytes at offset \d+ in .*activation") as info:
+    with pytest.raises(
+        error, match=r"nvme tier: write of \d+ bytes at offset \d+ in .*activation"
+    ) as info:
         model(**tiny_batch(seed=1)).loss.backward()
     assert any("block model.layers" in note for note in getattr(info.value, "__notes__", []))
     assert engine.activations.swapped_now() == {"device": 0, "host": 0, "nvme": 0}
@@ -111,12 +121,16 @@ def test_failed_swap_in_drops_the_step_and_the_engine_goes_on(nvme_dir, failing_
     base_losses, base = run_tierwise("llama", 3, **kw)
     model = tiny_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    model, opt = tierwise.setup(model, opt, activation_offload="nvme", nvme_path=str(nvme_dir), **kw)
+    model, opt = tierwise.setup(
+        model, opt, activation_offload="nvme", nvme_path=str(nvme_dir), **kw
+    )
     engine = tierwise.engine_of(model)
     losses = train(model, opt, 1)
     for io in failing_io:
         io.fail_if = _activation_read
-    with pytest.raises(NVMeIOError, match=r"nvme tier: read of \d+ bytes at offset \d+ in .*activation") as info:
+    with pytest.raises(
+        NVMeIOError, match=r"nvme tier: read of \d+ bytes at offset \d+ in .*activation"
+    ) as info:
         model(**tiny_batch(seed=1)).loss.backward()
     assert any(io.failed is not None for io in failing_io)  # the error came from the swap-in
     assert any("swapping in" in note for note in getattr(info.value, "__notes__", []))
@@ -172,8 +186,13 @@ def _peak_rss_growth(settings: dict) -> dict:
     # large blocks mmapped (and unmapped when freed), so the resident set follows live memory
     # rather than what glibc keeps for reuse
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", RSS_CHILD, json.dumps(settings)],
-                          capture_output=True, text=True, check=False, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", RSS_CHILD, json.dumps(settings)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

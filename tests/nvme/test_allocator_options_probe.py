@@ -121,9 +121,13 @@ def test_nvme_measurement_is_cached_per_path_on_disk_and_used_by_plans(nvme_dir,
     target = target_hardware(spec="a100-40gb,pcie4-nvme", device=None, gpus=1, nvme_path=str(first))
     assert target.hardware.nvme_read_bandwidth == 2.5e9 + 3  # measured beats the preset
     assert any(f"measured for {first}" in note for note in target.notes)
-    unmeasured = target_hardware(spec="a100-40gb", device=None, gpus=1, nvme_path=str(nvme_dir / "c"))
+    unmeasured = target_hardware(
+        spec="a100-40gb", device=None, gpus=1, nvme_path=str(nvme_dir / "c")
+    )
     assert unmeasured.hardware.nvme_read_bandwidth is None
     assert any("not measured" in n and "tierwise probe --nvme-path" in n for n in unmeasured.notes)
-    preset = target_hardware(spec="a100-40gb,pcie4-nvme", device=None, gpus=1, nvme_path=str(nvme_dir / "c"))
+    preset = target_hardware(
+        spec="a100-40gb,pcie4-nvme", device=None, gpus=1, nvme_path=str(nvme_dir / "c")
+    )
     assert preset.hardware.nvme_read_bandwidth == 6.0e9
     assert any("from --hardware" in n for n in preset.notes)

@@ -38,7 +38,10 @@ def test_write_from_and_read_into_device_memory(make_tier, device, backend, dtyp
     tier = make_tier(backend, device=device)
     gen = torch.Generator().manual_seed(0)
     refs = [torch.randn(n, generator=gen).to(dtype) for n in SIZES]
-    slabs = [tier.allocate(n, dtype, kind=PayloadKind.PARAM_CHUNK, what=f"param_chunk {i}") for i, n in enumerate(SIZES)]
+    slabs = [
+        tier.allocate(n, dtype, kind=PayloadKind.PARAM_CHUNK, what=f"param_chunk {i}")
+        for i, n in enumerate(SIZES)
+    ]
     for slab, ref in zip(slabs, refs, strict=True):
         src = ref.to(device) + _delayed_zero(device).to(dtype)  # final only after the delay
         tier.write(slab, src).wait()
@@ -68,8 +71,12 @@ def test_nvme_plans_train_bitwise_like_host_on_device(device, nvme_dir):
             name: run_tierwise("llama", 4, nvme_path=str(nvme_dir), **plan, **common)
             for name, plan in {
                 "params-on-nvme": dict(param_placement="nvme", optimizer_placement="host"),
-                "all-on-nvme-prefetch0": dict(param_placement="nvme", optimizer_placement="nvme", prefetch=0),
-                "all-on-nvme-prefetch2": dict(param_placement="nvme", optimizer_placement="nvme", prefetch=2),
+                "all-on-nvme-prefetch0": dict(
+                    param_placement="nvme", optimizer_placement="nvme", prefetch=0
+                ),
+                "all-on-nvme-prefetch2": dict(
+                    param_placement="nvme", optimizer_placement="nvme", prefetch=2
+                ),
             }.items()
         }
     base = {k: v.cpu() for k, v in base_model.state_dict().items()}

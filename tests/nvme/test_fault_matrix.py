@@ -27,28 +27,46 @@ from tierwise.tiers import PayloadKind  # noqa: E402
 from tierwise_nvme import NVMeIOError, NVMeSpaceError  # noqa: E402
 from tierwise_nvme.errors import io_error, short_io_error  # noqa: E402
 
-PLAN = dict(precision="fp32", device="cpu", chunk_size=5000, cache_blocks=3,
-            param_placement="nvme", optimizer_placement="nvme", activation_offload="nvme")
+PLAN = dict(
+    precision="fp32",
+    device="cpu",
+    chunk_size=5000,
+    cache_blocks=3,
+    param_placement="nvme",
+    optimizer_placement="nvme",
+    activation_offload="nvme",
+)
 # the optimizer pipeline's updates run in backward (optimizer_overlap="auto" after a step
 # without clipping) or after it; with params on the host, updates also overwrite their homes
 LATE = "optimizer pipeline, write fails late"
-OPTIMIZER_SITES = {"optimizer pipeline": {},
-                   "optimizer pipeline after backward": {"optimizer_overlap": "after-backward"},
-                   "optimizer pipeline, params on host": {"param_placement": "host"},
-                   # the failed write completes only when waited for: the pipeline's worker has
-                   # gone idle and the step's drain is what meets the error
-                   LATE: {}}
+OPTIMIZER_SITES = {
+    "optimizer pipeline": {},
+    "optimizer pipeline after backward": {"optimizer_overlap": "after-backward"},
+    "optimizer pipeline, params on host": {"param_placement": "host"},
+    # the failed write completes only when waited for: the pipeline's worker has
+    # gone idle and the step's drain is what meets the error
+    LATE: {},
+}
 # what cannot be undone ([Note: a step that failed part way]): optimizer states in memory are
 # updated in place, then the new parameters written to NVMe; the engine refuses to go on
 REFUSING_SITES = {"parameter write-back": {"optimizer_placement": "host"}}
-SITES = ("setup", "chunk fetch", *OPTIMIZER_SITES, *REFUSING_SITES, "activation swap",
-         "checkpoint write")
+SITES = (
+    "setup",
+    "chunk fetch",
+    *OPTIMIZER_SITES,
+    *REFUSING_SITES,
+    "activation swap",
+    "checkpoint write",
+)
 FAULTS = {"EIO": errno.EIO, "ENOSPC": errno.ENOSPC, "short I/O": None}
 EXPECTED = {"EIO": NVMeIOError, "ENOSPC": NVMeSpaceError, "short I/O": NVMeIOError}
 HANG_S = 600
 """A case still running after this long is a hang (a bound for a loaded machine)."""
-MESSAGE = {"EIO": r"\[Errno 5\]", "ENOSPC": r"is full; free space there",
-           "short I/O": r"short (read|write): only \d+ of \d+ bytes"}
+MESSAGE = {
+    "EIO": r"\[Errno 5\]",
+    "ENOSPC": r"is full; free space there",
+    "short I/O": r"short (read|write): only \d+ of \d+ bytes",
+}
 
 
 class Injector(FailingBackend):
@@ -73,9 +91,11 @@ class Injector(FailingBackend):
             self.failed = request
             self.failed_at = time.perf_counter()
             size = len(request.buffer)
-            error = (short_io_error(request.op, request.path, request.offset, size, size // 2)
-                     if self.fault == "short I/O" else
-                     io_error(request.op, request.path, request.offset, size, self.code))
+            error = (
+                short_io_error(request.op, request.path, request.offset, size, size // 2)
+                if self.fault == "short I/O"
+                else io_error(request.op, request.path, request.offset, size, self.code)
+            )
             if self.late:
                 self.held.append((request, error))
             else:
@@ -134,9 +154,13 @@ def _build(nvme_dir, **overrides):
 def _flat(value, prefix=""):
     """Every tensor and number of a (nested) state dict, by path."""
     if isinstance(value, dict):
-        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}/{key}").items()}
+        return {
+            k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}/{key}").items()
+        }
     if isinstance(value, (list, tuple)):
-        return {k: v for i, item in enumerate(value) for k, v in _flat(item, f"{prefix}/{i}").items()}
+        return {
+            k: v for i, item in enumerate(value) for k, v in _flat(item, f"{prefix}/{i}").items()
+        }
     return {prefix: value}
 
 
@@ -150,7 +174,9 @@ def assert_same_state(model, opt, reference):
     assert states.keys() == reference.optim.keys()
     for path, value in states.items():
         expected = reference.optim[path]
-        same = torch.equal(value, expected) if isinstance(value, torch.Tensor) else value == expected
+        same = (
+            torch.equal(value, expected) if isinstance(value, torch.Tensor) else value == expected
+        )
         assert same, f"optimizer state {path} differs"
 
 
@@ -191,8 +217,12 @@ def _checkpoint_write_fails(monkeypatch, fault, failed_at: list):
             handle.truncate(path.stat().st_size // 2)
         code = FAULTS[fault] or errno.EIO
         failed_at.append(time.perf_counter())
-        raise OSError(code, f"{errno.errorcode[code]}: write of {path.name} stopped half way"
-                      + (" (short write)" if fault == "short I/O" else ""), str(path))
+        raise OSError(
+            code,
+            f"{errno.errorcode[code]}: write of {path.name} stopped half way"
+            + (" (short write)" if fault == "short I/O" else ""),
+            str(path),
+        )
 
     monkeypatch.setattr(ckpt.torch, "save", failing_save)
     return lambda: monkeypatch.setattr(ckpt.torch, "save", real_save)
@@ -221,11 +251,16 @@ def run_case(site, fault, nvme_dir, ckpt, injectors, monkeypatch, reference):
         monkeypatch.setattr(tier_module, "open_backend", armed)
         start = time.perf_counter()
         with pytest.raises(Exception) as info:
-            tierwise.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                           nvme_path=str(nvme_dir), **PLAN)
+            tierwise.setup(
+                model,
+                torch.optim.AdamW(model.parameters(), lr=1e-2),
+                nvme_path=str(nvme_dir),
+                **PLAN,
+            )
         raised = time.perf_counter()
         kept = not hasattr(model, "_tierwise_engine") and all(
-            torch.equal(v, before[k]) for k, v in model.state_dict().items())
+            torch.equal(v, before[k]) for k, v in model.state_dict().items()
+        )
         monkeypatch.setattr(tier_module, "open_backend", creating)
     else:
         model, opt = _build(nvme_dir, **{**OPTIMIZER_SITES, **REFUSING_SITES}.get(site, {}))
@@ -248,14 +283,20 @@ def run_case(site, fault, nvme_dir, ckpt, injectors, monkeypatch, reference):
             else:
                 # payload writes happen only in optimizer updates, which may start during
                 # backward (optimizer_overlap="auto" after a step without clipping)
-                _arm(injectors, {"chunk fetch": _payload("read"),
-                                 # the second chunk's first state: others were written
-                                 **dict.fromkeys((*OPTIMIZER_SITES, *REFUSING_SITES),
-                                                 _nth(_payload("write"), 4)),
-                                 # the step's last write: nothing after it waits for it
-                                 LATE: _nth(_payload("write"), len(writes)),
-                                 "activation swap": lambda r: r.op == "write" and "-activation" in r.path,
-                                 }[site], late=site == LATE)
+                _arm(
+                    injectors,
+                    {
+                        "chunk fetch": _payload("read"),
+                        # the second chunk's first state: others were written
+                        **dict.fromkeys(
+                            (*OPTIMIZER_SITES, *REFUSING_SITES), _nth(_payload("write"), 4)
+                        ),
+                        # the step's last write: nothing after it waits for it
+                        LATE: _nth(_payload("write"), len(writes)),
+                        "activation swap": lambda r: r.op == "write" and "-activation" in r.path,
+                    }[site],
+                    late=site == LATE,
+                )
                 model(**tiny_batch(seed=2)).loss.backward()
                 opt.step()
         raised = time.perf_counter()
@@ -292,13 +333,25 @@ def reference():
     after 2 steps, and the losses of steps 3-4."""
     model = tiny_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", chunk_size=5000,
-                                cache_blocks=3, param_placement="host", optimizer_placement="host")
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        chunk_size=5000,
+        cache_blocks=3,
+        param_placement="host",
+        optimizer_placement="host",
+    )
     train(model, opt, 2)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    optim = {k: v.clone() if isinstance(v, torch.Tensor) else v
-             for k, v in _flat(opt.state_dict()).items()}
-    return types.SimpleNamespace(model=state, optim=optim, losses=train(model, opt, 2, first_seed=2))
+    optim = {
+        k: v.clone() if isinstance(v, torch.Tensor) else v
+        for k, v in _flat(opt.state_dict()).items()
+    }
+    return types.SimpleNamespace(
+        model=state, optim=optim, losses=train(model, opt, 2, first_seed=2)
+    )
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
@@ -307,8 +360,9 @@ def test_fault_is_one_clear_error_and_the_last_checkpoint_resumes_bitwise(
     nvme_dir, tmp_path, injectors, monkeypatch, reference, site, fault, record_property
 ):
     ckpt = tmp_path / "ckpt"
-    error, seconds, kept, after_fault = run_case(site, fault, nvme_dir, ckpt, injectors,
-                                                 monkeypatch, reference)
+    error, seconds, kept, after_fault = run_case(
+        site, fault, nvme_dir, ckpt, injectors, monkeypatch, reference
+    )
     record_property("error", type(error).__name__)
     record_property("call_to_error_s", round(seconds, 4))
     record_property("fault_to_error_s", round(after_fault, 4))
@@ -339,7 +393,10 @@ def test_a_backward_given_up_after_in_backward_updates_applies_none_of_them(
     model, opt = _build(nvme_dir)
     train(model, opt, 1)
     reads = []  # the activation reads of one step (all pass)
-    _arm(injectors, lambda r: reads.append(r) if r.op == "read" and "-activation" in r.path else False)
+    _arm(
+        injectors,
+        lambda r: reads.append(r) if r.op == "read" and "-activation" in r.path else False,
+    )
     train(model, opt, 1, first_seed=1)
     engine = tierwise.engine_of(model)
     assert engine.optimizer_mode == "in-backward" and reads

@@ -37,7 +37,10 @@ def test_kth_io_fails_with_eio_and_other_data_survives(make_tier, backend, op):
     io = FailingBackend(inner_backend(backend), fail_at=None)
     tier = make_tier(backend, io=io)
     generator = torch.Generator().manual_seed(0)
-    slabs = [tier.allocate(100_003, torch.bfloat16, kind=PayloadKind.OPTIM_STATE, what="optim_chunk") for _ in range(3)]
+    slabs = [
+        tier.allocate(100_003, torch.bfloat16, kind=PayloadKind.OPTIM_STATE, what="optim_chunk")
+        for _ in range(3)
+    ]
     refs = [torch.randn(100_003, generator=generator).bfloat16() for _ in slabs]
     for slab, ref in zip(slabs, refs, strict=True):
         tier.write(slab, ref).wait()
@@ -145,9 +148,13 @@ def test_free_space_check_names_what_is_needed(make_tier, monkeypatch):
     with pytest.raises(NVMeSpaceError, match=r"needs 4.00 MiB more"):
         tier.allocate(1 << 20, torch.float32, kind=PayloadKind.OPTIM_STATE, what="optim_chunk")
     assert tier.used_bytes == 0  # the failed allocation is not counted
-    tier.reserve(2 << 20, kind=PayloadKind.OPTIM_STATE, what="optim_chunk")  # fits: preallocated up front
+    tier.reserve(
+        2 << 20, kind=PayloadKind.OPTIM_STATE, what="optim_chunk"
+    )  # fits: preallocated up front
     monkeypatch.setattr(swapfile, "free_bytes", lambda directory: 0)
-    slab = tier.allocate((2 << 20) // 4, torch.float32, kind=PayloadKind.OPTIM_STATE, what="optim_chunk")  # no growth needed
+    slab = tier.allocate(
+        (2 << 20) // 4, torch.float32, kind=PayloadKind.OPTIM_STATE, what="optim_chunk"
+    )  # no growth needed
     assert slab.offset == 0
 
 

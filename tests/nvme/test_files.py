@@ -64,9 +64,15 @@ def new_tier(directory: Path):
 
 def test_one_file_per_kind_removed_on_close(make_tier, nvme_dir):
     tier = make_tier("threads")
-    tier.allocate(10, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk data/g0/train#0")
-    tier.allocate(10, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk data/g0/train#1")
-    tier.allocate(10, torch.float32, kind=PayloadKind.OPTIM_STATE, what="optim_chunk data/g0/train#0")
+    tier.allocate(
+        10, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk data/g0/train#0"
+    )
+    tier.allocate(
+        10, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk data/g0/train#1"
+    )
+    tier.allocate(
+        10, torch.float32, kind=PayloadKind.OPTIM_STATE, what="optim_chunk data/g0/train#0"
+    )
     names = swap_files(nvme_dir)
     assert len(names) == 2
     assert any("-r0-param_chunk@" in name for name in names)
@@ -137,7 +143,9 @@ def test_file_system_refusing_o_direct_falls_back_to_buffered_io_said_once(
     assert len(lines) == 1 and "refuses O_DIRECT" in lines[0] and "\n" not in lines[0]
     try:
         assert (tier.backend.name, tier.backend.direct) == ("buffered", False)
-        slab = tier.allocate(12_345, torch.float16, kind=PayloadKind.PARAM_CHUNK, what="param_chunk")
+        slab = tier.allocate(
+            12_345, torch.float16, kind=PayloadKind.PARAM_CHUNK, what="param_chunk"
+        )
         ref = torch.randn(12_345).half()
         tier.write(slab, ref).wait()
         out = torch.empty(12_000, dtype=torch.float16)

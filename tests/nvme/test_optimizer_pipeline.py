@@ -44,7 +44,10 @@ def setup_states(tier, generator):
     chunks = []
     for index, numel in enumerate(SIZES):
         slabs = [
-            tier.allocate(numel, torch.float32, kind=PayloadKind.OPTIM_STATE, what=f"optim_chunk {index} {k}") for k in range(3)
+            tier.allocate(
+                numel, torch.float32, kind=PayloadKind.OPTIM_STATE, what=f"optim_chunk {index} {k}"
+            )
+            for k in range(3)
         ]
         states = [torch.randn(numel, generator=generator), torch.zeros(numel), torch.zeros(numel)]
         for slab, state in zip(slabs, states, strict=True):
@@ -268,7 +271,9 @@ def test_the_pipeline_is_the_optimizer_pipeline_core_calls(tmp_path):
     from tierwise_nvme import NVMeTier
 
     tier = NVMeTier(
-        device=torch.device("cpu"), budget=None, config=Config(nvme_path=str(tmp_path), device="cpu")
+        device=torch.device("cpu"),
+        budget=None,
+        config=Config(nvme_path=str(tmp_path), device="cpu"),
     )
     pipeline = tier.optimizer_pipeline(buffer_bytes=4096)
     try:

@@ -16,8 +16,13 @@ pytest.importorskip("tierwise_nvme")
 from helpers.models import tiny_model  # noqa: E402
 from tierwise.config import ConfigError  # noqa: E402
 
-PLAN = dict(precision="fp32", device="cpu", param_placement="host", optimizer_placement="nvme",
-            cache_blocks=3)
+PLAN = dict(
+    precision="fp32",
+    device="cpu",
+    param_placement="host",
+    optimizer_placement="nvme",
+    cache_blocks=3,
+)
 
 
 def _setup(nvme_path):
@@ -69,9 +74,20 @@ def _small_disk(monkeypatch, directory: Path, free: int) -> None:
         if not str(Path(target).resolve()).startswith(str(directory.resolve())):
             return stats
         blocks = free // stats.f_frsize
-        return os.statvfs_result((stats.f_bsize, stats.f_frsize, stats.f_blocks, blocks, blocks,
-                                  stats.f_files, stats.f_ffree, stats.f_favail, stats.f_flag,
-                                  stats.f_namemax))
+        return os.statvfs_result(
+            (
+                stats.f_bsize,
+                stats.f_frsize,
+                stats.f_blocks,
+                blocks,
+                blocks,
+                stats.f_files,
+                stats.f_ffree,
+                stats.f_favail,
+                stats.f_flag,
+                stats.f_namemax,
+            )
+        )
 
     monkeypatch.setattr(os, "statvfs", statvfs)
 

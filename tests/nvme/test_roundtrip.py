@@ -22,7 +22,10 @@ def random_tensor(numel: int, dtype: torch.dtype, generator: torch.Generator) ->
 def random_ops(tier, generator: torch.Generator, dtype: torch.dtype, steps: int = 40):
     """Odd-sized slabs, unaligned partial writes/reads; returns (slabs, references)."""
     sizes = [1, 3, 1023, 4097, 65_537, 300_001]
-    slabs = [tier.allocate(n, dtype, kind=PayloadKind.PARAM_CHUNK, what=f"param_chunk {i}") for i, n in enumerate(sizes)]
+    slabs = [
+        tier.allocate(n, dtype, kind=PayloadKind.PARAM_CHUNK, what=f"param_chunk {i}")
+        for i, n in enumerate(sizes)
+    ]
     refs = [random_tensor(n, dtype, generator) for n in sizes]
     for slab, ref in zip(slabs, refs, strict=True):
         tier.write(slab, ref).wait()
@@ -83,7 +86,10 @@ def test_many_transfers_in_flight_and_from_many_threads(make_tier, backend):
     tier = make_tier(backend, block_size=64 << 10, queue_depth=4)
     generator = torch.Generator().manual_seed(2)
     numel = 200_003  # several pieces per transfer, more pieces than the queue depth
-    slabs = [tier.allocate(numel, torch.float32, kind=PayloadKind.OPTIM_STATE, what="optim_chunk") for _ in range(12)]
+    slabs = [
+        tier.allocate(numel, torch.float32, kind=PayloadKind.OPTIM_STATE, what="optim_chunk")
+        for _ in range(12)
+    ]
     refs = [torch.randn(numel, generator=generator) for _ in slabs]
     # all writes in flight together, then all reads in flight together
     for handle in [tier.write(slab, ref) for slab, ref in zip(slabs, refs, strict=True)]:

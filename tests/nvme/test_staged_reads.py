@@ -116,7 +116,10 @@ def make_staged(nvme_dir):
 
 def written_slabs(tier, dtype: torch.dtype, seed: int):
     generator = torch.Generator().manual_seed(seed)
-    slabs = [tier.allocate(n, dtype, kind=PayloadKind.PARAM_CHUNK, what=f"param_chunk {i}") for i, n in enumerate(SIZES)]
+    slabs = [
+        tier.allocate(n, dtype, kind=PayloadKind.PARAM_CHUNK, what=f"param_chunk {i}")
+        for i, n in enumerate(SIZES)
+    ]
     refs = [torch.randn(n, generator=generator).to(dtype) for n in SIZES]
     for handle in [tier.write(slab, ref) for slab, ref in zip(slabs, refs, strict=True)]:
         handle.wait()

@@ -83,8 +83,15 @@ def example_plugin_path(tmp_path_factory) -> Path:
     target = tmp_path_factory.mktemp("example_plugin_site")
     subprocess.run(
         [
-            sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-            "--no-build-isolation", "--target", str(target),
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
             str(REPO / "tests" / "plugins" / "example_plugin"),
         ],
         check=True,
@@ -93,7 +100,9 @@ def example_plugin_path(tmp_path_factory) -> Path:
 
 
 def test_third_party_plugin_adds_tier_and_pattern_without_core_changes(example_plugin_path):
-    env = {"PYTHONPATH": os.pathsep.join([str(example_plugin_path), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(example_plugin_path), os.environ.get("PYTHONPATH", "")])
+    }
     listed = listed_plugins(env=env)
     assert listed["example"]["tiers"] == ["scratch"]
     assert listed["example"]["patterns"] == ["replicated"]
@@ -104,8 +113,11 @@ def test_third_party_plugin_adds_tier_and_pattern_without_core_changes(example_p
         "print(t['scratch'].__module__, p['replicated'].__module__, sorted(t), sorted(p))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True,
-        env={**os.environ, **env}, check=True,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        check=True,
     ).stdout.split(maxsplit=2)
     assert out[:2] == ["example_plugin", "example_plugin"]
     assert "'device'" in out[2] and "'scratch'" in out[2] and "'data'" in out[2]
@@ -233,7 +245,9 @@ def test_every_hook_has_a_typed_wrapper_called_with_keywords():
     for name, _ in _hookspec_functions():
         assert name in wrappers or name.startswith("tierwise_register_"), name
     # class-registration hooks go through _collect_classes with the hook's name
-    assert "tierwise_register_tiers" in wrappers and "tierwise_register_parallel_patterns" in wrappers
+    assert (
+        "tierwise_register_tiers" in wrappers and "tierwise_register_parallel_patterns" in wrappers
+    )
 
 
 def test_plugin_manager_is_not_built_at_import():

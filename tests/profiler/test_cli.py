@@ -111,11 +111,27 @@ def test_probe_nvme_path_is_cached_and_the_plan_says_it_used_it(tmp_path, monkey
     }
     config = tmp_path / "config.json"
     config.write_text(
-        json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 64})
+        json.dumps(
+            {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 64}
+        )
     )
     code = main(
-        ["plan", "--model", str(config), "--seq", "16", "--hardware", "l4", "--nvme", str(disk),
-         "--host-memory", "1GiB", "--device-memory", "1MiB", "--json"]
+        [
+            "plan",
+            "--model",
+            str(config),
+            "--seq",
+            "16",
+            "--hardware",
+            "l4",
+            "--nvme",
+            str(disk),
+            "--host-memory",
+            "1GiB",
+            "--device-memory",
+            "1MiB",
+            "--json",
+        ]
     )
     out = capsys.readouterr().out
     assert code == 0
@@ -157,8 +173,21 @@ def test_probe_of_a_missing_device_is_one_line_listing_the_presets(no_cuda, caps
 @pytest.mark.combined  # profiler + search: the prediction comes from the search's cost model
 def test_profile_predicts_what_plan_predicts(capsys):
     pytest.importorskip("tierwise_search")
-    common = ["--model", "llama", "--size", "tiny", "--seq", "32", "--batch", "2",
-              "--hardware", "l40s", "--gpus", "2", "--json"]
+    common = [
+        "--model",
+        "llama",
+        "--size",
+        "tiny",
+        "--seq",
+        "32",
+        "--batch",
+        "2",
+        "--hardware",
+        "l40s",
+        "--gpus",
+        "2",
+        "--json",
+    ]
     assert main(["profile", *common]) == 0
     profile = json.loads(capsys.readouterr().out)
     assert main(["plan", *common]) == 0
@@ -200,15 +229,37 @@ def test_profile_of_a_deep_config_imports_only_what_it_needs(tmp_path):
     import sys
 
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({
-        "model_type": "opt", "hidden_size": 12288, "num_hidden_layers": 96, "ffn_dim": 49152,
-        "num_attention_heads": 96, "word_embed_proj_dim": 12288, "vocab_size": 50272,
-        "max_position_embeddings": 2048,
-    }))
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "opt",
+                "hidden_size": 12288,
+                "num_hidden_layers": 96,
+                "ffn_dim": 49152,
+                "num_attention_heads": 96,
+                "word_embed_proj_dim": 12288,
+                "vocab_size": 50272,
+                "max_position_embeddings": 2048,
+            }
+        )
+    )
     result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "tierwise.cli", "profile", "--model",
-         str(config), "--seq", "2048", "--json"],
-        capture_output=True, text=True, check=False,
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "tierwise.cli",
+            "profile",
+            "--model",
+            str(config),
+            "--seq",
+            "2048",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout)["n_params"] == 174_604_468_224
@@ -224,6 +275,12 @@ def test_profile_of_a_deep_config_imports_only_what_it_needs(tmp_path):
         self_us[top] = self_us.get(top, 0) + int(own)
     by_package = sorted(self_us.items(), key=lambda kv: -kv[1])[:8]
     print("import seconds by top-level package:", {k: round(v / 1e6, 3) for k, v in by_package})
-    for lazy in ("tierwise_search.search", "tierwise_search.cost", "tierwise.train.run",
-                 "matplotlib", "tierwise.api", "tierwise.runtime.engine"):
+    for lazy in (
+        "tierwise_search.search",
+        "tierwise_search.cost",
+        "tierwise.train.run",
+        "matplotlib",
+        "tierwise.api",
+        "tierwise.runtime.engine",
+    ):
         assert lazy not in imported, lazy

@@ -18,8 +18,15 @@ def warm_up(kind: str, *, checkpointing: bool = False, batch_size: int = 2, **co
     batch = tiny_batch(batch=batch_size)
     profile = profile_model(model, batch, precision="fp32", activation_checkpointing=checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = tierwise.setup(model, opt, device="cpu", precision="fp32",
-                                activation_checkpointing=checkpointing, example_batch=batch, **config)
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        device="cpu",
+        precision="fp32",
+        activation_checkpointing=checkpointing,
+        example_batch=batch,
+        **config,
+    )
     model(**batch).loss.backward()
     opt.step()
     opt.zero_grad()
@@ -29,16 +36,22 @@ def warm_up(kind: str, *, checkpointing: bool = False, batch_size: int = 2, **co
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("kind", TINY_KINDS)
 def test_profile_call_order_is_the_order_the_engine_records(kind, checkpointing):
-    engine, profile, _ = warm_up(kind, checkpointing=checkpointing, param_placement="host",
-                                 optimizer_placement="host", chunk_size=5000)
+    engine, profile, _ = warm_up(
+        kind,
+        checkpointing=checkpointing,
+        param_placement="host",
+        optimizer_placement="host",
+        chunk_size=5000,
+    )
     assert engine.recorded_order["forward"] == profile.forward_order
     assert engine.recorded_order["backward"] == profile.backward_order
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral"])
 def test_warm_up_measurement_replaces_the_estimate(kind):
-    engine, profile, (model, opt, batch) = warm_up(kind, param_placement="host",
-                                                  optimizer_placement="host", chunk_size=5000)
+    engine, profile, (model, opt, batch) = warm_up(
+        kind, param_placement="host", optimizer_placement="host", chunk_size=5000
+    )
     moments = engine.memory_moments
     measured = max(b for _, b in moments)
     estimate = profile.peak_activation_bytes

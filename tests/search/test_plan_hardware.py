@@ -21,7 +21,14 @@ from tierwise.hardware import Hardware, hardware_facts, preset_names  # noqa: E4
 from tierwise_search.search import search_plan  # noqa: E402
 
 GPU_PRESETS = [
-    "a100-40gb", "a100-80gb", "h100-80gb-sxm", "h100-80gb-pcie", "h200", "l4", "l40s", "rtx3090",
+    "a100-40gb",
+    "a100-80gb",
+    "h100-80gb-sxm",
+    "h100-80gb-pcie",
+    "h200",
+    "l4",
+    "l40s",
+    "rtx3090",
     "rtx4090",
 ]
 NVME_PRESETS = ["pcie3-nvme", "pcie4-nvme", "pcie5-nvme"]
@@ -58,8 +65,13 @@ def test_every_shipped_preset_is_listed_and_complete():
         hardware = Hardware(**hardware_facts(name))
         assert hardware.device_type == "cuda"
         for field in (
-            "device_memory", "h2d_bandwidth", "d2h_bandwidth", "device_adam_velocity",
-            "host_adam_velocity", "device_flops", "interconnect_bandwidth",
+            "device_memory",
+            "h2d_bandwidth",
+            "d2h_bandwidth",
+            "device_adam_velocity",
+            "host_adam_velocity",
+            "device_flops",
+            "interconnect_bandwidth",
         ):
             assert getattr(hardware, field) > 0, (name, field)
     for name in NVME_PRESETS:
@@ -72,8 +84,17 @@ def test_every_shipped_preset_is_listed_and_complete():
 @pytest.mark.parametrize("preset", GPU_PRESETS)
 def test_plan_with_each_preset_makes_no_cuda_call(preset, run_plan, config_json, no_cuda):
     code, out, err = run_plan(
-        "--model", str(config_json), "--seq", "16", "--batch", "2", "--hardware", preset,
-        "--gpus", "2", "--json",
+        "--model",
+        str(config_json),
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--hardware",
+        preset,
+        "--gpus",
+        "2",
+        "--json",
     )
     assert code == 0, err
     assert no_cuda == []
@@ -84,7 +105,9 @@ def test_plan_with_each_preset_makes_no_cuda_call(preset, run_plan, config_json,
     assert result["model_bytes"] > result["n_params"] * 2
     assert result["peak_activation_bytes"] > 0
     assert result["predicted_tflops"] == plan.predicted_tflops > 0
-    assert result["predicted_tokens_per_s"] == pytest.approx(2 * 16 * 2 / plan.predicted_step_s["total"])
+    assert result["predicted_tokens_per_s"] == pytest.approx(
+        2 * 16 * 2 / plan.predicted_step_s["total"]
+    )
     assert any(f"--hardware {preset}" in r for r in plan.reasons)
     assert not any("unknown" in r and "bandwidth" in r for r in plan.reasons if "nvme" not in r)
 
@@ -121,7 +144,8 @@ def test_table_shows_predicted_tflops_and_tokens(run_plan, config_json):
     )
     assert code == 0, err
     plan_rows = dict(
-        re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in out.splitlines()[1:]
+        re.split(r"\s{2,}", line.strip(), maxsplit=1)
+        for line in out.splitlines()[1:]
         if not line.startswith("  ") and re.search(r"\s{2,}", line.strip())
     )
     total_s = float(plan_rows["predicted total"].removesuffix(" ms")) / 1e3
@@ -133,16 +157,29 @@ def test_table_shows_predicted_tflops_and_tokens(run_plan, config_json):
 # -- errors ---------------------------------------------------------------------------------
 def test_host_binding_error_names_the_tier_and_the_remedies(run_plan, config_json):
     code, _, err = run_plan(
-        "--model", str(config_json), "--seq", "16", "--hardware", "a100-40gb", "--device-memory",
-        "200KiB", "--host-memory", "300KiB",
+        "--model",
+        str(config_json),
+        "--seq",
+        "16",
+        "--hardware",
+        "a100-40gb",
+        "--device-memory",
+        "200KiB",
+        "--host-memory",
+        "300KiB",
     )
     assert code == 2
     first, *remedies = err.strip().splitlines()
-    assert re.search(r"host memory binds: .* needs [\d.]+ \w+ .* host_memory is 300\.00 KiB: 119\.00 KiB short", first)
+    assert re.search(
+        r"host memory binds: .* needs [\d.]+ \w+ .* host_memory is 300\.00 KiB: 119\.00 KiB short",
+        first,
+    )
     assert "bytes" not in first  # sizes for people, not raw byte counts
     text = "\n".join(remedies)
     assert "what would make it fit" in text
-    assert re.search(r"--nvme DIR: fits; the search would pick: chunk size [\d,]+, \d+ rCache blocks", text)
+    assert re.search(
+        r"--nvme DIR: fits; the search would pick: chunk size [\d,]+, \d+ rCache blocks", text
+    )
 
 
 def test_nvme_space_binding_is_blamed_on_nvme():
@@ -161,21 +198,42 @@ def test_nvme_space_binding_is_blamed_on_nvme():
 
 def test_nvme_binding_error_names_nvme_and_the_remedies(run_plan, tmp_path):
     config = tmp_path / "config.json"  # a llama of 2.4 MiB of model data (bf16 + fp32 Adam)
-    config.write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": 200,
-    }))
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 200,
+            }
+        )
+    )
     disk = tmp_path / "hw.json"
     disk.write_text(json.dumps({"nvme_free": 1_000_000}))
     code, _, err = run_plan(
-        "--model", str(config), "--seq", "16", "--hardware", f"a100-40gb,pcie4-nvme,{disk}",
-        "--device-memory", "200KiB", "--host-memory", "10KiB", "--nvme", str(tmp_path),
+        "--model",
+        str(config),
+        "--seq",
+        "16",
+        "--hardware",
+        f"a100-40gb,pcie4-nvme,{disk}",
+        "--device-memory",
+        "200KiB",
+        "--host-memory",
+        "10KiB",
+        "--nvme",
+        str(tmp_path),
     )
     assert code == 2
     first, *remedies = err.strip().splitlines()
-    assert re.search(r"NVMe space binds: .* needs [\d.]+ MiB .* free space is 976\.56 KiB: "
-                     r"[\d.]+ \S+ short; free space on the NVMe disk", first), first
+    assert re.search(
+        r"NVMe space binds: .* needs [\d.]+ MiB .* free space is 976\.56 KiB: "
+        r"[\d.]+ \S+ short; free space on the NVMe disk",
+        first,
+    ), first
     assert remedies[0].strip() == "what would make it fit:"
     assert remedies[1:] and all(re.match(r"\s+--gpus \d+: ", r) for r in remedies[1:])
 
@@ -192,8 +250,16 @@ def test_a_plan_says_when_it_assumed_the_nvme_space():
 
 def test_device_binding_error_offers_checkpointing(run_plan, config_json):
     code, _, err = run_plan(
-        "--model", str(config_json), "--seq", "64", "--batch", "64", "--hardware",
-        "a100-40gb", "--device-memory", "12MiB",
+        "--model",
+        str(config_json),
+        "--seq",
+        "64",
+        "--batch",
+        "64",
+        "--hardware",
+        "a100-40gb",
+        "--device-memory",
+        "12MiB",
     )
     assert code == 2
     first, *remedies = err.strip().splitlines()
@@ -205,7 +271,8 @@ def test_device_binding_error_offers_checkpointing(run_plan, config_json):
 
 # -- one source ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "device_memory", [10**5, 3 * 10**5, 10**6, 10**8]  # from the minimum to everything on device
+    "device_memory",
+    [10**5, 3 * 10**5, 10**6, 10**8],  # from the minimum to everything on device
 )
 def test_explanations_quote_the_plans_own_rcache_blocks(device_memory):
     profile = make_profile([[4096, 2048, 4096] for _ in range(6)], head=8192)

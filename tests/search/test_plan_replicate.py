@@ -48,7 +48,9 @@ def _assert_equal_but_seconds(got, want):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_plan_profiles_a_deep_model_from_short_copies_analytic(monkeypatch, tmp_path, checkpointing):
+def test_plan_profiles_a_deep_model_from_short_copies_analytic(
+    monkeypatch, tmp_path, checkpointing
+):
     monkeypatch.setenv("TIERWISE_DISABLE_PLUGINS", "profiler")  # the analytic profile
     config = Config(device="cpu", activation_checkpointing=checkpointing)
     got, want, depths = _plan_profile_and_depths(monkeypatch, tmp_path, "opt", config)

@@ -148,7 +148,9 @@ def test_forced_placement_that_does_not_fit_says_so():
 def test_too_few_forced_cache_blocks_is_an_error():
     # a block's re-forward holds its last module and one other module at a time
     # ([Note: the rCache minimum]), not the whole block
-    with pytest.raises(PlanError, match="cache_blocks=1 is below this model.s minimum of 2 rCache blocks"):
+    with pytest.raises(
+        PlanError, match="cache_blocks=1 is below this model.s minimum of 2 rCache blocks"
+    ):
         search_plan(
             stack_profile(),
             gpu_hardware(),
@@ -171,7 +173,9 @@ def test_small_host_budget_puts_optimizer_states_on_nvme():
     optim = [t for tiers in plan.optim_tiers.values() for t in tiers]
     assert "nvme" in optim
     assert plan.predicted_step_s["nvme_read"] > 0
-    with pytest.raises(PlanError, match="host memory binds.*short; raise host_memory or set nvme_path"):
+    with pytest.raises(
+        PlanError, match="host memory binds.*short; raise host_memory or set nvme_path"
+    ):
         search_plan(
             profile,
             gpu_hardware(),

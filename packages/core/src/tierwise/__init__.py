@@ -32,7 +32,9 @@ def __getattr__(name: str):
     if name in _PUBLIC:
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
     elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        value = importlib.import_module(f"{__name__}.{name}")  # ``tierwise.api`` after ``import tierwise``
+        value = importlib.import_module(
+            f"{__name__}.{name}"
+        )  # ``tierwise.api`` after ``import tierwise``
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value

@@ -37,13 +37,20 @@ def setup(
     config = Config.from_any(config, **overrides)
     decoupled = check_optimizer(optimizer)
     engine = assemble_engine(
-        model, optimizer, config, host=get_plugin_host(), decoupled=decoupled,
-        process_group=process_group, example_batch=example_batch,
+        model,
+        optimizer,
+        config,
+        host=get_plugin_host(),
+        decoupled=decoupled,
+        process_group=process_group,
+        example_batch=example_batch,
     )
     return model, TierwiseOptimizer(engine, optimizer)
 
 
-def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    model: torch.nn.Module, max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
     """Clip the global gradient norm over all chunks (and ranks); return the total norm."""
     return engine_of(model).clip_grad_norm(float(max_norm), norm_type)
 

@@ -32,8 +32,9 @@ from collections.abc import Hashable, Mapping, Sequence
 _NUMBERED = re.compile(r"^(.+?\.\d+)(?=\.|$)")
 
 
-def recompute_blocks(module_params: Mapping[str, Sequence[str]],
-                     checkpoint_blocks: Sequence[Sequence[str]] = ()) -> list[list[str]]:
+def recompute_blocks(
+    module_params: Mapping[str, Sequence[str]], checkpoint_blocks: Sequence[Sequence[str]] = ()
+) -> list[list[str]]:
     """Parameters of each block whose activations may be recomputed: the profile's checkpoint
     blocks, else the numbered entries of module lists (``model.layers.3``), in module order."""
     if checkpoint_blocks:
@@ -46,8 +47,11 @@ def recompute_blocks(module_params: Mapping[str, Sequence[str]],
     return list(blocks.values())
 
 
-def last_module(block: Sequence[str], module_params: Mapping[str, Sequence[str]],
-                forward_order: Sequence[str] = ()) -> str | None:
+def last_module(
+    block: Sequence[str],
+    module_params: Mapping[str, Sequence[str]],
+    forward_order: Sequence[str] = (),
+) -> str | None:
     """The module of ``block`` (parameter names) whose forward runs last: the one backward
     reaches first, pinned while the block's forward is re-run. Module order without
     ``forward_order``."""
@@ -58,8 +62,13 @@ def last_module(block: Sequence[str], module_params: Mapping[str, Sequence[str]]
     first_use: dict[str, int] = {}
     for i, name in enumerate(forward_order):
         first_use.setdefault(name, i)
-    return max(modules, key=lambda m: (min((first_use.get(n, -1) for n in module_params[m]),
-                                           default=-1), modules.index(m)))
+    return max(
+        modules,
+        key=lambda m: (
+            min((first_use.get(n, -1) for n in module_params[m]), default=-1),
+            modules.index(m),
+        ),
+    )
 
 
 def min_cache_blocks(
@@ -79,7 +88,8 @@ def min_cache_blocks(
     0 when no chunk lives in the rCache.
     """
     own = {
-        module: {chunk_of[n] for n in names if n in chunk_of} for module, names in module_params.items()
+        module: {chunk_of[n] for n in names if n in chunk_of}
+        for module, names in module_params.items()
     }
     pinned: dict[str, set] = {}
     for module in module_params:  # with every enclosing module that owns parameters

@@ -25,9 +25,6 @@ if TYPE_CHECKING:
     from tierwise.runtime.engine import Engine
 
 
-
-
-
 def full_state(
     engine: Engine, patterns: Sequence[ParallelPattern] = (), *, trainable_only: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -115,7 +112,9 @@ def install_state_dict_hooks(
             raise RuntimeError(f"load_state_dict: missing parameters {missing[:5]}...")
         load_full_state(engine, params, patterns)
         result = original_load(rest, strict=False)
-        if strict and (result.unexpected_keys or [k for k in result.missing_keys if k not in param_names]):
+        if strict and (
+            result.unexpected_keys or [k for k in result.missing_keys if k not in param_names]
+        ):
             raise RuntimeError(f"load_state_dict: unexpected {result.unexpected_keys}")
         return result
 
@@ -141,8 +140,11 @@ def _slabs(chunk: Chunk) -> dict:
     """A chunk's stored kinds ([Note: checkpoint by parameter name]) and the slabs holding them."""
     if chunk.optim is None:
         return {"master": chunk.home}
-    return {"master": chunk.optim.master, "exp_avg": chunk.optim.exp_avg,
-            "exp_avg_sq": chunk.optim.exp_avg_sq}
+    return {
+        "master": chunk.optim.master,
+        "exp_avg": chunk.optim.exp_avg,
+        "exp_avg_sq": chunk.optim.exp_avg_sq,
+    }
 
 
 def _overlap(chunk: Chunk, slot) -> tuple[int, int]:
@@ -225,19 +227,32 @@ def _manifest(engine: Engine, world: int, gathered: list) -> dict:
     for rank, (described, index) in enumerate(gathered):
         files.update(described)
         for name, entry in index.items():
-            param = params.setdefault(name, {
-                "shape": entry["shape"], "trainable": entry["trainable"], "step": entry["step"],
-                "pieces": [],
-            })
+            param = params.setdefault(
+                name,
+                {
+                    "shape": entry["shape"],
+                    "trainable": entry["trainable"],
+                    "step": entry["step"],
+                    "pieces": [],
+                },
+            )
             param["pieces"].append([_rank_file(rank, world), entry["lo"], entry["hi"]])
     for param in params.values():
         param["pieces"].sort(key=lambda piece: piece[1])
     aliases = {alias: info.name for info in engine.profile.params for alias in info.aliases}
     return {
-        "format": FORMAT_VERSION, "tierwise_version": __version__, "world_size": world,
-        "step": engine.steps_taken, "files": files, "params": params, "aliases": aliases,
-        "plan": {"chunk_size": engine.plan.chunk_size, "cache_blocks": engine.plan.cache_blocks,
-                 "parallel": dict(engine.config.parallel or {})},
+        "format": FORMAT_VERSION,
+        "tierwise_version": __version__,
+        "world_size": world,
+        "step": engine.steps_taken,
+        "files": files,
+        "params": params,
+        "aliases": aliases,
+        "plan": {
+            "chunk_size": engine.plan.chunk_size,
+            "cache_blocks": engine.plan.cache_blocks,
+            "parallel": dict(engine.config.parallel or {}),
+        },
     }
 
 
@@ -316,7 +331,10 @@ def _check_names(engine: Engine, reader: CheckpointReader) -> None:
                     f"checkpoint {reader.path} saved {slot.name} frozen (no Adam moments), this "
                     "run trains it: load it with the same parameters trainable"
                 )
-            if not _splits(pattern_of.get(chunk.group.pattern_key)) and reader.shape(slot.name) != slot.shape:
+            if (
+                not _splits(pattern_of.get(chunk.group.pattern_key))
+                and reader.shape(slot.name) != slot.shape
+            ):
                 raise CheckpointError(
                     f"checkpoint {reader.path}: {slot.name} has shape {tuple(reader.shape(slot.name))}"
                     f", this model's has {tuple(slot.shape)}: load a checkpoint of the same model"
@@ -334,11 +352,17 @@ def load_from_reader(engine: Engine, reader: CheckpointReader) -> None:
         for slot in chunk.slots:
             lo, hi = _overlap(chunk, slot)
             if lo < hi:
-                needed |= reader.files_for(slot.name) if whole else reader.files_for(slot.name, lo, hi)
+                needed |= (
+                    reader.files_for(slot.name) if whole else reader.files_for(slot.name, lo, hi)
+                )
     reader.open_files(needed)
     current = [s.name for c in engine.chunks() for s in c.slots]
     # the run re-packed after warm-up: the same order here
-    order = state["order"] if state["order"] != current and sorted(state["order"]) == sorted(current) else None
+    order = (
+        state["order"]
+        if state["order"] != current and sorted(state["order"]) == sorted(current)
+        else None
+    )
     engine.adopt_layout(order, warmed_up=state["steps_taken"] >= 1)
     for chunk in engine.chunks():
         start, end = chunk.shard_range()
@@ -360,7 +384,8 @@ def load_from_reader(engine: Engine, reader: CheckpointReader) -> None:
             values[kind] = shard
         if chunk.optim is not None:
             engine.step_counts.load_state_dict(
-                {"counts": {slot.name: int(reader.step(slot.name)) for slot in chunk.slots}})
+                {"counts": {slot.name: int(reader.step(slot.name)) for slot in chunk.slots}}
+            )
             for kind, slab in _slabs(chunk).items():
                 write_slab(slab, values[kind])
             if chunk.home is not chunk.optim.master:
@@ -380,8 +405,14 @@ def rank_state(engine: Engine) -> dict:
     when model-parallel patterns rebuild whole-model values)."""
     rank, world = _rank_and_world()
     pieces, index = rank_pieces(engine, rank, world)
-    return {"format": FORMAT_VERSION, "world_size": world, "rank": rank, "pieces": pieces,
-            "index": index, "engine": engine.state_dict()}
+    return {
+        "format": FORMAT_VERSION,
+        "world_size": world,
+        "rank": rank,
+        "pieces": pieces,
+        "index": index,
+        "engine": engine.state_dict(),
+    }
 
 
 class _InMemoryReader(CheckpointReader):
@@ -390,11 +421,19 @@ class _InMemoryReader(CheckpointReader):
 
     def __init__(self, state: dict):
         self.path = Path(f"<state_dict of rank {state['rank']}>")
-        params = {name: {**{k: v for k, v in entry.items() if k not in ("lo", "hi")},
-                         "pieces": [["memory", entry["lo"], entry["hi"]]]}
-                  for name, entry in state["index"].items()}
-        self.manifest = {"world_size": state["world_size"], "step": state["engine"]["steps_taken"],
-                         "params": params, "files": {}}
+        params = {
+            name: {
+                **{k: v for k, v in entry.items() if k not in ("lo", "hi")},
+                "pieces": [["memory", entry["lo"], entry["hi"]]],
+            }
+            for name, entry in state["index"].items()
+        }
+        self.manifest = {
+            "world_size": state["world_size"],
+            "step": state["engine"]["steps_taken"],
+            "params": params,
+            "files": {},
+        }
         self._params, self._aliases = params, {}
         self._files = {"memory": state["pieces"]}
         self._engine = state["engine"]
@@ -406,8 +445,10 @@ class _InMemoryReader(CheckpointReader):
 def load_rank_state(engine: Engine, state: dict) -> None:
     """Inverse of :func:`rank_state` on the same layout and world size."""
     if state.get("format") != FORMAT_VERSION:
-        raise CheckpointError("optimizer state dict from another tierwise version: save and load "
-                              "a checkpoint directory instead")
+        raise CheckpointError(
+            "optimizer state dict from another tierwise version: save and load "
+            "a checkpoint directory instead"
+        )
     load_from_reader(engine, _InMemoryReader(state))
 
 

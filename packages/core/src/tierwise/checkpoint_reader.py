@@ -82,15 +82,19 @@ class CheckpointReader:
         return float(self._entry(name)["step"])
 
     # -- values -------------------------------------------------------------------------------
-    def read(self, name: str, kind: str = "master", start: int = 0, end: int | None = None) -> torch.Tensor:
+    def read(
+        self, name: str, kind: str = "master", start: int = 0, end: int | None = None
+    ) -> torch.Tensor:
         """Elements ``[start, end)`` of ``name``'s flattened whole-model ``kind`` (fp32, a copy).
 
         Only the files holding those elements are opened (and checked against the manifest).
         """
         entry = self._entry(name)
         if kind not in KINDS or (kind != "master" and not entry["trainable"]):
-            raise KeyError(f"checkpoint {self.path}: {name} has no {kind!r} (it has: "
-                           f"{', '.join(KINDS if entry['trainable'] else KINDS[:1])})")
+            raise KeyError(
+                f"checkpoint {self.path}: {name} has no {kind!r} (it has: "
+                f"{', '.join(KINDS if entry['trainable'] else KINDS[:1])})"
+            )
         numel = self.numel(name)
         end = numel if end is None else end
         if not 0 <= start <= end <= numel:
@@ -105,14 +109,17 @@ class CheckpointReader:
             out[a - start : b - start] = piece[a - lo : b - lo]
             covered += b - a
         if covered != end - start:
-            raise CheckpointError(f"checkpoint {self.path}: the pieces of {name} do not cover "
-                                  f"[{start}, {end})")
+            raise CheckpointError(
+                f"checkpoint {self.path}: the pieces of {name} do not cover [{start}, {end})"
+            )
         return out
 
     def files_for(self, name: str, start: int = 0, end: int | None = None) -> set[str]:
         """The files holding elements ``[start, end)`` of ``name``."""
         end = self.numel(name) if end is None else end
-        return {file for file, lo, hi in self._entry(name)["pieces"] if max(lo, start) < min(hi, end)}
+        return {
+            file for file, lo, hi in self._entry(name)["pieces"] if max(lo, start) < min(hi, end)
+        }
 
     def open_files(self, files: set[str]) -> None:
         """Open (and check against the manifest) ``files`` now: a caller that writes what it

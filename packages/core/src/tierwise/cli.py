@@ -30,7 +30,11 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         rows.append((info.name, info.distribution, info.version, "; ".join(parts) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True)) + "  " + row[3])
+        print(
+            "  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True))
+            + "  "
+            + row[3]
+        )
     for name, cls in sorted(get_plugin_host().tier_classes().items()):
         note = cls.environment_note()
         if note:

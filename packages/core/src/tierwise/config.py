@@ -138,10 +138,16 @@ class Config:
             object.__setattr__(self, "activation_policy", dict(self.activation_policy))
         swaps_to_nvme = "nvme" in (self.activation_policy or {}).values()
         if swaps_to_nvme and not self.nvme_path:
-            fail("activation_policy", "swapping activations to nvme needs nvme_path set to a "
-                 "directory on a fast disk (and the tierwise-nvme plugin)")
-        asks_nvme = [name for name in ("param_placement", "optimizer_placement", "activation_offload")
-                     if getattr(self, name) == "nvme"]
+            fail(
+                "activation_policy",
+                "swapping activations to nvme needs nvme_path set to a "
+                "directory on a fast disk (and the tierwise-nvme plugin)",
+            )
+        asks_nvme = [
+            name
+            for name in ("param_placement", "optimizer_placement", "activation_offload")
+            if getattr(self, name) == "nvme"
+        ]
         if asks_nvme and not self.nvme_path:
             fail(
                 "nvme_path" if self.nvme_path is not None else asks_nvme[0],
@@ -150,7 +156,11 @@ class Config:
             )
         if self.nvme_path is not None:
             object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+        if (
+            isinstance(self.prefetch, bool)
+            or not isinstance(self.prefetch, int)
+            or self.prefetch < 0
+        ):
             fail("prefetch", "give a number of chunks ≥ 0")
         if self.activation_offload not in ACTIVATION_OFFLOADS:
             fail("activation_offload", f"choose one of {', '.join(ACTIVATION_OFFLOADS)}")
@@ -161,13 +171,20 @@ class Config:
             ):
                 fail("parallel", 'give a dict of pattern name to size, e.g. {"expert": 2}')
         if self.expert_capacity_factor is not None and not (
-            isinstance(self.expert_capacity_factor, (int, float)) and self.expert_capacity_factor > 0
+            isinstance(self.expert_capacity_factor, (int, float))
+            and self.expert_capacity_factor > 0
         ):
-            fail("expert_capacity_factor", "give a positive factor (1.25 is common) or None for exact routing")
+            fail(
+                "expert_capacity_factor",
+                "give a positive factor (1.25 is common) or None for exact routing",
+            )
         if self.optimizer_overlap not in ("auto", "in-backward", "after-backward"):
             fail("optimizer_overlap", "choose one of auto, in-backward, after-backward")
         if self.optimizer_overlap == "in-backward" and self.precision == "fp16":
-            fail("optimizer_overlap", "fp16 loss scaling needs every gradient before any update: use 'auto' or 'after-backward'")
+            fail(
+                "optimizer_overlap",
+                "fp16 loss scaling needs every gradient before any update: use 'auto' or 'after-backward'",
+            )
         if not 0 < self.alloc_fraction <= 1:
             fail("alloc_fraction", "must be in (0, 1]")
         if self.frag_factor < 1:

@@ -65,7 +65,9 @@ def hardware_facts(spec: str) -> dict[str, Any]:
             continue
         facts.update(_read_one(part))
     if not facts:
-        raise HardwareError(f"--hardware {spec!r}: give a preset ({', '.join(preset_names())}) or a JSON file")
+        raise HardwareError(
+            f"--hardware {spec!r}: give a preset ({', '.join(preset_names())}) or a JSON file"
+        )
     return facts
 
 
@@ -99,5 +101,7 @@ def _read_one(part: str) -> dict[str, Any]:
     for name, value in data.items():
         expected = str if name == "device_type" else (int, float)
         if value is not None and (isinstance(value, bool) or not isinstance(value, expected)):
-            raise HardwareError(f"--hardware {part}: {name}={value!r} is not a {'string' if expected is str else 'number'}")
+            raise HardwareError(
+                f"--hardware {part}: {name}={value!r} is not a {'string' if expected is str else 'number'}"
+            )
     return data

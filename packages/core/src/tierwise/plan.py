@@ -31,7 +31,11 @@ class PlanError(ValueError):
     and ``limit`` are the bytes the smallest plan needs there and the bytes there are."""
 
     def __init__(
-        self, message: str, *, tier: str | None = None, need: int | None = None,
+        self,
+        message: str,
+        *,
+        tier: str | None = None,
+        need: int | None = None,
         limit: int | None = None,
     ) -> None:
         super().__init__(message)
@@ -153,7 +157,9 @@ class Plan(JsonDataclass):
             info = self.groups.get(group, {})
             n = info.get("chunks", 0)
             p = self.param_tiers.get(group) or [self.param_tier] * n
-            o = self.optim_tiers.get(group) or ([self.optim_tier] * n if info.get("trainable", True) else [])
+            o = self.optim_tiers.get(group) or (
+                [self.optim_tier] * n if info.get("trainable", True) else []
+            )
             where = f"params {_count(p)} | optimizer {_count(o)}"
             if info:
                 where = f"pattern {info['pattern']}, DP {info['dp_size']}, {n} chunks | {where}"

@@ -37,16 +37,25 @@ def _layout(profile: Profile, chunk_size: int) -> dict[str, list[tuple[int, bool
         names_by_group[p.group or "data/g0/train"].append(p.name)
     out = {}
     for group, names in names_by_group.items():
-        specs = pack(first_use_order(profile.forward_order, names), {n: info[n].numel for n in names}, chunk_size)
-        out[group] = [(s.capacity, info[names[0]].requires_grad, {x.name for x in s.slots}) for s in specs]
+        specs = pack(
+            first_use_order(profile.forward_order, names),
+            {n: info[n].numel for n in names},
+            chunk_size,
+        )
+        out[group] = [
+            (s.capacity, info[names[0]].requires_grad, {x.name for x in s.slots}) for s in specs
+        ]
     return out
 
 
 def may_recompute(config: Config) -> bool:
     """Whether some block's forward may be re-run in backward (checkpointing, or an activation
     policy that can choose recompute)."""
-    return bool(config.activation_checkpointing or config.activation_offload != "none"
-                or config.activation_policy)
+    return bool(
+        config.activation_checkpointing
+        or config.activation_offload != "none"
+        or config.activation_policy
+    )
 
 
 TRACED_ORDER = ("meta", "runtime")
@@ -68,8 +77,12 @@ def profile_min_blocks(profile: Profile, chunk_of: dict, *, recompute: bool) -> 
 
 def _min_blocks(profile: Profile, layout, config: Config) -> int:
     """Most chunks pinned at one moment, every chunk in the rCache ([Note: the rCache minimum])."""
-    chunk_of = {name: (group, i) for group, chunks in layout.items()
-                for i, (_, _, names) in enumerate(chunks) for name in names}
+    chunk_of = {
+        name: (group, i)
+        for group, chunks in layout.items()
+        for i, (_, _, names) in enumerate(chunks)
+        for name in names
+    }
     return max(1, profile_min_blocks(profile, chunk_of, recompute=may_recompute(config)))
 
 
@@ -91,23 +104,38 @@ def _auto_activations(profile: Profile, budget, budget_for, need_on_device: int,
             f"model data, which needs {format_bytes(need_on_device)} on the device"
         )
         return budget_recompute, {b: "recompute" for b in blocks}
-    why = "device memory unknown" if budget is None else (
-        "model data fits beside them" if budget >= need_on_device
-        else "recomputing would not keep model data on the device either")
+    why = (
+        "device memory unknown"
+        if budget is None
+        else (
+            "model data fits beside them"
+            if budget >= need_on_device
+            else "recomputing would not keep model data on the device either"
+        )
+    )
     reasons.append(f"activations: keep all {len(blocks)} blocks ({why})")
     return budget, {b: "keep" for b in blocks}
 
 
 def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Plan:
     lc = PARAM_BYTES[config.precision]
-    chunk_size = config.chunk_size if isinstance(config.chunk_size, int) else auto_chunk_size(profile)
+    chunk_size = (
+        config.chunk_size if isinstance(config.chunk_size, int) else auto_chunk_size(profile)
+    )
     layout = _layout(profile, chunk_size)
-    dp_size = {(p.group or "data/g0/train"): p.dp_size or hardware.world_size for p in profile.params}
+    dp_size = {
+        (p.group or "data/g0/train"): p.dp_size or hardware.world_size for p in profile.params
+    }
     # per chunk: (capacity, trainable, data-parallel size, ranks it is sharded over)
     caps = [
-        (cap, trainable, dp_size.get(group, hardware.world_size),
-         dp_size.get(group, hardware.world_size) if config.shard else 1)
-        for group, chunks in layout.items() for cap, trainable, _ in chunks
+        (
+            cap,
+            trainable,
+            dp_size.get(group, hardware.world_size),
+            dp_size.get(group, hardware.world_size) if config.shard else 1,
+        )
+        for group, chunks in layout.items()
+        for cap, trainable, _ in chunks
     ]
     block_bytes = max(cap for cap, *_ in caps) * lc
     n_chunks = len(caps)
@@ -140,15 +168,24 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
         if config.device_memory is not None:
             return config.device_memory
         if hardware.device_type == "cuda" and hardware.device_memory is not None:
-            return int(config.alloc_fraction * (hardware.device_memory - profile.buffer_bytes
-                                                - config.frag_factor * activation_bytes))
+            return int(
+                config.alloc_fraction
+                * (
+                    hardware.device_memory
+                    - profile.buffer_bytes
+                    - config.frag_factor * activation_bytes
+                )
+            )
         return None
 
     budget = budget_for(profile.peak_activation_bytes)
     activation_policy: dict[str, str] = {}
     if config.activation_offload == "auto":
         budget, activation_policy = _auto_activations(
-            profile, budget, budget_for, device_need("device", "device", blocks_for("device")),
+            profile,
+            budget,
+            budget_for,
+            device_need("device", "device", blocks_for("device")),
             reasons,
         )
     fits = lambda p, o, b: budget is None or device_need(p, o, b) <= budget  # noqa: E731
@@ -161,7 +198,9 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
         for p_tier, o_tier in (("device", "device"), ("host", "device"), ("host", "host")):
             p_tier, o_tier = forced_p or p_tier, forced_o or o_tier
             # a forced cache_blocks is what the placement must fit with
-            if fits(p_tier, o_tier, forced_blocks if forced_blocks is not None else blocks_for(p_tier)):
+            if fits(
+                p_tier, o_tier, forced_blocks if forced_blocks is not None else blocks_for(p_tier)
+            ):
                 break
         param_tier, optim_tier = p_tier, o_tier
         reasons.append(
@@ -185,9 +224,15 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
     need = device_need(param_tier, optim_tier, cache_blocks)
     if budget is not None and need > budget:
         raise _device_binds(
-            need=need, budget=budget, param_tier=param_tier, optim_tier=optim_tier,
-            cache_blocks=cache_blocks, forced_blocks=forced_blocks, min_blocks=min_blocks,
-            staging_blocks=staging_blocks, block_bytes=block_bytes,
+            need=need,
+            budget=budget,
+            param_tier=param_tier,
+            optim_tier=optim_tier,
+            cache_blocks=cache_blocks,
+            forced_blocks=forced_blocks,
+            min_blocks=min_blocks,
+            staging_blocks=staging_blocks,
+            block_bytes=block_bytes,
             smallest=lambda blocks: device_need(forced_p or "host", forced_o or "host", blocks),
             smallest_tiers=(forced_p or "host", forced_o or "host"),
         )
@@ -211,9 +256,18 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
 
 
 def _device_binds(
-    *, need: int, budget: int, param_tier: str, optim_tier: str, cache_blocks: int,
-    forced_blocks: int | None, min_blocks: int, staging_blocks: int, block_bytes: int,
-    smallest: Callable[[int], int], smallest_tiers: tuple[str, str],
+    *,
+    need: int,
+    budget: int,
+    param_tier: str,
+    optim_tier: str,
+    cache_blocks: int,
+    forced_blocks: int | None,
+    min_blocks: int,
+    staging_blocks: int,
+    block_bytes: int,
+    smallest: Callable[[int], int],
+    smallest_tiers: tuple[str, str],
 ) -> PlanError:
     """The one-line error when the device budget binds. The numbers it quotes are those of the
     smallest plan the user's forced settings allow, so the minimum it names is never below the
@@ -233,13 +287,20 @@ def _device_binds(
             f"(at least {min_blocks} are needed, params on {p_tier}, optimizer on {o_tier}); set "
             f"cache_blocks to at most {most} or 'auto', or raise device_memory to at least "
             f"{format_gib(need)}",
-            tier="device", need=need, limit=budget,
+            tier="device",
+            need=need,
+            limit=budget,
         )
     forced = [f"params on {p_tier}", f"optimizer on {o_tier}", f"{min_blocks} rCache blocks"]
-    lower = (f"lower cache_blocks to {min_blocks} and " if forced_blocks is not None
-             and forced_blocks > min_blocks else "")
+    lower = (
+        f"lower cache_blocks to {min_blocks} and "
+        if forced_blocks is not None and forced_blocks > min_blocks
+        else ""
+    )
     return PlanError(
         f"{this} The smallest plan ({', '.join(forced)}) needs {format_gib(smallest_need)}: "
         f"{lower}raise device_memory to at least that, or use a smaller chunk_size",
-        tier="device", need=smallest_need, limit=budget,
+        tier="device",
+        need=smallest_need,
+        limit=budget,
     )

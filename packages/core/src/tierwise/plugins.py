@@ -146,9 +146,7 @@ class PluginHost:
             if plugin is None:  # blocked by TIERWISE_DISABLE_PLUGINS
                 continue
             dist, version = self._dists.get(name, ("?", "?"))
-            hooks = tuple(
-                sorted(caller.name for caller in self.pm.get_hookcallers(plugin) or [])
-            )
+            hooks = tuple(sorted(caller.name for caller in self.pm.get_hookcallers(plugin) or []))
             infos.append(
                 PluginInfo(
                     name=name,
@@ -173,7 +171,9 @@ def _names_from(plugin: Any, hook_name: str) -> tuple[str, ...]:
 def _trace(pm: pluggy.PluginManager) -> None:
     def before(hook_name, hook_impls, kwargs):
         names = [impl.plugin_name for impl in hook_impls]
-        print(f"[tierwise plugins] call {hook_name}({', '.join(kwargs)}) -> {names}", file=sys.stderr)
+        print(
+            f"[tierwise plugins] call {hook_name}({', '.join(kwargs)}) -> {names}", file=sys.stderr
+        )
 
     def after(outcome, hook_name, hook_impls, kwargs):
         print(f"[tierwise plugins] done {hook_name}: {outcome.get_result()!r}", file=sys.stderr)

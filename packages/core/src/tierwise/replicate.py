@@ -67,7 +67,9 @@ def layer_list(model: torch.nn.Module, layers: int) -> str:
     return ""
 
 
-def profile_by_replication(config, profile: Callable[[object], tuple[Profile, str]]) -> Profile | None:
+def profile_by_replication(
+    config, profile: Callable[[object], tuple[Profile, str]]
+) -> Profile | None:
     """The profile of ``config`` from 3- and 4-layer copies, or None when the copies do not
     replicate (see [Note: layer replication]). ``profile(config)`` returns the profile of a
     model built from ``config`` and the qualified name of its ModuleList of layers."""

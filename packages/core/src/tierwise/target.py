@@ -46,8 +46,10 @@ def target_hardware(
     if spec:
         facts = hardware_facts(spec)
         facts.setdefault("device_type", device.split(":")[0] if device else "cuda")
-        notes.append(f"hardware: --hardware {spec} (figures and their sources: tierwise "
-                     "plan --help lists the presets; README 'Hardware fields')")
+        notes.append(
+            f"hardware: --hardware {spec} (figures and their sources: tierwise "
+            "plan --help lists the presets; README 'Hardware fields')"
+        )
     else:
         wanted = device or "cuda"
         if not device_present(wanted):

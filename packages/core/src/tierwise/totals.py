@@ -25,7 +25,10 @@ def model_data_bytes(numel: int, trainable: int, precision: str) -> list[tuple[s
 
 
 def totals(
-    profile: Profile, precision: str, *, tflops: float | None = None,
+    profile: Profile,
+    precision: str,
+    *,
+    tflops: float | None = None,
     tokens_per_s: float | None = None,
 ) -> dict[str, Any]:
     """``n_params``, ``model_bytes`` (parameters, fp32 master and Adam states, see
@@ -43,7 +46,9 @@ def totals(
 
 def plan_totals(profile: Profile, plan: Plan, precision: str) -> dict[str, Any]:
     return totals(
-        profile, precision, tflops=plan.predicted_tflops,
+        profile,
+        precision,
+        tflops=plan.predicted_tflops,
         tokens_per_s=plan.predicted_tokens_per_s,
     )
 

@@ -156,7 +156,11 @@ class ShardedExperts(torch.nn.Module):
 
     def _run_local_experts(self, rows: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
         return _LocalExperts.apply(
-            rows, self.gate_up_proj, self.down_proj, rows_per_expert, self.act_fn,
+            rows,
+            self.gate_up_proj,
+            self.down_proj,
+            rows_per_expert,
+            self.act_fn,
             1.0 / self.ep_size,  # [Note: expert gradient scale]
         )
 
@@ -196,9 +200,16 @@ class _LocalExperts(torch.autograd.Function):
         grad_down = torch.empty_like(down) if need_down else None
         grad_rows = torch.empty_like(rows)
         grad_gu_all = torch.empty_like(gate_up_out)
-        for e, (x, gu, g_out, g_gu, g_x) in enumerate(_per_expert(
-            ctx.rows_per_expert, rows, gate_up_out, grad_result.contiguous(), grad_gu_all, grad_rows
-        )):
+        for e, (x, gu, g_out, g_gu, g_x) in enumerate(
+            _per_expert(
+                ctx.rows_per_expert,
+                rows,
+                gate_up_out,
+                grad_result.contiguous(),
+                grad_gu_all,
+                grad_rows,
+            )
+        ):
             gate, up = gu.chunk(2, dim=-1)
             with torch.enable_grad():
                 gate = gate.detach().requires_grad_()

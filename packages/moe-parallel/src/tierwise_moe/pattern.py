@@ -53,11 +53,15 @@ class ModelParallelPattern(ParallelPattern):
         """The ranks holding the same shards (the complement of the model-parallel group)."""
         return self.mesh.dp_group
 
-    def full_tensor(self, name: str, param: torch.nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    def full_tensor(
+        self, name: str, param: torch.nn.Parameter, local: torch.Tensor
+    ) -> torch.Tensor:
         """All-gather this rank's block of ``param`` over the model-parallel group (collective)."""
         return self._spec(name, param).gather(local)
 
-    def local_tensor(self, name: str, param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    def local_tensor(
+        self, name: str, param: torch.nn.Parameter, full: torch.Tensor
+    ) -> torch.Tensor:
         """This rank's block of the whole-model value ``full`` (no communication)."""
         return self._spec(name, param).shard(full)
 

@@ -233,7 +233,8 @@ class OptimizerPipeline:
         job.update(job.buffers)
         self.timings["update_s"] += time.perf_counter() - begin
         job.writes = [  # committed by drain: [Note: atomic optimizer step]
-            self.tier.write_next(slab, buf) for slab, buf in zip(job.slabs, job.buffers, strict=True)
+            self.tier.write_next(slab, buf)
+            for slab, buf in zip(job.slabs, job.buffers, strict=True)
         ]
         with self._cond:
             self._written.extend(job.slabs)

@@ -59,7 +59,9 @@ def probe_nvme(directory: str | Path, *, refresh: bool = False) -> dict[str, Any
         entry = None if refresh else cached_nvme(key)
         if entry is None:
             share = free_bytes(Path(key)) // PROBE_SHARE // ALIGNMENT * ALIGNMENT
-            entry = cache_nvme(key, *measure_bandwidth(key, max(ALIGNMENT, min(PROBE_BYTES, share))))
+            entry = cache_nvme(
+                key, *measure_bandwidth(key, max(ALIGNMENT, min(PROBE_BYTES, share)))
+            )
     return {
         "nvme_read_bandwidth": entry["nvme_read_bandwidth"],
         "nvme_write_bandwidth": entry["nvme_write_bandwidth"],

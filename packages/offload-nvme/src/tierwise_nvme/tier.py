@@ -128,16 +128,20 @@ class NVMeTier(Tier):
         try:
             load_libaio()
         except (OSError, ImportError) as err:
-            return (f"Linux AIO is unavailable ({err}): the nvme tier uses its thread-pool "
-                    "fallback (os.preadv/os.pwritev); install libaio.so.1 (Debian/Ubuntu: "
-                    "apt-get install libaio1, or libaio1t64) for asynchronous kernel I/O")
+            return (
+                f"Linux AIO is unavailable ({err}): the nvme tier uses its thread-pool "
+                "fallback (os.preadv/os.pwritev); install libaio.so.1 (Debian/Ubuntu: "
+                "apt-get install libaio1, or libaio1t64) for asynchronous kernel I/O"
+            )
         return None
 
     def check_capacity(self, slab_bytes: list[int]) -> None:
         """The disk has room for slabs of these sizes, beside what this tier holds already."""
         check_space(self.directory, slab_bytes)
 
-    def allocate(self, numel: int, dtype: torch.dtype, *, kind: PayloadKind, what: str = "") -> Slab:
+    def allocate(
+        self, numel: int, dtype: torch.dtype, *, kind: PayloadKind, what: str = ""
+    ) -> Slab:
         slab = Slab(self, numel, dtype, what or kind.value, kind=kind)
         file = self._file(kind)  # one file per kind of payload
         self._account(slab.nbytes, slab.what)
@@ -212,7 +216,9 @@ class NVMeTier(Tier):
             for pipeline in list(self._pipelines):
                 pipeline.slab_written(slab)
 
-    def _write_region(self, file, base: int, slab: Slab, src: torch.Tensor, offset: int) -> IOHandle:
+    def _write_region(
+        self, file, base: int, slab: Slab, src: torch.Tensor, offset: int
+    ) -> IOHandle:
         if src.numel() == 0:
             return DONE
         start = base + offset * src.element_size()

@@ -38,7 +38,9 @@ def add_commands(subparsers: Any) -> None:
         "--checkpointing", action="store_true", help="activation checkpointing of each block"
     )
     profile.add_argument(
-        "--hardware", default=None, metavar="NAME|FILE",
+        "--hardware",
+        default=None,
+        metavar="NAME|FILE",
         help="also predict TFLOPS and tokens/s on this machine (a preset such as a100-80gb or a "
         "JSON file of Hardware fields; see tierwise plan --help), through the planner",
     )
@@ -57,7 +59,9 @@ def add_commands(subparsers: Any) -> None:
     probe.add_argument("--device", default=None, help="compute device (default: cuda if any)")
     probe.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     probe.add_argument(
-        "--nvme-path", default=None, metavar="DIR",
+        "--nvme-path",
+        default=None,
+        metavar="DIR",
         help="also measure the NVMe tier's bandwidth in DIR (tierwise-nvme); cached per path and "
         "used by tierwise plan --nvme DIR",
     )
@@ -84,7 +88,10 @@ def run_profile(args: argparse.Namespace) -> int:
         return 2
     try:
         profile = profile_config(
-            config, batch=args.batch, seq=args.seq, precision=args.precision,
+            config,
+            batch=args.batch,
+            seq=args.seq,
+            precision=args.precision,
             checkpointing=args.checkpointing,
         )
     except MetaProfileError as err:
@@ -103,7 +110,8 @@ def run_profile(args: argparse.Namespace) -> int:
         from tierwise.totals import totals
 
         figures = totals(
-            profile, args.precision,
+            profile,
+            args.precision,
             tflops=plan.predicted_tflops if plan else None,
             tokens_per_s=plan.predicted_tokens_per_s if plan else None,
         )
@@ -124,10 +132,12 @@ def predict(profile, args):
     from tierwise.plugins import get_plugin_host
     from tierwise.target import target_hardware
 
-    target = target_hardware(spec=args.hardware, device=None, gpus=args.gpus,
-                             precision=args.precision)
+    target = target_hardware(
+        spec=args.hardware, device=None, gpus=args.gpus, precision=args.precision
+    )
     config = Config(
-        device=target.hardware.device_type, precision=args.precision,
+        device=target.hardware.device_type,
+        precision=args.precision,
         activation_checkpointing=args.checkpointing,
     )
     try:
@@ -204,7 +214,8 @@ def run_probe(args: argparse.Namespace) -> int:
 
     try:
         config = Config(
-            precision=args.precision, nvme_path=args.nvme_path,
+            precision=args.precision,
+            nvme_path=args.nvme_path,
             **({"device": args.device} if args.device else {}),
         )
     except ConfigError as err:
@@ -222,7 +233,9 @@ def run_probe(args: argparse.Namespace) -> int:
         return 2
     if args.nvme_path:
         if "nvme" not in host.tier_classes():
-            print("tierwise probe: --nvme-path needs the tierwise-nvme plugin: pip install tierwise-nvme")
+            print(
+                "tierwise probe: --nvme-path needs the tierwise-nvme plugin: pip install tierwise-nvme"
+            )
             return 2
         if args.refresh:
             forget_nvme(args.nvme_path)

@@ -113,8 +113,14 @@ def adam_velocity(device: torch.device) -> float:
 
     def update() -> None:
         adam_update(
-            master=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step,
-            hyper=AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True),
+            master=param,
+            grad=grad,
+            exp_avg=exp_avg,
+            exp_avg_sq=exp_avg_sq,
+            step=step,
+            hyper=AdamHyper(
+                lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True
+            ),
         )
 
     return ADAM_NUMEL / _time_per_call(update, device)

@@ -68,7 +68,9 @@ def profile_config(
     def profile(cfg):
         model = meta_model(cfg)
         result = profile_model(
-            model, meta_batch(batch=batch, seq=seq), precision=precision,
+            model,
+            meta_batch(batch=batch, seq=seq),
+            precision=precision,
             activation_checkpointing=checkpointing,
         )
         return result, layer_list(model, cfg.num_hidden_layers)
@@ -87,6 +89,12 @@ def meta_batch(*, batch: int, seq: int) -> dict[str, torch.Tensor]:
 
 
 __all__ = [
-    "FAMILIES", "VOCAB", "layer_list", "meta_batch", "meta_model", "model_config", "profile_config",
+    "FAMILIES",
+    "VOCAB",
+    "layer_list",
+    "meta_batch",
+    "meta_model",
+    "model_config",
+    "profile_config",
     "size_names",
 ]

@@ -146,19 +146,28 @@ def block_reasons(
     lines = []
     for block, action in policy.items():
         nbytes, secs = usage[block]
-        head = (f"activations of {block}: {action} ({nbytes / 2**20:.1f} MiB saved, "
-                f"{secs * 1e3:.2f} ms to recompute, {benefit(usage[block]) * 2**20 * 1e3:.3g} ms/MiB")
+        head = (
+            f"activations of {block}: {action} ({nbytes / 2**20:.1f} MiB saved, "
+            f"{secs * 1e3:.2f} ms to recompute, {benefit(usage[block]) * 2**20 * 1e3:.3g} ms/MiB"
+        )
         if action == "keep":
-            why = (f"{choice.name}: nothing leaves the device" if not choice.leaving
-                   else "outside the blocks that leave")
+            why = (
+                f"{choice.name}: nothing leaves the device"
+                if not choice.leaving
+                else "outside the blocks that leave"
+            )
         elif action == "recompute" and choice.target is None:
             why = "checkpointing: every block is recomputed"
         elif action == "recompute":
-            why = (f"benefit rank {rank[block]}/{len(choice.leaving)}: swapping more than the top "
-                   f"{swapped} to {choice.target} would cost more link time than it saves compute")
+            why = (
+                f"benefit rank {rank[block]}/{len(choice.leaving)}: swapping more than the top "
+                f"{swapped} to {choice.target} would cost more link time than it saves compute"
+            )
         else:
-            why = (f"benefit rank {rank[block]}/{len(choice.leaving)}: among the top {swapped}, "
-                   "whose swap hides behind compute better than recomputing them")
+            why = (
+                f"benefit rank {rank[block]}/{len(choice.leaving)}: among the top {swapped}, "
+                "whose swap hides behind compute better than recomputing them"
+            )
         lines.append(f"{head}): {why}")
     return lines
 

@@ -42,12 +42,16 @@ def add_plan_command(subparsers) -> None:
     )
     parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument(
-        "--device-memory", default=None, help="device capacity, e.g. 40GiB (default: the "
-        "preset's, or the probed device's free memory)"
+        "--device-memory",
+        default=None,
+        help="device capacity, e.g. 40GiB (default: the "
+        "preset's, or the probed device's free memory)",
     )
     parser.add_argument(
-        "--host-memory", default=None, help="host budget, e.g. 64GiB (default: this machine's "
-        "when probing, unlimited with --hardware)"
+        "--host-memory",
+        default=None,
+        help="host budget, e.g. 64GiB (default: this machine's "
+        "when probing, unlimited with --hardware)",
     )
     parser.add_argument("--nvme", default=None, metavar="PATH", help="directory for the NVMe tier")
     parser.add_argument(
@@ -136,8 +140,12 @@ def run_plan(args: argparse.Namespace) -> int:
             parse_bytes(args.device_memory, what="--device-memory") if args.device_memory else None
         )
         target = target_hardware(
-            spec=args.hardware, device=args.device, gpus=args.gpus, device_memory=capacity,
-            nvme_path=args.nvme, precision=args.precision,
+            spec=args.hardware,
+            device=args.device,
+            gpus=args.gpus,
+            device_memory=capacity,
+            nvme_path=args.nvme,
+            precision=args.precision,
         )
         config = plan_config(args, target.hardware.device_type)
         profile = plan_profile(args, config)
@@ -153,7 +161,11 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     plan.reasons += target.notes
     if args.json:
-        print(json.dumps({**plan_totals(profile, plan, args.precision), "plan": plan.to_dict()}, indent=1))
+        print(
+            json.dumps(
+                {**plan_totals(profile, plan, args.precision), "plan": plan.to_dict()}, indent=1
+            )
+        )
     else:
         print(
             f"model {args.model} {args.size if args.model in _families() else ''} · "

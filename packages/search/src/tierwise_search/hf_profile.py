@@ -42,7 +42,10 @@ def hf_config(model: str, size: str | None = None, *, seq_len: int = 1024):
     vocab = FAMILY_VOCAB[model]
     try:
         config = preset_config(
-            model, size or "125m", vocab_size=vocab, eos_id=vocab - 1,
+            model,
+            size or "125m",
+            vocab_size=vocab,
+            eos_id=vocab - 1,
             max_positions=max(1024, seq_len),
         )
     except TrainError as err:

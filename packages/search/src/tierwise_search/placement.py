@@ -117,7 +117,9 @@ def minimum_placement(model: CostModel, budgets: Budgets, forced: Forced) -> Pla
     raise PlacementError(
         f"{label} binds: the smallest plan needs {format_gib(need)} of model data in {label}, "
         f"{what} is {format_gib(limit)}: {format_gib(need - limit)} short; {hint}",
-        tier=tier, need=need, limit=limit,
+        tier=tier,
+        need=need,
+        limit=limit,
     )
 
 

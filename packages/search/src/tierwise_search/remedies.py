@@ -109,7 +109,9 @@ def remedies(args: argparse.Namespace, hardware: Hardware, error: PlanError) -> 
             step = next(
                 (
                     (flag, change)
-                    for flag, change in candidates(argparse.Namespace(**{**vars(args), **changes}), result)
+                    for flag, change in candidates(
+                        argparse.Namespace(**{**vars(args), **changes}), result
+                    )
                     if "gpus" not in change and "batch" not in change and flag not in flags
                 ),
                 None,

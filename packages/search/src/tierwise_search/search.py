@@ -181,9 +181,7 @@ class _Search:
     def layout(self, chunk_size: int):
         if chunk_size not in self._layouts:
             table = build_chunks(self.profile, chunk_size)
-            trace = build_trace(
-                self.profile, table, checkpointing=may_recompute(self.config)
-            )
+            trace = build_trace(self.profile, table, checkpointing=may_recompute(self.config))
             self._layouts[chunk_size] = (table, trace)
         return self._layouts[chunk_size]
 
@@ -326,7 +324,9 @@ class _Search:
                 f"is forced there), device_memory allows {format_gib(allowed)}: "
                 f"{format_gib(least - allowed)} short; raise device_memory"
                 + (" or relax the forced settings" if forced else " or use a smaller chunk_size"),
-                tier="device", need=least, limit=allowed,
+                tier="device",
+                need=least,
+                limit=allowed,
             )
         capacity = _capacity_for(least, self.profile, choice.device_bytes, self.config)
         have = self.hardware.device_memory
@@ -337,7 +337,9 @@ class _Search:
             f"{format_gib(choice.device_bytes)}), the device has {format_gib(have)}: "
             f"{format_gib(capacity - have)} short; use a larger device or more of them, or shrink "
             "activations (batch, sequence length, activation checkpointing or offload)",
-            tier="device", need=capacity, limit=have,
+            tier="device",
+            need=capacity,
+            limit=have,
         )
 
 
@@ -452,7 +454,8 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
         activation_policy=best.policy,
         activation_allowance=(
             int(config.frag_factor * best.choice.device_bytes)
-            if config.device_memory is None and search.hardware.device_memory is not None
+            if config.device_memory is None
+            and search.hardware.device_memory is not None
             and search.profile.peak_activation_bytes > 0  # activations profiled
             else None
         ),

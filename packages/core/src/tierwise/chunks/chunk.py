@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from tierwise.tiers.base import Slab, Tier
 
+
 @dataclass(eq=False)
 class ParamSlot:
     """One parameter inside a chunk."""
@@ -85,8 +86,12 @@ class OptimSlabs:
         """
         self.grad_filled = self.grad_fresh = self.grads_kept = False
         tensor = self.grad.tensor
-        if (tensor is not None and tensor._base is None and tensor.storage_offset() == 0
-                and not tensor.is_pinned()):
+        if (
+            tensor is not None
+            and tensor._base is None
+            and tensor.storage_offset() == 0
+            and not tensor.is_pinned()
+        ):
             tensor.untyped_storage().resize_(0)
 
 

@@ -39,8 +39,13 @@ except ImportError as err:  # pragma: no cover - the hf extra is missing
         "tierwise.integrations.hf needs transformers: pip install 'tierwise[hf]'"
     ) from err
 
-_TRAINER_HOOKS = ("_build_accelerator_args", "_clip_grad_norm", "_get_grad_norm",
-                  "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler")
+_TRAINER_HOOKS = (
+    "_build_accelerator_args",
+    "_clip_grad_norm",
+    "_get_grad_norm",
+    "_save_optimizer_and_scheduler",
+    "_load_optimizer_and_scheduler",
+)
 """Trainer methods TierwiseTrainer overrides; an older Trainer without them would clip and step
 around tierwise (transformers 5 has them all)."""
 _missing = [name for name in _TRAINER_HOOKS if not hasattr(Trainer, name)]
@@ -170,7 +175,8 @@ class TierwiseTrainer(Trainer):
         given = config_dict(tierwise_config)
         try:
             config = Config.from_any(
-                given, precision=precision_of(args, given),
+                given,
+                precision=precision_of(args, given),
                 device=given.get("device") or str(args.device),  # args.device sets up torchrun
             )
         except ConfigError as err:
@@ -183,7 +189,9 @@ class TierwiseTrainer(Trainer):
         # nor patches its forward with autocast ([Note: accelerate and a managed model])
         model._is_accelerate_prepared = True
         self.save_dtype = save_dtype
-        super().__init__(model=model, args=args, optimizers=(optimizer, scheduler), **trainer_kwargs)
+        super().__init__(
+            model=model, args=args, optimizers=(optimizer, scheduler), **trainer_kwargs
+        )
         self.accelerator.no_sync = self._no_sync
 
     # [Note: accelerate and a managed model]
@@ -234,8 +242,11 @@ class TierwiseTrainer(Trainer):
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)
         engine = tierwise.engine_of(self.model)
-        if (engine.scaler is not None and not isinstance(scheduler, _SkipsOverflowSteps)
-                and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+        if (
+            engine.scaler is not None
+            and not isinstance(scheduler, _SkipsOverflowSteps)
+            and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        ):
             self.lr_scheduler = _SkipsOverflowSteps(scheduler, engine.scaler)
         return self.lr_scheduler
 
@@ -283,9 +294,7 @@ class TierwiseTrainer(Trainer):
         elif state_dict is None:
             state_dict = self.model.state_dict()
         dtype = DTYPES[self.save_dtype]
-        state_dict = {
-            k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()
-        }
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
         if not self.args.should_save:
             return
         os.makedirs(output_dir, exist_ok=True)
@@ -293,7 +302,9 @@ class TierwiseTrainer(Trainer):
             self.model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=True)
         else:
             self.model.save_pretrained(
-                output_dir, state_dict=state_dict, max_shard_size=MAX_SHARD_SIZE,
+                output_dir,
+                state_dict=state_dict,
+                max_shard_size=MAX_SHARD_SIZE,
                 is_main_process=True,
             )
         if self.processing_class is not None:

@@ -61,7 +61,9 @@ def install_save_pretrained(model: torch.nn.Module) -> None:
     original = model.save_pretrained
 
     @functools.wraps(original)
-    def save_pretrained(self, save_directory, *args, state_dict=None, is_main_process=None, **kwargs):
+    def save_pretrained(
+        self, save_directory, *args, state_dict=None, is_main_process=None, **kwargs
+    ):
         if state_dict is None:
             state_dict = self.state_dict()  # collective: every rank gathers
         if is_main_process is None:  # every rank calls (the gather above); rank 0 writes

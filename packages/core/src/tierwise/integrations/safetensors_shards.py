@@ -21,8 +21,9 @@ MAX_SHARD_BYTES = 5 * 10**9
 class ShardWriter:
     """Collects tensors by name and writes them into shards of at most ``max_bytes``."""
 
-    def __init__(self, folder: str | os.PathLike, *, max_bytes: int = MAX_SHARD_BYTES,
-                 prefix: str = "model"):
+    def __init__(
+        self, folder: str | os.PathLike, *, max_bytes: int = MAX_SHARD_BYTES, prefix: str = "model"
+    ):
         self.folder = Path(folder)
         self.max_bytes = max_bytes
         self.prefix = prefix
@@ -57,8 +58,10 @@ class ShardWriter:
         if count == 1:
             final = [self.folder / f"{self.prefix}.safetensors"]
         else:
-            final = [self.folder / f"{self.prefix}-{i:05d}-of-{count:05d}.safetensors"
-                     for i in range(1, count + 1)]
+            final = [
+                self.folder / f"{self.prefix}-{i:05d}-of-{count:05d}.safetensors"
+                for i in range(1, count + 1)
+            ]
         weight_map = {}
         for (tmp, names), path in zip(self._written, final, strict=True):
             os.replace(tmp, path)

@@ -12,6 +12,12 @@ from tierwise.optim.scaler import DynamicLossScaler
 from tierwise.optim.step_counts import StepCounts
 
 __all__ = [
-    "AdamHyper", "DynamicLossScaler", "StepCounts", "TierwiseOptimizer", "adam_update",
-    "adam_update_ranges", "adam_update_tensors", "check_optimizer",
+    "AdamHyper",
+    "DynamicLossScaler",
+    "StepCounts",
+    "TierwiseOptimizer",
+    "adam_update",
+    "adam_update_ranges",
+    "adam_update_tensors",
+    "check_optimizer",
 ]

@@ -37,8 +37,12 @@ class AdamHyper:
             lr = float(lr)
         beta1, beta2 = group["betas"]
         return cls(
-            lr=lr, beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
-            weight_decay=group["weight_decay"], decoupled=decoupled,
+            lr=lr,
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            decoupled=decoupled,
         )
 
 
@@ -78,9 +82,19 @@ def adam_update(
     step.add_(1)
     kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
     kernel(
-        [master], [grad], [exp_avg], [exp_avg_sq], [], [step],
-        lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
-        eps=hyper.eps, amsgrad=False, maximize=False,
+        [master],
+        [grad],
+        [exp_avg],
+        [exp_avg_sq],
+        [],
+        [step],
+        lr=hyper.lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        amsgrad=False,
+        maximize=False,
     )
 
 
@@ -98,10 +112,12 @@ def adam_update_ranges(
     tensor holds when its kernel runs). Elements outside the ranges are left alone:
     [Note: unused parameters are skipped]."""
     adam_update_tensors(
-        masters=[master[a:b] for a, b, _ in ranges], grads=[grad[a:b] for a, b, _ in ranges],
+        masters=[master[a:b] for a, b, _ in ranges],
+        grads=[grad[a:b] for a, b, _ in ranges],
         exp_avgs=[exp_avg[a:b] for a, b, _ in ranges],
         exp_avg_sqs=[exp_avg_sq[a:b] for a, b, _ in ranges],
-        steps=[s for _, _, s in ranges], hyper=hyper,
+        steps=[s for _, _, s in ranges],
+        hyper=hyper,
     )
 
 
@@ -122,11 +138,22 @@ def adam_update_tensors(
     step_tensors: dict[int, torch.Tensor] = {}
     for step in steps:
         if step not in step_tensors:
-            step_tensors[step] = torch.full((), float(step), dtype=torch.float32,
-                                            device=masters[0].device)
+            step_tensors[step] = torch.full(
+                (), float(step), dtype=torch.float32, device=masters[0].device
+            )
     kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
     kernel(
-        masters, grads, exp_avgs, exp_avg_sqs, [], [step_tensors[s] for s in steps],
-        lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
-        eps=hyper.eps, amsgrad=False, maximize=False,
+        masters,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        [step_tensors[s] for s in steps],
+        lr=hyper.lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        amsgrad=False,
+        maximize=False,
     )

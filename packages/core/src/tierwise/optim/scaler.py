@@ -35,7 +35,11 @@ class DynamicLossScaler:
             self.good_steps = 0
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+        return {
+            "scale": self.scale,
+            "good_steps": self.good_steps,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = state["scale"]

@@ -39,7 +39,9 @@ class ParallelPattern(ABC):
     def prepare(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional hook
         """Rewrite modules in place for model-parallel compute (default: nothing)."""
 
-    def full_tensor(self, name: str, param: torch.nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    def full_tensor(
+        self, name: str, param: torch.nn.Parameter, local: torch.Tensor
+    ) -> torch.Tensor:
         """The whole model's value of ``param`` (as the unprepared model had it) from this rank's
         ``local`` value (already complete over the data-parallel group; may be returned as is).
 
@@ -48,7 +50,9 @@ class ParallelPattern(ABC):
         """
         return local
 
-    def local_tensor(self, name: str, param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    def local_tensor(
+        self, name: str, param: torch.nn.Parameter, full: torch.Tensor
+    ) -> torch.Tensor:
         """This rank's part of ``full``, a whole-model value of ``param`` (inverse of
         :meth:`full_tensor`; no communication). Default: ``full``."""
         return full

@@ -34,5 +34,7 @@ def collective_timeout() -> timedelta:
     except ValueError:
         seconds = -1.0
     if not seconds > 0:
-        raise ValueError(f"{ENV}={raw!r}: give a positive number of seconds (default {DEFAULT_SECONDS:g})")
+        raise ValueError(
+            f"{ENV}={raw!r}: give a positive number of seconds (default {DEFAULT_SECONDS:g})"
+        )
     return timedelta(seconds=seconds)

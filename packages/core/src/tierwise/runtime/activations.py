@@ -296,7 +296,10 @@ class ActivationManager:
     def _set_hf_checkpointing(self, block: torch.nn.Module, on: bool) -> None:
         if not _is_hf_layer(block):
             return
-        before = (block.gradient_checkpointing, getattr(block, "_gradient_checkpointing_func", None))
+        before = (
+            block.gradient_checkpointing,
+            getattr(block, "_gradient_checkpointing_func", None),
+        )
         if on:  # [Note: per-block recompute]
             from torch.utils.checkpoint import checkpoint
 
@@ -404,8 +407,13 @@ class ActivationManager:
             self._open[storage.data_ptr()] = (stored, storage)
             self._stored[name].append(stored)
         stored.users += 1
-        return _Packed(stored, tensor.dtype, tuple(tensor.size()), tuple(tensor.stride()),
-                       tensor.storage_offset())
+        return _Packed(
+            stored,
+            tensor.dtype,
+            tuple(tensor.size()),
+            tuple(tensor.stride()),
+            tensor.storage_offset(),
+        )
 
     def _swap_out(self, name: str, storage: torch.UntypedStorage) -> _Stored:
         """Start moving one storage off the device: [Note: activation swapping]."""
@@ -446,7 +454,9 @@ class ActivationManager:
     # its own. Buffers whose writes are in flight are bounded by one block's bytes: past it, a
     # new swap first waits for the oldest writes. Reads land in aligned buffers too.
     def _throttle_writes(self) -> None:
-        largest = max((sum(s.nbytes for s in stored) for stored in self._stored.values()), default=0)
+        largest = max(
+            (sum(s.nbytes for s in stored) for stored in self._stored.values()), default=0
+        )
         budget = max(largest, MIN_WRITE_BUDGET)  # one block's worth in flight
         while self._writing and sum(s.nbytes for s in self._writing) > budget:
             self._land_one(self._writing[0], wait=True)
@@ -503,7 +513,9 @@ class ActivationManager:
     def _budget(self) -> int:
         if self.prefetch_bytes is not None:
             return self.prefetch_bytes
-        largest = max((sum(s.nbytes for s in stored) for stored in self._stored.values()), default=0)
+        largest = max(
+            (sum(s.nbytes for s in stored) for stored in self._stored.values()), default=0
+        )
         return 2 * largest
 
     def _in_flight(self) -> int:

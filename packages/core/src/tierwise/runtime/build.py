@@ -83,8 +83,12 @@ def static_profile(params: OrderedDict[str, ManagedParam]) -> Profile:
     """A profile without running the model: module order stands in for call order."""
     infos = [
         ParamInfo(
-            name=m.name, shape=tuple(m.param.shape), numel=m.param.numel(),
-            requires_grad=m.param.requires_grad, aliases=tuple(m.aliases), group=m.group_name,
+            name=m.name,
+            shape=tuple(m.param.shape),
+            numel=m.param.numel(),
+            requires_grad=m.param.requires_grad,
+            aliases=tuple(m.aliases),
+            group=m.group_name,
         )
         for m in params.values()
     ]
@@ -121,15 +125,23 @@ def layout_groups(
         pg, world, rank = world_rank[first.pattern.key]
         sharded = plan.shard and world > 1
         group = ChunkGroup(
-            name=group_name, pattern_key=first.pattern.key, param_group=first.param_group,
-            trainable=first.param.requires_grad, dtype=dtype, process_group=pg, world=world,
-            rank=rank, sharded=sharded,
+            name=group_name,
+            pattern_key=first.pattern.key,
+            param_group=first.param_group,
+            trainable=first.param.requires_grad,
+            dtype=dtype,
+            process_group=pg,
+            world=world,
+            rank=rank,
+            sharded=sharded,
         )
         numels = {n: params[n].param.numel() for n in names}
         for spec in pack(first_use_order(profile.forward_order, names), numels, plan.chunk_size):
             capacity, shard = sharded_capacity(spec.capacity, world, sharded)
             slots = [
-                ParamSlot(s.name, params[s.name].param, s.offset, s.numel, params[s.name].param.shape)
+                ParamSlot(
+                    s.name, params[s.name].param, s.offset, s.numel, params[s.name].param.shape
+                )
                 for s in spec.slots
             ]
             group.chunks.append(Chunk(group, spec.index, capacity, shard, slots))
@@ -147,7 +159,9 @@ def payload_sizes(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_alias:
             if group.trainable:
                 opt = plan.optim_tier_of(group.name, chunk.index)
                 copies = tiers[opt].STATE_COPIES  # [Note: atomic optimizer step]
-                sizes.setdefault(opt, []).extend([chunk.shard_size * STATE_BYTES] * len(OPTIM_STATES) * copies)
+                sizes.setdefault(opt, []).extend(
+                    [chunk.shard_size * STATE_BYTES] * len(OPTIM_STATES) * copies
+                )
                 grad = opt if tiers[opt].ADDRESSABLE else "host"
                 sizes.setdefault(grad, []).append(chunk.shard_size * dtype_bytes)
                 if fp32_alias and home == opt:
@@ -170,16 +184,29 @@ def allocate_payloads(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_al
                     grad_tier = opt_tier if opt_tier.ADDRESSABLE else tiers["host"]
                     what = f"{group.name}#{chunk.index}"
                     master = opt_tier.allocate_state(
-                        chunk.shard_size, torch.float32, kind=PayloadKind.MASTER, what=f"{what} master"
+                        chunk.shard_size,
+                        torch.float32,
+                        kind=PayloadKind.MASTER,
+                        what=f"{what} master",
                     )
                     allocated.append(master)
                     slabs = [master]
                     for kind in ("exp_avg", "exp_avg_sq"):
-                        slabs.append(opt_tier.allocate_state(chunk.shard_size, torch.float32,
-                                                         kind=PayloadKind.OPTIM_STATE, what=f"{what} {kind}"))
+                        slabs.append(
+                            opt_tier.allocate_state(
+                                chunk.shard_size,
+                                torch.float32,
+                                kind=PayloadKind.OPTIM_STATE,
+                                what=f"{what} {kind}",
+                            )
+                        )
                         allocated.append(slabs[-1])
-                    grad = grad_tier.allocate(chunk.shard_size, group.dtype, kind=PayloadKind.GRAD_SHARD,
-                                              what=f"{what} grad")
+                    grad = grad_tier.allocate(
+                        chunk.shard_size,
+                        group.dtype,
+                        kind=PayloadKind.GRAD_SHARD,
+                        what=f"{what} grad",
+                    )
                     allocated.append(grad)
                     chunk.optim = OptimSlabs(*slabs, grad, opt_tier)
                     chunk.optim.clear_grad()  # [Note: gradient memory between steps]
@@ -188,7 +215,9 @@ def allocate_payloads(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_al
                         chunk.home = master
                         continue
                 chunk.home = home_tier.allocate(
-                    chunk.shard_size, group.dtype, kind=PayloadKind.PARAM_CHUNK,
+                    chunk.shard_size,
+                    group.dtype,
+                    kind=PayloadKind.PARAM_CHUNK,
                     what=f"{group.name}#{chunk.index} params",
                 )
                 allocated.append(chunk.home)

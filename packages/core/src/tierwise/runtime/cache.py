@@ -116,8 +116,11 @@ class RCache:
         self.tier = tier
         self.block_numel = block_numel
         self.block_bytes = block_numel * torch.empty((), dtype=dtype).element_size()
-        tier.reserve(n_blocks * self.block_bytes, kind=PayloadKind.PARAM_CHUNK,
-                     what=f"{n_blocks} rCache blocks")
+        tier.reserve(
+            n_blocks * self.block_bytes,
+            kind=PayloadKind.PARAM_CHUNK,
+            what=f"{n_blocks} rCache blocks",
+        )
         self.reserved = n_blocks * self.block_bytes
         self.owner: list[Hashable | None] = [None] * n_blocks
         self.last_used: list[int] = [0] * n_blocks
@@ -130,8 +133,12 @@ class RCache:
     def lend(self, block_id: int, storage: torch.UntypedStorage) -> bool:
         """Give block ``block_id``'s memory to ``storage`` (an empty chunk storage on the cache's
         device); False when it cannot (the caller resizes the storage itself instead)."""
-        if (self._lent[block_id] or storage.nbytes() != 0 or storage.device != torch.device(self.tier.device)
-                or not hasattr(storage, "_swap_data_ptr_")):
+        if (
+            self._lent[block_id]
+            or storage.nbytes() != 0
+            or storage.device != torch.device(self.tier.device)
+            or not hasattr(storage, "_swap_data_ptr_")
+        ):
             return False
         memory = self._memory[block_id]
         if memory is None:  # first use: allocate and touch every page once

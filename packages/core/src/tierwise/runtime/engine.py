@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from tierwise.parallel import ParallelPattern
     from tierwise.profile import Profile
 
+
 class Engine(GradientPath, OptimizerStep):
     """Owns the chunk groups, tiers, rCache and optimizer states of one model."""
 
@@ -137,8 +138,10 @@ class Engine(GradientPath, OptimizerStep):
         profiler's ``forward_order``/``backward_order`` predict them."""
         make_tracer = None
         if memory_tracer is not None:
+
             def make_tracer() -> MemoryTracer | None:
                 return memory_tracer(device=self.device, model_bytes=self.model_bytes_on_device)
+
         self.tracing = WarmupTracing(make_tracer=make_tracer, profile=profile)
         """The warm-up trace ([Note: warm-up tracing])."""
         self._module_names = {m: n for n, m in model.named_modules()}
@@ -167,8 +170,9 @@ class Engine(GradientPath, OptimizerStep):
         """Keys of the unpinned chunks in the rCache (a scan of its blocks, not of every chunk:
         [Note: per-module hook cost])."""
         by_key = self._by_key
-        return {key for key in self.cache.owner
-                if key is not None and by_key[key].compute_refs == 0}
+        return {
+            key for key in self.cache.owner if key is not None and by_key[key].compute_refs == 0
+        }
 
     def _chunk_by_key(self, key) -> Chunk:
         return self._by_key[key]
@@ -199,8 +203,9 @@ class Engine(GradientPath, OptimizerStep):
         """Start loading ``chunk`` into ``block_id``; ``loads.finish`` completes it."""
         if not self.cache.lend(block_id, chunk.flat.untyped_storage()):
             chunk.allocate_storage()  # [Note: fixed rCache blocks]
-        self.loads.start(chunk.key, lambda: self._issue_load(chunk, chunk.flat),
-                         collective=chunk.group.sharded)
+        self.loads.start(
+            chunk.key, lambda: self._issue_load(chunk, chunk.flat), collective=chunk.group.sharded
+        )
         chunk.resident, chunk.block_id = True, block_id
         self.cache.assign(block_id, chunk.key)
 
@@ -215,7 +220,9 @@ class Engine(GradientPath, OptimizerStep):
                 shard = torch.empty(chunk.shard_size, dtype=block.dtype, device=block.device)
                 home.tier.read(home, shard).wait()
             shard = shard.to(block.dtype)
-            work = self.collectives.all_gather(block, shard, chunk.group.process_group, async_op=True)
+            work = self.collectives.all_gather(
+                block, shard, chunk.group.process_group, async_op=True
+            )
             handles, keep = [work], [shard]
             nbytes = chunk.shard_size * block.element_size()
         else:
@@ -304,8 +311,11 @@ class Engine(GradientPath, OptimizerStep):
     def model_bytes_on_device(self) -> int:
         """Bytes of model data on the compute device now (what an allocator count includes)."""
         tier = self.tiers["device"]
-        resident = sum(c.capacity * c.flat.element_size() for c in self.chunks()
-                       if c.resident and c.block_id is not None)
+        resident = sum(
+            c.capacity * c.flat.element_size()
+            for c in self.chunks()
+            if c.resident and c.block_id is not None
+        )
         return tier.used_bytes - self.cache.reserved + resident
 
     def _acquire(self, module: torch.nn.Module) -> None:
@@ -475,21 +485,26 @@ class Engine(GradientPath, OptimizerStep):
             # several ranks: the others may have committed this step, so undoing here alone
             # would leave the ranks on different steps
             atomic = not self.multi_rank and all(
-                self.tiers[name].STATE_COPIES > 1 for name in self.pipelines)
+                self.tiers[name].STATE_COPIES > 1 for name in self.pipelines
+            )
             if self.step_undo.active and atomic:
                 try:
                     self._undo_step()
                 except OSError as again:
                     err.add_note(f"tierwise: undoing the step failed too: {again}")
                 else:
-                    err.add_note("tierwise: nothing of this optimizer step was applied: the "
-                                 "model and optimizer hold the previous step's values")
+                    err.add_note(
+                        "tierwise: nothing of this optimizer step was applied: the "
+                        "model and optimizer hold the previous step's values"
+                    )
                     raise
             self.step_undo.clear()
             self.step_failed = f"{type(err).__name__}: {err}"
-            err.add_note("tierwise: the optimizer step stopped part way: some chunks may hold "
-                         "this step's values and others the previous step's; load the last "
-                         "checkpoint (tierwise.load_checkpoint) to go on")
+            err.add_note(
+                "tierwise: the optimizer step stopped part way: some chunks may hold "
+                "this step's values and others the previous step's; load the last "
+                "checkpoint (tierwise.load_checkpoint) to go on"
+            )
             raise
         finally:
             self._early_hyper.clear()
@@ -519,8 +534,9 @@ class Engine(GradientPath, OptimizerStep):
         order = list(self.first_use)
         if self.multi_rank:  # every rank packs alike: rank 0's order
             box = [order]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.world_group, 0),
-                                       group=self.world_group)
+            dist.broadcast_object_list(
+                box, src=dist.get_global_rank(self.world_group, 0), group=self.world_group
+            )
             order = box[0]
         relayout(self, order)
 
@@ -528,7 +544,9 @@ class Engine(GradientPath, OptimizerStep):
         """After chunks were re-packed: lookups, pipelines, staging buffers, traces."""
         self.slot_chunk = {id(s.param): c for c in self.chunks() for s in c.slots}
         slot_of = {id(s.param): s for c in self.chunks() for s in c.slots}
-        self.modules = {m: [slot_of[id(s.param)] for s in slots] for m, slots in self.modules.items()}
+        self.modules = {
+            m: [slot_of[id(s.param)] for s in slots] for m, slots in self.modules.items()
+        }
         self._by_key = {c.key: c for c in self.chunks()}
         self.slot_of = slot_of
         for pipeline in self.pipelines.values():
@@ -625,6 +643,6 @@ class Engine(GradientPath, OptimizerStep):
             "optimizer_mode": getattr(self, "last_update_mode", "after-backward"),
             "activations": self.activations.stats() if self.activations is not None else None,
             "non_model_peak_bytes": max((b for _, b in self.memory_moments), default=0)
-            if self.memory_moments else None,
+            if self.memory_moments
+            else None,
         }
-

@@ -38,7 +38,8 @@ class FrozenRelease:
     def applies_to(module: torch.nn.Module) -> bool:
         """Modules owning a frozen parameter (their parameters' gradients never all arrive)."""
         return _next_sequence_nr is not None and any(
-            not p.requires_grad for p in module.parameters(recurse=False))
+            not p.requires_grad for p in module.parameters(recurse=False)
+        )
 
     def begin(self, module: torch.nn.Module) -> None:
         """Before the module's forward: remember where its nodes' sequence numbers start."""

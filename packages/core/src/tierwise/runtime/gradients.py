@@ -98,8 +98,9 @@ class GradientPath:
             if storage.nbytes() == 0:  # given back at the end of the last backward
                 storage.resize_(best.numel() * best.element_size())
             return best[: chunk.capacity]
-        slab = self.tiers["device"].allocate(chunk.capacity, self.dtype, kind=PayloadKind.STAGING,
-                                             what="gradient staging buffer")
+        slab = self.tiers["device"].allocate(
+            chunk.capacity, self.dtype, kind=PayloadKind.STAGING, what="gradient staging buffer"
+        )
         self._staging_slabs.append(slab)
         return slab.tensor
 
@@ -112,8 +113,10 @@ class GradientPath:
 
     def _can_borrow(self, chunk: Chunk, grad: torch.Tensor) -> bool:
         return (
-            len(chunk.slots) == 1 and chunk.slots[0].numel == chunk.capacity
-            and grad.is_contiguous() and grad.dtype == self.dtype
+            len(chunk.slots) == 1
+            and chunk.slots[0].numel == chunk.capacity
+            and grad.is_contiguous()
+            and grad.dtype == self.dtype
             and grad.device == self.tiers["device"].device
         )
 
@@ -173,8 +176,12 @@ class GradientPath:
         """Whether this chunk's gradients stay autograd's tensors: [Note: gradients without
         copies]."""
         optim = chunk.optim
-        return (not self.multi_rank and optim.grad.tier is self.tiers["device"]
-                and optim.tier.ADDRESSABLE and optim.tier.name not in self.pipelines)
+        return (
+            not self.multi_rank
+            and optim.grad.tier is self.tiers["device"]
+            and optim.tier.ADDRESSABLE
+            and optim.tier.name not in self.pipelines
+        )
 
     def _keep_grad(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
         """[Note: gradients without copies]: keep autograd's gradient, or add into the kept one."""

@@ -104,7 +104,9 @@ def install_hooks(engine: Engine, model: torch.nn.Module, modules: list[torch.nn
             for tensor in _grad_tensors(output):  # fp16: scale the loss's gradient
                 tensor.register_hook(engine.scale_root_grad)
 
-    handles.append(model.register_forward_pre_hook(root_pre_forward, with_kwargs=True, prepend=True))
+    handles.append(
+        model.register_forward_pre_hook(root_pre_forward, with_kwargs=True, prepend=True)
+    )
     handles.append(model.register_forward_hook(root_post_forward, with_kwargs=True))
     return handles
 

@@ -29,9 +29,14 @@ from tierwise.parallel.collectives import Collectives
 class StreamingReducer:
     """Launches reduce-scatters (or all-reduces) of completed chunks in the agreed order."""
 
-    def __init__(self, *, group: dist.ProcessGroup, collectives: Collectives,
-                 accumulate: Callable[[Chunk, torch.Tensor], None],
-                 release: Callable[[Chunk], None]):
+    def __init__(
+        self,
+        *,
+        group: dist.ProcessGroup,
+        collectives: Collectives,
+        accumulate: Callable[[Chunk, torch.Tensor], None],
+        release: Callable[[Chunk], None],
+    ):
         self.group = group
         self.collectives = collectives
         self._accumulate = accumulate
@@ -65,7 +70,9 @@ class StreamingReducer:
                 self._launch(chunk)
             self._collect(block=True)
             box = [self._completed_order]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+            dist.broadcast_object_list(
+                box, src=dist.get_global_rank(self.group, 0), group=self.group
+            )
             self.order = box[0]
         else:
             self._launch_ready(chunks_by_key)

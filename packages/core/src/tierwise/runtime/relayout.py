@@ -46,9 +46,13 @@ if TYPE_CHECKING:
     from tierwise.tiers.base import Slab
 
 _STATE_KINDS = OPTIM_STATES
-_PAYLOAD = {"home": PayloadKind.PARAM_CHUNK, "master": PayloadKind.MASTER,
-            "exp_avg": PayloadKind.OPTIM_STATE, "exp_avg_sq": PayloadKind.OPTIM_STATE,
-            "grad": PayloadKind.GRAD_SHARD}
+_PAYLOAD = {
+    "home": PayloadKind.PARAM_CHUNK,
+    "master": PayloadKind.MASTER,
+    "exp_avg": PayloadKind.OPTIM_STATE,
+    "exp_avg_sq": PayloadKind.OPTIM_STATE,
+    "grad": PayloadKind.GRAD_SHARD,
+}
 
 
 def new_chunks(group: ChunkGroup, order: list[str], chunk_size: int) -> list[Chunk] | None:
@@ -56,14 +60,25 @@ def new_chunks(group: ChunkGroup, order: list[str], chunk_size: int) -> list[Chu
     slots = {s.name: s for c in group.chunks for s in c.slots}
     names = [s.name for c in group.chunks for s in c.slots]
     specs = pack(first_use_order(order, names), {n: slots[n].numel for n in names}, chunk_size)
-    if [[s.name for s in spec.slots] for spec in specs] == [[s.name for s in c.slots] for c in group.chunks]:
+    if [[s.name for s in spec.slots] for spec in specs] == [
+        [s.name for s in c.slots] for c in group.chunks
+    ]:
         return None
     chunks = []
     for spec in specs:
         capacity, shard = sharded_capacity(spec.capacity, group.world, group.sharded)
-        chunk_slots = [ParamSlot(s.name, slots[s.name].param, s.offset, s.numel, slots[s.name].shape,
-                                 state=TensorState.HOLD, has_grad=slots[s.name].has_grad)
-                       for s in spec.slots]
+        chunk_slots = [
+            ParamSlot(
+                s.name,
+                slots[s.name].param,
+                s.offset,
+                s.numel,
+                slots[s.name].shape,
+                state=TensorState.HOLD,
+                has_grad=slots[s.name].has_grad,
+            )
+            for s in spec.slots
+        ]
         chunks.append(Chunk(group, spec.index, capacity, shard, chunk_slots))
     return chunks
 
@@ -121,7 +136,11 @@ def _tiers_for(group: ChunkGroup, chunks: list[Chunk], tier_of) -> list[str]:
 
 
 def _kinds(engine: Engine, group: ChunkGroup) -> list[str]:
-    kinds = [] if group.trainable and engine.config.precision == "fp32" and _aliased(group) else ["home"]
+    kinds = (
+        []
+        if group.trainable and engine.config.precision == "fp32" and _aliased(group)
+        else ["home"]
+    )
     if group.trainable:
         kinds += [*_STATE_KINDS, "grad"]
     return kinds
@@ -172,15 +191,22 @@ def _cannot_move(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> str 
     host_free = engine.hardware.host_memory if engine.hardware is not None else None
     if host_free is not None and largest_kind > host_free // 2:
         return f"re-packing holds {largest_kind} bytes of one state kind in host memory"
-    cached = [c for c, t in zip(chunks, tiers["home"], strict=True) if t != "device" or group.sharded]
+    cached = [
+        c for c, t in zip(chunks, tiers["home"], strict=True) if t != "device" or group.sharded
+    ]
     if cached and max(c.capacity for c in cached) > engine.cache.block_numel:
         return "a new chunk would not fit an rCache block"
     needed = _min_blocks_with(engine, group, cached)
     if needed > len(engine.cache):
-        return (f"its new layout would need {needed} rCache blocks at one moment, the cache has "
-                f"{len(engine.cache)} ([Note: the rCache minimum])")
-    if engine.config.precision == "fp32" and group.trainable and not _aliased(group) and any(
-        c.home is c.optim.master for c in group.chunks
+        return (
+            f"its new layout would need {needed} rCache blocks at one moment, the cache has "
+            f"{len(engine.cache)} ([Note: the rCache minimum])"
+        )
+    if (
+        engine.config.precision == "fp32"
+        and group.trainable
+        and not _aliased(group)
+        and any(c.home is c.optim.master for c in group.chunks)
     ):
         return "some of its chunks share the fp32 master as parameter payload and some do not"
     return None
@@ -192,12 +218,21 @@ def _min_blocks_with(engine: Engine, group: ChunkGroup, cached: list[Chunk]) -> 
     if profile is None:
         return 0
     chunk_of = {
-        slot.name: chunk.key for other in engine.groups if other is not group
-        for chunk in other.chunks if not chunk.computes_in_home for slot in chunk.slots
+        slot.name: chunk.key
+        for other in engine.groups
+        if other is not group
+        for chunk in other.chunks
+        if not chunk.computes_in_home
+        for slot in chunk.slots
     }
-    chunk_of.update({slot.name: ("new", i) for i, chunk in enumerate(cached) for slot in chunk.slots})
-    recompute = (may_recompute(engine.config) or "recompute" in engine.plan.activation_policy.values()
-                 or hf_checkpointing_enabled(engine.model))
+    chunk_of.update(
+        {slot.name: ("new", i) for i, chunk in enumerate(cached) for slot in chunk.slots}
+    )
+    recompute = (
+        may_recompute(engine.config)
+        or "recompute" in engine.plan.activation_policy.values()
+        or hf_checkpointing_enabled(engine.model)
+    )
     return profile_min_blocks(profile, chunk_of, recompute=recompute)
 
 
@@ -219,8 +254,12 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> None:
             dtype = torch.float32 if kind in _STATE_KINDS else group.dtype
             tier = engine.tiers[tier_name]
             allocate = tier.allocate_state if kind in _STATE_KINDS else tier.allocate
-            slab = allocate(chunk.shard_size, dtype, kind=_PAYLOAD[kind],
-                            what=f"{group.name}#{chunk.index} {kind}")
+            slab = allocate(
+                chunk.shard_size,
+                dtype,
+                kind=_PAYLOAD[kind],
+                what=f"{group.name}#{chunk.index} {kind}",
+            )
             if values is not None:
                 tier.write(slab, values[i].to(dtype)).wait()
             slabs.append(slab)
@@ -228,8 +267,11 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> None:
     for i, chunk in enumerate(chunks):
         if group.trainable:
             opt_tier = engine.tiers[tiers["master"][i]]
-            chunk.optim = OptimSlabs(*(new_slabs[k][i] for k in (*_STATE_KINDS, "grad")), opt_tier,
-                                     grad_filled=grads_filled)
+            chunk.optim = OptimSlabs(
+                *(new_slabs[k][i] for k in (*_STATE_KINDS, "grad")),
+                opt_tier,
+                grad_filled=grads_filled,
+            )
             if not grads_filled:
                 chunk.optim.clear_grad()
             chunk.home = new_slabs["home"][i] if "home" in new_slabs else chunk.optim.master
@@ -244,7 +286,9 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> None:
         engine.plan.groups[group.name]["chunks"] = len(chunks)
 
 
-def _gather_kind(group: ChunkGroup, chunks: list[Chunk], kind: str, where: dict) -> list[torch.Tensor]:
+def _gather_kind(
+    group: ChunkGroup, chunks: list[Chunk], kind: str, where: dict
+) -> list[torch.Tensor]:
     """This rank's shard of every new chunk, for one kind, filled from the old chunks."""
     dtype = torch.float32 if kind in _STATE_KINDS else group.dtype
     shards = [torch.zeros(c.shard_size, dtype=dtype) for c in chunks]

@@ -39,9 +39,12 @@ class OptimizerStep:
         """
         if not self.multi_rank:  # in model.parameters() order, whatever the chunk layout
             norms = sorted(
-                (self._param_order[id(s.param)],
-                 torch.linalg.vector_norm(self._slot_grad(chunk, grad, s), 2.0,
-                                          dtype=torch.float32))
+                (
+                    self._param_order[id(s.param)],
+                    torch.linalg.vector_norm(
+                        self._slot_grad(chunk, grad, s), 2.0, dtype=torch.float32
+                    ),
+                )
                 for chunk, grad in self._grad_shards()
                 for s in chunk.slots
                 if s.has_grad  # clip_grad_norm_ skips parameters whose grad is None
@@ -68,8 +71,11 @@ class OptimizerStep:
     def _found_overflow(self) -> bool:
         flag = torch.zeros((), dtype=torch.float32)
         for chunk, shard in self._grad_shards():
-            grads = ([s.kept_grad for s in chunk.slots if s.kept_grad is not None]
-                     if chunk.optim.grads_kept else [shard])
+            grads = (
+                [s.kept_grad for s in chunk.slots if s.kept_grad is not None]
+                if chunk.optim.grads_kept
+                else [shard]
+            )
             if not all(torch.isfinite(grad).all() for grad in grads):
                 flag.fill_(1.0)
                 break
@@ -187,8 +193,9 @@ class OptimizerStep:
             if not group.trainable or group.world == 1:
                 continue
             slots = [slot for chunk in group.chunks for slot in chunk.slots]
-            flags = torch.tensor([slot.has_grad for slot in slots], dtype=torch.float32,
-                                 device=self.device)
+            flags = torch.tensor(
+                [slot.has_grad for slot in slots], dtype=torch.float32, device=self.device
+            )
             self.collectives.all_reduce(flags, group.process_group, op=dist.ReduceOp.MAX)
             for slot, flag in zip(slots, flags.tolist(), strict=True):
                 slot.has_grad = flag > 0
@@ -216,8 +223,11 @@ class OptimizerStep:
         optim = chunk.optim
         ranges = self._update_ranges(chunk)
         undo = self.step_undo
-        kept = ([(s, self.step_counts[s.name]) for s in chunk.slots if s.kept_grad is not None]
-                if optim.grads_kept else None)
+        kept = (
+            [(s, self.step_counts[s.name]) for s in chunk.slots if s.kept_grad is not None]
+            if optim.grads_kept
+            else None
+        )
 
         def fp32_grad(grad: torch.Tensor, device: torch.device) -> torch.Tensor:
             grad = grad.to(device=device, dtype=torch.float32)
@@ -230,13 +240,22 @@ class OptimizerStep:
             if kept is not None:  # [Note: gradients without copies]
                 parts = [slice(s.offset, s.offset + s.numel) for s, _ in kept]
                 adam_update_tensors(
-                    masters=[master[p] for p in parts], exp_avgs=[m[p] for p in parts],
+                    masters=[master[p] for p in parts],
+                    exp_avgs=[m[p] for p in parts],
                     exp_avg_sqs=[v[p] for p in parts],
                     grads=[fp32_grad(s.kept_grad, master.device) for s, _ in kept],
-                    steps=[step for _, step in kept], hyper=hyper)
+                    steps=[step for _, step in kept],
+                    hyper=hyper,
+                )
             else:
-                adam_update_ranges(master=master, grad=fp32_grad(optim.grad.tensor, master.device),
-                                   exp_avg=m, exp_avg_sq=v, ranges=ranges, hyper=hyper)
+                adam_update_ranges(
+                    master=master,
+                    grad=fp32_grad(optim.grad.tensor, master.device),
+                    exp_avg=m,
+                    exp_avg_sq=v,
+                    ranges=ranges,
+                    hyper=hyper,
+                )
             if chunk.home is not optim.master:
                 undo.home_written(chunk)
                 chunk.home.tier.write(chunk.home, master.to(self.dtype)).wait()

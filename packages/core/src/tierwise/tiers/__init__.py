@@ -3,4 +3,14 @@
 from tierwise.tiers.base import DONE, IOHandle, PayloadKind, Slab, Tier, TierBudgetError
 from tierwise.tiers.memory import DeviceTier, HostTier, MemoryTier
 
-__all__ = ["DONE", "DeviceTier", "HostTier", "IOHandle", "MemoryTier", "PayloadKind", "Slab", "Tier", "TierBudgetError"]
+__all__ = [
+    "DONE",
+    "DeviceTier",
+    "HostTier",
+    "IOHandle",
+    "MemoryTier",
+    "PayloadKind",
+    "Slab",
+    "Tier",
+    "TierBudgetError",
+]

@@ -130,7 +130,9 @@ class Tier(ABC):
         cannot hold them; budgets are checked by ``allocate`` itself. Default: nothing."""
 
     @abstractmethod
-    def allocate(self, numel: int, dtype: torch.dtype, *, kind: PayloadKind, what: str = "") -> Slab:
+    def allocate(
+        self, numel: int, dtype: torch.dtype, *, kind: PayloadKind, what: str = ""
+    ) -> Slab:
         """Reserve room for ``numel`` elements of ``kind`` (contents undefined); ``what`` names
         the slab in error messages (default: the kind)."""
 

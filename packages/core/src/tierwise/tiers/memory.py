@@ -20,7 +20,9 @@ class MemoryTier(Tier):
     def pin(self) -> bool:
         return False
 
-    def allocate(self, numel: int, dtype: torch.dtype, *, kind: PayloadKind, what: str = "") -> Slab:
+    def allocate(
+        self, numel: int, dtype: torch.dtype, *, kind: PayloadKind, what: str = ""
+    ) -> Slab:
         slab = Slab(self, numel, dtype, what or kind.value, kind=kind)
         self._account(slab.nbytes, slab.what)
         try:

@@ -84,9 +84,12 @@ def _candidates(folder: Path) -> list[Path]:
     """Complete-looking checkpoint directories, newest first (``.tmp``/``.old`` are not)."""
     if not folder.is_dir():
         return []
-    found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-")
-             and p.name[len("step-"):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len("step-"):]), reverse=True)
+    found = [
+        p
+        for p in folder.iterdir()
+        if p.is_dir() and p.name.startswith("step-") and p.name[len("step-") :].isdigit()
+    ]
+    return sorted(found, key=lambda p: int(p.name[len("step-") :]), reverse=True)
 
 
 def latest(run_dir: Path, world: World | None = None) -> tuple[Path, str | None]:
@@ -110,20 +113,32 @@ def _choose(folder: Path, run_dir: Path) -> list:
         try:
             verify(path)
         except CheckpointError as err:
-            skipped.append((path.name, str(err).split(": ", 1)[-1] if ": " in str(err) else str(err)))
+            skipped.append(
+                (path.name, str(err).split(": ", 1)[-1] if ": " in str(err) else str(err))
+            )
             continue
         note = None
         if skipped:
-            note = (f"checkpoint {skipped[0][0]} is unusable ({skipped[0][1]}); resuming from "
-                    f"{path.name}" + (f" ({len(skipped) - 1} more skipped)" if len(skipped) > 1 else ""))
+            note = (
+                f"checkpoint {skipped[0][0]} is unusable ({skipped[0][1]}); resuming from "
+                f"{path.name}" + (f" ({len(skipped) - 1} more skipped)" if len(skipped) > 1 else "")
+            )
         return [str(path), note]
     if skipped:
-        return [TrainError(f"--resume {run_dir}: no usable checkpoint ({skipped[0][0]}: "
-                           f"{skipped[0][1]}); start a new run with another --out"), None]
-    return [TrainError(
-        f"--resume {run_dir}: no checkpoint in it (no {CHECKPOINTS}/step-*); a run writes one "
-        "at its end, at --stop-after, on Ctrl-C and periodically (--save-every, --save-minutes)"
-    ), None]
+        return [
+            TrainError(
+                f"--resume {run_dir}: no usable checkpoint ({skipped[0][0]}: "
+                f"{skipped[0][1]}); start a new run with another --out"
+            ),
+            None,
+        ]
+    return [
+        TrainError(
+            f"--resume {run_dir}: no checkpoint in it (no {CHECKPOINTS}/step-*); a run writes one "
+            "at its end, at --stop-after, on Ctrl-C and periodically (--save-every, --save-minutes)"
+        ),
+        None,
+    ]
 
 
 def load(

@@ -38,7 +38,7 @@ def _size_or_all(text: str) -> str | None:
 
 
 def _parallel(text: str) -> dict[str, int]:
-    """"expert=2,tensor=2" -> {"expert": 2, "tensor": 2}."""
+    """ "expert=2,tensor=2" -> {"expert": 2, "tensor": 2}."""
     sizes = {}
     for part in text.split(","):
         name, _, size = part.partition("=")
@@ -95,15 +95,26 @@ def _help(doc: str, default: typing.Any = dataclasses.MISSING) -> str:
     """The field's doc, plus its default unless the doc already tells it or there is none."""
     shown = default not in (dataclasses.MISSING, None, False, ()) and "default" not in doc.lower()
     if shown:
-        doc += f" (default: {default!r})" if isinstance(default, str) and " " in default else (
-            f" (default: {default})")
+        doc += (
+            f" (default: {default!r})"
+            if isinstance(default, str) and " " in default
+            else (f" (default: {default})")
+        )
     return doc.replace("%", "%%")
 
 
 METAVARS = {
-    "model_config": "FILE", "from_pretrained": "DIR", "tokenizer": "DIR", "out": "DIR",
-    "resume": "DIR", "config": "FILE", "nvme_path": "DIR", "device_memory": "SIZE",
-    "host_memory": "SIZE", "parallel": "NAME=N[,NAME=N]", "prompt": "TEXT",
+    "model_config": "FILE",
+    "from_pretrained": "DIR",
+    "tokenizer": "DIR",
+    "out": "DIR",
+    "resume": "DIR",
+    "config": "FILE",
+    "nvme_path": "DIR",
+    "device_memory": "SIZE",
+    "host_memory": "SIZE",
+    "parallel": "NAME=N[,NAME=N]",
+    "prompt": "TEXT",
 }
 
 
@@ -117,8 +128,13 @@ def _add_option(
     elif hint is bool:
         group.add_argument(flag, action="store_true", **common)
     elif name == "activation_policy":
-        group.add_argument(flag, type=_policy_entries, action=_MergePolicy,
-                           metavar="PATTERN=ACTION|FILE.toml", **common)
+        group.add_argument(
+            flag,
+            type=_policy_entries,
+            action=_MergePolicy,
+            metavar="PATTERN=ACTION|FILE.toml",
+            **common,
+        )
     elif name == "activation_offload":
         group.add_argument(flag, choices=("none", "host", "nvme", "auto"), **common)
     elif name == "data":
@@ -145,8 +161,14 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     train_docs = field_docs(TrainOptions)
     group = parser.add_argument_group("run")
     for field in dataclasses.fields(TrainOptions):
-        _add_option(group, field.name, train_hints[field.name], train_docs[field.name], field.name,
-                    field.default)
+        _add_option(
+            group,
+            field.name,
+            train_hints[field.name],
+            train_docs[field.name],
+            field.name,
+            field.default,
+        )
     config_hints = typing.get_type_hints(Config)
     config_docs = field_docs(Config)
     group = parser.add_argument_group("engine (tierwise.Config fields)")
@@ -159,7 +181,11 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
         if field.name == "device_memory":
             doc += " Default here: half the model's data, so that host offload is exercised."
         _add_option(
-            group, field.name, config_hints[field.name], doc, CONFIG_FLAG_PREFIX + field.name,
+            group,
+            field.name,
+            config_hints[field.name],
+            doc,
+            CONFIG_FLAG_PREFIX + field.name,
             field.default,
         )
     parser.set_defaults(func=_run)

@@ -66,7 +66,9 @@ class ByteTokenizer:
     pad_id = 257
 
     def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8).astype(np.int64)
+        return np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8).astype(
+            np.int64
+        )
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
@@ -90,7 +92,9 @@ class HFTokenizer:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as err:
-            raise TrainError(f"--tokenizer {path}: cannot load a tokenizer from it ({err})") from None
+            raise TrainError(
+                f"--tokenizer {path}: cannot load a tokenizer from it ({err})"
+            ) from None
         self.name = path
         self.vocab_size = len(self.tokenizer)
         eos = self.tokenizer.eos_token_id
@@ -146,7 +150,8 @@ def _read_source(source: str) -> list[Document]:
         if any((path / marker).is_file() for marker in DATASETS_MARKERS):
             return _read_datasets_dir(path)
         paths = sorted(
-            p for p in path.rglob("*")
+            p
+            for p in path.rglob("*")
             if p.is_file() and p.suffix in TEXT_SUFFIXES and not p.name.startswith(".")
         )
         return [doc for p in paths for doc in _read_file(p)]
@@ -168,9 +173,7 @@ def _read_file(path: Path) -> list[Document]:
         except json.JSONDecodeError as err:
             raise TrainError(f"--data {path}:{number}: not valid JSON ({err.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise TrainError(
-                f"--data {path}:{number}: each jsonl line needs a string field 'text'"
-            )
+            raise TrainError(f"--data {path}:{number}: each jsonl line needs a string field 'text'")
         documents.append(Document(name=f"{path}:{number}", text=record["text"]))
     return documents
 
@@ -226,7 +229,9 @@ def build_corpus(
     eos = np.asarray([tokenizer.eos_id], dtype=np.int64)
     for doc in documents:
         pieces += [tokenizer.encode(doc.text), eos]
-    tokens = torch.from_numpy(np.concatenate(pieces)) if pieces else torch.empty(0, dtype=torch.int64)
+    tokens = (
+        torch.from_numpy(np.concatenate(pieces)) if pieces else torch.empty(0, dtype=torch.int64)
+    )
     n_eval_tokens = max(seq, int(len(tokens) * eval_fraction))
     train_tokens, eval_tokens = tokens[:-n_eval_tokens], tokens[-n_eval_tokens:]
     n_train = len(train_tokens) // seq

@@ -41,8 +41,9 @@ def init_world(device: str) -> World:
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                timeout=collective_timeout())  # [Note: bounded collectives]
+        dist.init_process_group(
+            "nccl" if device.startswith("cuda") else "gloo", timeout=collective_timeout()
+        )  # [Note: bounded collectives]
     return World(rank=dist.get_rank(), size=dist.get_world_size(), device=device)
 
 

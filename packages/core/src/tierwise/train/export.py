@@ -59,12 +59,19 @@ def add_export_command(subparsers: argparse._SubParsersAction) -> argparse.Argum
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the --out directory of a run")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write (new or empty)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
-                        help="dtype of the weights written (default fp32, the master weights)")
-    parser.add_argument("--merge-lora", action="store_true",
-                        help="LoRA run: merge the adapters into the base weights and write a "
-                        "plain model (default: write the adapter files, and the base in OUT_DIR/base "
-                        "when the run had no --from-pretrained)")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="fp32",
+        help="dtype of the weights written (default fp32, the master weights)",
+    )
+    parser.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="LoRA run: merge the adapters into the base weights and write a "
+        "plain model (default: write the adapter files, and the base in OUT_DIR/base "
+        "when the run had no --from-pretrained)",
+    )
     parser.set_defaults(func=_run)
     return parser
 
@@ -89,8 +96,14 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return pointer.parent / pointer.read_text().strip()
 
 
-def export(run_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
-           merge_lora: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+def export(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str = "fp32",
+    merge_lora: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
     """Write the export of ``run_dir`` into ``out_dir`` in safetensors shards of at most
     ``max_shard_bytes`` (a larger parameter gets a shard of its own); return ``out_dir``."""
     run, out = Path(run_dir), Path(out_dir)
@@ -114,8 +127,15 @@ def export(run_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
             base = options.get("from_pretrained")
             if not base:  # a random base: write it, as the adapters need it
                 base = str((out / BASE_FOLDER).resolve())
-                _write_model(reader, Path(base), model_folder, lora, DTYPES[dtype],
-                             max_shard_bytes, merge=False)
+                _write_model(
+                    reader,
+                    Path(base),
+                    model_folder,
+                    lora,
+                    DTYPES[dtype],
+                    max_shard_bytes,
+                    merge=False,
+                )
             _write_adapters(reader, out, lora, DTYPES[dtype], base)
         else:
             _write_model(reader, out, model_folder, lora, DTYPES[dtype], max_shard_bytes)
@@ -134,8 +154,16 @@ def _options(run: Path) -> dict:
     return _read_json(run / "options.json") or {}
 
 
-def _write_model(reader: CheckpointReader, out: Path, model_folder: Path, lora: dict | None,
-                 dtype: torch.dtype, max_shard_bytes: int, *, merge: bool = True) -> None:
+def _write_model(
+    reader: CheckpointReader,
+    out: Path,
+    model_folder: Path,
+    lora: dict | None,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+    *,
+    merge: bool = True,
+) -> None:
     """The (for LoRA: base, merged when ``merge``) model as a from_pretrained folder ``out``."""
     adapters = _adapters(reader) if lora is not None and merge else {}
     out.mkdir(parents=True, exist_ok=True)
@@ -176,8 +204,9 @@ def _adapters(reader: CheckpointReader) -> dict[str, torch.Tensor]:
     return out
 
 
-def _merged(weight: torch.Tensor, adapters: dict[str, torch.Tensor], module: str,
-            lora: dict) -> torch.Tensor:
+def _merged(
+    weight: torch.Tensor, adapters: dict[str, torch.Tensor], module: str, lora: dict
+) -> torch.Tensor:
     """``weight + (B @ A) · scaling`` in PEFT's order (transposed for fan_in_fan_out)."""
     a_name = f"{PEFT_PREFIX}{module}.lora_A.{ADAPTER}.weight"
     b_name = f"{PEFT_PREFIX}{module}.lora_B.{ADAPTER}.weight"
@@ -193,14 +222,16 @@ def _merged(weight: torch.Tensor, adapters: dict[str, torch.Tensor], module: str
     return weight + delta * scaling
 
 
-def _write_adapters(reader: CheckpointReader, out: Path, lora: dict, dtype: torch.dtype,
-                    base: str) -> None:
+def _write_adapters(
+    reader: CheckpointReader, out: Path, lora: dict, dtype: torch.dtype, base: str
+) -> None:
     """The files ``PeftModel.save_pretrained`` writes: adapter weights without the adapter name."""
     from safetensors.torch import save_file
 
     tensors = {
         name.replace(f".{ADAPTER}.", "."): reader.tensor(name).to(dtype).contiguous()
-        for name in reader.names() if ".lora_" in name
+        for name in reader.names()
+        if ".lora_" in name
     }
     save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
     config = dict(lora)

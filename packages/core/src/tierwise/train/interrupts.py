@@ -47,8 +47,11 @@ class StopRequest:
 
     def _handle(self, signum: int, frame) -> None:
         if self.signum is not None:
-            os.write(2, f"tierwise train: second {signal.Signals(signum).name}: aborted at once, "
-                        "no checkpoint written for this step\n".encode())
+            os.write(
+                2,
+                f"tierwise train: second {signal.Signals(signum).name}: aborted at once, "
+                "no checkpoint written for this step\n".encode(),
+            )
             os._exit(128 + signum)
         self.signum = signum
 

@@ -26,15 +26,19 @@ def _peft():
     return peft
 
 
-def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float | None,
-               targets: str | None) -> torch.nn.Module:
+def apply_lora(
+    model: torch.nn.Module, *, rank: int, alpha: float | None, targets: str | None
+) -> torch.nn.Module:
     """``model`` with LoRA adapters of ``rank`` on ``targets`` (comma-separated module names;
     None: PEFT's default for the model type); everything else frozen."""
     peft = _peft()
     target_modules = [t.strip() for t in targets.split(",") if t.strip()] if targets else None
     config = peft.LoraConfig(
-        r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
-        target_modules=target_modules, task_type="CAUSAL_LM",
+        r=rank,
+        lora_alpha=alpha if alpha is not None else 2 * rank,
+        lora_dropout=0.0,
+        target_modules=target_modules,
+        task_type="CAUSAL_LM",
     )
     try:
         return peft.get_peft_model(model, config)

@@ -163,9 +163,25 @@ class TrainOptions:
 
 
 RUN_IDENTITY = (
-    "model", "size", "model_config", "from_pretrained", "data", "tokenizer", "steps", "batch",
-    "seq", "grad_accum", "lr", "warmup", "lr_floor", "weight_decay", "clip", "seed", "lora",
-    "lora_alpha", "lora_targets",
+    "model",
+    "size",
+    "model_config",
+    "from_pretrained",
+    "data",
+    "tokenizer",
+    "steps",
+    "batch",
+    "seq",
+    "grad_accum",
+    "lr",
+    "warmup",
+    "lr_floor",
+    "weight_decay",
+    "clip",
+    "seed",
+    "lora",
+    "lora_alpha",
+    "lora_targets",
 )
 """Options a resumed run must keep: changing them would not continue the same run."""
 

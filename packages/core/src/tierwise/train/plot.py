@@ -46,19 +46,40 @@ def plot_memory(
     tiers = sorted({t for s in trace.samples for t in s.bytes_by_tier}, key=_tier_key)
     for tier in tiers:
         values = [s.bytes_by_tier.get(tier, 0) / MIB for s in trace.samples]
-        memory_ax.step(times_ms, values, where="post", label=f"model data on {tier}",
-                       color=TIER_COLOURS.get(tier), linewidth=2)
-    memory_ax.step(times_ms, [s.activation_bytes / MIB for s in trace.samples], where="post",
-                   label="activations (saved for backward)", color="tab:purple", linestyle="-.")
+        memory_ax.step(
+            times_ms,
+            values,
+            where="post",
+            label=f"model data on {tier}",
+            color=TIER_COLOURS.get(tier),
+            linewidth=2,
+        )
+    memory_ax.step(
+        times_ms,
+        [s.activation_bytes / MIB for s in trace.samples],
+        where="post",
+        label="activations (saved for backward)",
+        color="tab:purple",
+        linestyle="-.",
+    )
     swapped_to = sorted({t for s in trace.samples for t in s.swapped_bytes})
     for tier in swapped_to:
-        memory_ax.step(times_ms, [s.swapped_bytes.get(tier, 0) / MIB for s in trace.samples],
-                       where="post", label=f"activations swapped to {tier}",
-                       color=TIER_COLOURS.get(tier), linestyle="--")
+        memory_ax.step(
+            times_ms,
+            [s.swapped_bytes.get(tier, 0) / MIB for s in trace.samples],
+            where="post",
+            label=f"activations swapped to {tier}",
+            color=TIER_COLOURS.get(tier),
+            linestyle="--",
+        )
     for tier, budget in trace.budgets.items():
         if budget:
-            memory_ax.axhline(budget / MIB, color=TIER_COLOURS.get(tier, "grey"), linestyle=":",
-                              label=f"{tier} budget for model data ({budget / MIB:.1f} MiB)")
+            memory_ax.axhline(
+                budget / MIB,
+                color=TIER_COLOURS.get(tier, "grey"),
+                linestyle=":",
+                label=f"{tier} budget for model data ({budget / MIB:.1f} MiB)",
+            )
     memory_ax.set_title(f"Memory over one training step (step {trace.step})", fontsize=10)
     memory_ax.set_xlabel("time since the step started (ms)")
     memory_ax.set_ylabel("MiB")
@@ -79,8 +100,9 @@ def plot_memory(
     if directions:
         step_moved_ax.legend(**LEGEND)
     else:
-        step_moved_ax.text(0.5, 0.5, "nothing moved in this step", ha="center",
-                           transform=step_moved_ax.transAxes)
+        step_moved_ax.text(
+            0.5, 0.5, "nothing moved in this step", ha="center", transform=step_moved_ax.transAxes
+        )
     step_moved_ax.grid(alpha=0.3)
 
     # (3) moved per step over the run
@@ -117,6 +139,14 @@ def _shade_phases(ax, trace: StepTrace) -> None:
         if is_last:
             end = sample.t * 1e3
             ax.axvspan(start, end, color=PHASE_COLOURS.get(sample.phase, "white"), zorder=0)
-            ax.text((start + end) / 2, 0.98, sample.phase, ha="center", va="top",
-                    fontsize=8, color="dimgrey", transform=ax.get_xaxis_transform())
+            ax.text(
+                (start + end) / 2,
+                0.98,
+                sample.phase,
+                ha="center",
+                va="top",
+                fontsize=8,
+                color="dimgrey",
+                transform=ax.get_xaxis_transform(),
+            )
             start = end

@@ -83,14 +83,21 @@ FAMILY_SIZES: dict[str, dict[str, dict[str, Any]]] = {
     },
     "llama": {
         "70b": dict(
-            hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-            num_attention_heads=64, num_key_value_heads=8,
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
         ),
     },
     "mixtral": {
         "8x7b": dict(
-            hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-            num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
             num_experts_per_tok=2,
         ),
     },
@@ -132,8 +139,7 @@ def preset_config(family: str, size: str, *, vocab_size: int, eos_id: int, max_p
     published = FAMILY_SIZES.get(family, {})
     if size not in SIZES and size not in published:
         raise TrainError(
-            f"unknown --size {size!r} for {family}: choose one of "
-            f"{', '.join([*SIZES, *published])}"
+            f"unknown --size {size!r} for {family}: choose one of {', '.join([*SIZES, *published])}"
         )
     tf = _transformers()
     ids = dict(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
@@ -142,26 +148,46 @@ def preset_config(family: str, size: str, *, vocab_size: int, eos_id: int, max_p
     s = SIZES[size]
     if family == "gpt2":
         return tf.GPT2Config(
-            n_embd=s.hidden, n_layer=s.layers, n_head=s.heads, n_positions=max_positions,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids,
+            n_embd=s.hidden,
+            n_layer=s.layers,
+            n_head=s.heads,
+            n_positions=max_positions,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **ids,
         )
     if family == "opt":
         return tf.OPTConfig(
-            hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
-            ffn_dim=4 * s.hidden, max_position_embeddings=max_positions,
-            word_embed_proj_dim=s.hidden, dropout=0.0, attention_dropout=0.0,
-            activation_dropout=0.0, **ids,
+            hidden_size=s.hidden,
+            num_hidden_layers=s.layers,
+            num_attention_heads=s.heads,
+            ffn_dim=4 * s.hidden,
+            max_position_embeddings=max_positions,
+            word_embed_proj_dim=s.hidden,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            **ids,
         )
     common = dict(
-        hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads, max_position_embeddings=max_positions,
-        attention_dropout=0.0, tie_word_embeddings=False, **ids,
+        hidden_size=s.hidden,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        max_position_embeddings=max_positions,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        **ids,
     )
     if family == "llama":
         return tf.LlamaConfig(intermediate_size=s.ffn, **common)
     return tf.MixtralConfig(
-        intermediate_size=2 * s.ffn // s.experts, num_local_experts=s.experts, num_experts_per_tok=2,
-        router_jitter_noise=0.0, **common,
+        intermediate_size=2 * s.ffn // s.experts,
+        num_local_experts=s.experts,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.0,
+        **common,
     )
 
 
@@ -169,18 +195,31 @@ def _published_config(tf, family: str, fields: dict[str, Any], ids: dict, max_po
     """The HF config of a published size (dropout off, like the shared sizes)."""
     if family == "gpt2":
         return tf.GPT2Config(
-            n_positions=max_positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-            **fields, **ids,
+            n_positions=max_positions,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **fields,
+            **ids,
         )
     if family == "opt":
         hidden = fields["hidden_size"]
         return tf.OPTConfig(
-            ffn_dim=4 * hidden, word_embed_proj_dim=hidden, max_position_embeddings=max_positions,
-            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, **fields, **ids,
+            ffn_dim=4 * hidden,
+            word_embed_proj_dim=hidden,
+            max_position_embeddings=max_positions,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            **fields,
+            **ids,
         )
     common = dict(
-        max_position_embeddings=max_positions, attention_dropout=0.0, tie_word_embeddings=False,
-        **fields, **ids,
+        max_position_embeddings=max_positions,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        **fields,
+        **ids,
     )
     if family == "llama":
         return tf.LlamaConfig(**common)
@@ -224,13 +263,17 @@ def _warn_missing_sizes(config, data: dict[str, Any], where: str) -> None:
     """One line on stderr naming the size fields ``data`` lacks and the defaults used instead."""
     aliases = {target: source for source, target in getattr(config, "attribute_map", {}).items()}
     missing = [
-        name for name in SIZE_FIELDS
+        name
+        for name in SIZE_FIELDS
         if hasattr(config, name) and name not in data and aliases.get(name) not in data
     ]
     if missing:
         used = ", ".join(f"{name} {getattr(config, name)}" for name in missing)
-        print(f"tierwise train: warning: {where} has no {', '.join(missing)}; using the Hugging "
-              f"Face {config.model_type} defaults ({used})", file=sys.stderr)
+        print(
+            f"tierwise train: warning: {where} has no {', '.join(missing)}; using the Hugging "
+            f"Face {config.model_type} defaults ({used})",
+            file=sys.stderr,
+        )
 
 
 def config_from_pretrained(path: str):

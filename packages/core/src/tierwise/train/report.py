@@ -34,7 +34,10 @@ def tier_summary(bytes_by_tier: Mapping[str, int]) -> str:
 def table(rows: Sequence[tuple[str, ...]]) -> str:
     """Left-aligned columns, the first row a header underlined with dashes."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -125,11 +128,15 @@ def summary_rows(
 ) -> list[tuple[str, str, str]]:
     """Peak model data per tier against its budget, then bytes moved per direction."""
     rows = [("tier", "peak model data", "budget")]
-    for tier in sorted(set(peak_bytes_by_tier) | set(budgets), key=lambda t: (TIER_ORDER + (t,)).index(t)):
+    for tier in sorted(
+        set(peak_bytes_by_tier) | set(budgets), key=lambda t: (TIER_ORDER + (t,)).index(t)
+    ):
         budget = budgets.get(tier)
         peak = peak_bytes_by_tier.get(tier, 0)
         share = f" ({100 * peak / budget:.0f}%)" if budget else ""
-        rows.append((tier, format_bytes(peak) + share, format_bytes(budget) if budget else "machine"))
+        rows.append(
+            (tier, format_bytes(peak) + share, format_bytes(budget) if budget else "machine")
+        )
     for direction, moved in sorted(moved_bytes.items()):
         rows.append((f"moved {direction}", format_bytes(moved), ""))
     return rows

@@ -63,8 +63,11 @@ def main(train_given: dict[str, Any], config_given: dict[str, Any]) -> int:
         print(f"tierwise train: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # outside the training loop ([Note: stopping between steps])
-        print("tierwise train: interrupted (outside the training steps; checkpoints written so "
-              "far are kept)", file=sys.stderr)
+        print(
+            "tierwise train: interrupted (outside the training steps; checkpoints written so "
+            "far are kept)",
+            file=sys.stderr,
+        )
         return exit_status(signal.SIGINT)
 
 
@@ -99,8 +102,11 @@ def resolve(train_given: dict[str, Any], config_given: dict[str, Any]) -> Reques
             )
         given_budget = "device_memory" in config_given or config.device_memory is not None
         return Request(
-            options=options, config=config, device_memory_given=given_budget,
-            run_dir=run_dir, resuming=False,
+            options=options,
+            config=config,
+            device_memory_given=given_budget,
+            run_dir=run_dir,
+            resuming=False,
         )
     run_dir = Path(resume)
     if not (run_dir / OPTIONS_FILE).is_file():
@@ -148,7 +154,9 @@ def _plain(value: Any) -> Any:
 def check_plugins(config: Config) -> None:
     """An NVMe placement needs the NVMe tier and an existing directory."""
     wants_nvme = config.nvme_path is not None or "nvme" in (
-        config.param_placement, config.optimizer_placement, config.activation_offload
+        config.param_placement,
+        config.optimizer_placement,
+        config.activation_offload,
     )
     if not wants_nvme:
         return
@@ -195,12 +203,19 @@ def _train(request: Request, world: World) -> int:
 
     # data and model (every input checked before anything is written)
     tokenizer_dir = options.tokenizer
-    if tokenizer_dir is None and options.from_pretrained and _has_tokenizer(options.from_pretrained):
+    if (
+        tokenizer_dir is None
+        and options.from_pretrained
+        and _has_tokenizer(options.from_pretrained)
+    ):
         tokenizer_dir = options.from_pretrained
     tokenizer = data.load_tokenizer(tokenizer_dir)
     documents = data.read_documents(options.data)
     corpus = data.build_corpus(
-        documents, tokenizer, seq=options.seq, min_train_blocks=options.batch * world.size,
+        documents,
+        tokenizer,
+        seq=options.seq,
+        min_train_blocks=options.batch * world.size,
         max_eval_blocks=options.eval_batches * options.batch * world.size,
     )
     model, model_name = _build_model(options, tokenizer)
@@ -222,7 +237,8 @@ def _train(request: Request, world: World) -> int:
     console.note(
         f"model: {model_name}, {n_params:,} parameters, model data ≈ {format_bytes(data_bytes)} "
         f"({config.precision} params and grads, fp32 master weights and Adam states)",
-        parameters=n_params, model_data_bytes=data_bytes,
+        parameters=n_params,
+        model_data_bytes=data_bytes,
     )
     console.note(
         f"data: {_data_name(options)}: {corpus.n_documents:,} documents, {corpus.n_tokens:,} "
@@ -235,7 +251,8 @@ def _train(request: Request, world: World) -> int:
         f"device: {world.device}, model data budget {budget_text}{budget_note}; host budget "
         f"{format_bytes(config.host_memory) if config.host_memory else 'all it has'}"
         + (f"; {world.size} ranks" if world.size > 1 else ""),
-        device_memory=config.device_memory, host_memory=config.host_memory,
+        device_memory=config.device_memory,
+        host_memory=config.host_memory,
     )
     console.note("plugins: " + _plugin_line())
 
@@ -278,8 +295,11 @@ def _train(request: Request, world: World) -> int:
         return 0
 
     sampler = data.BlockSampler(
-        n_blocks=len(corpus.train_blocks), batch=options.batch, world=world.size,
-        rank=world.rank, seed=options.seed,
+        n_blocks=len(corpus.train_blocks),
+        batch=options.batch,
+        world=world.size,
+        rank=world.rank,
+        seed=options.seed,
     )
     metrics = MetricsLog(run_dir, keep_through=step) if world.is_main else None
     budgets = {"device": config.device_memory, "host": config.host_memory}
@@ -294,10 +314,27 @@ def _train(request: Request, world: World) -> int:
     with StopRequest() as stop:
         try:
             step, micro_step, trace, stopped = _loop(
-                options, model, optimizer, scheduler, engine, corpus, sampler, world, device,
-                run_dir, metrics, console, budgets, agreement, stop, step=step,
-                micro_step=micro_step, last_step=last_step, trace_step=trace_step,
-                step_seconds=step_seconds, tokens_per_step=tokens_per_step,
+                options,
+                model,
+                optimizer,
+                scheduler,
+                engine,
+                corpus,
+                sampler,
+                world,
+                device,
+                run_dir,
+                metrics,
+                console,
+                budgets,
+                agreement,
+                stop,
+                step=step,
+                micro_step=micro_step,
+                last_step=last_step,
+                trace_step=trace_step,
+                step_seconds=step_seconds,
+                tokens_per_step=tokens_per_step,
             )
         except OSError as err:  # the NVMe tier or a checkpoint write: the run cannot go on
             console.stop_progress()
@@ -307,13 +344,34 @@ def _train(request: Request, world: World) -> int:
         if metrics:
             metrics.close()
         if world.is_main:
-            print(f"tierwise train: {signal.Signals(stopped).name} after step {step} of "
-                  f"{last_step}; checkpoint written; resume with: tierwise train --resume "
-                  f"{run_dir}", file=sys.stderr)
+            print(
+                f"tierwise train: {signal.Signals(stopped).name} after step {step} of "
+                f"{last_step}; checkpoint written; resume with: tierwise train --resume "
+                f"{run_dir}",
+                file=sys.stderr,
+            )
         return exit_status(stopped)
-    return _finish(options, model, engine, tokenizer, corpus, world, device, run_dir, metrics,
-                   console, budgets, trace, step, first_step, step_seconds, tokens_per_step,
-                   started, model_name, n_params)
+    return _finish(
+        options,
+        model,
+        engine,
+        tokenizer,
+        corpus,
+        world,
+        device,
+        run_dir,
+        metrics,
+        console,
+        budgets,
+        trace,
+        step,
+        first_step,
+        step_seconds,
+        tokens_per_step,
+        started,
+        model_name,
+        n_params,
+    )
 
 
 def _resume_hint(run_dir: Path) -> str:
@@ -321,14 +379,37 @@ def _resume_hint(run_dir: Path) -> str:
     the newest one is whole)."""
     latest = run_dir / checkpoints.CHECKPOINTS / checkpoints.LATEST
     if latest.is_file():
-        return (f"the checkpoint of {latest.read_text().strip()} is intact: resume with: "
-                f"tierwise train --resume {run_dir}")
+        return (
+            f"the checkpoint of {latest.read_text().strip()} is intact: resume with: "
+            f"tierwise train --resume {run_dir}"
+        )
     return "no checkpoint was written yet: start the run again"
 
 
-def _loop(options, model, optimizer, scheduler, engine, corpus, sampler, world, device, run_dir,
-          metrics, console, budgets, agreement, stop, *, step, micro_step, last_step, trace_step,
-          step_seconds, tokens_per_step):
+def _loop(
+    options,
+    model,
+    optimizer,
+    scheduler,
+    engine,
+    corpus,
+    sampler,
+    world,
+    device,
+    run_dir,
+    metrics,
+    console,
+    budgets,
+    agreement,
+    stop,
+    *,
+    step,
+    micro_step,
+    last_step,
+    trace_step,
+    step_seconds,
+    tokens_per_step,
+):
     """Steps until ``last_step`` or a stop request; returns (step, micro_step, trace, signal)."""
     tracer, trace = None, None
     while step < last_step:
@@ -370,8 +451,14 @@ def _loop(options, model, optimizer, scheduler, engine, corpus, sampler, world, 
             tracer.mark("optimizer", "optimizer step done")
         loss_value = mean_over_ranks(loss_sum / options.grad_accum, world)
         record = step_record(
-            step=step, loss=loss_value, lr=lr, grad_norm=grad_norm, tokens=tokens_per_step,
-            times=times, stats=engine.stats(), stats_before=stats_before,
+            step=step,
+            loss=loss_value,
+            lr=lr,
+            grad_norm=grad_norm,
+            tokens=tokens_per_step,
+            times=times,
+            stats=engine.stats(),
+            stats_before=stats_before,
         )
         step_seconds.append(times["total"])
         if metrics:
@@ -383,11 +470,17 @@ def _loop(options, model, optimizer, scheduler, engine, corpus, sampler, world, 
             eval_loss = evaluate(model, corpus.eval_blocks, options.batch, world, device)
             if metrics:
                 metrics.write({"kind": "eval", "step": step, "eval_loss": eval_loss})
-            console.note(f"step {step}: held-out loss {eval_loss:.4f}", step=step, eval_loss=eval_loss)
+            console.note(
+                f"step {step}: held-out loss {eval_loss:.4f}", step=step, eval_loss=eval_loss
+            )
         stopped, time_due = agreement.after_step(stop)
         if step % options.checkpoint_interval == 0 or step == last_step or stopped or time_due:
             checkpoints.save(
-                run_dir, step=step, model=model, optimizer=optimizer, world=world,
+                run_dir,
+                step=step,
+                model=model,
+                optimizer=optimizer,
+                world=world,
                 loop_state={"micro_step": micro_step, "scheduler": scheduler.state_dict()},
             )
             agreement.saved()
@@ -396,9 +489,27 @@ def _loop(options, model, optimizer, scheduler, engine, corpus, sampler, world, 
     return step, micro_step, trace, None
 
 
-def _finish(options, model, engine, tokenizer, corpus, world, device, run_dir, metrics, console,
-            budgets, trace, step, first_step, step_seconds, tokens_per_step, started, model_name,
-            n_params) -> int:
+def _finish(
+    options,
+    model,
+    engine,
+    tokenizer,
+    corpus,
+    world,
+    device,
+    run_dir,
+    metrics,
+    console,
+    budgets,
+    trace,
+    step,
+    first_step,
+    step_seconds,
+    tokens_per_step,
+    started,
+    model_name,
+    n_params,
+) -> int:
     """The end of a run: sample, plot, summary."""
     console.stop_progress()
     elapsed = time.perf_counter() - started
@@ -408,8 +519,13 @@ def _finish(options, model, engine, tokenizer, corpus, world, device, run_dir, m
     # the end: sample, plot, summary
     if options.sample_tokens:
         ids = generate(
-            model, list(tokenizer.encode(options.prompt)), new_tokens=options.sample_tokens,
-            temperature=options.temperature, context=options.seq, seed=options.seed, device=device,
+            model,
+            list(tokenizer.encode(options.prompt)),
+            new_tokens=options.sample_tokens,
+            temperature=options.temperature,
+            context=options.seq,
+            seed=options.seed,
+            device=device,
         )
         text = tokenizer.decode(ids)
         console.block("sample", printable(text), text=text, temperature=options.temperature)
@@ -419,27 +535,40 @@ def _finish(options, model, engine, tokenizer, corpus, world, device, run_dir, m
     lines = [line for line in all_lines if line["kind"] == "train"]
     evals = [line["eval_loss"] for line in all_lines if line["kind"] == "eval"]
     note = plot_memory(
-        run_dir / PLOT_FILE, trace, lines,
+        run_dir / PLOT_FILE,
+        trace,
+        lines,
         title=f"tierwise train: {model_name}, {n_params:,} parameters, device {world.device}",
     )
     console.note(note or f"wrote {run_dir / PLOT_FILE}")
     stats = engine.stats()
-    this_run = lines[-(step - first_step):]
+    this_run = lines[-(step - first_step) :]
     steady = step_seconds[1:] or step_seconds
     rows = [
         ("metric", "value", "note"),
         ("steps", f"{first_step} → {step} of {options.steps}", ""),
         ("loss", f"{this_run[0]['loss']:.4f} → {this_run[-1]['loss']:.4f}", "train, this process"),
-        ("held-out loss", f"{evals[0]:.4f} → {evals[-1]:.4f}" if evals else "-",
-         f"{len(evals)} evals of {len(corpus.eval_blocks)} blocks"),
-        ("throughput", f"{tokens_per_step / statistics.median(steady):,.0f} tokens/s",
-         "median step after the first"),
+        (
+            "held-out loss",
+            f"{evals[0]:.4f} → {evals[-1]:.4f}" if evals else "-",
+            f"{len(evals)} evals of {len(corpus.eval_blocks)} blocks",
+        ),
+        (
+            "throughput",
+            f"{tokens_per_step / statistics.median(steady):,.0f} tokens/s",
+            "median step after the first",
+        ),
         ("wall time", f"{elapsed:.1f} s", f"{step - first_step} steps"),
-        ("plan", f"{engine.plan.planner}: chunk {engine.plan.chunk_size:,} elements, "
-         f"{engine.plan.cache_blocks} rCache blocks", ""),
+        (
+            "plan",
+            f"{engine.plan.planner}: chunk {engine.plan.chunk_size:,} elements, "
+            f"{engine.plan.cache_blocks} rCache blocks",
+            "",
+        ),
     ]
     memory_rows = summary_rows(
-        peak_bytes_by_tier=stats.get("peak_bytes_by_tier", {}), budgets=budgets,
+        peak_bytes_by_tier=stats.get("peak_bytes_by_tier", {}),
+        budgets=budgets,
         moved_bytes=stats.get("moved_bytes", {}),
     )
     console.block(
@@ -447,9 +576,14 @@ def _finish(options, model, engine, tokenizer, corpus, world, device, run_dir, m
         table(rows) + "\n\n" + table(memory_rows) + f"\n\noutputs in {run_dir}/: {OPTIONS_FILE}, "
         f"{CONFIG_FILE}, {PLAN_FILE}, metrics.jsonl, checkpoints/, {PLOT_FILE}\n"
         f"export a Hugging Face model: {export_command(run_dir, options)}",
-        steps=step, first_step=first_step, tokens_per_s=tokens_per_step / statistics.median(steady),
-        wall_s=elapsed, peak_bytes_by_tier=stats.get("peak_bytes_by_tier", {}), budgets=budgets,
-        moved_bytes=stats.get("moved_bytes", {}), run_dir=str(run_dir),
+        steps=step,
+        first_step=first_step,
+        tokens_per_s=tokens_per_step / statistics.median(steady),
+        wall_s=elapsed,
+        peak_bytes_by_tier=stats.get("peak_bytes_by_tier", {}),
+        budgets=budgets,
+        moved_bytes=stats.get("moved_bytes", {}),
+        run_dir=str(run_dir),
         export_command=export_command(run_dir, options),
     )
     return 0
@@ -486,8 +620,11 @@ def _build_model(options: TrainOptions, tokenizer) -> tuple[torch.nn.Module, str
         name = f"{options.model_config} ({config.model_type}, random init)"
     else:
         config = presets.preset_config(
-            options.model, options.size, vocab_size=tokenizer.vocab_size,
-            eos_id=tokenizer.eos_id, max_positions=max(options.seq, 256),
+            options.model,
+            options.size,
+            vocab_size=tokenizer.vocab_size,
+            eos_id=tokenizer.eos_id,
+            max_positions=max(options.seq, 256),
         )
         name = f"{options.model} {options.size} (random init)"
     return presets.build_random(config, seed=options.seed), name
@@ -500,7 +637,9 @@ def export_command(run_dir: Path, options: TrainOptions) -> str:
 
 
 def _has_tokenizer(path: str) -> bool:
-    return any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    return any(
+        (Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
+    )
 
 
 def _data_name(options: TrainOptions) -> str:

@@ -11,7 +11,8 @@ def printable(text: str) -> str:
     """``text`` safe for a terminal: control characters other than newline and tab are shown as
     escapes (``\x1b``), so a generated escape sequence cannot move the cursor or recolour it."""
     return "".join(
-        ch if ch in "\n\t" or unicodedata.category(ch) not in ("Cc", "Cf", "Cs", "Co", "Cn")
+        ch
+        if ch in "\n\t" or unicodedata.category(ch) not in ("Cc", "Cf", "Cs", "Co", "Cn")
         else ch.encode("unicode_escape").decode("ascii")
         for ch in text
     )

@@ -223,6 +223,11 @@ class ActivationManager:
                 "tierwise-nvme and set Config.nvme_path"
             )
         self.model, self.blocks, self.policy = model, blocks, dict(policy)
+        self._block_params = {name: tuple(block.parameters()) for name, block in blocks.items()}
+        """Each block's parameters, listed once: ``_model_data`` runs for every saved tensor, and
+        walking ``Module.parameters()`` there was the largest per-module cost of a step. The
+        Parameter objects stay the same for the run (re-layout re-points their data, which
+        ``_model_data`` reads afresh)."""
         self.device = torch.device(device)
         self.nvme, self.untraced = nvme, untraced
         self.min_bytes = min_bytes
@@ -363,7 +368,7 @@ class ActivationManager:
         if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
             return True
         ptr = tensor.untyped_storage().data_ptr()
-        return any(p.untyped_storage().data_ptr() == ptr for p in self.blocks[name].parameters())
+        return any(p.untyped_storage().data_ptr() == ptr for p in self._block_params[name])
 
     def _worth(self, name: str, tensor: torch.Tensor) -> bool:
         return (

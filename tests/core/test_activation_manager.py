@@ -46,11 +46,12 @@ class Slab:
 class Handle:
     """An asynchronous request that completes when waited for (or when the tier says so)."""
 
-    def __init__(self, tier, kind, slab, finish):
-        self.tier, self.kind, self.slab, self.finish, self.finished = (
+    def __init__(self, tier, kind, slab, nbytes, finish):
+        self.tier, self.kind, self.slab, self.nbytes, self.finish, self.finished = (
             tier,
             kind,
             slab,
+            nbytes,
             finish,
             False,
         )
@@ -62,7 +63,7 @@ class Handle:
         if not self.finished:
             self.finished = True
             self.finish()
-            self.tier.log.append((f"{self.kind} landed", self.slab.block, self.slab.nbytes))
+            self.tier.log.append((f"{self.kind} landed", self.slab.block, self.nbytes))
 
 
 class RecordingTier:
@@ -80,15 +81,23 @@ class RecordingTier:
         self.used_bytes += nbytes
         return Slab(len(self.stored) + len(self.log), nbytes, self.running)
 
-    def write(self, slab, source):
-        self.log.append(("write", slab.block, slab.nbytes))
-        return Handle(
-            self, "write", slab, lambda: self.stored.__setitem__(slab.index, source.clone())
-        )
+    def write(self, slab, source, *, offset=0):
+        self.log.append(("write", slab.block, source.nbytes))
+        assert offset + source.nbytes <= slab.nbytes
 
-    def read(self, slab, target):
-        self.log.append(("read", slab.block, slab.nbytes))
-        return Handle(self, "read", slab, lambda: target.copy_(self.stored[slab.index]))
+        def land():
+            self.stored.setdefault(slab.index, torch.zeros(slab.nbytes, dtype=torch.uint8))
+            self.stored[slab.index][offset : offset + source.nbytes].copy_(source)
+
+        return Handle(self, "write", slab, source.nbytes, land)
+
+    def read(self, slab, target, *, offset=0):
+        self.log.append(("read", slab.block, target.nbytes))
+
+        def land():
+            target.copy_(self.stored[slab.index][offset : offset + target.nbytes])
+
+        return Handle(self, "read", slab, target.nbytes, land)
 
     def release(self, slab):
         self.used_bytes -= slab.nbytes

@@ -17,8 +17,10 @@ anyway), lives on another device, or its storage is smaller than ``min_bytes``. 
 *storage* is swapped once per block (a storage saved twice, e.g. an input and a view of it, is
 stored once) and the packed value records dtype, offset, size and stride to rebuild the view.
 Swap-out starts as the tensor is saved: on CUDA a copy into pinned host memory on a side stream
-(an event says when it landed), on CPU the nvme tier's asynchronous write (a host swap on a CPU
-device is a plain copy: it is the same RAM). Our reference to the original is dropped when its
+(an event says when it landed; the buffers come from a bounded pool, see [Note: bounded pinned
+buffers] in tierwise.runtime.host_buffers), on CPU the nvme tier's asynchronous write straight
+from the saved storage ([Note: swap writes from the saved storage]; a host swap on a CPU device
+is a plain copy: it is the same RAM). Our reference to the original is dropped when its
 copy has landed, checked at the end of each block and at the end of forward, where every swap-out
 is waited for: an I/O error is raised there, after the forward finished and before any backward,
 so no gradient or optimizer step is half-applied (the graph is dropped, the engine is unchanged).
@@ -66,6 +68,12 @@ from typing import Any
 import torch
 
 from tierwise.plan import ACTIVATION_ACTIONS, check_policy_entries
+from tierwise.runtime.host_buffers import (
+    ALIGNMENT,
+    PINNED_POOL_BYTES,
+    HostBufferPool,
+    aligned_empty,
+)
 from tierwise.tiers.base import PayloadKind
 
 ACTIONS = ACTIVATION_ACTIONS
@@ -157,6 +165,8 @@ class _Stored:
     """The host copy (host target; CUDA nvme staging)."""
     slab: Any = None
     """The nvme tier slab (nvme target)."""
+    lead: int = 0
+    """Byte offset of the data in its slab: [Note: swap writes from the saved storage]."""
     write: Any = None
     """IOHandle or CUDA event of the swap-out in flight."""
     read: Any = None
@@ -186,6 +196,8 @@ class StepStats:
     swapped_out: Counter = field(default_factory=Counter)
     swapped_in: Counter = field(default_factory=Counter)
     recomputed_blocks: int = 0
+    unpinned_bytes: int = 0
+    """CUDA: bytes swapped through unpinned host buffers because the pinned pool was full."""
     io_wait_s: float = 0.0
     """Seconds the step stood still waiting for swap I/O to land (the part not hidden)."""
 
@@ -213,6 +225,7 @@ class ActivationManager:
         prefetch_bytes: int | None = None,
         allowance: int | None = None,
         on_backward_error: Callable[[str], None] | None = None,
+        pinned_bytes: int = PINNED_POOL_BYTES,
     ) -> None:
         unknown = sorted(set(policy) - set(blocks))
         if unknown:
@@ -262,6 +275,13 @@ class ActivationManager:
         self._handles: list = []
         self._restore: list[Callable[[], None]] = []
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.pool = (
+            HostBufferPool(pinned_bytes, pin=True, done=_done, wait=_wait)
+            if self._stream is not None
+            else None
+        )
+        """CUDA: the pinned host buffers swaps go through, at most ``pinned_bytes`` of them
+        ([Note: bounded pinned buffers]); None on other devices (no copies to overlap)."""
 
     # -- installation -------------------------------------------------------------------
     def install(self) -> None:
@@ -340,6 +360,8 @@ class ActivationManager:
             restore()
         self._restore.clear()
         self._drop_all()
+        if self.pool is not None:
+            self.pool.close()
 
     # -- forward ------------------------------------------------------------------------
     def _count_recompute(self, module, args) -> None:
@@ -428,7 +450,7 @@ class ActivationManager:
         stored = _Stored(name, target, nbytes)
         if self._stream is not None:  # CUDA: into pinned memory on the side stream
             stored.source, self._resident = source, self._resident + nbytes
-            stored.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            stored.host = self._host_buffer(nbytes)
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 stored.host.copy_(source, non_blocking=True)
@@ -438,26 +460,57 @@ class ActivationManager:
         elif target == "host":  # a CPU device: the same RAM, a plain copy
             stored.host = source.clone()
             self.moved_bytes["act:device->host"] += nbytes
-        else:  # CPU -> nvme: [Note: aligned swap buffers]
+        else:  # CPU -> nvme: [Note: swap writes from the saved storage]
             self._throttle_writes()
-            stored.host = _aligned_bytes(nbytes)
-            stored.host.copy_(source)
+            stored.source, self._resident = source, self._resident + nbytes
+            stored.lead = _page_lead(source)
         if target == "nvme":
-            stored.slab = self.nvme.allocate(nbytes, torch.uint8, kind=PayloadKind.ACTIVATION)
+            stored.slab = self.nvme.allocate(
+                stored.lead + nbytes, torch.uint8, kind=PayloadKind.ACTIVATION
+            )
             if self._stream is None:
-                stored.write = self.nvme.write(stored.slab, stored.host)
+                stored.write = self.nvme.write(stored.slab, source, offset=stored.lead)
                 self.moved_bytes["act:device->nvme"] += nbytes
         if stored.write is not None:
             self._writing.append(stored)
         self._now.swapped_out[target] += nbytes
         return stored
 
-    # [Note: aligned swap buffers]
-    # On a CPU device a swap to nvme copies the storage into a page-aligned buffer and writes
-    # from there: the original is dropped at once (its memory goes back as soon as autograd's
-    # own references go), and an O_DIRECT write from an aligned buffer needs no bounce copy of
-    # its own. Buffers whose writes are in flight are bounded by one block's bytes: past it, a
-    # new swap first waits for the oldest writes. Reads land in aligned buffers too.
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        """CUDA: a pinned buffer from the pool; when the pool is full, the oldest swap-outs to
+        nvme are landed first (their staging buffers go back), and if that is not enough, an
+        unpinned buffer, counted: [Note: bounded pinned buffers]."""
+        assert self.pool is not None
+        while True:
+            buffer = self.pool.take(nbytes)
+            if buffer is not None or nbytes > self.pool.capacity:
+                break
+            staging = next((s for s in self._writing if s.target == "nvme"), None)
+            if staging is None:
+                break
+            self._land_one(staging, wait=True)
+        if buffer is None:
+            self._now.unpinned_bytes += nbytes
+            buffer = aligned_empty(nbytes)
+        return buffer
+
+    def _give_host(self, stored: _Stored, after: Any = None) -> None:
+        """Hand ``stored``'s host buffer back (to the pool, once ``after`` completed)."""
+        if stored.host is not None and self.pool is not None and self.pool.owns(stored.host):
+            self.pool.give(stored.host, after=after)
+        stored.host = None
+
+    # [Note: swap writes from the saved storage]
+    # On a CPU device a swap to nvme writes the saved storage itself, with no copy on the compute
+    # cores: the storage stays referenced (``source``, counted as resident) until its write has
+    # landed. An O_DIRECT transfer moves whole pages between page-aligned memory and page-aligned
+    # file offsets, so the slab is laid out with the storage's own misalignment: its data starts
+    # ``lead`` = (address mod page) bytes into the slab (whose offset is page-aligned). The nvme
+    # tier then moves every whole page of the storage in place and only the partial first and
+    # last page through a one-page bounce buffer ([Note: unaligned transfers] in tierwise_nvme).
+    # The swap-in reads into a fresh page-aligned buffer at the same ``lead``, and that buffer is
+    # the storage the restored tensors view. Storages whose writes are in flight are bounded by
+    # one block's bytes: past it, a new swap first waits for the oldest writes.
     def _throttle_writes(self) -> None:
         largest = max(
             (sum(s.nbytes for s in stored) for stored in self._stored.values()), default=0
@@ -483,15 +536,14 @@ class ActivationManager:
                 self._writing.remove(stored)
                 return
             stored.write = None
-            if stored.source is not None:  # CUDA: its copy is in pinned memory now
+            if stored.source is not None:  # its bytes are in host memory or on disk now
                 stored.source = None
                 self._resident -= stored.nbytes
-                if stored.target == "nvme":
+                if self._stream is not None and stored.target == "nvme":  # CUDA: pinned -> disk
                     stored.write = self.nvme.write(stored.slab, stored.host)
                     self.moved_bytes["act:host->nvme"] += stored.nbytes
+                    self._give_host(stored, after=stored.write)
                     continue
-            if stored.target == "nvme":  # on disk: the staging copy can go
-                stored.host = None
         self._writing.remove(stored)
 
     def _end_forward(self, module, args, output) -> None:
@@ -544,10 +596,11 @@ class ActivationManager:
         nbytes = stored.nbytes
         if stored.target == "nvme":
             if self._stream is not None:
-                stored.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            else:
-                stored.host = _aligned_bytes(nbytes)
-            stored.read = self.nvme.read(stored.slab, stored.host)
+                stored.host = self._host_buffer(nbytes)
+                stored.read = self.nvme.read(stored.slab, stored.host)
+            else:  # [Note: swap writes from the saved storage]
+                stored.host = aligned_empty(stored.lead + nbytes)[stored.lead :]
+                stored.read = self.nvme.read(stored.slab, stored.host, offset=stored.lead)
             self.moved_bytes[f"act:nvme->{'host' if self._stream else 'device'}"] += nbytes
             if self._stream is None:
                 stored.loaded = stored.host
@@ -561,6 +614,7 @@ class ActivationManager:
                 loaded.copy_(stored.host, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
+            self._give_host(stored, after=event)  # reusable once the copy has read it
             stored.read, stored.loaded = event, loaded
             self.moved_bytes["act:host->device"] += nbytes
         elif stored.target == "host":
@@ -678,7 +732,8 @@ class ActivationManager:
                             pass
                 if stored.slab is not None:
                     self.nvme.release(stored.slab)
-                stored.slab = stored.host = stored.source = stored.loaded = None
+                self._give_host(stored)
+                stored.slab = stored.source = stored.loaded = None
             stored_list.clear()
         self._resident = 0
         self._writing.clear()
@@ -693,17 +748,21 @@ class ActivationManager:
             "swapped_in_bytes": {t: last.swapped_in[t] for t in ("host", "nvme")},
             "recomputed_blocks": last.recomputed_blocks,
             "io_wait_s": last.io_wait_s,
+            "host_buffers": None
+            if self.pool is None
+            else {**self.pool.stats(), "unpinned_bytes": last.unpinned_bytes},
             "policy": dict(Counter(self.policy.get(b, "keep") for b in self.order)),
             "live_bytes": self.live_bytes(),
         }
 
 
-def _aligned_bytes(nbytes: int, alignment: int = 4096) -> torch.Tensor:
-    """An uninitialised uint8 CPU tensor of ``nbytes`` whose address is a multiple of
-    ``alignment`` ([Note: aligned swap buffers])."""
-    raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
-    skip = -raw.data_ptr() % alignment  # allocations are 64-byte aligned: any itemsize divides
-    return raw[skip : skip + nbytes]
+def _page_lead(source: torch.Tensor) -> int:
+    """Where a storage's bytes start in its nvme slab: its address modulo the page, so the
+    tier moves its whole pages in place ([Note: swap writes from the saved storage]). 0 for an
+    address off the allocator's 64-byte grid (the tier then bounces the whole range), which keeps
+    the swapped-in copy's offset a multiple of every element size."""
+    address = source.data_ptr()
+    return address % ALIGNMENT if address % 64 == 0 else 0
 
 
 def _over_allowance(saved: int, allowance: int, kept: Counter) -> Exception:

@@ -238,3 +238,34 @@ def test_io_wait_counts_the_seconds_spent_waiting_for_swap_io_only():
     *_, host = _managed_step({name: "host" for name in ALL_NVME})  # on a CPU device: no I/O
     assert host.stats()["io_wait_s"] == 0.0
     assert host.stats()["swapped_out_bytes"]["host"] == nvme.stats()["swapped_out_bytes"]["nvme"]
+
+
+def test_nvme_swap_outs_are_written_from_the_saved_storage_itself_at_its_page_lead():
+    """No staging copy on a CPU device ([Note: swap writes from the saved storage]): each write
+    is issued from the storage autograd saved (here each block's tanh output, which tanh saves
+    for its backward), into a slab that starts ``address mod 4096`` bytes before the data."""
+    model = Stack()
+    blocks = find_blocks(model)
+    outputs: list[int] = []
+    for block in blocks.values():
+        block.register_forward_hook(lambda _m, _a, out: outputs.append(out.data_ptr()))
+    tier = RecordingTier()
+    writes: list[tuple[int, int, int, int]] = []
+    write = tier.write
+
+    def recording_write(slab, source, *, offset=0):
+        writes.append((source.data_ptr(), source.nbytes, offset, slab.nbytes))
+        return write(slab, source, offset=offset)
+
+    tier.write = recording_write
+    manager = ActivationManager(
+        model=model, blocks=blocks, policy=ALL_NVME, device=torch.device("cpu"), nvme=tier
+    )
+    manager.install()
+    model(torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(1))).backward()
+    manager.end_step()
+    manager.close()
+    assert len(outputs) == DEPTH and set(outputs) <= {address for address, *_ in writes}
+    for address, nbytes, offset, slab_bytes in writes:
+        assert offset == address % 4096 and slab_bytes == offset + nbytes
+    assert any(offset for _, _, offset, _ in writes)  # the layout is exercised, not just lead 0

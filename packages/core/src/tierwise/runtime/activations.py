@@ -74,6 +74,8 @@ from tierwise.runtime.host_buffers import (
     HostBufferPool,
     aligned_empty,
 )
+from tierwise.runtime.host_buffers import transfer_done as _done
+from tierwise.runtime.host_buffers import wait_for_transfer as _wait
 from tierwise.tiers.base import PayloadKind
 
 ACTIONS = ACTIVATION_ACTIONS
@@ -275,11 +277,7 @@ class ActivationManager:
         self._handles: list = []
         self._restore: list[Callable[[], None]] = []
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.pool = (
-            HostBufferPool(pinned_bytes, pin=True, done=_done, wait=_wait)
-            if self._stream is not None
-            else None
-        )
+        self.pool = HostBufferPool(pinned_bytes, pin=True) if self._stream is not None else None
         """CUDA: the pinned host buffers swaps go through, at most ``pinned_bytes`` of them
         ([Note: bounded pinned buffers]); None on other devices (no copies to overlap)."""
 
@@ -787,17 +785,6 @@ def _no_cache_when_training(position: int, module, args, kwargs):
 
 def _is_hf_layer(module: torch.nn.Module) -> bool:
     return isinstance(getattr(type(module), "gradient_checkpointing", None), bool)
-
-
-def _done(handle) -> bool:
-    return handle.query() if isinstance(handle, torch.cuda.Event) else handle.done()
-
-
-def _wait(handle) -> None:
-    if isinstance(handle, torch.cuda.Event):
-        handle.synchronize()
-    else:
-        handle.wait()
 
 
 def _with_block(err: BaseException, block: str, doing: str) -> BaseException:

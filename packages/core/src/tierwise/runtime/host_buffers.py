@@ -16,9 +16,10 @@ pool holds, lent or free, never exceed it.
   unpinned buffer (on CUDA its copies block the host thread, see the activation stats'
   ``host_buffers``), so memory never grows past the budget and no swap is refused.
 - ``give(buffer, after=handle)``: the buffer is reusable once ``handle`` has completed (None:
-  now). ``handle`` is a CUDA event or an I/O handle; ``done``/``wait`` are the functions the
-  caller uses for both, so the pool's logic is the same on every device (tests run it on CPU
-  with pinning off).
+  now). ``handle`` is a CUDA event or an I/O handle (``tierwise.tiers.IOHandle``), the two
+  kinds of transfer the activation manager waits for (``transfer_done``/``wait_for_transfer``),
+  so the pool's logic is the same on every device (tests run it on CPU with pinning off and
+  I/O handles).
 
 Freed pinned buffers go back to PyTorch's caching host allocator, which keeps them for later
 pinned allocations; the pool's budget bounds what it holds at once.
@@ -27,7 +28,6 @@ pinned allocations; the pool's budget bounds what it holds at once.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,20 @@ def aligned_empty(nbytes: int, *, pin: bool = False, alignment: int = ALIGNMENT)
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pin)
     skip = -raw.data_ptr() % alignment
     return raw[skip : skip + nbytes]
+
+
+def transfer_done(handle: Any) -> bool:
+    """True when a transfer (a CUDA event or an ``IOHandle``) has completed."""
+    return handle.query() if isinstance(handle, torch.cuda.Event) else handle.done()
+
+
+def wait_for_transfer(handle: Any) -> None:
+    """Block until a transfer (a CUDA event or an ``IOHandle``) has completed; an I/O handle
+    re-raises its error."""
+    if isinstance(handle, torch.cuda.Event):
+        handle.synchronize()
+    else:
+        handle.wait()
 
 
 @dataclass
@@ -68,18 +82,10 @@ class PoolStats:
 class HostBufferPool:
     """See [Note: bounded pinned buffers]."""
 
-    def __init__(
-        self,
-        capacity: int,
-        *,
-        pin: bool,
-        done: Callable[[Any], bool],
-        wait: Callable[[Any], None],
-    ) -> None:
+    def __init__(self, capacity: int, *, pin: bool) -> None:
         if capacity < 0:
             raise ValueError(f"a host buffer pool needs a budget >= 0 bytes, got {capacity}")
         self.capacity, self.pin = capacity, pin
-        self._done, self._wait = done, wait
         self._free: list[torch.Tensor] = []  # whole buffers, smallest first
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr of the lent view -> whole buffer
         self._pending: deque[tuple[torch.Tensor, Any]] = deque()  # (whole, handle), oldest first
@@ -92,7 +98,9 @@ class HostBufferPool:
             return self._refuse(nbytes)
         while True:
             self._collect()
-            whole = self._reuse(nbytes) or self._allocate(nbytes)
+            whole = self._reuse(nbytes)
+            if whole is None:
+                whole = self._allocate(nbytes)
             if whole is not None:
                 view = whole[:nbytes]
                 self._lent[view.data_ptr()] = whole
@@ -113,7 +121,7 @@ class HostBufferPool:
         """Return a lent buffer; it is reused once ``after`` (a transfer reading or filling it)
         has completed."""
         whole = self._lent.pop(buffer.data_ptr())
-        if after is None or self._done(after):
+        if after is None or transfer_done(after):
             self._free_buffer(whole)
         else:
             self._pending.append((whole, after))
@@ -137,7 +145,7 @@ class HostBufferPool:
         """Buffers whose pending transfer completed become free."""
         still = deque()
         for whole, handle in self._pending:
-            if self._done(handle):
+            if transfer_done(handle):
                 self._free_buffer(whole)
             else:
                 still.append((whole, handle))
@@ -169,7 +177,7 @@ class HostBufferPool:
 
     def _quietly_wait(self, handle: Any) -> None:
         try:
-            self._wait(handle)
+            wait_for_transfer(handle)
         except Exception:  # the transfer's owner reports its error; the buffer is free either way
             pass
 
@@ -179,4 +187,12 @@ class HostBufferPool:
         return None
 
 
-__all__ = ["ALIGNMENT", "PINNED_POOL_BYTES", "HostBufferPool", "PoolStats", "aligned_empty"]
+__all__ = [
+    "ALIGNMENT",
+    "PINNED_POOL_BYTES",
+    "HostBufferPool",
+    "PoolStats",
+    "aligned_empty",
+    "transfer_done",
+    "wait_for_transfer",
+]

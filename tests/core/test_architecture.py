@@ -172,6 +172,72 @@ def test_no_module_imports_a_private_name_of_another():
     assert offenders == []
 
 
+RUNTIME_COMPONENTS = ("residency", "access", "gradients", "optimizer", "tracing", "phases")
+"""The engine's components (``Engine.<name>``; [Note: shared runtime state])."""
+
+
+def _is_private(name: str) -> bool:
+    """``_x``, not a dunder (``__x``) and not an enum-style sunder (``_x_``)."""
+    return name.startswith("_") and not name.startswith("__") and not name.endswith("_")
+
+
+def _private_reads_of_collaborators(tree: ast.AST) -> list[str]:
+    """``self.x._y`` (a private attribute of an object this one holds: a collaborator) and
+    ``gradients._y`` / ``engine.optimizer._y`` (through a name of a runtime component)."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not _is_private(node.attr):
+            continue
+        owner = node.value
+        held = (
+            isinstance(owner, ast.Attribute)
+            and isinstance(owner.value, ast.Name)
+            and owner.value.id == "self"
+        )
+        name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+        if held or name in RUNTIME_COMPONENTS:
+            found.append((node.lineno, f"line {node.lineno}: {ast.unparse(node)}"))
+    return [hit for _, hit in sorted(found)]
+
+
+def test_no_component_reads_a_collaborators_private_state():
+    """Components share only what they declare ([Note: shared runtime state])."""
+    offenders = []
+    for path in SOURCES:
+        for hit in _private_reads_of_collaborators(ast.parse(path.read_text())):
+            offenders.append(f"{path.relative_to(REPO)} {hit}")
+    assert offenders == []
+
+
+def test_the_engine_is_built_from_components_not_mixins():
+    tree = ast.parse((CORE / "runtime" / "engine.py").read_text())
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    assert engine.bases == []
+    assigned = {
+        target.attr
+        for node in ast.walk(engine)
+        if isinstance(node, ast.Assign | ast.AnnAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Attribute)
+    }
+    assert set(RUNTIME_COMPONENTS) <= assigned
+
+
+def test_the_collaborator_check_sees_what_it_refuses():
+    tree = ast.parse(
+        "def f(self, gradients, engine, state):\n"
+        "    self.optimizer._early_hyper.clear()\n"
+        "    gradients._no_sync = True\n"
+        "    engine.residency._evictable()\n"
+        "    return self._own, state._value_, self.x.__class__, self.x.public\n"
+    )
+    assert _private_reads_of_collaborators(tree) == [
+        "line 2: self.optimizer._early_hyper",
+        "line 3: gradients._no_sync",
+        "line 4: engine.residency._evictable",
+    ]
+
+
 def test_the_source_checks_see_what_they_refuse():
     tree = ast.parse(
         "from tierwise.parallel.collectives import _all_gather\n"

@@ -161,7 +161,7 @@ class _Search:
         )
         self._layouts: dict[int, tuple[ChunkTable, object]] = {}
         # core's engine updates NVMe optimizer states during backward under these conditions
-        # (Engine._update_in_backward; "auto" does so from the second step of a loop without
+        # (OptimizerStep._update_in_backward; "auto" does so from the second step of a loop without
         # clipping: the steady state is what the plan is for)
         self.optimizer_in_backward = (
             world == 1

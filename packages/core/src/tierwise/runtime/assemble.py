@@ -24,7 +24,7 @@ from tierwise.planner import may_recompute, profile_min_blocks
 from tierwise.plugins import PluginHost
 from tierwise.precision import compute_dtype
 from tierwise.registry import engine_of, register
-from tierwise.runtime.activations import ActivationManager, find_blocks, resolve_policy
+from tierwise.runtime.activations import find_blocks, resolve_policy
 from tierwise.runtime.activations import plan_action as planned_action
 from tierwise.runtime.build import (
     allocate_payloads,
@@ -37,9 +37,7 @@ from tierwise.runtime.build import (
 )
 from tierwise.runtime.cache import RCache
 from tierwise.runtime.engine import Engine
-from tierwise.runtime.hooks import grad_ready_hook, install_hooks
 from tierwise.runtime.meta_buffers import compute_meta_buffers, install_buffers
-from tierwise.runtime.reduce import StreamingReducer
 
 
 def assemble_engine(
@@ -74,12 +72,10 @@ def assemble_engine(
     fill_payloads(groups, dtype, model)
     install_buffers(buffers)
     move_buffers(model, tiers["device"].device)
-    slot_chunk = {}
     for group in groups:
         for chunk in group.chunks:
             chunk.attach_params(tiers["device"].device)
             for slot in chunk.slots:
-                slot_chunk[id(slot.param)] = chunk
                 slot.param._tierwise_managed = True
     slots_by_param = {id(s.param): s for g in groups for c in g.chunks for s in c.slots}
     modules = {}
@@ -91,6 +87,12 @@ def assemble_engine(
         ]
         if own:
             modules[module] = own
+    reduction_group = None
+    if world is not None and dist.get_world_size(world) > 1 and world == dist.group.WORLD:
+        # a second communicator for gradient reductions: [Note: streaming reduction]
+        reduction_group = dist.new_group(
+            backend=dist.get_backend(world), timeout=collective_timeout()
+        )
     engine = Engine(
         model=model,
         config=config,
@@ -99,7 +101,6 @@ def assemble_engine(
         tiers=tiers,
         cache=cache,
         modules=modules,
-        slot_chunk=slot_chunk,
         decoupled=decoupled,
         optimizer_groups=optimizer.param_groups,
         world_group=world,
@@ -107,36 +108,10 @@ def assemble_engine(
         patterns=patterns,
         hardware=hardware,
         memory_tracer=host.memory_tracer,
+        reduction_group=reduction_group,
+        activation_blocks=blocks,
     )
-    if world is not None and dist.get_world_size(world) > 1 and world == dist.group.WORLD:
-        # a second communicator for gradient reductions: [Note: streaming reduction]
-        engine.reducer = StreamingReducer(
-            group=dist.new_group(backend=dist.get_backend(world), timeout=collective_timeout()),
-            collectives=engine.collectives,
-            accumulate=engine.reduced,
-            release=engine.give_back_staging,
-        )
-    engine.hook_handles = install_hooks(engine, model, list(modules))
-    on_grad = grad_ready_hook(engine)
-    for group in groups:
-        if group.trainable:
-            for chunk in group.chunks:
-                for slot in chunk.slots:
-                    handle = slot.param.register_post_accumulate_grad_hook(on_grad)
-                    engine.hook_handles.append(handle)
-    if blocks:
-        engine.activations = ActivationManager(
-            model=model,
-            blocks=blocks,
-            policy=plan.activation_policy,
-            device=engine.device,
-            nvme=tiers.get("nvme"),
-            untraced=engine.untraced,
-            allowance=plan.activation_allowance,
-            on_backward_error=engine.abandon_backward,
-        )
-        engine.activations.install()
-    elif config.activation_checkpointing:
+    if not blocks and config.activation_checkpointing:
         enable_hf_checkpointing(model)
     register(model, engine)
     install_state_dict_hooks(engine, model, patterns)

@@ -1,17 +1,29 @@
-"""The gradient path of the engine: capture, staging, reduction across ranks, gradient shards.
+"""The gradient path: capture, staging, reduction across ranks, gradient shards.
 
-Mixed into :class:`tierwise.runtime.engine.Engine` (it uses the engine's chunks, tiers, reducer
-and counters); see [Note: gradient path].
+A component of :class:`tierwise.runtime.engine.Engine` ([Note: shared runtime state]): it owns
+the staging pool, the ``no_sync`` state and the streaming reducer, and writes the per-chunk
+gradient flags (``pending``, ``grads_done``, ``handed_over``, the slots' ``got_grad``,
+``has_grad`` and ``kept_grad``); it hands finished chunks to the optimizer step (``grads_final``).
+See [Note: gradient path].
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from tierwise.chunks import Chunk, ParamSlot, TensorState
-from tierwise.tiers.base import PayloadKind
+from tierwise.parallel.collectives import Collectives
+from tierwise.runtime.phases import Phases
+from tierwise.runtime.reduce import StreamingReducer
+from tierwise.runtime.shared import ChunkIndex, Traffic
+from tierwise.tiers.base import PayloadKind, Tier
+
+if TYPE_CHECKING:
+    from tierwise.runtime.stepping import OptimizerStep
 
 # [Note: gradient path]
 # A parameter's post-accumulate-grad hook takes its gradient and sets ``p.grad = None``.
@@ -39,19 +51,58 @@ from tierwise.tiers.base import PayloadKind
 # the step goes on from the shard.
 
 
+def slot_grad(chunk: Chunk, shard: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    """One parameter's gradient: its kept tensor, or its part of ``shard``."""
+    if chunk.optim.grads_kept:
+        return slot.kept_grad
+    return shard[slot.offset : slot.offset + slot.numel]
+
+
 class GradientPath:
-    """Engine methods that move gradients from autograd into the chunks' gradient shards."""
+    """Moves gradients from autograd into the chunks' gradient shards."""
+
+    def __init__(
+        self,
+        *,
+        index: ChunkIndex,
+        tiers: dict[str, Tier],
+        dtype: torch.dtype,
+        collectives: Collectives,
+        phases: Phases,
+        optimizer: OptimizerStep,
+        traffic: Traffic,
+        world_group: dist.ProcessGroup | None,
+        reduction_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.index = index
+        self.tiers = tiers
+        self.dtype = dtype
+        self.collectives = collectives
+        self.phases = phases
+        self.optimizer = optimizer
+        self.traffic = traffic
+        self.world_group = world_group
+        self.multi_rank = index.multi_rank
+        self._no_sync = False
+        self._staging_free: list[torch.Tensor] = []
+        self.staging_slabs: list = []
+        """The device slabs of the staging pool (released after a re-layout)."""
+        self.reducer: StreamingReducer | None = None
+        """Streams reductions of chunks sharded over ``world_group`` ([Note: streaming
+        reduction]); made when setup gives a second communicator for them."""
+        if reduction_group is not None:
+            self.reducer = StreamingReducer(
+                group=reduction_group,
+                collectives=collectives,
+                accumulate=self.reduced,
+                release=self.give_back_staging,
+            )
 
     def on_grad(self, param: torch.nn.Parameter) -> None:
         """post-accumulate-grad hook: move the gradient into the chunk's staging buffer."""
-        with self._untraced():
-            self._on_grad(param)
-            self.release_finished_backward(param)
-
-    def _on_grad(self, param: torch.nn.Parameter) -> None:
         self.phases.enter_backward()
-        chunk = self.slot_chunk[id(param)]
-        slot = self.slot_of[id(param)]
+        chunk = self.index.slot_chunk[id(param)]
+        slot = self.index.slot_of[id(param)]
         slot.has_grad = True  # [Note: unused parameters are skipped]
         grad = param.grad
         param.grad = None
@@ -101,7 +152,7 @@ class GradientPath:
         slab = self.tiers["device"].allocate(
             chunk.capacity, self.dtype, kind=PayloadKind.STAGING, what="gradient staging buffer"
         )
-        self._staging_slabs.append(slab)
+        self.staging_slabs.append(slab)
         return slab.tensor
 
     def _release_staging_memory(self) -> None:
@@ -147,10 +198,10 @@ class GradientPath:
         if not optim.grad_filled:  # first gradient since zero_grad
             target = optim.start_grad()
             optim.grad_filled = optim.grad_fresh = True
-        if chunk.key in self._early_hyper:
+        if self.optimizer.updated_in_backward(chunk):
             raise RuntimeError(
                 "tierwise: a gradient arrived for a chunk whose optimizer update already ran "
-                f"during backward ({self._overlap_reason('had one backward pass')}); with "
+                f"during backward ({self.optimizer.overlap_reason('had one backward pass')}); with "
                 "gradient accumulation or re-entrant checkpoint reuse set "
                 "optimizer_overlap='after-backward'"
             )
@@ -161,14 +212,13 @@ class GradientPath:
             segment.add_(grad.reshape(-1).to(target.device))
         tier = optim.grad.tier.name
         if tier != "device":
-            self.moved_bytes[f"device->{tier}"] += grad.numel() * grad.element_size()
-            self.moves[f"device->{tier}"] += 1
+            self.traffic.count(f"device->{tier}", grad.numel() * grad.element_size())
         if not slot.got_grad:
             slot.got_grad = True
             chunk.pending -= 1
             if chunk.pending == 0:
                 self._finish_fresh_grad(chunk)
-                self._grads_final(chunk)
+                self.optimizer.grads_final(chunk)
         if slot.state is not TensorState.COMPUTE:
             slot.set_state(TensorState.HOLD_AFTER_BWD)
 
@@ -180,7 +230,7 @@ class GradientPath:
             not self.multi_rank
             and optim.grad.tier is self.tiers["device"]
             and optim.tier.ADDRESSABLE
-            and optim.tier.name not in self.pipelines
+            and optim.tier.name not in self.optimizer.pipelines
         )
 
     def _keep_grad(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
@@ -216,12 +266,6 @@ class GradientPath:
         self._store_kept_grads(chunk)
         return chunk.optim.grad.tensor
 
-    def _slot_grad(self, chunk: Chunk, shard: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
-        """One parameter's gradient: its kept tensor, or its part of ``shard``."""
-        if chunk.optim.grads_kept:
-            return slot.kept_grad
-        return shard[slot.offset : slot.offset + slot.numel]
-
     def _finish_fresh_grad(self, chunk: Chunk) -> None:
         """Zero what the first backward since zero_grad left unwritten in the gradient shard:
         [Note: first gradient is a copy]."""
@@ -250,13 +294,13 @@ class GradientPath:
             chunk.local_grad = None
         chunk.handed_over = True
         if not at_end:
-            self.reducer.chunk_complete(chunk, self._by_key)
+            self.reducer.chunk_complete(chunk, self.index.by_key)
 
     def reduced(self, chunk: Chunk, shard: torch.Tensor) -> None:
         """The streaming reducer finished ``chunk``: its shard of averaged gradients."""
         self._accumulate_grad_shard(chunk, shard)
         chunk.grads_done = True
-        self._grads_final(chunk)
+        self.optimizer.grads_final(chunk)
 
     @staticmethod
     def _zero_unwritten(chunk: Chunk, full: torch.Tensor) -> None:
@@ -310,14 +354,13 @@ class GradientPath:
         chunk.local_grad = None
         self.give_back_staging(chunk)
         chunk.grads_done = True
-        self._grads_final(chunk)
+        self.optimizer.grads_final(chunk)
 
     def _accumulate_grad_shard(self, chunk: Chunk, shard: torch.Tensor) -> None:
         optim = chunk.optim
         slab = optim.grad
         if slab.tier.name != "device":
-            self.moved_bytes[f"device->{slab.tier.name}"] += shard.numel() * shard.element_size()
-            self.moves[f"device->{slab.tier.name}"] += 1
+            self.traffic.count(f"device->{slab.tier.name}", shard.numel() * shard.element_size())
         if not optim.grad_filled:
             optim.start_grad()
             slab.tier.write(slab, shard).wait()
@@ -333,3 +376,61 @@ class GradientPath:
             yield
         finally:
             self._no_sync = previous
+
+    def end_backward(self) -> None:
+        """Autograd finished a backward: finalise every chunk's gradients (zeros where none
+        arrived), finish the streamed reductions, and reset the gradient flags."""
+        for chunk in self.index.chunks():
+            if chunk.trainable and chunk.group.world == 1:
+                self._finish_fresh_grad(chunk)  # [Note: first gradient is a copy]
+            elif chunk.trainable and not chunk.grads_done and not chunk.handed_over:
+                if chunk.staging is None:  # got no gradient at all: finalised as zero
+                    chunk.staging = self._take_staging(chunk)
+                if self._streams(chunk):
+                    self._hand_to_reducer(chunk, at_end=True)
+                else:
+                    self._finish_chunk_grads(chunk)
+        if self.reducer is not None and not self._no_sync:
+            streamed = [c for c in self.index.chunks() if c.trainable and self._streams(c)]
+            self.reducer.finish(streamed, self.index.by_key)
+        self._release_staging_memory()
+        self._reset_flags()
+
+    def abandon_backward(self) -> None:
+        """A backward stopped on an error: drop its staged gradients and reset the flags
+        ([Note: an abandoned backward]; ``zero_grad`` drops the shards)."""
+        for chunk in self.index.chunks():
+            if chunk.staging is not None:
+                self.give_back_staging(chunk)
+        self._reset_flags()
+        self._release_staging_memory()
+
+    def _reset_flags(self) -> None:
+        for chunk in self.index.chunks():
+            chunk.pending = len(chunk.slots) if chunk.trainable else 0
+            chunk.grads_done = chunk.handed_over = False
+            for slot in chunk.slots:
+                slot.got_grad = False
+
+    def zero_grad(self) -> None:
+        for chunk in self.index.chunks():
+            if chunk.optim is not None:
+                chunk.optim.clear_grad()  # [Note: gradient memory between steps]
+            chunk.local_grad = None
+            for slot in chunk.slots:
+                slot.has_grad = False
+                slot.kept_grad = None
+
+    def store_all_kept_grads(self) -> None:
+        """Before a re-layout, which moves gradient shards: [Note: gradients without copies]."""
+        for chunk in self.index.chunks():
+            if chunk.optim is not None:
+                self._store_kept_grads(chunk)
+
+    def renew_staging(self) -> None:
+        """After chunks were re-packed: a new staging pool and reduction order."""
+        for slab in self.staging_slabs:
+            slab.tier.release(slab)
+        self.staging_slabs, self._staging_free = [], []
+        if self.reducer is not None:
+            self.reducer.order = None

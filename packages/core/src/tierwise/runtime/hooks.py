@@ -26,6 +26,7 @@ blocks rather than every chunk, and prefetch is skipped when there is no rCache.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 from tierwise.runtime.frozen_release import FrozenRelease
 
 if TYPE_CHECKING:
+    from tierwise.runtime.access import ModuleAccess
     from tierwise.runtime.engine import Engine
 
 
@@ -60,23 +62,30 @@ def _grad_tensors_flat(values) -> list[torch.Tensor]:
     return out
 
 
-def install_hooks(engine: Engine, model: torch.nn.Module, modules: list[torch.nn.Module]) -> list:
-    """Register the access hooks; return the handles (removed when the engine closes)."""
+def install_hooks(
+    access: ModuleAccess,
+    model: torch.nn.Module,
+    modules: list[torch.nn.Module],
+    *,
+    scale_root_grad: Callable[[torch.Tensor], torch.Tensor | None] | None,
+) -> list:
+    """Register the access hooks driving ``access`` (and, fp16, ``scale_root_grad`` on the
+    model's outputs); return the handles (removed when the engine closes)."""
     handles = []
-    frozen_release = FrozenRelease(engine.post_backward)
+    frozen_release = FrozenRelease(access.post_backward)
     frozen = {module for module in modules if FrozenRelease.applies_to(module)}
 
     def pre_forward(module, args, kwargs):
-        engine.pre_forward(module)
+        access.pre_forward(module)
         if torch.is_grad_enabled():
             inputs = _grad_tensors_flat((*args, *kwargs.values()) if kwargs else args)
             for tensor in inputs:
-                tensor.register_hook(lambda grad, m=module: engine.post_backward(m))
+                tensor.register_hook(lambda grad, m=module: access.post_backward(m))
             if module in frozen:  # [Note: frozen modules are released after their own nodes]
                 frozen_release.begin(module)
 
     def post_forward(module, args, kwargs, output):
-        engine.post_forward(module)
+        access.post_forward(module)
         if torch.is_grad_enabled():
             outputs = _grad_tensors_flat((output,))
             if module in frozen:
@@ -87,22 +96,22 @@ def install_hooks(engine: Engine, model: torch.nn.Module, modules: list[torch.nn
                 # consumer's release (an input hook) happens before this module's fetch
                 node = tensor.grad_fn
                 if node is None:
-                    tensor.register_hook(lambda grad, m=module: engine.pre_backward(m))
+                    tensor.register_hook(lambda grad, m=module: access.pre_backward(m))
                 elif node not in hooked:  # outputs of one node (a split): one hook does
                     hooked.add(node)
-                    node.register_prehook(lambda grads, m=module: engine.pre_backward(m))
+                    node.register_prehook(lambda grads, m=module: access.pre_backward(m))
 
     for module in modules:
         handles.append(module.register_forward_pre_hook(pre_forward, with_kwargs=True))
         handles.append(module.register_forward_hook(post_forward, with_kwargs=True))
 
     def root_pre_forward(module, args, kwargs):
-        engine.begin_forward()
+        access.begin_forward()
 
     def root_post_forward(module, args, kwargs, output):
-        if torch.is_grad_enabled() and engine.scaler is not None:
+        if torch.is_grad_enabled() and scale_root_grad is not None:
             for tensor in _grad_tensors(output):  # fp16: scale the loss's gradient
-                tensor.register_hook(engine.scale_root_grad)
+                tensor.register_hook(scale_root_grad)
 
     handles.append(
         model.register_forward_pre_hook(root_pre_forward, with_kwargs=True, prepend=True)

@@ -13,13 +13,15 @@ old chunk is read in full (all-gathered when sharded, every rank in the same ord
 this rank owns in the new layout are kept in host memory, the old slabs of that kind are released
 and the new ones allocated and written. A kind's new slabs are counted against the tier budget
 before anything moves; when they would not fit, or the host cannot hold one kind's shard, the
-group keeps its layout (``engine.layout_note`` says why). New chunks keep the tiers the planner
+group keeps its layout (``Relayout.note``, the engine's ``layout_note``, says why). New chunks keep the tiers the planner
 chose for their parameters (the tier holding most of their elements before).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +39,7 @@ from tierwise.chunks import (
 )
 from tierwise.chunks.io import gather_chunk, read_slab
 from tierwise.hf_compat import hf_checkpointing_enabled
+from tierwise.plan import Plan
 from tierwise.planner import may_recompute, profile_min_blocks
 from tierwise.precision import OPTIM_STATES
 from tierwise.tiers.base import PayloadKind
@@ -83,35 +86,63 @@ def new_chunks(group: ChunkGroup, order: list[str], chunk_size: int) -> list[Chu
     return chunks
 
 
-def relayout(engine: Engine, order: list[str]) -> list[str]:
-    """Re-pack every chunk group of ``engine`` in ``order``; returns the re-packed groups' names.
+@dataclass
+class Relayout:
+    """What :func:`relayout` did; its owner applies it (``apply_to`` the plan, then renews what
+    depends on the chunks)."""
+
+    moved: list[str] = field(default_factory=list)
+    """The re-packed groups' names."""
+    note: str | None = None
+    """Why a group kept its setup layout (the last such group; None: none did)."""
+    param_tiers: dict[str, list[str]] = field(default_factory=dict)
+    """Group -> the tier of each new chunk's parameters."""
+    optim_tiers: dict[str, list[str]] = field(default_factory=dict)
+    """Trainable group -> the tier of each new chunk's optimizer states."""
+    chunk_counts: dict[str, int] = field(default_factory=dict)
+    """Group -> its number of chunks now."""
+
+    def apply_to(self, plan: Plan) -> None:
+        """Record the new chunks' tiers and counts in ``plan``."""
+        plan.param_tiers.update(self.param_tiers)
+        plan.optim_tiers.update(self.optim_tiers)
+        for name, count in self.chunk_counts.items():
+            if name in plan.groups:
+                plan.groups[name]["chunks"] = count
+
+
+def relayout(engine: Engine, order: list[str], *, before_move: Callable[[], None]) -> Relayout:
+    """Re-pack every chunk group of ``engine`` in ``order`` (the chunks must be out of the
+    rCache); ``before_move`` runs once before the first group moves (it stops whatever reads
+    the old slabs). Re-packed groups get new chunks; nothing else of the engine is changed.
 
     Every rank must call this with the same ``order`` (it all-gathers sharded chunks).
     """
-    engine.loads.finish_all()
-    engine.invalidate_cache()
     candidates = []
     for group in engine.groups:
         chunks = new_chunks(group, order, engine.plan.chunk_size)
         if chunks is not None:
             candidates.append((group, chunks, _cannot_move(engine, group, chunks)))
     refused = _agreed_refusals([reason is not None for _, _, reason in candidates], engine)
+    result = Relayout()
     moves = []
     for (group, chunks, reason), no in zip(candidates, refused, strict=True):
         if no:
             why = reason or "another rank could not re-pack it"
-            engine.layout_note = f"{group.name} kept its setup layout: {why}"
+            result.note = f"{group.name} kept its setup layout: {why}"
         else:
             moves.append((group, chunks))
     if not moves:
-        return []
-    for pipeline in engine.pipelines.values():  # no state read-ahead may outlive the old slabs
-        pipeline.close()
-    engine.pipelines = {}
+        return result
+    before_move()  # no state read-ahead may outlive the old slabs
     for group, chunks in moves:
-        _move_group(engine, group, chunks)
-    engine.rebuild_indexes()
-    return [group.name for group, _ in moves]
+        tiers = _move_group(engine, group, chunks)
+        result.moved.append(group.name)
+        result.param_tiers[group.name] = list(tiers["home"])
+        if group.trainable:
+            result.optim_tiers[group.name] = list(tiers["master"])
+        result.chunk_counts[group.name] = len(chunks)
+    return result
 
 
 def _agreed_refusals(refusals: list[bool], engine: Engine) -> list[bool]:
@@ -236,7 +267,7 @@ def _min_blocks_with(engine: Engine, group: ChunkGroup, cached: list[Chunk]) -> 
     return profile_min_blocks(profile, chunk_of, recompute=recompute)
 
 
-def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> None:
+def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> dict[str, list[str]]:
     tiers = _plan_tiers(engine, group, chunks)
     where = {s.name: (c, s) for c in chunks for s in c.slots}
     grads_filled = group.trainable and any(c.optim.grad_filled for c in group.chunks)
@@ -279,11 +310,7 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> None:
             chunk.home = new_slabs["home"][i]
         chunk.attach_params(engine.tiers["device"].device)
     group.chunks = chunks
-    engine.plan.param_tiers[group.name] = list(tiers["home"])
-    if group.trainable:
-        engine.plan.optim_tiers[group.name] = list(tiers["master"])
-    if group.name in engine.plan.groups:
-        engine.plan.groups[group.name]["chunks"] = len(chunks)
+    return tiers
 
 
 def _gather_kind(

@@ -1,24 +1,188 @@
-"""The optimizer step of the engine: global checks, chunked Adam(W) on each tier, pipelines.
+"""The optimizer step: global checks, chunked Adam(W) on each tier, pipelines.
 
-Mixed into :class:`tierwise.runtime.engine.Engine` (it uses the engine's chunks, tiers, scaler
-and counters).
+A component of :class:`tierwise.runtime.engine.Engine` ([Note: shared runtime state]): it owns
+the per-parameter Adam step counts, the step's undo record, the optimizer pipelines of storage
+tiers, where the next updates run (``optimizer_mode``), the updates that ran during backward
+(their hyper-parameters), the clip coefficient and the step counters.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from tierwise.chunks import Chunk, TensorState
-from tierwise.optim import AdamHyper, adam_update_ranges, adam_update_tensors
+from tierwise.config import Config
+from tierwise.optim import (
+    AdamHyper,
+    DynamicLossScaler,
+    StepCounts,
+    adam_update_ranges,
+    adam_update_tensors,
+)
+from tierwise.parallel.collectives import Collectives
 from tierwise.protocols import OptimizerPipeline
+from tierwise.runtime.gradients import slot_grad
+from tierwise.runtime.phases import Phases
+from tierwise.runtime.shared import ChunkIndex, Traffic
+from tierwise.runtime.step_undo import StepUndo
+from tierwise.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from tierwise.runtime.residency import Residency
 
 
 class OptimizerStep:
-    """Engine methods that clip, check for overflow and update every chunk's optimizer states."""
+    """Clips, checks for overflow and updates every chunk's optimizer states."""
+
+    def __init__(
+        self,
+        *,
+        index: ChunkIndex,
+        tiers: dict[str, Tier],
+        config: Config,
+        optimizer_groups: list[dict],
+        decoupled: bool,
+        scaler: DynamicLossScaler | None,
+        collectives: Collectives,
+        phases: Phases,
+        residency: Residency,
+        traffic: Traffic,
+        world_group: dist.ProcessGroup | None,
+        param_order: dict[int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.index = index
+        self.tiers = tiers
+        self.config = config
+        self.optimizer_groups = optimizer_groups
+        self.decoupled = decoupled
+        self.scaler = scaler
+        """fp16's loss scaler (shared with the engine, which scales the loss's gradient); this
+        component updates it and saves it."""
+        self.collectives = collectives
+        self.phases = phases
+        self.residency = residency
+        self.traffic = traffic
+        self.world_group = world_group
+        self.multi_rank = index.multi_rank
+        self._param_order = param_order
+        """id(param) -> its position in ``model.parameters()`` (the order of norms)."""
+        self.dtype = dtype
+        self.device = device
+        self.step_counts = StepCounts(  # [Note: unused parameters are skipped]
+            s.name
+            for group in index.groups
+            if group.trainable
+            for c in group.chunks
+            for s in c.slots
+        )
+        self.step_undo = StepUndo(step_counts=self.step_counts, scaler=scaler)
+        self.pipelines = self._make_pipelines()
+        self.optimizer_mode = "after-backward"
+        """How storage-tier optimizer states are updated next (see Config.optimizer_overlap)."""
+        self.last_update_mode = "after-backward"
+        """Where the last step's updates ran."""
+        self._early_hyper: dict = {}
+        """Chunk key -> the hyper-parameters of its update that ran during this backward."""
+        self._clip_coef: torch.Tensor | None = None
+        self.steps_taken = 0
+        self.step_time_s = 0.0
+        self.step_failed: str | None = None
+        """Why an optimizer step stopped part way on an I/O error (None: no such step).
+
+        [Note: a step that failed part way]
+        An I/O error before the storage tiers commit a step is undone: [Note: atomic optimizer
+        step]. What cannot be undone: an error after that commit (writing the new parameters
+        of a chunk whose optimizer states are in memory to a storage tier), one while undoing,
+        and any in a run of several ranks (the others may have committed the step). Then some
+        chunks hold the new step and others the old, so the engine refuses to step again and
+        save_checkpoint refuses to save, until load_checkpoint restores a consistent state."""
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def state_dict(self) -> dict:
+        """Loss scaler, steps taken and the optimizer's hyper-parameters (the per-parameter
+        step counts are saved with each parameter's states: ``step_counts``)."""
+        return {
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "steps_taken": self.steps_taken,
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.optimizer_groups
+            ],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned; clears a failed step's refusal ([Note: a
+        step that failed part way])."""
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.steps_taken = state["steps_taken"]
+        self.step_failed = None
+        for group, saved in zip(self.optimizer_groups, state["param_groups"], strict=False):
+            group.update(saved)
+
+    def step(self) -> None:
+        """Update every chunk (or skip the step on an fp16 overflow); on an I/O error undo it
+        when it can be undone, else refuse further steps ([Note: a step that failed part
+        way])."""
+        if self.step_failed is not None:
+            raise RuntimeError(
+                f"tierwise: an earlier optimizer step failed part way ({self.step_failed}); load "
+                "the last checkpoint (tierwise.load_checkpoint) before stepping again"
+            )
+        try:
+            self._step()
+        except OSError as err:  # [Note: a step that failed part way]
+            # several ranks: the others may have committed this step, so undoing here alone
+            # would leave the ranks on different steps
+            atomic = not self.multi_rank and all(
+                self.tiers[name].STATE_COPIES > 1 for name in self.pipelines
+            )
+            if self.step_undo.active and atomic:
+                try:
+                    self._undo_step()
+                except OSError as again:
+                    err.add_note(f"tierwise: undoing the step failed too: {again}")
+                else:
+                    err.add_note(
+                        "tierwise: nothing of this optimizer step was applied: the "
+                        "model and optimizer hold the previous step's values"
+                    )
+                    raise
+            self.step_undo.clear()
+            self.step_failed = f"{type(err).__name__}: {err}"
+            err.add_note(
+                "tierwise: the optimizer step stopped part way: some chunks may hold "
+                "this step's values and others the previous step's; load the last "
+                "checkpoint (tierwise.load_checkpoint) to go on"
+            )
+            raise
+        finally:
+            self._early_hyper.clear()
+
+    def updated_in_backward(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s update already ran during this backward."""
+        return chunk.key in self._early_hyper
+
+    def renew_pipelines(self) -> None:
+        """After chunks were re-packed: pipelines for the new optimizer-state slabs."""
+        self.close_pipelines()
+        self.pipelines = self._make_pipelines()
+
+    def close_pipelines(self) -> None:
+        """Stop every pipeline (no state read-ahead outlives the slabs it reads)."""
+        for pipeline in self.pipelines.values():
+            pipeline.close()
+        self.pipelines = {}
 
     def _grad_shards(self):
-        for chunk in self.chunks():
+        for chunk in self.index.chunks():
             if chunk.trainable and chunk.optim.grad_filled:
                 yield chunk, chunk.optim.grad.tensor
 
@@ -41,9 +205,7 @@ class OptimizerStep:
             norms = sorted(
                 (
                     self._param_order[id(s.param)],
-                    torch.linalg.vector_norm(
-                        self._slot_grad(chunk, grad, s), 2.0, dtype=torch.float32
-                    ),
+                    torch.linalg.vector_norm(slot_grad(chunk, grad, s), 2.0, dtype=torch.float32),
                 )
                 for chunk, grad in self._grad_shards()
                 for s in chunk.slots
@@ -84,8 +246,8 @@ class OptimizerStep:
     def _make_pipelines(self) -> dict[str, OptimizerPipeline]:
         """One optimizer pipeline per storage tier holding optimizer states (e.g. nvme)."""
         pipelines = {}
-        shard = max((c.shard_size for c in self.chunks()), default=0)
-        for chunk in self.chunks():
+        shard = max((c.shard_size for c in self.index.chunks()), default=0)
+        for chunk in self.index.chunks():
             tier = chunk.optim.tier if chunk.optim is not None else None
             if tier is not None and not tier.ADDRESSABLE and tier.name not in pipelines:
                 pipeline = tier.optimizer_pipeline(buffer_bytes=shard * 4)
@@ -105,7 +267,7 @@ class OptimizerStep:
             return True
         return self.config.optimizer_overlap == "auto" and self.optimizer_mode == "in-backward"
 
-    def _grads_final(self, chunk: Chunk) -> None:
+    def grads_final(self, chunk: Chunk) -> None:
         """A chunk's gradients for this backward are in its gradient shard: start its update
         (LoHan's active gradient offloading) or at least the read of its optimizer states."""
         pipeline = self.pipelines.get(chunk.optim.tier.name) if chunk.optim else None
@@ -136,7 +298,7 @@ class OptimizerStep:
         if self._early_hyper and multiplier is not None:
             raise RuntimeError(
                 "tierwise: clip_grad_norm_ was called after the optimizer already updated chunks "
-                f"during backward ({self._overlap_reason('did not clip')}); set "
+                f"during backward ({self.overlap_reason('did not clip')}); set "
                 "optimizer_overlap='after-backward' when clipping only some steps"
             )
         self._agree_on_grads()
@@ -172,7 +334,7 @@ class OptimizerStep:
             self.optimizer_mode = self.config.optimizer_overlap
         self.last_update_mode = "in-backward" if ran_in_backward else "after-backward"
         self._clip_coef = None
-        self.invalidate_cache()
+        self.residency.invalidate_cache()
         self._finish_step()
 
     def _grad_multiplier(self) -> list | None:
@@ -189,7 +351,7 @@ class OptimizerStep:
         """Several ranks: a parameter has a gradient when it got one on any rank of its chunk's
         data-parallel group (DDP reduces it to every rank): [Note: unused parameters are
         skipped]. One small all-reduce per replicated or sharded trainable group."""
-        for group in self.groups:
+        for group in self.index.groups:
             if not group.trainable or group.world == 1:
                 continue
             slots = [slot for chunk in group.chunks for slot in chunk.slots]
@@ -289,20 +451,18 @@ class OptimizerStep:
         if where != optim.tier.name:
             nbytes = sum(s.nbytes for s in (optim.master, optim.exp_avg, optim.exp_avg_sq))
             for direction in (f"{optim.tier.name}->host", f"host->{optim.tier.name}"):
-                self.moved_bytes[direction] += nbytes
-                self.moves[direction] += 3
+                self.traffic.count(direction, nbytes, 3)
         if chunk.home is not optim.master and chunk.home.tier.name != where:
             direction = f"{where}->{chunk.home.tier.name}"
-            self.moved_bytes[direction] += chunk.home.nbytes
-            self.moves[direction] += 1
+            self.traffic.count(direction, chunk.home.nbytes)
 
-    def _overlap_reason(self, previous_step: str) -> str:
+    def overlap_reason(self, previous_step: str) -> str:
         """Why updates ran during backward, for error messages."""
         if self.config.optimizer_overlap == "auto":
             return f"optimizer_overlap='auto' and the previous step {previous_step}"
         return f"optimizer_overlap={self.config.optimizer_overlap!r}"
 
-    def _drop_uncommitted_updates(self) -> None:
+    def drop_uncommitted_updates(self) -> None:
         """A backward was given up after some of its in-backward updates ran: commit none of
         them and put back what they changed ([Note: atomic optimizer step]); if that fails,
         the engine refuses to step until a load ([Note: a step that failed part way])."""
@@ -324,7 +484,7 @@ class OptimizerStep:
         self._settle_slots()
 
     def _settle_slots(self) -> None:
-        for chunk in self.chunks():
+        for chunk in self.index.chunks():
             for slot in chunk.slots:
                 if slot.state is not TensorState.HOLD and slot.compute_refs == 0:
                     slot.set_state(TensorState.HOLD)

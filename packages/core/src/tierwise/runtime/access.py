@@ -1,0 +1,157 @@
+"""Module access: what the access hooks do when a module runs forward or backward.
+
+A component of :class:`tierwise.runtime.engine.Engine` ([Note: shared runtime state]): it pins
+a module's chunks (fetched through residency) while the module computes and releases them after,
+moves the phase of the step ([Note: training phases]), marks the warm-up trace's moments and
+records the parameters' first-use order for the re-layout after warm-up. It writes the
+compute pins of chunks and slots (``compute_refs``) and the slots' tensor states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tierwise.chunks import TensorState
+from tierwise.runtime.phases import Phases
+from tierwise.runtime.residency import Residency
+from tierwise.runtime.shared import ChunkIndex
+from tierwise.runtime.tracing import WarmupTracing
+
+
+class ModuleAccess:
+    """The forward/backward hooks' transitions (see [Note: access hooks])."""
+
+    def __init__(
+        self,
+        *,
+        index: ChunkIndex,
+        residency: Residency,
+        phases: Phases,
+        tracing: WarmupTracing,
+        module_names: dict[torch.nn.Module, str],
+        records_order: Callable[[], bool],
+    ) -> None:
+        self.index = index
+        self.residency = residency
+        self.phases = phases
+        self.tracing = tracing
+        self._module_names = module_names
+        self._records_order = records_order
+        """Whether this warm-up step records the order (the first warm-up only)."""
+        self.first_use: dict[str, None] = {}
+        """Parameter names in the order the warm-up forward first used them."""
+        self.recorded_order: dict[str, list[str]] = {"forward": [], "backward": []}
+        """Parameters (first names) each module access fetched during the warm-up step, as the
+        profiler's ``forward_order``/``backward_order`` predict them."""
+
+    def begin_forward(self) -> None:
+        self.phases.begin_forward()
+        self.tracing.finish_if_ended()
+        trace = self.residency.trace
+        if not trace.recording:
+            trace.restart()
+        else:
+            self.tracing.maybe_start()
+
+    # a moment of the warm-up trace per module access: [Note: warm-up tracing]
+    def _mark(self, phase: str, module: torch.nn.Module) -> None:
+        if self.residency.trace.recording and self._records_order():
+            names = [slot.name for slot in self.index.modules[module]]
+            self.recorded_order[phase].extend(dict.fromkeys(names))
+        tracing = self.tracing
+        if tracing.tracer is not None:
+            tracing.mark(f"{phase}:{self._module_names.get(module, '?')}")
+
+    def _acquire(self, module: torch.nn.Module) -> None:
+        with self.tracing.untraced():
+            self._acquire_untraced(module)
+
+    def _acquire_untraced(self, module: torch.nn.Module) -> None:
+        first_use = self.residency.trace.recording and not self.phases.in_backward
+        fetched = None
+        slot_chunk = self.index.slot_chunk
+        for slot in self.index.modules[module]:
+            if first_use:
+                self.first_use.setdefault(slot.name)
+            chunk = slot_chunk[id(slot.param)]
+            if chunk is not fetched:  # consecutive slots of one chunk: fetched once
+                self.residency.fetch(chunk)
+                fetched = chunk
+            if slot.compute_refs == 0:
+                slot.set_state(TensorState.COMPUTE)
+                chunk.compute_refs += 1
+            slot.compute_refs += 1
+        self.residency.prefetch()  # after pinning: prefetch never displaces what it needs
+
+    def _release(self, module: torch.nn.Module, new_state: TensorState) -> None:
+        for slot in self.index.modules[module]:
+            if slot.compute_refs == 0:
+                continue
+            slot.compute_refs -= 1
+            if slot.compute_refs == 0:
+                chunk = self.index.slot_chunk[id(slot.param)]
+                chunk.compute_refs -= 1
+                slot.set_state(TensorState.HOLD_AFTER_BWD if slot.got_grad else new_state)
+
+    def pre_forward(self, module: torch.nn.Module) -> None:
+        in_backward = self.phases.in_backward
+        self._mark("backward" if in_backward else "forward", module)
+        self._acquire(module)
+        if in_backward:  # a checkpoint re-forward
+            self.phases.reforward_pins.append(module)
+
+    def post_forward(self, module: torch.nn.Module) -> None:
+        phases = self.phases
+        if phases.in_backward and module in phases.reforward_pins:
+            phases.reforward_pins.remove(module)
+        recorded = torch.is_grad_enabled()
+        self._release(module, TensorState.HOLD_AFTER_FWD if recorded else TensorState.HOLD)
+
+    def pre_backward(self, module: torch.nn.Module) -> None:
+        """Before ``module``'s backward (once per backward pass through it)."""
+        phases = self.phases
+        phases.enter_backward()
+        # a re-forward that torch stopped early (non-reentrant checkpoint) never ran its
+        # post-hooks: release its pins now; the modules' own backward re-pins what it needs
+        while phases.reforward_pins:
+            self._release(phases.reforward_pins.pop(), TensorState.HOLD_AFTER_FWD)
+        if module not in phases.backward_pins:
+            phases.backward_pins.add(module)
+            self._mark("backward", module)
+            self._acquire(module)
+
+    def post_backward(self, module: torch.nn.Module) -> None:
+        """After ``module``'s backward produced the gradients of its inputs."""
+        if module in self.phases.backward_pins:
+            self.phases.backward_pins.discard(module)
+            self._release(module, TensorState.HOLD_AFTER_BWD)
+
+    # [Note: a module's backward is done when its parameters' gradients are]
+    # An input's gradient hook fires only once *every* consumer of that input has run its
+    # backward (q, k and v projections share one input: each would stay pinned until the last
+    # of them finished), and a module whose inputs need no gradient (an embedding) gets no such
+    # hook at all. A parameter's gradient is accumulated only after every autograd node that
+    # used it has run, so once every parameter of a module has its gradient for this backward,
+    # nothing left in this backward reads the module's chunks: release it then. A module with
+    # a frozen parameter is released once its own autograd nodes have run ([Note: frozen
+    # modules are released after their own nodes]); one with a parameter its forward did not
+    # use waits for an input hook or the end of backward. Tied weights used at both ends are
+    # released by the LM head's input hook.
+    def release_finished_backward(self, param: torch.nn.Parameter) -> None:
+        """A gradient of ``param`` arrived: release the modules whose backward is done."""
+        for module in self.index.modules_of_param.get(id(param), ()):
+            if module in self.phases.backward_pins and all(
+                slot.got_grad and slot.param.requires_grad for slot in self.index.modules[module]
+            ):
+                self.post_backward(module)
+
+    def unpin_all(self) -> None:
+        """End of a backward (finished or abandoned): nothing stays pinned."""
+        for chunk in self.index.chunks():
+            for slot in chunk.slots:
+                if slot.compute_refs:
+                    slot.compute_refs = 0
+                    slot.set_state(TensorState.HOLD_AFTER_BWD)
+            chunk.compute_refs = 0

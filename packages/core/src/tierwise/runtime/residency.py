@@ -1,0 +1,166 @@
+"""Residency: which chunks are on the compute device, in the rCache's blocks.
+
+A component of :class:`tierwise.runtime.engine.Engine` ([Note: shared runtime state]): it owns
+the access trace (what Belady replacement and prefetch read: [Note: rCache replacement]) and
+the loads in flight ([Note: prefetch overlap]), and uses the rCache to fetch, evict and
+prefetch chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierwise.chunks import Chunk
+from tierwise.parallel.collectives import Collectives
+from tierwise.plan import Plan
+from tierwise.runtime.cache import AccessTrace, RCache
+from tierwise.runtime.shared import ChunkIndex, Traffic
+from tierwise.runtime.transfer import ChunkLoads
+from tierwise.tiers.base import Tier
+
+
+class Residency:
+    """Fetches chunks into the rCache, evicts them, prefetches the next ones."""
+
+    def __init__(
+        self,
+        *,
+        index: ChunkIndex,
+        cache: RCache,
+        device_tier: Tier,
+        plan: Plan,
+        collectives: Collectives,
+        traffic: Traffic,
+        device: torch.device,
+    ) -> None:
+        self.index = index
+        self.cache = cache
+        self.device_tier = device_tier
+        self.plan = plan
+        """Read for its prefetch depth."""
+        self.collectives = collectives
+        self.traffic = traffic
+        self.trace = AccessTrace()
+        """Chunk accesses: recorded in the warm-up step, replayed after it."""
+        self.loads = ChunkLoads(device)
+        """rCache loads in flight ([Note: prefetch overlap])."""
+
+    def renew_trace(self) -> None:
+        """After chunks were re-packed: chunk keys mean other chunks now, record again."""
+        self.trace = AccessTrace()
+
+    def _evictable(self) -> set:
+        """Keys of the unpinned chunks in the rCache (a scan of its blocks, not of every chunk:
+        [Note: per-module hook cost])."""
+        by_key = self.index.by_key
+        return {
+            key for key in self.cache.owner if key is not None and by_key[key].compute_refs == 0
+        }
+
+    def fetch(self, chunk: Chunk) -> None:
+        """Make ``chunk`` resident on the device (all-gathering its shards when sharded) and
+        wait until its values are there ([Note: prefetch overlap])."""
+        self.trace.touch(chunk.key)
+        if chunk.resident:
+            if chunk.block_id is not None:
+                self.cache.touch(chunk.block_id)
+            self.loads.finish(chunk.key)
+            return
+        block_id = self.cache.free_block()
+        if block_id is None:
+            block_id = self.cache.choose_victim(self._evictable() - {chunk.key}, self.trace)
+            if block_id is None:
+                raise RuntimeError(
+                    f"tierwise: all {len(self.cache)} rCache blocks hold chunks in use while "
+                    f"chunk {chunk.group.name}#{chunk.index} is needed: a module touches more "
+                    "chunks than the cache holds; raise cache_blocks (or leave it on 'auto')"
+                )
+            self.evict(self.index.by_key[self.cache.owner[block_id]])
+        self._bring_in(chunk, block_id)
+        self.loads.finish(chunk.key)
+
+    def _bring_in(self, chunk: Chunk, block_id: int) -> None:
+        """Start loading ``chunk`` into ``block_id``; ``loads.finish`` completes it."""
+        if not self.cache.lend(block_id, chunk.flat.untyped_storage()):
+            chunk.allocate_storage()  # [Note: fixed rCache blocks]
+        self.loads.start(
+            chunk.key, lambda: self._issue_load(chunk, chunk.flat), collective=chunk.group.sharded
+        )
+        chunk.resident, chunk.block_id = True, block_id
+        self.cache.assign(block_id, chunk.key)
+
+    def _issue_load(self, chunk: Chunk, block: torch.Tensor) -> tuple[list, list]:
+        """Issue the transfer of ``chunk``'s values into ``block``; (handles, tensors in use)."""
+        home = chunk.home
+        src_tier = home.tier.name
+        if chunk.group.sharded:
+            if home.tier.ADDRESSABLE and home.tensor.device == block.device:
+                shard = home.tensor
+            else:
+                shard = torch.empty(chunk.shard_size, dtype=block.dtype, device=block.device)
+                home.tier.read(home, shard).wait()
+            shard = shard.to(block.dtype)
+            work = self.collectives.all_gather(
+                block, shard, chunk.group.process_group, async_op=True
+            )
+            handles, keep = [work], [shard]
+            nbytes = chunk.shard_size * block.element_size()
+        else:
+            handles, keep = [home.tier.read(home, block)], []
+            nbytes = chunk.capacity * block.element_size()
+        if src_tier != "device":
+            self.traffic.count(f"{src_tier}->device", nbytes)
+        return handles, keep
+
+    def evict(self, chunk: Chunk) -> None:
+        """Drop a cached chunk: it is an unchanged copy, so nothing is written back."""
+        if chunk.compute_refs:
+            raise RuntimeError(f"tierwise bug: evicting chunk {chunk.key} while in use")
+        self.loads.finish(chunk.key)  # its storage is about to be freed
+        if not self.cache.take_back(chunk.block_id, chunk.flat.untyped_storage()):
+            chunk.free_storage()
+        self.cache.vacate(chunk.block_id)
+        chunk.resident, chunk.block_id = False, None
+
+    def prefetch(self) -> None:
+        """Start loading the chunks the trace says come next, up to the plan's depth."""
+        depth = self.plan.prefetch
+        if depth <= 0 or self.trace.recording or not len(self.cache):
+            return
+        for key in self.trace.upcoming(depth + 1):
+            chunk = self.index.by_key[key]
+            if chunk.resident:
+                continue
+            block_id = self.cache.free_block()
+            if block_id is None:
+                block_id = self.cache.choose_victim(self._evictable(), self.trace)
+                if block_id is None:
+                    return
+                # only displace what demand Belady would (the farthest of all resident chunks,
+                # pinned ones included), and only for a chunk needed sooner than it
+                victim_next = self.trace.next_use(self.cache.owner[block_id])
+                farthest = max(self.trace.next_use(o) for o in self.cache.owner if o is not None)
+                if victim_next < farthest or victim_next <= self.trace.next_use(key):
+                    return
+                self.evict(self.index.by_key[self.cache.owner[block_id]])
+            self._bring_in(chunk, block_id)
+
+    def invalidate_cache(self) -> None:
+        """Evict every cached chunk (their homes are about to change, or did)."""
+        for chunk in self.index.chunks():
+            if chunk.block_id is not None:
+                self.evict(chunk)
+
+    def model_bytes_on_device(self) -> int:
+        """Bytes of model data on the compute device now (what an allocator count includes)."""
+        resident = sum(
+            c.capacity * c.flat.element_size()
+            for c in self.index.chunks()
+            if c.resident and c.block_id is not None
+        )
+        return self.device_tier.used_bytes - self.cache.reserved + resident
+
+    def close(self) -> None:
+        """Give the rCache reservation back and stop the load thread."""
+        self.cache.close()
+        self.loads.close()

@@ -1,0 +1,73 @@
+"""What the runtime's components share, declared in one place.
+
+[Note: shared runtime state]
+The engine's components (residency, module access, gradient path, optimizer step) each own
+their state and read no other component's private attributes. What they do share is here:
+
+- ``ChunkIndex``: the chunk groups and the lookups built from them (parameter -> chunk and
+  slot, module -> slots, key -> chunk). A re-layout replaces the chunks; ``rebuild`` renews the
+  lookups in place, so every component holding the index sees the new chunks at once.
+- ``Traffic``: bytes and transfers moved between tiers, counted by whichever component moves
+  them (``Engine.stats`` reports them).
+
+Chunks and their slots carry per-chunk flags (``pending``, ``got_grad``, ``compute_refs``, ...):
+the gradient path writes the gradient flags, module access the compute pins; see
+``tierwise.chunks``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+
+import torch
+
+from tierwise.chunks import Chunk, ChunkGroup, ParamSlot
+
+
+class ChunkIndex:
+    """The chunk groups of one model and the lookups the hooks and the step use."""
+
+    def __init__(
+        self, groups: list[ChunkGroup], modules: dict[torch.nn.Module, list[ParamSlot]]
+    ) -> None:
+        self.groups = groups
+        self.modules = modules
+        """Module -> the slots of the parameters it owns directly."""
+        self.modules_of_param: dict[int, list[torch.nn.Module]] = defaultdict(list)
+        """id(param) -> the modules owning it (tied weights: several)."""
+        for module, slots in modules.items():
+            for slot in slots:
+                self.modules_of_param[id(slot.param)].append(module)
+        self.multi_rank = any(g.world > 1 for g in groups)
+        """Some group is spread over several ranks (a re-layout keeps every group's ranks)."""
+        self.rebuild()
+
+    def chunks(self) -> Iterator[Chunk]:
+        for group in self.groups:
+            yield from group.chunks
+
+    def rebuild(self) -> None:
+        """After chunks were re-packed (or at construction): renew every lookup."""
+        self.slot_chunk = {id(s.param): c for c in self.chunks() for s in c.slots}
+        """id(param) -> its chunk."""
+        self.slot_of = {id(s.param): s for c in self.chunks() for s in c.slots}
+        """id(param) -> its ParamSlot (the gradient hook's lookup: [Note: per-module hook
+        cost])."""
+        self.modules = {
+            m: [self.slot_of[id(s.param)] for s in slots] for m, slots in self.modules.items()
+        }
+        self.by_key = {c.key: c for c in self.chunks()}
+        """chunk key -> chunk."""
+
+
+class Traffic:
+    """Bytes and transfers moved between tiers, by direction (``"host->device"``)."""
+
+    def __init__(self) -> None:
+        self.moved_bytes: Counter[str] = Counter()
+        self.moves: Counter[str] = Counter()
+
+    def count(self, direction: str, nbytes: int, moves: int = 1) -> None:
+        self.moved_bytes[direction] += nbytes
+        self.moves[direction] += moves

@@ -188,3 +188,26 @@ def test_transfers_leave_tensor_storage_resizable(make_tier):
     flat.untyped_storage().resize_(5000 * 2)
     tier.read(slab, flat).wait()
     assert flat.untyped_storage().nbytes() == 10_000
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_write_whose_rest_is_padding_round_trips_without_reading_pages_back(make_tier, backend):
+    """``write(..., rest_is_padding=True)`` (the activation manager's slab layout: a tensor at
+    its own page misalignment inside whole pages): the bytes written round-trip; on a direct
+    backend the partial pages around them are zero-filled, not read back first, so the slab's
+    other bytes are not preserved; an exact (buffered) write touches only its own bytes."""
+    tier = make_tier(backend)
+    numel, lead = 3 * 4096, 1000  # data from byte 1000 to 9192: partial first and last pages
+    slab = tier.allocate(numel, torch.uint8, kind=PayloadKind.ACTIVATION, what="activation")
+    old = torch.randint(1, 255, (numel,), dtype=torch.uint8, generator=torch.Generator())
+    tier.write(slab, old).wait()
+    data = torch.randint(1, 255, (2 * 4096,), dtype=torch.uint8, generator=torch.Generator())
+    tier.write(slab, data, offset=lead, rest_is_padding=True).wait()
+    back = torch.empty(numel, dtype=torch.uint8)
+    tier.read(slab, back).wait()
+    end = lead + data.numel()
+    assert torch.equal(back[lead:end], data)
+    if tier.backend.direct:
+        assert not back[:lead].any() and not back[end:].any()
+    else:
+        assert torch.equal(back[:lead], old[:lead]) and torch.equal(back[end:], old[end:])

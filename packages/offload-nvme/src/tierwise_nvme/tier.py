@@ -194,11 +194,17 @@ class NVMeTier(Tier):
         self._count("nvme->host", out.nbytes)
         return handle
 
-    def write(self, slab: Slab, src: torch.Tensor, *, offset: int = 0) -> IOHandle:
+    def write(
+        self, slab: Slab, src: torch.Tensor, *, offset: int = 0, rest_is_padding: bool = False
+    ) -> IOHandle:
+        """Start writing ``src`` at element ``offset`` of the slab; keep ``src`` unchanged until
+        the handle is done. ``rest_is_padding``: the slab's other elements hold nothing, so
+        partial pages at either end are zero-filled rather than read back first (see
+        [Note: unaligned transfers]); their contents are unspecified afterwards."""
         file = self._check(slab, src, offset, "write from")
         for pipeline in list(self._pipelines):  # a prefetched copy of this slab is stale now
             pipeline.slab_written(slab)
-        return self._write_region(file, slab.offset, slab, src, offset)
+        return self._write_region(file, slab.offset, slab, src, offset, rest_is_padding)
 
     def write_next(self, slab: Slab, src: torch.Tensor) -> IOHandle:
         """Write all of ``src`` into the region ``commit`` will make the slab's contents (the
@@ -217,12 +223,22 @@ class NVMeTier(Tier):
                 pipeline.slab_written(slab)
 
     def _write_region(
-        self, file, base: int, slab: Slab, src: torch.Tensor, offset: int
+        self,
+        file,
+        base: int,
+        slab: Slab,
+        src: torch.Tensor,
+        offset: int,
+        rest_is_padding: bool = False,
     ) -> IOHandle:
         if src.numel() == 0:
             return DONE
         start = base + offset * src.element_size()
-        handle = self._transfers.write(file, start, src, limit=base + slab.nbytes)
+        if rest_is_padding:  # only the written bytes are data
+            floor, limit = start, start + src.nbytes
+        else:  # the slab's other bytes are data too
+            floor, limit = 0, base + slab.nbytes
+        handle = self._transfers.write(file, start, src, limit=limit, floor=floor)
         self._count("host->nvme", src.nbytes)
         return handle
 

@@ -10,7 +10,10 @@ read (and any read into a contiguous non-CPU tensor) streams through the tier's 
 staging pool block by block (see [Note: staged reads]); a write, or a read into a
 non-contiguous tensor, moves the whole widened range through a page-aligned bounce buffer. A write whose partial pages hold
 other data of the slab reads those pages first (read-modify-write); bytes past the slab's end
-are padding and are zero-filled instead. Buffered backends transfer the exact range in place.
+are padding and are zero-filled instead, and so are the slab's other bytes when the caller says
+they hold nothing (``rest_is_padding``: a slab laid out with a tensor's own page misalignment,
+see [Note: swap writes from the saved storage] in tierwise.runtime.activations).
+Buffered backends transfer the exact range in place.
 
 [Note: ordering of transfers]
 Transfers on overlapping pages of one file run in the order they were issued: a new transfer
@@ -223,8 +226,11 @@ class Transfers:
             self.staged.start(file, lo, hi, start, dest, handle)
         return handle
 
-    def write(self, file: SwapFile, start: int, src: torch.Tensor, *, limit: int) -> NVMeHandle:
-        """Write ``src``'s bytes at file offset ``start``; bytes from ``limit`` on are padding."""
+    def write(
+        self, file: SwapFile, start: int, src: torch.Tensor, *, limit: int, floor: int = 0
+    ) -> NVMeHandle:
+        """Write ``src``'s bytes at file offset ``start``; bytes before ``floor`` and from
+        ``limit`` on are padding (zero-filled in a partial page, never read back)."""
         in_place = src.device.type == "cpu" and src.is_contiguous()
         if in_place:
             host = byte_view(src)
@@ -239,7 +245,7 @@ class Transfers:
             bounces: list[torch.Tensor | None] = []
             try:
                 for segment in segments:
-                    bounces.append(self._bounce_for_write(file, segment, host, start, limit))
+                    bounces.append(self._bounce_for_write(file, segment, host, start, limit, floor))
             except BaseException:  # a failed read-modify-write: nothing was submitted
                 for bounce in bounces:
                     if bounce is not None:
@@ -265,15 +271,23 @@ class Transfers:
         handle._on_complete.append(give_back)
 
     def _bounce_for_write(
-        self, file: SwapFile, segment: Segment, host: torch.Tensor, start: int, limit: int
+        self,
+        file: SwapFile,
+        segment: Segment,
+        host: torch.Tensor,
+        start: int,
+        limit: int,
+        floor: int,
     ) -> torch.Tensor | None:
         """The page(s) to write for a bounce segment: old bytes, new bytes, zero padding."""
         if not segment.bounce:
             return None
         end = start + host.numel()
         bounce = self.bounces.take(segment.hi - segment.lo)
-        if segment.lo < start or end < min(segment.hi, limit):  # other slab data shares a page
+        if max(segment.lo, floor) < start or end < min(segment.hi, limit):  # other data shares
             blocking_transfer("read", file.fd, str(file.path), segment.lo, memoryview_of(bounce))
+        if segment.lo < floor:
+            bounce[: min(floor, segment.hi) - segment.lo].zero_()
         lo, hi = max(segment.lo, start), min(segment.hi, end)
         bounce[lo - segment.lo : hi - segment.lo].copy_(host[lo - start : hi - start])
         if limit < segment.hi:

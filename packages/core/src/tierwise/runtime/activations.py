@@ -463,11 +463,12 @@ class ActivationManager:
             stored.source, self._resident = source, self._resident + nbytes
             stored.lead = _page_lead(source)
         if target == "nvme":
-            stored.slab = self.nvme.allocate(
-                stored.lead + nbytes, torch.uint8, kind=PayloadKind.ACTIVATION
-            )
+            slab_bytes = _whole_pages(stored.lead + nbytes) if self._stream is None else nbytes
+            stored.slab = self.nvme.allocate(slab_bytes, torch.uint8, kind=PayloadKind.ACTIVATION)
             if self._stream is None:
-                stored.write = self.nvme.write(stored.slab, source, offset=stored.lead)
+                stored.write = self.nvme.write(
+                    stored.slab, source, offset=stored.lead, rest_is_padding=True
+                )
                 self.moved_bytes["act:device->nvme"] += nbytes
         if stored.write is not None:
             self._writing.append(stored)
@@ -502,13 +503,15 @@ class ActivationManager:
     # On a CPU device a swap to nvme writes the saved storage itself, with no copy on the compute
     # cores: the storage stays referenced (``source``, counted as resident) until its write has
     # landed. An O_DIRECT transfer moves whole pages between page-aligned memory and page-aligned
-    # file offsets, so the slab is laid out with the storage's own misalignment: its data starts
-    # ``lead`` = (address mod page) bytes into the slab (whose offset is page-aligned). The nvme
-    # tier then moves every whole page of the storage in place and only the partial first and
-    # last page through a one-page bounce buffer ([Note: unaligned transfers] in tierwise_nvme).
-    # The swap-in reads into a fresh page-aligned buffer at the same ``lead``, and that buffer is
-    # the storage the restored tensors view. Storages whose writes are in flight are bounded by
-    # one block's bytes: past it, a new swap first waits for the oldest writes.
+    # file offsets, so the slab (page-aligned, whole pages) is laid out with the storage's own
+    # misalignment: its data starts ``lead`` = (address mod page) bytes in. The nvme tier then
+    # writes every whole page of the storage in place and only the partial first and last page
+    # through a one-page bounce buffer ([Note: unaligned transfers] in tierwise_nvme); the
+    # slab's bytes around the data hold nothing (``rest_is_padding``), so no page is read back
+    # before it is written. The swap-in reads the whole slab in place (one request) into a fresh
+    # page-aligned buffer, and the bytes at ``lead`` are the storage the restored tensors view.
+    # Storages whose writes are in flight are bounded by one block's bytes: past it, a new swap
+    # first waits for the oldest writes.
     def _throttle_writes(self) -> None:
         largest = max(
             (sum(s.nbytes for s in stored) for stored in self._stored.values()), default=0
@@ -596,9 +599,10 @@ class ActivationManager:
             if self._stream is not None:
                 stored.host = self._host_buffer(nbytes)
                 stored.read = self.nvme.read(stored.slab, stored.host)
-            else:  # [Note: swap writes from the saved storage]
-                stored.host = aligned_empty(stored.lead + nbytes)[stored.lead :]
-                stored.read = self.nvme.read(stored.slab, stored.host, offset=stored.lead)
+            else:  # the whole slab, in place: [Note: swap writes from the saved storage]
+                pages = aligned_empty(stored.slab.nbytes)
+                stored.read = self.nvme.read(stored.slab, pages)
+                stored.host = pages[stored.lead : stored.lead + nbytes]
             self.moved_bytes[f"act:nvme->{'host' if self._stream else 'device'}"] += nbytes
             if self._stream is None:
                 stored.loaded = stored.host
@@ -752,6 +756,10 @@ class ActivationManager:
             "policy": dict(Counter(self.policy.get(b, "keep") for b in self.order)),
             "live_bytes": self.live_bytes(),
         }
+
+
+def _whole_pages(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
 def _page_lead(source: torch.Tensor) -> int:

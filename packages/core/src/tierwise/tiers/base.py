@@ -152,8 +152,12 @@ class Tier(ABC):
         """Copy ``slab[offset : offset + out.numel()]`` into ``out`` (any device)."""
 
     @abstractmethod
-    def write(self, slab: Slab, src: torch.Tensor, *, offset: int = 0) -> IOHandle:
-        """Copy ``src`` into ``slab[offset : offset + src.numel()]``."""
+    def write(
+        self, slab: Slab, src: torch.Tensor, *, offset: int = 0, rest_is_padding: bool = False
+    ) -> IOHandle:
+        """Copy ``src`` into ``slab[offset : offset + src.numel()]``. ``rest_is_padding``: the
+        slab's other elements hold nothing and may be overwritten (a storage tier then need not
+        read back the partial blocks at either end)."""
 
     def optimizer_pipeline(
         self, *, buffer_bytes: int, states: int = 3, lookahead: int = 1

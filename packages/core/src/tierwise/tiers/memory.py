@@ -44,7 +44,9 @@ class MemoryTier(Tier):
         out.copy_(source, non_blocking=self.pin)
         return _copy_handle(source, out, non_blocking=self.pin)
 
-    def write(self, slab: Slab, src: torch.Tensor, *, offset: int = 0) -> IOHandle:
+    def write(
+        self, slab: Slab, src: torch.Tensor, *, offset: int = 0, rest_is_padding: bool = False
+    ) -> IOHandle:
         target = slab.tensor[offset : offset + src.numel()]
         target.copy_(src, non_blocking=self.pin)
         return _copy_handle(src, target, non_blocking=self.pin)

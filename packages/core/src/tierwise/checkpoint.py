@@ -188,7 +188,11 @@ def rank_pieces(engine: Engine, rank: int, world: int) -> tuple[dict, dict]:
         for slot in chunk.slots:
             if slot.name in index:
                 # [Note: unused parameters are skipped]: one Adam step count per parameter
-                step = float(engine.step_counts[slot.name]) if chunk.optim is not None else 0.0
+                step = (
+                    float(engine.optimizer.step_counts[slot.name])
+                    if chunk.optim is not None
+                    else 0.0
+                )
                 index[slot.name].update(trainable=chunk.optim is not None, step=step)
     return pieces, index
 
@@ -244,7 +248,7 @@ def _manifest(engine: Engine, world: int, gathered: list) -> dict:
         "format": FORMAT_VERSION,
         "tierwise_version": __version__,
         "world_size": world,
-        "step": engine.steps_taken,
+        "step": engine.optimizer.steps_taken,
         "files": files,
         "params": params,
         "aliases": aliases,
@@ -268,10 +272,11 @@ def save_checkpoint(
     leaves the previous checkpoint intact.
     """
     engine = engine_of(model)
-    if engine.step_failed is not None:
+    if engine.optimizer.step_failed is not None:
         raise CheckpointError(
             f"save_checkpoint {path}: refused, an optimizer step failed part way "
-            f"({engine.step_failed}) and the state mixes two steps; load the last checkpoint"
+            f"({engine.optimizer.step_failed}) and the state mixes two steps; load the last "
+            "checkpoint"
         )
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
@@ -383,7 +388,7 @@ def load_from_reader(engine: Engine, reader: CheckpointReader) -> None:
                 shard[a : a + hi - lo] = part
             values[kind] = shard
         if chunk.optim is not None:
-            engine.step_counts.load_state_dict(
+            engine.optimizer.step_counts.load_state_dict(
                 {"counts": {slot.name: int(reader.step(slot.name)) for slot in chunk.slots}}
             )
             for kind, slab in _slabs(chunk).items():

@@ -2,9 +2,10 @@
 
 A component of :class:`tierwise.runtime.engine.Engine` ([Note: shared runtime state]): it pins
 a module's chunks (fetched through residency) while the module computes and releases them after,
-moves the phase of the step ([Note: training phases]), marks the warm-up trace's moments and
-records the parameters' first-use order for the re-layout after warm-up. It writes the
-compute pins of chunks and slots (``compute_refs``) and the slots' tensor states.
+moves the phase of the step ([Note: training phases]), scales the loss's gradient (fp16), marks
+the warm-up trace's moments and records the parameters' first-use order for the re-layout after
+warm-up. It writes the compute pins of chunks and slots (``compute_refs``) and the slots' tensor
+states.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from tierwise.chunks import TensorState
+from tierwise.optim import DynamicLossScaler
 from tierwise.runtime.phases import Phases
 from tierwise.runtime.residency import Residency
 from tierwise.runtime.shared import ChunkIndex
@@ -31,6 +33,7 @@ class ModuleAccess:
         phases: Phases,
         tracing: WarmupTracing,
         module_names: dict[torch.nn.Module, str],
+        scaler: DynamicLossScaler | None,
         records_order: Callable[[], bool],
     ) -> None:
         self.index = index
@@ -38,6 +41,8 @@ class ModuleAccess:
         self.phases = phases
         self.tracing = tracing
         self._module_names = module_names
+        self.scaler = scaler
+        """fp16's loss scaler (its scale multiplies the loss's gradient)."""
         self._records_order = records_order
         """Whether this warm-up step records the order (the first warm-up only)."""
         self.first_use: dict[str, None] = {}
@@ -146,6 +151,16 @@ class ModuleAccess:
                 slot.got_grad and slot.param.requires_grad for slot in self.index.modules[module]
             ):
                 self.post_backward(module)
+
+    def scale_root_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """fp16: multiply the gradient entering the model by the loss scale, once per backward
+        (the first model output backward reaches is the one the loss came from; the gradient
+        then flowing into other outputs, e.g. logits under the loss, is scaled already)."""
+        if self.phases.loss_scaled:
+            return None
+        self.phases.enter_backward()
+        self.phases.loss_scaled = True
+        return grad * self.scaler.scale
 
     def unpin_all(self) -> None:
         """End of a backward (finished or abandoned): nothing stays pinned."""

@@ -97,7 +97,7 @@ class Engine:
             index=self.index,
             cache=cache,
             device_tier=tiers["device"],
-            plan=plan,
+            prefetch_depth=plan.prefetch,
             collectives=self.collectives,
             traffic=self.traffic,
             device=self.device,
@@ -111,6 +111,7 @@ class Engine:
             phases=self.phases,
             tracing=self.tracing,
             module_names={m: n for n, m in model.named_modules()},
+            scaler=self.scaler,
             records_order=lambda: not self._relayout_checked,
         )
         self.optimizer = OptimizerStep(
@@ -151,12 +152,7 @@ class Engine:
         ``step`` refuses to run until ``zero_grad`` starts the step again."""
         self.layout_note: str | None = None
         """Why a chunk group kept its setup layout ([Note: re-layout after warm-up])."""
-        self.hook_handles: list = install_hooks(
-            self.access,
-            model,
-            list(modules),
-            scale_root_grad=self.scale_root_grad if self.scaler is not None else None,
-        )
+        self.hook_handles: list = install_hooks(self.access, model, list(modules))
         """Every hook tierwise put on the model and its parameters (removed by ``close``)."""
         on_grad = grad_ready_hook(self)
         for chunk in self.index.chunks():
@@ -216,16 +212,6 @@ class Engine:
         with self.tracing.untraced():
             self.gradients.on_grad(param)
             self.access.release_finished_backward(param)
-
-    def scale_root_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
-        """fp16: multiply the gradient entering the model by the loss scale, once per backward
-        (the first model output backward reaches is the one the loss came from; the gradient
-        then flowing into other outputs, e.g. logits under the loss, is scaled already)."""
-        if self.phases.loss_scaled:
-            return None
-        self.phases.enter_backward()
-        self.phases.loss_scaled = True
-        return grad * self.loss_scale
 
     def end_backward(self) -> None:
         """Runs when autograd finishes a backward: finalise every chunk, release everything."""

@@ -26,7 +26,6 @@ blocks rather than every chunk, and prefetch is skipped when there is no rCache.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,14 +62,10 @@ def _grad_tensors_flat(values) -> list[torch.Tensor]:
 
 
 def install_hooks(
-    access: ModuleAccess,
-    model: torch.nn.Module,
-    modules: list[torch.nn.Module],
-    *,
-    scale_root_grad: Callable[[torch.Tensor], torch.Tensor | None] | None,
+    access: ModuleAccess, model: torch.nn.Module, modules: list[torch.nn.Module]
 ) -> list:
-    """Register the access hooks driving ``access`` (and, fp16, ``scale_root_grad`` on the
-    model's outputs); return the handles (removed when the engine closes)."""
+    """Register the access hooks driving ``access``; return the handles (removed when the
+    engine closes)."""
     handles = []
     frozen_release = FrozenRelease(access.post_backward)
     frozen = {module for module in modules if FrozenRelease.applies_to(module)}
@@ -109,9 +104,9 @@ def install_hooks(
         access.begin_forward()
 
     def root_post_forward(module, args, kwargs, output):
-        if torch.is_grad_enabled() and scale_root_grad is not None:
+        if torch.is_grad_enabled() and access.scaler is not None:
             for tensor in _grad_tensors(output):  # fp16: scale the loss's gradient
-                tensor.register_hook(scale_root_grad)
+                tensor.register_hook(access.scale_root_grad)
 
     handles.append(
         model.register_forward_pre_hook(root_pre_forward, with_kwargs=True, prepend=True)

@@ -13,8 +13,10 @@ old chunk is read in full (all-gathered when sharded, every rank in the same ord
 this rank owns in the new layout are kept in host memory, the old slabs of that kind are released
 and the new ones allocated and written. A kind's new slabs are counted against the tier budget
 before anything moves; when they would not fit, or the host cannot hold one kind's shard, the
-group keeps its layout (``Relayout.note``, the engine's ``layout_note``, says why). New chunks keep the tiers the planner
-chose for their parameters (the tier holding most of their elements before).
+group keeps its layout (``Relayout.note``, the engine's ``layout_note``, says why). New chunks
+keep the tiers the planner chose for their parameters (the tier holding most of their elements
+before). ``relayout`` changes only the chunk groups it re-packs and returns a ``Relayout``; the
+engine applies it to the plan and renews what depends on the chunks.
 """
 
 from __future__ import annotations

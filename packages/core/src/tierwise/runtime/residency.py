@@ -12,7 +12,6 @@ import torch
 
 from tierwise.chunks import Chunk
 from tierwise.parallel.collectives import Collectives
-from tierwise.plan import Plan
 from tierwise.runtime.cache import AccessTrace, RCache
 from tierwise.runtime.shared import ChunkIndex, Traffic
 from tierwise.runtime.transfer import ChunkLoads
@@ -28,7 +27,7 @@ class Residency:
         index: ChunkIndex,
         cache: RCache,
         device_tier: Tier,
-        plan: Plan,
+        prefetch_depth: int,
         collectives: Collectives,
         traffic: Traffic,
         device: torch.device,
@@ -36,8 +35,8 @@ class Residency:
         self.index = index
         self.cache = cache
         self.device_tier = device_tier
-        self.plan = plan
-        """Read for its prefetch depth."""
+        self.prefetch_depth = prefetch_depth
+        """How many chunks ahead of use to start loading (``Plan.prefetch``)."""
         self.collectives = collectives
         self.traffic = traffic
         self.trace = AccessTrace()
@@ -124,7 +123,7 @@ class Residency:
 
     def prefetch(self) -> None:
         """Start loading the chunks the trace says come next, up to the plan's depth."""
-        depth = self.plan.prefetch
+        depth = self.prefetch_depth
         if depth <= 0 or self.trace.recording or not len(self.cache):
             return
         for key in self.trace.upcoming(depth + 1):

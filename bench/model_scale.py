@@ -1,22 +1,33 @@
-"""Largest GPT-2 style model plain PyTorch trains under a memory cap vs tierwise with NVMe (issue 7).
+"""Largest GPT-2 style model plain PyTorch trains under a memory cap vs tierwise with NVMe
+(issues 7 and 20).
 
 1. Plain PyTorch, fp32 (AdamW fused=True, its leanest AdamW) and bf16 autocast (fp32 params,
    same AdamW): GPT-2 style models of growing depth (n_embd 1024, 16 heads, vocab 8192, one
    sequence of 128 tokens) each train one step in a child process whose address space is capped
-   with RLIMIT_AS (``--cap``, default 8GiB). The search stops at the first failure, so no child
+   with RLIMIT_AS (``--cap``, default 4GiB). The search stops at the first failure, so no child
    ever asks the kernel for more than the cap: allocation fails inside the child (MemoryError),
    never the OOM killer. Before each child the script checks that the machine has the cap plus a
    margin available and stops otherwise.
-2. tierwise (bf16, parameters and optimizer states on NVMe, ``host_memory`` and
-   ``device_memory`` budgets) trains a model at least ``--factor`` (3) times the larger plain
-   maximum for 3 steps on one fixed batch, in a child under the same cap: loss finite and falling,
-   peak RSS, step time and its breakdown (forward / backward / optimizer.step, NVMe traffic).
+2. fio: sequential read and write bandwidth (libaio, O_DIRECT, the NVMe tier's block size and
+   queue depth) in the NVMe directory, for the traffic bound below.
+3. tierwise (bf16, parameters and optimizer states on NVMe, ``host_memory`` and
+   ``device_memory`` budgets) trains a model at least ``--factor`` (10) times the larger plain
+   maximum for 3 steps on one fixed batch, in a child under the same cap: loss finite and
+   falling; peak RSS; model data in RAM (engine accounting: host tier = gradient buffers, device
+   tier = rCache blocks; plus the NVMe optimizer pipeline's and reads' staging pools); disk
+   bytes; step time and its breakdown (forward / backward / optimizer.step); NVMe bytes per
+   parameter per step by payload kind against the placement's minimum (bf16 params and fp32
+   master + Adam moments on NVMe: read 12 + write 12 of optimizer state, write 2 of new
+   parameters, read 2 + 2 of parameters for forward and backward = 30 B/param); the last step
+   against the traffic bound (bytes read / fio read + bytes written / fio write: one disk) and
+   against compute (plain bf16-autocast's step at its largest depth, scaled by depth).
+4. ``--host-rows``: the same tierwise setup at other sizes (default 0.4B and 1.6B parameters),
+   2 steps each: host memory for model data per parameter, to show it does not grow.
 
-One JSON line per attempt, one for the tierwise run, one summary with the ratio.
-Full size (``--cap 20GiB``) would need ~20 GB free RAM and ~50 GB of disk and about an hour on
-this 2-core machine; the default cap keeps the whole run to about 15 minutes.
+One JSON line per attempt and run, one summary with the ratio; every line has the machine's
+1-minute load (a shared 2-core machine: wall times include other processes' work).
 
-    python bench/model_scale.py --dir /var/tmp/model-scale [--cap 8GiB] [--factor 3]
+    python bench/model_scale.py --dir /work/model-scale [--cap 4GiB] [--factor 10]
 """
 
 from __future__ import annotations
@@ -143,6 +154,12 @@ def setup_takes_meta_models() -> bool:
     return True
 
 
+MIN_BYTES_PER_PARAM = 30
+"""NVMe bytes per parameter per step the placement needs (bf16 params, fp32 master + Adam
+moments on NVMe): read 12 and write 12 of optimizer state, write 2 of new parameters, read 4 of
+parameters (forward and backward)."""
+
+
 def child_tierwise(args) -> dict:
     import tierwise
     import torch
@@ -170,14 +187,18 @@ def child_tierwise(args) -> dict:
     setup_s = time.perf_counter() - begin
     engine = tierwise.engine_of(model)
     nvme = engine.tiers["nvme"]
-    pipeline = engine.pipelines.get("nvme")
+    params = sum(s.numel for c in engine.chunks() for s in c.slots)
     steps = []
     data = fixed_batch()
     try:
-        for _ in range(3):
+        for _ in range(args.steps):
             nvme_before = dict(nvme.moved_bytes)
+            kinds_before = dict(nvme.moved_by_kind)
+            pipeline = engine.pipelines.get("nvme")  # remade by the re-layout after step 1
             timings_before = dict(pipeline.timings) if pipeline else {}
             t = timed_step(model, optimizer, data)
+            moved = {k: nvme.moved_bytes[k] - nvme_before[k] for k in nvme_before}
+            per_param = sum(moved.values()) / params
             steps.append(
                 {
                     "loss": round(t["loss"], 4),
@@ -186,18 +207,41 @@ def child_tierwise(args) -> dict:
                     "backward_s": round(t["backward_s"], 2),
                     "optimizer_step_s": round(t["optimizer_step_s"], 2),
                     "optimizer_mode": engine.stats()["optimizer_mode"],
-                    "nvme_bytes": {k: nvme.moved_bytes[k] - nvme_before[k] for k in nvme_before},
+                    "nvme_bytes": moved,
+                    "nvme_bytes_by_kind": {
+                        k: v - kinds_before.get(k, 0)
+                        for k, v in sorted(nvme.moved_by_kind.items())
+                        if v != kinds_before.get(k, 0)
+                    },
+                    "nvme_bytes_per_param": round(per_param, 2),
+                    "over_min_traffic": round(per_param / MIN_BYTES_PER_PARAM, 3),
                     "pipeline_s": {
-                        k: round(v - timings_before[k], 2)
+                        k: round(v - timings_before.get(k, 0.0), 2)
                         for k, v in (pipeline.timings if pipeline else {}).items()
                     },
                 }
             )
         stats = engine.stats()
+        pipeline = engine.pipelines.get("nvme")
+        ram = {
+            "host_tier_peak": stats["peak_bytes_by_tier"]["host"],
+            "device_tier_peak": stats["peak_bytes_by_tier"]["device"],
+            "optimizer_pipeline_pool": pipeline.pool.count * pipeline.pool.buffer_bytes
+            if pipeline
+            else 0,
+            "nvme_read_staging_pool": nvme.staging.count * nvme.staging.buffer_bytes,
+        }
+        disk_bytes = nvme.file_bytes()
     finally:
         engine.close()
+    host = ram["host_tier_peak"] + ram["optimizer_pipeline_pool"] + ram["nvme_read_staging_pool"]
     return {
         "setup_s": round(setup_s, 1),
+        "params_managed": params,
+        "model_data_ram_bytes": ram,
+        "host_bytes_per_param": round(host / params, 4),
+        "ram_bytes_per_param": round((host + ram["device_tier_peak"]) / params, 4),
+        "disk_bytes": disk_bytes,
         "steps": steps,
         "chunk_size": stats["chunk_size"],
         "n_chunks": stats["n_chunks"],
@@ -238,6 +282,7 @@ def child_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nvme-dir", default=None)
     parser.add_argument("--host-memory", default=None)
     parser.add_argument("--device-memory", default=None)
+    parser.add_argument("--steps", type=int, default=3)
     return parser
 
 
@@ -294,9 +339,10 @@ def spawn(cap: int, child_args: list[str], timeout: float) -> dict:
     return result
 
 
-def search_plain(precision: str, cap: int, timeout: float) -> tuple[int, int]:
-    """Largest depth (and its params) that trains one step under the cap; 0 if none."""
-    best = (0, 0)
+def search_plain(precision: str, cap: int, timeout: float) -> tuple[int, int, float]:
+    """Largest depth, its params and its step seconds that train one step under the cap; zeros
+    if none."""
+    best = (0, 0, 0.0)
     for n_layer in LAYERS:
         result = spawn(cap, ["plain", "--n-layer", str(n_layer), "--precision", precision], timeout)
         emit(
@@ -310,8 +356,73 @@ def search_plain(precision: str, cap: int, timeout: float) -> tuple[int, int]:
         )
         if not result["ok"]:
             break
-        best = (n_layer, params_of(n_layer))
+        best = (n_layer, params_of(n_layer), result["step_s"])
     return best
+
+
+def measure_fio(directory: Path) -> dict:
+    """Sequential read and write bytes/s of fio on ``directory`` (libaio, O_DIRECT, the NVMe
+    tier's block size and queue depth, 1 GiB), or None values when fio is missing."""
+    if shutil.which("fio") is None:
+        return {"read": None, "write": None, "source": "fio not installed"}
+    from nvme_bw import fio_bandwidth
+    from tierwise_nvme import NVMeOptions
+
+    options = NVMeOptions()
+    path = directory / "fio-model-scale.dat"
+    try:
+        write = fio_bandwidth("write", path, 1 << 30, options.block_size, options.queue_depth)
+        read = fio_bandwidth("read", path, 1 << 30, options.block_size, options.queue_depth)
+    finally:
+        path.unlink(missing_ok=True)
+    return {"read": read, "write": write, "source": "fio"}
+
+
+def tierwise_run(args, cap: int, n_layer: int, nvme_dir: Path, steps: int) -> dict:
+    budgets = {"host_memory": str(cap // 2), "device_memory": str(cap // 8)}
+    result = spawn(
+        cap,
+        [
+            "tierwise",
+            "--n-layer",
+            str(n_layer),
+            "--chunk",
+            str(args.chunk),
+            "--nvme-dir",
+            str(nvme_dir),
+            "--host-memory",
+            budgets["host_memory"],
+            "--device-memory",
+            budgets["device_memory"],
+            "--steps",
+            str(steps),
+        ],
+        args.timeout,
+    )
+    shutil.rmtree(nvme_dir, ignore_errors=True)
+    return {**{k: int(v) for k, v in budgets.items()}, **result}
+
+
+def bounds(result: dict, fio: dict, compute_s: float | None) -> dict:
+    """The last step against the disk traffic bound and against compute."""
+    steps = result.get("steps") or []
+    if not steps:
+        return {}
+    last = steps[-1]
+    out = {}
+    if fio["read"] and fio["write"]:
+        traffic_s = last["nvme_bytes"]["nvme->host"] / fio["read"]
+        traffic_s += last["nvme_bytes"]["host->nvme"] / fio["write"]
+        out["traffic_bound_s"] = round(traffic_s, 2)
+        out["step_over_traffic_bound"] = round(last["step_s"] / traffic_s, 3)
+    if compute_s:
+        out["compute_bound_s"] = round(compute_s, 2)
+        out["step_over_compute"] = round(last["step_s"] / compute_s, 3)
+    if len(out) == 4:
+        out["step_over_larger_bound"] = round(
+            last["step_s"] / max(out["traffic_bound_s"], compute_s), 3
+        )
+    return out
 
 
 def main() -> None:
@@ -322,8 +433,8 @@ def main() -> None:
     parser.add_argument(
         "--dir", default=None, help="NVMe directory (default: a temp dir on /var/tmp)"
     )
-    parser.add_argument("--cap", default="8GiB", help="address-space cap of every child")
-    parser.add_argument("--factor", type=float, default=3.0, help="tierwise model / plain maximum")
+    parser.add_argument("--cap", default="4GiB", help="address-space cap of every child")
+    parser.add_argument("--factor", type=float, default=10.0, help="tierwise model / plain max")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per child")
     parser.add_argument("--chunk", type=int, default=1 << 23, help="tierwise chunk_size (elements)")
     parser.add_argument(
@@ -333,6 +444,12 @@ def main() -> None:
         metavar="PARAMS",
         help="skip the search and use this plain maximum (for reruns)",
     )
+    parser.add_argument(
+        "--host-rows",
+        default="0.4e9,1.6e9",
+        help="parameter counts of the extra 2-step tierwise runs (host memory per parameter); "
+        "'' for none",
+    )
     args = parser.parse_args()
     cap = parse_bytes(args.cap)
     root = (
@@ -340,39 +457,36 @@ def main() -> None:
         if args.dir
         else Path(tempfile.mkdtemp(prefix="model-scale-", dir="/var/tmp"))
     )
+    root.mkdir(parents=True, exist_ok=True)
     nvme_dir = root / f"run-{os.getpid()}"
     try:
+        compute_per_layer = None
         if args.skip_plain is None:
             plain = {p: search_plain(p, cap, args.timeout) for p in ("fp32", "bf16-autocast")}
-            plain_max = max(params for _, params in plain.values())
+            plain_max = max(params for _, params, _ in plain.values())
+            depth, _, step_s = plain["bf16-autocast"]
+            compute_per_layer = step_s / depth if depth else None
         else:
             plain, plain_max = {}, args.skip_plain
+        fio = measure_fio(root)
+        emit(
+            bench="model_scale",
+            phase="fio",
+            dir=str(root),
+            read_GBps=round(fio["read"] / 1e9, 3) if fio["read"] else None,
+            write_GBps=round(fio["write"] / 1e9, 3) if fio["write"] else None,
+            source=fio["source"],
+        )
         target = math.ceil(args.factor * plain_max)
         n_layer = next(n for n in range(1, 10_000) if params_of(n) >= target)
-        budgets = {"host_memory": str(cap // 2), "device_memory": str(cap // 8)}
-        result = spawn(
-            cap,
-            [
-                "tierwise",
-                "--n-layer",
-                str(n_layer),
-                "--chunk",
-                str(args.chunk),
-                "--nvme-dir",
-                str(nvme_dir),
-                "--host-memory",
-                budgets["host_memory"],
-                "--device-memory",
-                budgets["device_memory"],
-            ],
-            args.timeout,
-        )
+        result = tierwise_run(args, cap, n_layer, nvme_dir, 3)
         losses = [s["loss"] for s in result.get("steps", [])]
         falling = (
             len(losses) == 3
             and all(math.isfinite(x) for x in losses)
             and losses[0] > losses[1] > losses[2]
         )
+        compute_s = compute_per_layer * n_layer if compute_per_layer else None
         emit(
             bench="model_scale",
             phase="tierwise",
@@ -381,15 +495,31 @@ def main() -> None:
             params=params_of(n_layer),
             cap_bytes=cap,
             placement="params+optimizer on nvme",
-            **{k: int(v) for k, v in budgets.items()},
             loss_finite_and_falling=falling,
+            min_bytes_per_param=MIN_BYTES_PER_PARAM,
+            **bounds(result, fio, compute_s),
             **result,
         )
+        for size in [float(x) for x in args.host_rows.split(",") if x.strip()]:
+            depth = next(n for n in range(1, 10_000) if params_of(n) >= size)
+            row = tierwise_run(args, cap, depth, nvme_dir, 2)
+            emit(
+                bench="model_scale",
+                phase="tierwise-host-row",
+                precision="bf16",
+                n_layer=depth,
+                params=params_of(depth),
+                cap_bytes=cap,
+                host_model_data_bytes=(
+                    row["host_bytes_per_param"] * row["params_managed"] if row.get("ok") else None
+                ),
+                **row,
+            )
         emit(
             bench="model_scale",
             phase="summary",
             cap_bytes=cap,
-            plain_max_params={p: params for p, (_, params) in plain.items()} or plain_max,
+            plain_max_params={p: params for p, (_, params, _) in plain.items()} or plain_max,
             tierwise_params=params_of(n_layer),
             ratio=round(params_of(n_layer) / plain_max, 2) if plain_max else None,
             tierwise_ok=bool(result.get("ok")) and falling,

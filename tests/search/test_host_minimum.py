@@ -30,13 +30,14 @@ def test_stated_host_minimum_does_not_depend_on_the_budget(nvme):
         return search_plan(profile, hardware, config)
 
     stated = set()
-    for budget in (1_000, 60_000, 200_000, 400_000):
+    # (with NVMe the host holds only buffers: [Note: active gradient offloading])
+    for budget in (1_000, 60_000, 150_000, 200_000):
         with pytest.raises(PlanError, match="host_memory") as info:
             plan(budget)
         stated.add(stated_host_minimum(info.value))
     assert len(stated) == 1
     minimum = stated.pop()
-    assert minimum > 400_000
+    assert minimum > 200_000
     with pytest.raises(PlanError) as info:
         plan(minimum - 1)
     assert stated_host_minimum(info.value) == minimum

@@ -42,9 +42,14 @@ class OptimizerPipeline(Protocol):
         """Start reading ``slabs`` (master, exp_avg, exp_avg_sq) of chunk ``key`` ahead of use."""
 
     def submit(
-        self, key: Hashable, slabs: Sequence[Slab], update: Callable[[list[torch.Tensor]], None]
+        self,
+        key: Hashable,
+        slabs: Sequence[Slab],
+        update: Callable[[list[torch.Tensor]], None],
+        on_done: Callable[[], None] | None = None,
     ) -> None:
-        """Run ``update`` on the states of ``slabs`` once read, then write them back."""
+        """Run ``update`` on the states of ``slabs`` once read, then write them back;
+        ``on_done()`` once the update ran or was dropped (any thread)."""
 
     def drain(self) -> None:
         """Wait until every submitted update is written and committed."""

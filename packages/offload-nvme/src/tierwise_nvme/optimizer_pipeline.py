@@ -57,6 +57,9 @@ class _Job:
     key: Hashable
     slabs: tuple[Slab, ...]
     update: Update | None = None
+    on_done: Callable[[], None] | None = None
+    """Called on the worker once the update ran or was dropped (the engine's gradient buffer
+    goes back then: [Note: active gradient offloading])."""
     buffers: list[torch.Tensor] | None = None
     reads: list[IOHandle] = field(default_factory=list)
     writes: list[IOHandle] = field(default_factory=list)
@@ -100,12 +103,20 @@ class OptimizerPipeline:
         self._start_reads(job)
         return True
 
-    def submit(self, key: Hashable, slabs: Sequence[Slab], update: Update) -> None:
+    def submit(
+        self,
+        key: Hashable,
+        slabs: Sequence[Slab],
+        update: Update,
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
         """Queue the chunk ``key``: read ``slabs`` (unless prefetched), ``update(states)`` on the
-        worker thread, write them back. Returns at once."""
+        worker thread, write them back. Returns at once. ``on_done()`` runs on the worker when
+        the update has run or was dropped (a failure), before its writes complete."""
         with self._cond:
             job = self._prefetched.pop(key, None) or _Job(key, tuple(slabs))
             job.update = update
+            job.on_done = on_done
             self._queue.append(job)
             self._order.append((key, job.slabs))
             if self._worker is None:
@@ -201,6 +212,12 @@ class OptimizerPipeline:
                 with self._cond:
                     self._error = self._error or err
             finally:
+                if job.on_done is not None:
+                    try:
+                        job.on_done()
+                    except BaseException as err:  # reported by drain, as an update's error
+                        with self._cond:
+                            self._error = self._error or err
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()

@@ -77,6 +77,8 @@ class NVMeTier(Tier):
         loads, optimizer pipeline, checkpoints). Updated from several threads under a lock."""
         self.moves = {"nvme->host": 0, "host->nvme": 0}
         """Transfers started by this tier so far, by direction."""
+        self.moved_by_kind: dict[str, int] = {}
+        """``moved_bytes`` split by what moved: keys "<direction> <PayloadKind value>"."""
         self._count_lock = threading.Lock()
         self._pipelines: weakref.WeakSet = weakref.WeakSet()
         """Optimizer pipelines over this tier, told about every write (see ``write``)."""
@@ -191,7 +193,7 @@ class NVMeTier(Tier):
             return DONE
         start = slab.offset + offset * out.element_size()
         handle = self._transfers.read(file, start, out)
-        self._count("nvme->host", out.nbytes)
+        self._count("nvme->host", out.nbytes, slab.kind)
         return handle
 
     def write(
@@ -239,13 +241,15 @@ class NVMeTier(Tier):
         else:  # the slab's other bytes are data too
             floor, limit = 0, base + slab.nbytes
         handle = self._transfers.write(file, start, src, limit=limit, floor=floor)
-        self._count("host->nvme", src.nbytes)
+        self._count("host->nvme", src.nbytes, slab.kind)
         return handle
 
-    def _count(self, direction: str, nbytes: int) -> None:
+    def _count(self, direction: str, nbytes: int, kind: PayloadKind) -> None:
         with self._count_lock:  # the engine's thread and the optimizer pipeline's both transfer
             self.moved_bytes[direction] += nbytes
             self.moves[direction] += 1
+            key = f"{direction} {PayloadKind(kind).value}"
+            self.moved_by_kind[key] = self.moved_by_kind.get(key, 0) + nbytes
 
     def _check(self, slab: Slab, tensor: torch.Tensor, offset: int, verb: str) -> SwapFile:
         file = slab.extra.get("file")

@@ -8,8 +8,8 @@ sharding over N ranks each rank's home tiers hold 1/N of every chunk, rCache blo
 
 [Note: engine memory] The byte counts follow core's engine (``tierwise.runtime.build``) so that
 ``Plan.device_allowance`` is exactly what the device tier will be asked for: every trainable
-chunk also has a gradient shard of L_c bytes/element in its optimizer tier (host when that tier
-is NVMe); with fp32 a chunk whose params and optimizer share a tier keeps only the master copy;
+chunk also has a gradient shard of L_c bytes/element in its optimizer tier (on NVMe too, with
+``grad_offload_buffers`` host buffers of the largest shard in front of them); with fp32 a chunk whose params and optimizer share a tier keeps only the master copy;
 every rCache block is as large as the largest chunk; with several ranks, full-chunk gradient
 staging buffers live on the device. With optimizer states on NVMe the optimizer pipeline's
 staging buffers (``PIPELINE_BUFFERS``) count as host memory: the same few buffers whatever the
@@ -61,6 +61,7 @@ from functools import cache
 
 import numpy as np
 from tierwise.precision import OPTIM_BYTES
+from tierwise.runtime.grad_offload import grad_offload_buffers
 
 from tierwise_search.belady import AccessTrace, simulate
 from tierwise_search.compute import BACKWARD_OVER_FORWARD
@@ -215,9 +216,14 @@ class CostModel:
             totals[tier] += int(shard[home].sum()) * s.param_bytes
             copies = state_copies(TIERS[tier])  # [Note: atomic optimizer step]
             totals[tier] += int(shard[train & (o == tier)].sum()) * OPTIM_BYTES * copies
-        # gradient shards live in the optimizer tier, or in host memory when that is NVMe
-        totals[DEVICE] += int(shard[train & (o == DEVICE)].sum()) * s.param_bytes
-        totals[HOST] += int(shard[train & (o != DEVICE)].sum()) * s.param_bytes
+        # gradient shards live in the optimizer tier; on NVMe, host memory holds
+        # GRAD_OFFLOAD_BUFFERS of the largest shard ([Note: active gradient offloading])
+        for tier in (DEVICE, HOST, NVME):
+            totals[tier] += int(shard[train & (o == tier)].sum()) * s.param_bytes
+        offloaded = int((train & (o == NVME)).sum())
+        if offloaded:
+            buffers = grad_offload_buffers(offloaded)
+            totals[HOST] += buffers * int(shard.max(initial=0)) * s.param_bytes
         block = s.block_numel * s.param_bytes
         if s.uses_rcache(p).any():
             totals[DEVICE] += placement.n_blocks * block
@@ -265,6 +271,13 @@ class CostModel:
         h2d_opt = shard_bytes[offload_grad & (p == DEVICE)].sum()
         d2h_opt = shard_bytes[train & (o == DEVICE) & (p != DEVICE)].sum()
         nvme_write_opt += shard_bytes[train & (p == NVME)].sum()
+        if not s.optimizer_in_backward and optim_nvme.any():
+            # gradient shards the host buffers cannot hold go to disk in backward and come back
+            # for the update ([Note: active gradient offloading])
+            held = grad_offload_buffers(int(optim_nvme.sum())) * shard_bytes.max()
+            spilled = max(0.0, shard_bytes[optim_nvme].sum() - held)
+            nvme_write_fb += spilled
+            nvme_read_opt += spilled
 
         t = {
             "h2d_fb": h2d_fb / r.h2d,

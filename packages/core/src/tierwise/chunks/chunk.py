@@ -63,6 +63,12 @@ class OptimSlabs:
     grads_kept: bool = False
     """This step's gradients are the slots' ``kept_grad`` tensors, not the shard's memory
     ([Note: gradients without copies])."""
+    grad_buffer: torch.Tensor | None = None
+    """Host memory holding the gradient shard while ``grad`` is on a storage tier and the
+    shard is in memory ([Note: active gradient offloading]); None otherwise."""
+    grad_consumed: bool = False
+    """The optimizer update read this step's gradient shard and its buffer was freed
+    ([Note: active gradient offloading])."""
 
     def start_grad(self) -> torch.Tensor:
         """The gradient shard, with memory again if ``clear_grad`` gave it back (the caller
@@ -84,7 +90,7 @@ class OptimSlabs:
         and not pinned host memory: its caching allocator keeps freed blocks for later pinned
         allocations only, so shrinking would save nothing.
         """
-        self.grad_filled = self.grad_fresh = self.grads_kept = False
+        self.grad_filled = self.grad_fresh = self.grads_kept = self.grad_consumed = False
         tensor = self.grad.tensor
         if (
             tensor is not None

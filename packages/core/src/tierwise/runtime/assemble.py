@@ -37,6 +37,7 @@ from tierwise.runtime.build import (
 )
 from tierwise.runtime.cache import RCache
 from tierwise.runtime.engine import Engine
+from tierwise.runtime.grad_offload import gradient_offload_for
 from tierwise.runtime.meta_buffers import compute_meta_buffers, install_buffers
 
 
@@ -60,7 +61,7 @@ def assemble_engine(
         for pattern in patterns:  # model-parallel patterns shard modules before anything is sized
             pattern.prepare(model)
         buffers = compute_meta_buffers(model)  # [Note: meta buffers]
-        profile, hardware, plan, groups, tiers, cache, blocks = _plan_and_allocate(
+        profile, hardware, plan, groups, tiers, cache, grad_offload, blocks = _plan_and_allocate(
             model, optimizer, config, host, patterns, example_batch
         )
     except BaseException:
@@ -100,6 +101,7 @@ def assemble_engine(
         groups=groups,
         tiers=tiers,
         cache=cache,
+        grad_offload=grad_offload,
         modules=modules,
         decoupled=decoupled,
         optimizer_groups=optimizer.param_groups,
@@ -163,7 +165,9 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
     needed |= {a for a in plan.activation_policy.values() if a == "nvme"}
     tiers = _make_tiers(host, config, plan, needed)
     allocated = allocate_payloads(groups, plan, tiers, fp32_alias=config.precision == "fp32")
+    grad_offload = None
     try:
+        grad_offload = gradient_offload_for(groups, tiers, dtype)
         cached = [c for g in groups for c in g.chunks if not c.computes_in_home]
         block_numel = max((c.capacity for c in cached), default=0)
         cache = RCache(tiers["device"], plan.cache_blocks if cached else 0, block_numel, dtype)
@@ -173,10 +177,12 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
                 "cache_blocks ≥ 1 (or 'auto')"
             )
     except BaseException:
+        if grad_offload is not None:
+            grad_offload.close()
         for slab in allocated:
             slab.tier.release(slab)
         raise
-    return profile, hardware, plan, groups, tiers, cache, blocks
+    return profile, hardware, plan, groups, tiers, cache, grad_offload, blocks
 
 
 def _check_cache_minimum(model, config: Config, profile, plan, groups) -> None:

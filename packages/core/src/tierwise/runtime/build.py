@@ -162,8 +162,9 @@ def payload_sizes(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_alias:
                 sizes.setdefault(opt, []).extend(
                     [chunk.shard_size * STATE_BYTES] * len(OPTIM_STATES) * copies
                 )
-                grad = opt if tiers[opt].ADDRESSABLE else "host"
-                sizes.setdefault(grad, []).append(chunk.shard_size * dtype_bytes)
+                # the gradient shard lives with the optimizer states, on a storage tier too
+                # ([Note: active gradient offloading]: its host buffers are the engine's)
+                sizes.setdefault(opt, []).append(chunk.shard_size * dtype_bytes)
                 if fp32_alias and home == opt:
                     continue
             sizes.setdefault(home, []).append(chunk.shard_size * dtype_bytes)
@@ -181,7 +182,6 @@ def allocate_payloads(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_al
                 home_tier = tiers[plan.param_tier_of(group.name, chunk.index)]
                 if group.trainable:
                     opt_tier = tiers[plan.optim_tier_of(group.name, chunk.index)]
-                    grad_tier = opt_tier if opt_tier.ADDRESSABLE else tiers["host"]
                     what = f"{group.name}#{chunk.index}"
                     master = opt_tier.allocate_state(
                         chunk.shard_size,
@@ -201,7 +201,7 @@ def allocate_payloads(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_al
                             )
                         )
                         allocated.append(slabs[-1])
-                    grad = grad_tier.allocate(
+                    grad = opt_tier.allocate(  # [Note: active gradient offloading]
                         chunk.shard_size,
                         group.dtype,
                         kind=PayloadKind.GRAD_SHARD,

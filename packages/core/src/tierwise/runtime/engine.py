@@ -26,6 +26,7 @@ from tierwise.protocols import MemoryTracer
 from tierwise.runtime.access import ModuleAccess
 from tierwise.runtime.activations import ActivationManager
 from tierwise.runtime.cache import RCache
+from tierwise.runtime.grad_offload import GradientOffload
 from tierwise.runtime.gradients import GradientPath
 from tierwise.runtime.hooks import grad_ready_hook, install_hooks
 from tierwise.runtime.phases import Phases
@@ -64,12 +65,17 @@ class Engine:
         memory_tracer: Callable[..., MemoryTracer | None] | None = None,
         reduction_group: dist.ProcessGroup | None = None,
         activation_blocks: dict | None = None,
+        grad_offload: GradientOffload | None = None,
     ):
         self.model = model
         self.config = config
         self.plan = plan
         self.tiers = tiers
         self.cache = cache
+        self.grad_offload = grad_offload
+        """Host buffers of the gradient shards kept on a storage tier ([Note: active gradient
+        offloading]), shared by the gradient path and the optimizer step; None when every
+        shard is in memory."""
         self.world_group = world_group
         self.profile = profile
         """The profile the plan was made from ([Note: warm-up tracing] replaces its estimate)."""
@@ -129,6 +135,7 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
             param_order={id(p): i for i, p in enumerate(model.parameters())},
+            grad_offload=grad_offload,
         )
         self.gradients = GradientPath(
             index=self.index,
@@ -140,6 +147,7 @@ class Engine:
             traffic=self.traffic,
             world_group=world_group,
             reduction_group=reduction_group,
+            grad_offload=grad_offload,
         )
         self.backward_failed: str | None = None
         """Why the last backward stopped on an error (None: it did not); cleared by zero_grad.
@@ -210,7 +218,12 @@ class Engine:
     def on_grad(self, param: torch.nn.Parameter) -> None:
         """post-accumulate-grad hook: the gradient path takes it; finished modules are released."""
         with self.tracing.untraced():
-            self.gradients.on_grad(param)
+            try:
+                self.gradients.on_grad(param)
+            except OSError as err:  # a gradient shard's disk I/O failed ([Note: active
+                # gradient offloading]): the backward ends here ([Note: an abandoned backward])
+                self.abandon_backward(f"{type(err).__name__}: {err}")
+                raise
             self.access.release_finished_backward(param)
 
     def end_backward(self) -> None:
@@ -218,7 +231,12 @@ class Engine:
         self.tracing.end_backward()  # stopped later, outside autograd: [Note: warm-up tracing]
         self.phases.end_backward()
         self.loads.finish_all()  # prefetched but not used: [Note: prefetch overlap]
-        self.gradients.end_backward()
+        try:
+            self.gradients.end_backward()
+        except OSError as err:  # a gradient shard's disk I/O failed ([Note: active gradient
+            # offloading]): nothing of this backward is kept ([Note: an abandoned backward])
+            self.abandon_backward(f"{type(err).__name__}: {err}")
+            raise
         self.access.unpin_all()
         if self.residency.trace.recording:
             self.residency.trace.freeze()
@@ -271,6 +289,8 @@ class Engine:
     def _relayout(self, order: list[str]) -> None:
         """Re-pack the chunk groups in ``order`` and renew what depends on the chunks."""
         self.gradients.store_all_kept_grads()  # [Note: gradients without copies]
+        if self.grad_offload is not None:  # re-layout reads them on disk
+            self.grad_offload.spill_all()  # [Note: active gradient offloading]
         self.loads.finish_all()
         self.residency.invalidate_cache()
         result = relayout(self, order, before_move=self.optimizer.close_pipelines)
@@ -293,6 +313,9 @@ class Engine:
         if self.activations is not None:
             self.activations.close()
         self.optimizer.close_pipelines()
+        if self.grad_offload is not None:
+            self.grad_offload.close()
+            self.grad_offload = None
         for tier in self.tiers.values():
             tier.close()
 
@@ -323,6 +346,8 @@ class Engine:
         moved = Counter(self.traffic.moved_bytes)
         if self.activations is not None:
             moved.update(self.activations.moved_bytes)  # keys "act:<from>-><to>"
+        if self.grad_offload is not None:  # keys "grad:<from>-><to>"
+            moved.update({f"grad:{k}": v for k, v in self.grad_offload.moved_bytes.items()})
         moments = self.memory_moments
         return {
             "bytes_by_tier": by_tier,

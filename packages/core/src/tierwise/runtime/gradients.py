@@ -23,6 +23,7 @@ from tierwise.runtime.shared import ChunkIndex, Traffic
 from tierwise.tiers.base import PayloadKind, Tier
 
 if TYPE_CHECKING:
+    from tierwise.runtime.grad_offload import GradientOffload
     from tierwise.runtime.stepping import OptimizerStep
 
 # [Note: gradient path]
@@ -73,8 +74,11 @@ class GradientPath:
         traffic: Traffic,
         world_group: dist.ProcessGroup | None,
         reduction_group: dist.ProcessGroup | None = None,
+        grad_offload: GradientOffload | None = None,
     ) -> None:
         self.index = index
+        self.grad_offload = grad_offload
+        """Host buffers of shards on a storage tier ([Note: active gradient offloading])."""
         self.tiers = tiers
         self.dtype = dtype
         self.collectives = collectives
@@ -194,10 +198,6 @@ class GradientPath:
         if (optim.grads_kept or not optim.grad_filled) and self._keeps_grads(chunk):
             self._keep_grad(chunk, slot, grad)
             return
-        target = optim.grad.tensor
-        if not optim.grad_filled:  # first gradient since zero_grad
-            target = optim.start_grad()
-            optim.grad_filled = optim.grad_fresh = True
         if self.optimizer.updated_in_backward(chunk):
             raise RuntimeError(
                 "tierwise: a gradient arrived for a chunk whose optimizer update already ran "
@@ -205,12 +205,15 @@ class GradientPath:
                 "gradient accumulation or re-entrant checkpoint reuse set "
                 "optimizer_overlap='after-backward'"
             )
+        target = self.grad_memory(chunk, start=not optim.grad_filled)
+        if not optim.grad_filled:  # first gradient since zero_grad
+            optim.grad_filled = optim.grad_fresh = True
         segment = target[slot.offset : slot.offset + slot.numel]
         if optim.grad_fresh and not slot.got_grad:
             segment.copy_(grad.reshape(-1))
         else:
             segment.add_(grad.reshape(-1).to(target.device))
-        tier = optim.grad.tier.name
+        tier = "host" if optim.grad_buffer is not None else optim.grad.tier.name
         if tier != "device":
             self.traffic.count(f"device->{tier}", grad.numel() * grad.element_size())
         if not slot.got_grad:
@@ -264,7 +267,20 @@ class GradientPath:
     def grad_shard(self, chunk: Chunk) -> torch.Tensor:
         """The chunk's gradient shard with this step's gradients in it."""
         self._store_kept_grads(chunk)
-        return chunk.optim.grad.tensor
+        return self.grad_memory(chunk, start=False)
+
+    def offloads(self, chunk: Chunk) -> bool:
+        """Whether the chunk's gradient shard lives on a storage tier ([Note: active gradient
+        offloading])."""
+        return self.grad_offload is not None and self.grad_offload.offloads(chunk)
+
+    def grad_memory(self, chunk: Chunk, *, start: bool) -> torch.Tensor:
+        """The chunk's gradient shard in addressable memory (``start``: the first gradient
+        since zero_grad is written next, nothing to keep): the shard itself, or for a shard on
+        a storage tier a host buffer holding it ([Note: active gradient offloading])."""
+        if self.offloads(chunk):
+            return self.grad_offload.hold(chunk, fresh=start)
+        return chunk.optim.start_grad() if start else chunk.optim.grad.tensor
 
     def _finish_fresh_grad(self, chunk: Chunk) -> None:
         """Zero what the first backward since zero_grad left unwritten in the gradient shard:
@@ -273,10 +289,10 @@ class GradientPath:
         if optim.grads_kept or (not optim.grad_filled and self._keeps_grads(chunk)):
             return  # nothing to zero: [Note: gradients without copies]
         if not optim.grad_filled:  # no gradient at all since zero_grad: zeros
-            optim.start_grad().zero_()
+            self.grad_memory(chunk, start=True).zero_()
             optim.grad_filled = True
         elif optim.grad_fresh:
-            self._zero_unwritten(chunk, optim.grad.tensor)
+            self._zero_unwritten(chunk, self.grad_memory(chunk, start=False))
         optim.grad_fresh = False
 
     def _streams(self, chunk: Chunk) -> bool:
@@ -359,14 +375,20 @@ class GradientPath:
     def _accumulate_grad_shard(self, chunk: Chunk, shard: torch.Tensor) -> None:
         optim = chunk.optim
         slab = optim.grad
-        if slab.tier.name != "device":
-            self.traffic.count(f"device->{slab.tier.name}", shard.numel() * shard.element_size())
-        if not optim.grad_filled:
+        offloaded = self.offloads(chunk)
+        tier = "host" if offloaded else slab.tier.name  # [Note: active gradient offloading]
+        if tier != "device":
+            self.traffic.count(f"device->{tier}", shard.numel() * shard.element_size())
+        if not optim.grad_filled and offloaded:
+            self.grad_memory(chunk, start=True).copy_(shard)
+            optim.grad_filled = True
+        elif not optim.grad_filled:
             optim.start_grad()
             slab.tier.write(slab, shard).wait()
             optim.grad_filled = True
         else:
-            slab.tensor.add_(shard.to(slab.tensor.device))
+            target = self.grad_memory(chunk, start=False)
+            target.add_(shard.to(target.device))
 
     @contextmanager
     def no_sync(self):
@@ -415,6 +437,8 @@ class GradientPath:
     def zero_grad(self) -> None:
         for chunk in self.index.chunks():
             if chunk.optim is not None:
+                if self.offloads(chunk):
+                    self.grad_offload.drop(chunk)  # [Note: active gradient offloading]
                 chunk.optim.clear_grad()  # [Note: gradient memory between steps]
             chunk.local_grad = None
             for slot in chunk.slots:

@@ -31,6 +31,7 @@ from tierwise.runtime.step_undo import StepUndo
 from tierwise.tiers.base import Tier
 
 if TYPE_CHECKING:
+    from tierwise.runtime.grad_offload import GradientOffload
     from tierwise.runtime.residency import Residency
 
 
@@ -54,8 +55,12 @@ class OptimizerStep:
         param_order: dict[int, int],
         dtype: torch.dtype,
         device: torch.device,
+        grad_offload: GradientOffload | None = None,
     ) -> None:
         self.index = index
+        self.grad_offload = grad_offload
+        """Host buffers of shards on a storage tier ([Note: active gradient offloading]): the
+        update of such a chunk borrows its buffer and gives it back when the job is done."""
         self.tiers = tiers
         self.config = config
         self.optimizer_groups = optimizer_groups
@@ -181,9 +186,21 @@ class OptimizerStep:
             pipeline.close()
         self.pipelines = {}
 
+    def _filled_chunks(self) -> list[Chunk]:
+        """Trainable chunks with gradients since zero_grad."""
+        return [c for c in self.index.chunks() if c.trainable and c.optim.grad_filled]
+
+    def _offloads(self, chunk: Chunk) -> bool:
+        return self.grad_offload is not None and self.grad_offload.offloads(chunk)
+
     def _grad_shards(self):
-        for chunk in self.index.chunks():
-            if chunk.trainable and chunk.optim.grad_filled:
+        """(chunk, gradient shard in memory) of each filled chunk, one at a time: a shard on a
+        storage tier is read back when reached and may be written out again after the next
+        one ([Note: active gradient offloading]), so use each before taking the next."""
+        for chunk in self._filled_chunks():
+            if self._offloads(chunk):
+                yield chunk, self.grad_offload.hold(chunk, fresh=False)
+            else:
                 yield chunk, chunk.optim.grad.tensor
 
     def _all_reduce_scalar(self, value: torch.Tensor, op) -> torch.Tensor:
@@ -223,6 +240,8 @@ class OptimizerStep:
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         if norm_type != 2.0:
             raise ValueError("tierwise.clip_grad_norm_ supports norm_type=2.0 only")
+        if self._early_hyper:  # their gradients are gone: [Note: active gradient offloading]
+            raise self._clipped_too_late()
         total = self._total_norm()
         if self.scaler is not None:
             total = total / self.loss_scale
@@ -280,7 +299,7 @@ class OptimizerStep:
             self.step_undo.begin()  # the step begins here: [Note: atomic optimizer step]
             # its cached copy goes stale, but nothing reads it again in this backward: all of
             # its gradients are in; step() drops every cached copy
-            pipeline.submit(chunk.key, slabs, self._chunk_update(chunk, hyper, None))
+            self._submit(pipeline, chunk, self._chunk_update(chunk, hyper, None))
             self._count_update_traffic(chunk)
         else:
             pipeline.prefetch(chunk.key, slabs)
@@ -296,14 +315,10 @@ class OptimizerStep:
                 return
         multiplier = self._grad_multiplier()
         if self._early_hyper and multiplier is not None:
-            raise RuntimeError(
-                "tierwise: clip_grad_norm_ was called after the optimizer already updated chunks "
-                f"during backward ({self.overlap_reason('did not clip')}); set "
-                "optimizer_overlap='after-backward' when clipping only some steps"
-            )
+            raise self._clipped_too_late()
         self._agree_on_grads()
         in_memory = []  # updated once the pipelines committed: [Note: atomic optimizer step]
-        for chunk, _grad in list(self._grad_shards()):
+        for chunk in self._filled_chunks():
             if not any(slot.has_grad for slot in chunk.slots):
                 continue  # [Note: unused parameters are skipped]
             hyper = self._hyper(chunk)
@@ -336,6 +351,13 @@ class OptimizerStep:
         self._clip_coef = None
         self.residency.invalidate_cache()
         self._finish_step()
+
+    def _clipped_too_late(self) -> RuntimeError:
+        return RuntimeError(
+            "tierwise: clip_grad_norm_ was called after the optimizer already updated chunks "
+            f"during backward ({self.overlap_reason('did not clip')}); set "
+            "optimizer_overlap='after-backward' when clipping only some steps"
+        )
 
     def _grad_multiplier(self) -> list | None:
         """Factors applied to fp32 gradients before the update: 1/loss scale (fp16), then the
@@ -390,6 +412,9 @@ class OptimizerStep:
             if optim.grads_kept
             else None
         )
+        # a shard on a storage tier: its host buffer, lent until the pipeline reports the job
+        # done ([Note: active gradient offloading]); else the shard itself
+        shard = self.grad_offload.lend(chunk) if self._offloads(chunk) else optim.grad.tensor
 
         def fp32_grad(grad: torch.Tensor, device: torch.device) -> torch.Tensor:
             grad = grad.to(device=device, dtype=torch.float32)
@@ -412,7 +437,7 @@ class OptimizerStep:
             else:
                 adam_update_ranges(
                     master=master,
-                    grad=fp32_grad(optim.grad.tensor, master.device),
+                    grad=fp32_grad(shard, master.device),
                     exp_avg=m,
                     exp_avg_sq=v,
                     ranges=ranges,
@@ -431,16 +456,31 @@ class OptimizerStep:
         pipeline = self.pipelines.get(optim.tier.name)
         self._count_update_traffic(chunk)
         if pipeline is not None:
-            pipeline.submit(chunk.key, slabs, update)
+            self._submit(pipeline, chunk, update)
         elif optim.tier.ADDRESSABLE:
             update([slab.tensor for slab in slabs])
         else:  # a storage tier without a pipeline: read, update, write in turn
-            states = [torch.empty(chunk.shard_size, dtype=torch.float32) for _ in slabs]
-            for slab, out in zip(slabs, states, strict=True):
-                optim.tier.read(slab, out).wait()
-            update(states)
-            for handle in [optim.tier.write(s, t) for s, t in zip(slabs, states, strict=True)]:
-                handle.wait()
+            try:
+                states = [torch.empty(chunk.shard_size, dtype=torch.float32) for _ in slabs]
+                for slab, out in zip(slabs, states, strict=True):
+                    optim.tier.read(slab, out).wait()
+                update(states)
+                for handle in [optim.tier.write(s, t) for s, t in zip(slabs, states, strict=True)]:
+                    handle.wait()
+            finally:
+                self._update_done(chunk)
+
+    def _submit(self, pipeline: OptimizerPipeline, chunk: Chunk, update) -> None:
+        """Queue one chunk's update; a lent gradient buffer goes back when the job is done."""
+        optim = chunk.optim
+        slabs = (optim.master, optim.exp_avg, optim.exp_avg_sq)
+        pipeline.submit(chunk.key, slabs, update, on_done=lambda: self._update_done(chunk))
+
+    def _update_done(self, chunk: Chunk) -> None:
+        """The update of ``chunk`` ran or was dropped (any thread): [Note: active gradient
+        offloading]."""
+        if self._offloads(chunk):
+            self.grad_offload.consumed(chunk)
 
     def _count_update_traffic(self, chunk: Chunk) -> None:
         """Count what one chunk's update moves (on the calling thread, before it runs): states

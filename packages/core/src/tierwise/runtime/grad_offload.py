@@ -1,0 +1,192 @@
+"""Gradient shards of chunks whose optimizer states are on a storage tier (NVMe): a few host
+buffers in front of the shards' home on that tier ([Note: active gradient offloading]).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierwise.tiers.base import PayloadKind
+
+if TYPE_CHECKING:
+    from tierwise.chunks import Chunk
+    from tierwise.tiers.base import Tier
+
+GRAD_OFFLOAD_BUFFERS = 2
+"""Host buffers (each as large as the largest gradient shard) that hold the gradient shards of
+chunks whose optimizer states are on a storage tier: the chunk backward is filling, and one
+whose update is queued on the optimizer pipeline (backward waits for that update before it
+fills a third chunk: the disk bounds the step anyway). Every planner counts them as host
+memory."""
+
+# [Note: active gradient offloading]
+# With the optimizer states on NVMe, a chunk's gradient shard has its home on NVMe too (one
+# region, ``PayloadKind.GRAD_SHARD``), and host memory holds at most GRAD_OFFLOAD_BUFFERS shards
+# at a time (LoHan's active gradient offloading): host memory for gradients does not grow with
+# the model. A shard is in one of four places:
+# - nowhere (no gradient since zero_grad: ``grad_filled`` False);
+# - a host buffer (``OptimSlabs.grad_buffer``): backward accumulates into it exactly as into a
+#   host shard ([Note: first gradient is a copy] included), so every value is bitwise the same;
+# - its NVMe region: a buffer was needed for another chunk, so the least recently used shard
+#   that no update is reading was written out ("spilled"; complete or half-filled), and it is
+#   read back before anything adds to it or reads it (accumulation, clipping, the update);
+# - consumed (``grad_consumed``): its optimizer update has read it and its buffer went back to
+#   the pool. With in-backward updates (the steady state without clipping or accumulation) a
+#   chunk's update is queued as soon as its gradients are complete and consumes the buffer, so
+#   gradients never touch the disk; after-backward updates spill what does not fit and read it
+#   back at ``step``.
+# A buffer lent to a queued update is pinned until the pipeline reports the job done (updated,
+# or dropped after a failure): a buffer request waits for such a release before it spills, and
+# spills only when nothing is pinned. Spills and read-backs wait for their I/O on the calling
+# thread, so a failed write surfaces there: in backward it ends the backward ([Note: an
+# abandoned backward]); in ``step`` before anything is committed ([Note: atomic optimizer step]).
+
+
+class GradientOffload:
+    """See [Note: active gradient offloading]. Owned by the engine; the optimizer pipeline's
+    worker thread calls ``consumed``."""
+
+    def __init__(self, *, host: Tier, numel: int, dtype: torch.dtype, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"gradient offload needs at least 1 host buffer, got {count}")
+        self.host = host
+        self.numel = numel
+        self.dtype = dtype
+        self.count = count
+        self.nbytes = count * numel * torch.empty((), dtype=dtype).element_size()
+        host.reserve(self.nbytes, kind=PayloadKind.GRAD_SHARD, what="gradient offload buffers")
+        self._pin = host.device.type == "cuda"
+        self._free: list[torch.Tensor] = []
+        self._made = 0
+        self._lru: OrderedDict[Chunk, None] = OrderedDict()
+        """Chunks holding a buffer that no update reads, least recently used first."""
+        self._pinned = 0
+        self._cond = threading.Condition()
+        self.moved_bytes: Counter[str] = Counter()
+        """Gradient bytes spilled to ("host->nvme") and read back from ("nvme->host") disk."""
+
+    @staticmethod
+    def offloads(chunk: Chunk) -> bool:
+        """Whether the chunk's gradient shard lives on a storage tier."""
+        return chunk.optim is not None and not chunk.optim.grad.tier.ADDRESSABLE
+
+    def hold(self, chunk: Chunk, *, fresh: bool) -> torch.Tensor:
+        """The chunk's gradient shard in host memory: its buffer, or a buffer that the shard is
+        read back into (``fresh``: nothing to read, the caller writes the first gradient)."""
+        optim = chunk.optim
+        if optim.grad_consumed:
+            raise RuntimeError(
+                f"tierwise: the gradients of chunk {chunk.key} were consumed by its optimizer "
+                "update already; call zero_grad() and run backward again before using them"
+            )
+        if optim.grad_buffer is not None:
+            if chunk in self._lru:
+                self._lru.move_to_end(chunk)
+            return optim.grad_buffer
+        buffer = self._take()[: chunk.shard_size]
+        if not fresh:
+            self._io(chunk, "nvme->host", lambda: optim.grad.tier.read(optim.grad, buffer))
+        optim.grad_buffer = buffer
+        self._lru[chunk] = None
+        return buffer
+
+    def lend(self, chunk: Chunk, *, fresh: bool = False) -> torch.Tensor:
+        """``hold``, pinned until ``consumed(chunk)``: an update queued elsewhere reads it."""
+        buffer = self.hold(chunk, fresh=fresh)
+        with self._cond:
+            self._lru.pop(chunk, None)
+            self._pinned += 1
+        return buffer
+
+    def consumed(self, chunk: Chunk) -> None:
+        """The update that was lent ``chunk``'s shard is done (or dropped): the buffer is free."""
+        optim = chunk.optim
+        with self._cond:
+            buffer, optim.grad_buffer = optim.grad_buffer, None
+            optim.grad_consumed = True
+            self._pinned -= 1
+            if buffer is not None:
+                self._free.append(buffer._base if buffer._base is not None else buffer)
+            self._cond.notify_all()
+
+    def drop(self, chunk: Chunk) -> None:
+        """zero_grad: forget the chunk's gradients (no write)."""
+        optim = chunk.optim
+        if optim.grad_buffer is None or chunk not in self._lru:
+            return  # none, or lent to an update that gives it back through ``consumed``
+        del self._lru[chunk]
+        buffer, optim.grad_buffer = optim.grad_buffer, None
+        with self._cond:
+            self._free.append(buffer._base if buffer._base is not None else buffer)
+
+    def spill_all(self) -> None:
+        """Write every held shard to its NVMe region (before a re-layout reads them there)."""
+        while self._lru:
+            self._spill(next(iter(self._lru)))
+
+    def close(self) -> None:
+        self.host.unreserve(self.nbytes)
+        self._free, self._lru = [], OrderedDict()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _take(self) -> torch.Tensor:
+        with self._cond:
+            while True:
+                if self._free:
+                    return self._free.pop()
+                if self._made < self.count:
+                    self._made += 1
+                    return torch.empty(self.numel, dtype=self.dtype, pin_memory=self._pin)
+                if not self._pinned:
+                    break
+                self._cond.wait()  # an update in flight gives its buffer back
+        self._spill(next(iter(self._lru)))  # nothing pinned: the LRU list holds every buffer
+        with self._cond:
+            return self._free.pop()
+
+    def _spill(self, chunk: Chunk) -> None:
+        optim = chunk.optim
+        buffer = optim.grad_buffer
+        self._io(chunk, "host->nvme", lambda: optim.grad.tier.write(optim.grad, buffer))
+        del self._lru[chunk]
+        optim.grad_buffer = None
+        with self._cond:
+            self._free.append(buffer._base if buffer._base is not None else buffer)
+
+    def _io(self, chunk: Chunk, direction: str, start) -> None:
+        start().wait()
+        self.moved_bytes[direction] += chunk.optim.grad.nbytes
+
+
+def gradient_offload_for(groups, tiers: dict, dtype: torch.dtype) -> GradientOffload | None:
+    """The engine's gradient offload when some chunk's gradient shard is on a storage tier:
+    ``grad_offload_buffers`` buffers as large as the largest shard of any chunk (as the planners
+    count them), reserved in the host tier."""
+    chunks = [c for g in groups for c in g.chunks]
+    offloaded = sum(1 for c in chunks if GradientOffload.offloads(c))
+    if not offloaded:
+        return None
+    return GradientOffload(
+        host=tiers["host"],
+        numel=max(c.shard_size for c in chunks),
+        dtype=dtype,
+        count=grad_offload_buffers(offloaded),
+    )
+
+
+def grad_offload_buffers(offloaded_chunks: int) -> int:
+    """Host gradient buffers for this many chunks with gradient shards on a storage tier (never
+    more buffers than chunks)."""
+    return min(GRAD_OFFLOAD_BUFFERS, offloaded_chunks)
+
+
+__all__ = [
+    "GRAD_OFFLOAD_BUFFERS",
+    "GradientOffload",
+    "grad_offload_buffers",
+    "gradient_offload_for",
+]

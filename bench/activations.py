@@ -15,9 +15,10 @@ holding ``--budget`` bytes so the planner weighs activations against it), on a G
     machine disturbs less than wall time;
 (c) for nvme, the fraction of its I/O hidden behind compute, two ways: from step times,
     1 - (t_nvme - t_keep) / t_io, where t_io is writing and reading back the step's swapped bytes
-    through the same NVMe tier alone (on a CPU device this also charges the I/O with the copies
-    into and out of the swap buffers, which run on the compute cores, and with the noise of a
-    shared machine); and from the manager's own count of the seconds the step stood still
+    through the same NVMe tier alone (on a CPU device this also charges the I/O with the work
+    it leaves on the compute cores: submitting the requests, bouncing each storage's partial
+    first/last page, faulting in the fresh buffers reads land in; and with the noise of a shared
+    machine); and from the manager's own count of the seconds the step stood still
     waiting for swap I/O (``stats()["activations"]["io_wait_s"]``, median over the timed steps),
     1 - io_wait_s / t_io; and against host swap (on a CPU device the same copies, no I/O),
     1 - (t_nvme - t_host) / t_io.

@@ -11,6 +11,8 @@ import torch
 pytest.importorskip("tierwise_nvme")
 
 import tierwise  # noqa: E402
+from helpers.block_stack import block_bytes, gradients  # noqa: E402
+from helpers.devices import ONLY_CUDA, deterministic  # noqa: E402
 from helpers.models import tiny_batch, tiny_model  # noqa: E402
 from helpers.train import run_tierwise, train  # noqa: E402
 from nvme_helpers import FailingBackend, swap_files  # noqa: E402
@@ -206,3 +208,22 @@ def test_nvme_swap_at_least_halves_the_peak_rss_growth_of_a_step(nvme_dir):
     nvme = _peak_rss_growth({"activation_offload": "nvme", "nvme_path": str(nvme_dir)})
     assert keep["swapped"] == {"host": 0, "nvme": 0} and nvme["swapped"]["nvme"] > 0
     assert max(nvme["growth"]) <= min(keep["growth"]) / 2, (keep, nvme)
+
+
+@pytest.mark.parametrize("device", ONLY_CUDA)
+def test_cuda_nvme_swaps_through_a_tiny_pinned_pool_leave_the_gradients(make_tier, device):
+    """CUDA -> pinned staging -> disk with a pool of one block's bytes: a full pool first lands
+    the oldest swap-outs to disk (their staging buffers come back) and only then falls back to
+    unpinned buffers; the gradients stay those of the plain model ([Note: bounded pinned
+    buffers] in tierwise.runtime.host_buffers)."""
+    shape = dict(rows=256, width=512, depth=4)
+    one_block = block_bytes(shape["rows"], shape["width"])
+    with deterministic(device):
+        reference, _ = gradients(device, **shape)
+        tier = make_tier("libaio", device=device)
+        grads, stats = gradients(device, **shape, policy="nvme", nvme=tier, pinned_bytes=one_block)
+    assert all(torch.equal(grads[k], reference[k]) for k in reference)
+    assert stats["swapped_out_bytes"]["nvme"] == shape["depth"] * one_block
+    assert stats["host_buffers"]["waits"] + stats["host_buffers"]["refused"] > 0
+    assert 0 < stats["host_buffers"]["high_water_bytes"] <= one_block
+    assert tier.used_bytes == 0

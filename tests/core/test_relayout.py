@@ -1,10 +1,13 @@
 """Chunks are re-packed in the recorded first-use order after step 1 ([Note: re-layout after warm-up])."""
 
+import copy
+
 import pytest
 import tierwise
 import torch
 from helpers.models import tiny_model
 from helpers.train import run_reference, train
+from tierwise.runtime.relayout import relayout
 
 HOST = dict(
     param_placement="host", optimizer_placement="host", cache_blocks=3, chunk_size=5000, prefetch=1
@@ -124,3 +127,37 @@ def test_relayout_that_does_not_fit_the_budget_keeps_the_layout():
     assert "budget" in engine.layout_note
     assert layout(model) == module_order
     assert losses == run_reference("opt", 3)[0]
+
+
+def test_relayout_returns_what_it_did_and_the_engine_applies_it():
+    """``relayout`` re-packs the chunk groups and returns a ``Relayout``; the plan changes only
+    when its owner applies that, and ``before_move`` runs once, only when a group moves."""
+    model = tiny_model("opt")
+    model, _ = tierwise.setup(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu", **HOST
+    )
+    engine = tierwise.engine_of(model)
+    plan = engine.plan
+    for name in plan.param_tiers:  # markers: relayout must leave them, apply_to replace them
+        plan.param_tiers[name] = ["marker"]
+        plan.groups[name]["chunks"] = -1
+    plan_before = copy.deepcopy((plan.param_tiers, plan.groups))
+    order = first_use_reference("opt")
+    calls = []
+    engine.invalidate_cache()
+    result = relayout(engine, order, before_move=lambda: calls.append("moved"))
+    assert calls == ["moved"] and result.moved and result.note is None
+    assert [s.name for g in engine.groups for c in g.chunks for s in c.slots] == order
+    assert (plan.param_tiers, plan.groups) == plan_before  # not applied yet
+    result.apply_to(plan)
+    for name in result.moved:
+        group = next(g for g in engine.groups if g.name == name)
+        assert (
+            plan.param_tiers[name]
+            == [c.home.tier.name for c in group.chunks]
+            == ["host"] * len(group.chunks)
+        )
+        assert plan.groups[name]["chunks"] == len(group.chunks)
+    again = relayout(engine, order, before_move=lambda: calls.append("again"))
+    assert again.moved == [] and calls == ["moved"]  # the layout is that order already
+    engine.close()

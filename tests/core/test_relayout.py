@@ -144,7 +144,7 @@ def test_relayout_returns_what_it_did_and_the_engine_applies_it():
     plan_before = copy.deepcopy((plan.param_tiers, plan.groups))
     order = first_use_reference("opt")
     calls = []
-    engine.invalidate_cache()
+    engine.residency.invalidate_cache()
     result = relayout(engine, order, before_move=lambda: calls.append("moved"))
     assert calls == ["moved"] and result.moved and result.note is None
     assert [s.name for g in engine.groups for c in g.chunks for s in c.slots] == order

@@ -52,11 +52,11 @@ def clip_grad_norm_(
     model: torch.nn.Module, max_norm: float, norm_type: float = 2.0
 ) -> torch.Tensor:
     """Clip the global gradient norm over all chunks (and ranks); return the total norm."""
-    return engine_of(model).clip_grad_norm(float(max_norm), norm_type)
+    return engine_of(model).optimizer.clip_grad_norm(float(max_norm), norm_type)
 
 
 @contextmanager
 def no_sync(model: torch.nn.Module):
     """Accumulate gradients without communication (like DDP's ``no_sync``)."""
-    with engine_of(model).no_sync():
+    with engine_of(model).gradients.no_sync():
         yield

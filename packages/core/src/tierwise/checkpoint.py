@@ -84,7 +84,7 @@ def load_full_state(
             write_slab(chunk.optim.master, shard)
         if chunk.optim is None or chunk.home is not chunk.optim.master:
             write_slab(chunk.home, shard)
-    engine.invalidate_cache()
+    engine.residency.invalidate_cache()
 
 
 def install_state_dict_hooks(
@@ -401,7 +401,7 @@ def load_from_reader(engine: Engine, reader: CheckpointReader) -> None:
         for slot in chunk.slots:
             slot.has_grad = False
     engine.load_state_dict(state)
-    engine.invalidate_cache()
+    engine.residency.invalidate_cache()
 
 
 # ----------------------------------------------------------------------------- in memory

@@ -184,8 +184,6 @@ class Engine:
     # views for callers (tests, checkpoints, benches) of what the components own
     groups = property(lambda self: self.index.groups)
     step_counts = property(lambda self: self.optimizer.step_counts)
-    steps_taken = property(lambda self: self.optimizer.steps_taken)
-    step_failed = property(lambda self: self.optimizer.step_failed)
     optimizer_mode = property(lambda self: self.optimizer.optimizer_mode)
     pipelines = property(lambda self: self.optimizer.pipelines)
     loss_scale = property(lambda self: self.optimizer.loss_scale)
@@ -202,17 +200,8 @@ class Engine:
     def model_bytes_on_device(self) -> int:
         return self.residency.model_bytes_on_device()
 
-    def invalidate_cache(self) -> None:
-        self.residency.invalidate_cache()
-
     def grad_shard(self, chunk) -> torch.Tensor:
         return self.gradients.grad_shard(chunk)
-
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        return self.optimizer.clip_grad_norm(max_norm, norm_type)
-
-    def no_sync(self):
-        return self.gradients.no_sync()
 
     # ------------------------------------------------------------------ hook entry points
     def on_grad(self, param: torch.nn.Parameter) -> None:
@@ -359,7 +348,7 @@ class Engine:
             "chunk_size": self.plan.chunk_size,
             "n_chunks": sum(len(g.chunks) for g in self.groups),
             "cache_blocks": len(self.cache),
-            "steps": self.steps_taken,
+            "steps": self.optimizer.steps_taken,
             "loss_scale": self.loss_scale,
             "skipped_steps": self.scaler.skipped_steps if self.scaler else 0,
             "optimizer_mode": self.optimizer.last_update_mode,

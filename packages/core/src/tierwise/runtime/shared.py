@@ -9,6 +9,9 @@ their state and read no other component's private attributes. What they do share
   lookups in place, so every component holding the index sees the new chunks at once.
 - ``Traffic``: bytes and transfers moved between tiers, counted by whichever component moves
   them (``Engine.stats`` reports them).
+- ``GradientOffload`` (``runtime/grad_offload.py``; only when optimizer states are on a storage
+  tier): the host buffers of gradient shards, filled by the gradient path and consumed by the
+  optimizer step's updates ([Note: active gradient offloading]).
 
 Chunks and their slots carry per-chunk flags (``pending``, ``got_grad``, ``compute_refs``, ...):
 the gradient path writes the gradient flags, module access the compute pins; see

@@ -14,7 +14,8 @@
    ``device_memory`` budgets) trains a model at least ``--factor`` (10) times the larger plain
    maximum for 3 steps on one fixed batch, in a child under the same cap: loss finite and
    falling; peak RSS; model data in RAM (engine accounting: host tier = gradient buffers, device
-   tier = rCache blocks; plus the NVMe optimizer pipeline's and reads' staging pools); disk
+   tier = rCache blocks; plus the NVMe optimizer pipeline's and reads' staging pools, as
+   allocated and at their capacity); disk
    bytes; step time and its breakdown (forward / backward / optimizer.step); NVMe bytes per
    parameter per step by payload kind against the placement's minimum (bf16 params and fp32
    master + Adam moments on NVMe: read 12 + write 12 of optimizer state, write 2 of new
@@ -228,23 +229,27 @@ def child_tierwise(args) -> dict:
             )
         stats = engine.stats()
         pipeline = engine.pipelines.get("nvme")
+        # the staging pools allocate buffers when first needed: what they hold (allocated) and
+        # what they may hold (capacity, what tierwise-search counts)
+        pools = {"optimizer_pipeline_pool": pipeline.pool, "nvme_read_staging_pool": nvme.staging}
         ram = {
             "host_tier_peak": stats["peak_bytes_by_tier"]["host"],
             "device_tier_peak": stats["peak_bytes_by_tier"]["device"],
-            "optimizer_pipeline_pool": pipeline.pool.count * pipeline.pool.buffer_bytes
-            if pipeline
-            else 0,
-            "nvme_read_staging_pool": nvme.staging.count * nvme.staging.buffer_bytes,
+            **{name: pool.allocated_bytes for name, pool in pools.items()},
+            **{f"{name}_capacity": pool.count * pool.buffer_bytes for name, pool in pools.items()},
         }
         disk_bytes = nvme.file_bytes()
     finally:
         engine.close()
     host = ram["host_tier_peak"] + ram["optimizer_pipeline_pool"] + ram["nvme_read_staging_pool"]
+    bound = ram["host_tier_peak"] + ram["optimizer_pipeline_pool_capacity"]
+    bound += ram["nvme_read_staging_pool_capacity"]
     return {
         "setup_s": round(setup_s, 1),
         "params_managed": params,
         "model_data_ram_bytes": ram,
         "host_bytes_per_param": round(host / params, 4),
+        "host_capacity_bytes_per_param": round(bound / params, 4),
         "ram_bytes_per_param": round((host + ram["device_tier_peak"]) / params, 4),
         "disk_bytes": disk_bytes,
         "steps": steps,

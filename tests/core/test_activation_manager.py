@@ -272,3 +272,16 @@ def test_nvme_swap_outs_are_written_from_the_saved_storage_itself_at_its_page_le
     for address, nbytes, offset, slab_bytes in writes:  # whole pages, data at its misalignment
         assert offset == address % 4096 and slab_bytes == -(-(offset + nbytes) // 4096) * 4096
     assert any(offset for _, _, offset, _ in writes)  # the layout is exercised, not just lead 0
+
+
+def test_storages_held_for_their_nvme_writes_are_not_counted_as_saved_on_a_cpu_device():
+    """At the end of forward the recording tier's writes are still in flight (they land when
+    waited for), so the manager still holds those storages; like the staging copies they
+    replaced they do not count as saved activations on the device ([Note: swap writes from the
+    saved storage]), while keep counts what it keeps."""
+    *_, nvme = _managed_step(ALL_NVME)
+    *_, keep = _managed_step({})
+    assert nvme.stats()["saved_peak_bytes"] == 0
+    assert keep.stats()["saved_peak_bytes"] >= sum(
+        _block_bytes(_managed_step(ALL_NVME)[0]).values()
+    )

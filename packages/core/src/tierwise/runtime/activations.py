@@ -270,7 +270,10 @@ class ActivationManager:
         self._hooks: AbstractContextManager | None = None
         self._kept_bytes = 0
         self._kept_live: dict[int, list[int]] = {}  # storage -> [bytes, users not yet unpacked]
-        self._resident = 0  # swap bytes on the device held by the manager
+        self._resident = 0
+        """CUDA: bytes of swapped storages still on the device until their copy lands (counted in
+        ``saved_peak_bytes`` and Invariant 4). A CPU device's storages held for their nvme writes
+        are not: [Note: swap writes from the saved storage]."""
         self._writing: list[_Stored] = []  # swap-outs in flight, oldest first
         self._error: BaseException | None = None
         self._loading: list[str] = []
@@ -460,8 +463,7 @@ class ActivationManager:
             self.moved_bytes["act:device->host"] += nbytes
         else:  # CPU -> nvme: [Note: swap writes from the saved storage]
             self._throttle_writes()
-            stored.source, self._resident = source, self._resident + nbytes
-            stored.lead = _page_lead(source)
+            stored.source, stored.lead = source, _page_lead(source)
         if target == "nvme":
             slab_bytes = _whole_pages(stored.lead + nbytes) if self._stream is None else nbytes
             stored.slab = self.nvme.allocate(slab_bytes, torch.uint8, kind=PayloadKind.ACTIVATION)
@@ -501,8 +503,10 @@ class ActivationManager:
 
     # [Note: swap writes from the saved storage]
     # On a CPU device a swap to nvme writes the saved storage itself, with no copy on the compute
-    # cores: the storage stays referenced (``source``, counted as resident) until its write has
-    # landed. An O_DIRECT transfer moves whole pages between page-aligned memory and page-aligned
+    # cores: the storage stays referenced (``source``) until its write has landed. Like the
+    # staging copy it replaces, it is not counted in ``saved_peak_bytes``/Invariant 4 (at most one
+    # block's bytes are in flight, which the plan's working block covers); ``swapped_now``
+    # reports it under "device". An O_DIRECT transfer moves whole pages between page-aligned memory and page-aligned
     # file offsets, so the slab (page-aligned, whole pages) is laid out with the storage's own
     # misalignment: its data starts ``lead`` = (address mod page) bytes in. The nvme tier then
     # writes every whole page of the storage in place and only the partial first and last page
@@ -539,7 +543,8 @@ class ActivationManager:
             stored.write = None
             if stored.source is not None:  # its bytes are in host memory or on disk now
                 stored.source = None
-                self._resident -= stored.nbytes
+                if self._stream is not None:
+                    self._resident -= stored.nbytes
                 if self._stream is not None and stored.target == "nvme":  # CUDA: pinned -> disk
                     stored.write = self.nvme.write(stored.slab, stored.host)
                     self.moved_bytes["act:host->nvme"] += stored.nbytes

@@ -7,7 +7,13 @@ device, and tierwise with parameters on host behind a 2-block rCache (its loads 
 default, and on a background copy thread). Runs alternate; we report median step times,
 ratios to plain PyTorch, and moved bytes per step against 2 × parameter bytes.
 
-    python bench/overhead.py [--steps 3] [--rounds 3] [--small | --opt14m]
+    python bench/overhead.py [--steps 3] [--rounds 3] [--small | --opt14m] [--threads N]
+        [--configs device,host-2blocks]
+
+The default shape is issue 20's "51M at 1024 tokens" row (batch 4 x seq 256). Each line also
+carries ``paired_cpu_ratio_vs_pytorch``: the median over samples of this config's step CPU time
+over plain PyTorch's step with the same round and step index, so that load changing between
+rounds hits both sides of each pair alike.
 
 ``--opt14m``: the shape of issue 20's copy measurement, a 14M-parameter OPT (6 layers, hidden
 384, vocabulary 8192) at 4×128 tokens.
@@ -118,9 +124,17 @@ def main() -> None:
         action="store_true",
         help="a 14M-param OPT (6 layers, hidden 384) at 4x128 tokens",
     )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument(
+        "--configs",
+        default="",
+        help="comma-separated tierwise configs to run (default: all); plain PyTorch always runs",
+    )
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dims = (
         dict(n_embd=256, n_layer=4, n_head=4)
         if args.small
@@ -132,6 +146,12 @@ def main() -> None:
         args.seq = 128
     for precision in ("fp32", "bf16"):
         kinds = ("pytorch", "device", "host-2blocks", "host-2blocks-copy-thread")
+        if args.configs:
+            wanted = set(args.configs.split(","))
+            unknown = wanted - set(kinds[1:])
+            if unknown:
+                raise SystemExit(f"--configs: unknown {sorted(unknown)}; choose from {kinds[1:]}")
+            kinds = ("pytorch", *[k for k in kinds[1:] if k in wanted])
         if precision == "bf16":
             kinds = ("pytorch", "pytorch-bf16-params", *kinds[1:])
         runs = {k: make(k, precision, dims) for k in kinds}
@@ -172,7 +192,14 @@ def main() -> None:
                 ratio_vs_pytorch=round(median(times[kind]) / base, 3),
                 fastest_ratio_vs_pytorch=round(min(times[kind]) / fastest_base, 3),
                 cpu_ratio_vs_pytorch=round(median(cpu_times[kind]) / cpu_base, 3),
+                paired_cpu_ratio_vs_pytorch=round(
+                    median(
+                        [c / b for c, b in zip(cpu_times[kind], cpu_times["pytorch"], strict=True)]
+                    ),
+                    3,
+                ),
                 samples=len(times[kind]),
+                threads=torch.get_num_threads(),
             )
             if "pytorch-bf16-params" in times:
                 same_math = median(times["pytorch-bf16-params"])

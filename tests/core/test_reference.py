@@ -78,3 +78,33 @@ def test_bf16_matches_reference_mixed_precision_loop(kind):
         assert state[name].dtype == torch.float32
         diff = (state[name] - master).abs().max() / master.abs().max()
         assert diff <= 1e-2, name
+
+
+def test_bf16_host_updates_in_pieces(monkeypatch):
+    """[Note: updates in pieces]: bf16 with parameters and optimizer states on host (a bf16
+    gradient shard, converted and updated a piece at a time). Pieces that split parameters give
+    bit for bit the masters and losses of one whole-shard piece, with clipping (a multiplier on
+    each piece) and without; without clipping they match the reference mixed-precision loop."""
+    from tierwise.runtime import stepping
+
+    host = dict(
+        precision="bf16",
+        device="cpu",
+        param_placement="host",
+        optimizer_placement="host",
+        cache_blocks=2,
+    )
+    for clip in (None, 0.5):
+        runs = []
+        for piece in (1000, 1 << 40):
+            monkeypatch.setattr(stepping, "UPDATE_PIECE", piece)
+            runs.append(run_tierwise("llama", 6, train_kwargs=dict(clip=clip), **host))
+        (losses, model), (whole_losses, whole_model) = runs
+        assert losses == whole_losses
+        assert max_rel_diff(model.state_dict(), whole_model.state_dict()) == 0.0
+    monkeypatch.setattr(stepping, "UPDATE_PIECE", 1000)
+    ref_losses, ref_masters = _bf16_reference("llama", 10)
+    losses, model = run_tierwise("llama", 10, **host)
+    for a, b in zip(losses, ref_losses, strict=True):
+        assert abs(a - b) <= 1e-2 * abs(b)
+    assert max_rel_diff(model.state_dict(), ref_masters) <= 1e-2

@@ -52,7 +52,8 @@ N_HEAD = 16
 VOCAB = 8192
 SEQ = 128
 LAYERS = (4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 80, 96, 112, 128)
-"""Depths tried for plain PyTorch, smallest first."""
+"""Depths tried for plain PyTorch, smallest first; the depths between the last that fits and
+the first that fails are then tried one by one."""
 MARGIN = 2 << 30
 """RAM left to the rest of the machine beyond the cap before a child may start."""
 OOM_EXIT = 3
@@ -353,7 +354,9 @@ def search_plain(precision: str, cap: int, timeout: float) -> tuple[int, int, fl
     """Largest depth, its params and its step seconds that train one step under the cap; zeros
     if none."""
     best = (0, 0, 0.0)
-    for n_layer in LAYERS:
+
+    def fits(n_layer: int) -> bool:
+        nonlocal best
         result = spawn(cap, ["plain", "--n-layer", str(n_layer), "--precision", precision], timeout)
         emit(
             bench="model_scale",
@@ -364,9 +367,16 @@ def search_plain(precision: str, cap: int, timeout: float) -> tuple[int, int, fl
             cap_bytes=cap,
             **result,
         )
-        if not result["ok"]:
+        if result["ok"]:
+            best = (n_layer, params_of(n_layer), result["step_s"])
+        return result["ok"]
+
+    failed = next((n for n in LAYERS if not fits(n)), None)
+    # the depths between the last that fitted and the first that failed, one by one: the
+    # ratio is taken against plain PyTorch's largest to the layer
+    for n_layer in range(best[0] + 1, failed or 0):
+        if not fits(n_layer):
             break
-        best = (n_layer, params_of(n_layer), result["step_s"])
     return best
 
 

@@ -85,6 +85,11 @@ def available_memory() -> int:
 
 
 # ---------------------------------------------------------------------------------- children
+def layers_for(params: float) -> int:
+    """The fewest blocks whose model has at least ``params`` parameters."""
+    return next(n for n in range(1, 10_000) if params_of(n) >= params)
+
+
 def build(n_layer: int, dtype):
     import torch
     import transformers as tf
@@ -498,7 +503,7 @@ def main() -> None:
             source=fio["source"],
         )
         target = math.ceil(args.factor * plain_max)
-        n_layer = next(n for n in range(1, 10_000) if params_of(n) >= target)
+        n_layer = layers_for(target)
         result = tierwise_run(args, cap, n_layer, nvme_dir, 3)
         losses = [s["loss"] for s in result.get("steps", [])]
         falling = (
@@ -521,7 +526,7 @@ def main() -> None:
             **result,
         )
         for size in [float(x) for x in args.host_rows.split(",") if x.strip()]:
-            depth = next(n for n in range(1, 10_000) if params_of(n) >= size)
+            depth = layers_for(size)
             row = tierwise_run(args, cap, depth, nvme_dir, 2)
             emit(
                 bench="model_scale",

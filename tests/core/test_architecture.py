@@ -128,6 +128,23 @@ def test_core_imports_form_no_circle():
     assert circles(graph) == []
 
 
+def test_no_plugin_and_no_lower_layer_imports_the_train_app():
+    """Model presets live in ``tierwise.model_presets`` (issue 30): the profiler and search
+    plugins build their models from there, never from the ``tierwise train`` app."""
+    offenders = []
+    for path in SOURCES:
+        root = REPO / "packages" / path.relative_to(REPO / "packages").parts[0] / "src"
+        me = _module_name(path, root / path.relative_to(root).parts[0])
+        if me == "tierwise.cli" or me.startswith("tierwise.train"):
+            continue
+        for module, _ in _imported_names(
+            ast.parse(path.read_text()), me, path.name == "__init__.py"
+        ):
+            if module.startswith("tierwise.train"):
+                offenders.append(f"{path.relative_to(REPO)} imports {module}")
+    assert offenders == []
+
+
 def _private_engine_reads(tree: ast.AST) -> list[str]:
     """``engine._x`` / ``self.engine._x`` (any name ending in ``engine``), dunders aside."""
     found = []

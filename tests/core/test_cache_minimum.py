@@ -22,7 +22,8 @@ LORA = {
 
 def build(kind: str):
     if kind == "opt-preset":  # the case: learned positions, tied embedding, 4096 chunks
-        from tierwise.train.presets import build_random, preset_config
+        from tierwise.model_presets import preset_config
+        from tierwise.train.presets import build_random
 
         config = preset_config("opt", "tiny", vocab_size=128, eos_id=127, max_positions=64)
         model = build_random(config, seed=0)

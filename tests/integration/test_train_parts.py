@@ -9,6 +9,8 @@ import sys
 
 import pytest
 import torch
+from tierwise import model_presets
+from tierwise.model_presets import ModelError
 from tierwise.train import data, presets, schedule
 from tierwise.train.errors import TrainError
 from tierwise.train.metrics import MetricsLog, read_metrics, step_record
@@ -142,10 +144,10 @@ def test_warmup_then_cosine_to_the_floor():
 
 
 # -- presets ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", presets.FAMILIES)
+@pytest.mark.parametrize("family", model_presets.FAMILIES)
 def test_presets_build_a_causal_lm_with_the_tokenizer_vocabulary(family):
     tokenizer = data.ByteTokenizer()
-    config = presets.preset_config(
+    config = model_presets.preset_config(
         family, "tiny", vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id, max_positions=64
     )
     model = presets.build_random(config, seed=0)
@@ -161,15 +163,17 @@ def test_presets_build_a_causal_lm_with_the_tokenizer_vocabulary(family):
 
 
 def test_unknown_preset_and_size():
-    with pytest.raises(TrainError, match="choose one of gpt2, opt, llama, mixtral"):
-        presets.preset_config("gpt5", "tiny", vocab_size=258, eos_id=256, max_positions=64)
-    with pytest.raises(TrainError, match="unknown --size 'huge'"):
-        presets.preset_config("gpt2", "huge", vocab_size=258, eos_id=256, max_positions=64)
+    with pytest.raises(ModelError, match="choose one of gpt2, opt, llama, mixtral"):
+        model_presets.preset_config("gpt5", "tiny", vocab_size=258, eos_id=256, max_positions=64)
+    with pytest.raises(ModelError, match="unknown --size 'huge'"):
+        model_presets.preset_config("gpt2", "huge", vocab_size=258, eos_id=256, max_positions=64)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "mixtral"])
 def test_from_pretrained_loads_the_saved_weights(tmp_path, family):
-    config = presets.preset_config(family, "tiny", vocab_size=258, eos_id=256, max_positions=64)
+    config = model_presets.preset_config(
+        family, "tiny", vocab_size=258, eos_id=256, max_positions=64
+    )
     model = presets.build_random(config, seed=1)
     model.save_pretrained(tmp_path)
     loaded = presets.load_pretrained(str(tmp_path))
@@ -193,12 +197,12 @@ def test_model_config_file(tmp_path):
             }
         )
     )
-    config = presets.config_from_file(str(path))
+    config = model_presets.config_from_file(str(path))
     assert (config.model_type, config.hidden_size, config.vocab_size) == ("llama", 32, 300)
     presets.check_vocab(config, data.ByteTokenizer(), "--model-config")
     path.write_text(json.dumps({"hidden_size": 32}))
-    with pytest.raises(TrainError, match="needs a 'model_type'"):
-        presets.config_from_file(str(path))
+    with pytest.raises(ModelError, match="needs a 'model_type'"):
+        model_presets.config_from_file(str(path))
     config.vocab_size = 100
     with pytest.raises(TrainError, match="vocab_size 100 is smaller than the tokenizer's 258"):
         presets.check_vocab(config, data.ByteTokenizer(), "--model-config")
@@ -287,7 +291,9 @@ def _traced_step(model):
 
 
 def test_trace_follows_the_blocks_and_frees_activations_in_backward():
-    config = presets.preset_config("gpt2", "tiny", vocab_size=258, eos_id=256, max_positions=64)
+    config = model_presets.preset_config(
+        "gpt2", "tiny", vocab_size=258, eos_id=256, max_positions=64
+    )
     model = presets.build_random(config, seed=0)
     n_blocks = len(transformer_blocks(model))
     assert n_blocks == config.n_layer
@@ -313,7 +319,9 @@ def test_trace_follows_the_blocks_and_frees_activations_in_backward():
 
 
 def test_plot_writes_a_png_or_says_why_not(tmp_path, monkeypatch):
-    config = presets.preset_config("gpt2", "tiny", vocab_size=258, eos_id=256, max_positions=64)
+    config = model_presets.preset_config(
+        "gpt2", "tiny", vocab_size=258, eos_id=256, max_positions=64
+    )
     trace = _traced_step(presets.build_random(config, seed=0))
     lines = [{"step": s, "moved_bytes": {"host->device": s * 1000}} for s in range(1, 5)]
     path = tmp_path / "memory.png"

@@ -8,8 +8,8 @@ import json
 
 import pytest
 from tierwise.cli import main
+from tierwise.model_presets import config_from_file
 from tierwise.train.metrics import read_metrics
-from tierwise.train.presets import config_from_file
 from tierwise.train.sample import printable
 
 TINY = ["--model", "llama", "--size", "tiny", "--batch", "4", "--seq", "64"]
@@ -84,7 +84,7 @@ def test_config_without_a_size_field_warns_in_one_line(tmp_path, capsys):
     )
     built = config_from_file(str(config))
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("tierwise train: warning: ")
+    assert "\n" not in err and err.startswith("tierwise: warning: ")
     assert (
         f"has no hidden_size; using the Hugging Face llama defaults (hidden_size {built.hidden_size})"
         in err

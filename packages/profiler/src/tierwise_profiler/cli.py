@@ -72,7 +72,7 @@ def add_commands(subparsers: Any) -> None:
 
 # -- profile ----------------------------------------------------------------------------------
 def run_profile(args: argparse.Namespace) -> int:
-    from tierwise.train.errors import TrainError
+    from tierwise.model_presets import ModelError
 
     from tierwise_profiler.model_profile import MetaProfileError
     from tierwise_profiler.presets import model_config, profile_config
@@ -83,7 +83,7 @@ def run_profile(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         config = model_config(args.model, size=args.size, seq=args.seq)
-    except TrainError as err:
+    except ModelError as err:
         print(f"tierwise profile: {err}")
         return 2
     try:

@@ -1,5 +1,5 @@
 """Models for ``tierwise profile``: the preset families and sizes of ``tierwise train`` (core's
-``tierwise.train.presets``) with each family's real vocabulary, or an HF ``config.json``.
+``tierwise.model_presets``) with each family's real vocabulary, or an HF ``config.json``.
 
 Models are built on the meta device: a preset of any size costs no memory to profile.
 """
@@ -9,15 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tierwise.replicate import layer_list
-from tierwise.train.errors import TrainError
-from tierwise.train.presets import (
+from tierwise.model_presets import (
     FAMILIES,
     FAMILY_VOCAB,
+    ModelError,
     config_from_file,
     preset_config,
     size_names,
 )
+from tierwise.replicate import layer_list
 
 VOCAB = FAMILY_VOCAB
 
@@ -30,7 +30,7 @@ def model_config(model: str, *, size: str = "125m", seq: int = 1024):
     """
     if model not in FAMILIES:
         if not Path(model).is_file():
-            raise TrainError(
+            raise ModelError(
                 f"--model {model!r}: not a family ({', '.join(FAMILIES)}) nor an existing file; "
                 "give a family or the path of an HF config.json"
             )

@@ -14,7 +14,7 @@ from tierwise.units import parse_bytes
 
 def add_plan_command(subparsers) -> None:
     from tierwise.hardware import preset_names
-    from tierwise.train.presets import FAMILIES, size_names
+    from tierwise.model_presets import FAMILIES, size_names
 
     parser = subparsers.add_parser(
         "plan",
@@ -177,7 +177,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _families():
-    from tierwise.train.presets import FAMILIES
+    from tierwise.model_presets import FAMILIES
 
     return FAMILIES
 

@@ -28,8 +28,7 @@ def hf_config(model: str, size: str | None = None, *, seq_len: int = 1024):
     ``tierwise train`` and ``tierwise profile``, with the family's released vocabulary), or
     from a local config.json path."""
     import transformers as tf
-    from tierwise.train.errors import TrainError
-    from tierwise.train.presets import FAMILIES, FAMILY_VOCAB, preset_config
+    from tierwise.model_presets import FAMILIES, FAMILY_VOCAB, ModelError, preset_config
 
     if model not in FAMILIES:
         path = Path(model)
@@ -48,7 +47,7 @@ def hf_config(model: str, size: str | None = None, *, seq_len: int = 1024):
             eos_id=vocab - 1,
             max_positions=max(1024, seq_len),
         )
-    except TrainError as err:
+    except ModelError as err:
         raise ValueError(str(err)) from None
     config._attn_implementation = "eager"  # as tierwise profile builds presets: one model
     return config

@@ -9,8 +9,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
+from tierwise.model_presets import FAMILIES, size_names
 from tierwise.train.errors import TrainError
-from tierwise.train.presets import FAMILIES, size_names
 
 DEFAULT_SAVE_EVERY = 100
 """Checkpoint interval in steps when --save-every is not given."""

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 import tierwise
+from tierwise import model_presets
 from tierwise.config import Config, ConfigError
+from tierwise.model_presets import ModelError
 from tierwise.plan import PlanError
 from tierwise.plugins import get_plugin_host
 from tierwise.precision import OPTIM_BYTES, param_bytes
@@ -56,7 +58,7 @@ def main(train_given: dict[str, Any], config_given: dict[str, Any]) -> int:
     """Run `tierwise train` with the flags the user gave; return the exit code."""
     try:
         return train(train_given, config_given)
-    except (TrainError, ConfigError) as err:
+    except (TrainError, ModelError, ConfigError) as err:
         print(f"tierwise train: error: {err}", file=sys.stderr)
         return 2
     except (RunFailed, OSError) as err:  # a disk failed under the run: one line, no traceback
@@ -615,11 +617,11 @@ def _build_model(options: TrainOptions, tokenizer) -> tuple[torch.nn.Module, str
         presets.check_vocab(model.config, tokenizer, f"--from-pretrained {options.from_pretrained}")
         return model, f"{options.from_pretrained} ({model.config.model_type})"
     if options.model_config:
-        config = presets.config_from_file(options.model_config)
+        config = model_presets.config_from_file(options.model_config)
         presets.check_vocab(config, tokenizer, f"--model-config {options.model_config}")
         name = f"{options.model_config} ({config.model_type}, random init)"
     else:
-        config = presets.preset_config(
+        config = model_presets.preset_config(
             options.model,
             options.size,
             vocab_size=tokenizer.vocab_size,

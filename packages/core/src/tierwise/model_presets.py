@@ -1,0 +1,268 @@
+"""Model presets: four causal-LM families at named sizes, as Hugging Face configs, or a config
+read from a ``config.json``. ``tierwise train``, ``tierwise profile`` and ``tierwise plan`` (the
+profiler and search plugins) all build their models from here, so the three agree on a size.
+
+Errors are ``ModelError``: one line for people, naming the flag and what to give instead.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("gpt2", "opt", "llama", "mixtral")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    """The dimensions of one preset size (shared by all families)."""
+
+    hidden: int
+    """Model width."""
+    layers: int
+    """Transformer blocks."""
+    heads: int
+    """Attention heads."""
+    kv_heads: int
+    """Key/value heads (llama, mixtral: grouped-query attention)."""
+    ffn: int
+    """Feed-forward inner width (gpt2 and opt use 4 × hidden regardless)."""
+    experts: int = 4
+    """Experts per MoE layer (mixtral); each token goes to 2. Each expert's FFN width is
+    ``2 × ffn / experts``, so all experts together hold twice a dense FFN."""
+
+
+SIZES: dict[str, Shape] = {
+    "tiny": Shape(hidden=64, layers=2, heads=4, kv_heads=2, ffn=176),
+    "small": Shape(hidden=128, layers=4, heads=4, kv_heads=2, ffn=352),
+    "125m": Shape(hidden=768, layers=12, heads=12, kv_heads=4, ffn=2048, experts=8),
+    "350m": Shape(hidden=1024, layers=24, heads=16, kv_heads=8, ffn=2816, experts=8),
+    "1b": Shape(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=5632, experts=8),
+    "3b": Shape(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192, experts=8),
+    "7b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=11008, experts=8),
+    "13b": Shape(hidden=5120, layers=40, heads=40, kv_heads=8, ffn=13824, experts=8),
+}
+"""Named sizes, roughly the parameter count of a llama with a 32k vocabulary. With the byte
+tokenizer the embeddings are tiny, so counts come out lower; gpt2/opt use a 4 × hidden FFN. The
+parameter count `tierwise train` prints is the truth."""
+
+FAMILY_SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    "gpt2": {  # the released sizes, then Elixir's GPT-2 sizes (4B..20B)
+        "medium": dict(n_embd=1024, n_layer=24, n_head=16),
+        "large": dict(n_embd=1280, n_layer=36, n_head=20),
+        "xl": dict(n_embd=1600, n_layer=48, n_head=25),
+        "4b": dict(n_embd=2304, n_layer=64, n_head=16),
+        "10b": dict(n_embd=4096, n_layer=50, n_head=16),
+        "15b": dict(n_embd=4096, n_layer=78, n_head=16),
+        "20b": dict(n_embd=8192, n_layer=25, n_head=16),
+    },
+    "opt": {  # the released OPT sizes (Zhang et al. 2022, table 1)
+        "1.3b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32),
+        "2.7b": dict(hidden_size=2560, num_hidden_layers=32, num_attention_heads=32),
+        "6.7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32),
+        "30b": dict(hidden_size=7168, num_hidden_layers=48, num_attention_heads=56),
+        "66b": dict(hidden_size=9216, num_hidden_layers=64, num_attention_heads=72),
+        "175b": dict(hidden_size=12288, num_hidden_layers=96, num_attention_heads=96),
+    },
+    "llama": {
+        "70b": dict(
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+        ),
+    },
+    "mixtral": {
+        "8x7b": dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+    },
+}
+"""Published sizes of one family (real shapes), next to the shared ``SIZES``; ``--size`` takes
+either, the same choices for ``tierwise train``, ``profile`` and ``plan``."""
+
+FAMILY_VOCAB = {"gpt2": 50257, "opt": 50272, "llama": 32000, "mixtral": 32000}
+"""Vocabulary size of each family's released tokenizer (``profile`` and ``plan`` use it;
+``train`` uses its own tokenizer's)."""
+
+
+def size_names() -> list[str]:
+    """Every ``--size`` choice: the shared sizes, then each family's published ones."""
+    names = list(SIZES)
+    for sizes in FAMILY_SIZES.values():
+        names += [name for name in sizes if name not in names]
+    return names
+
+
+class ModelError(Exception):
+    """A model request that cannot be met (unknown family or size, an unreadable or invalid
+    config); the message says what was asked and what to give instead."""
+
+
+def transformers_module():
+    try:
+        import transformers
+    except ImportError:
+        raise ModelError(
+            "tierwise train builds Hugging Face models and needs transformers: "
+            "pip install 'tierwise[hf]'"
+        ) from None
+    return transformers
+
+
+def preset_config(family: str, size: str, *, vocab_size: int, eos_id: int, max_positions: int):
+    """The HF config of a preset (dropout off, vocabulary of the tokenizer)."""
+    if family not in FAMILIES:
+        raise ModelError(
+            f"unknown --model {family!r}: choose one of {', '.join(FAMILIES)}, "
+            "or give --model-config path/to/config.json"
+        )
+    published = FAMILY_SIZES.get(family, {})
+    if size not in SIZES and size not in published:
+        raise ModelError(
+            f"unknown --size {size!r} for {family}: choose one of {', '.join([*SIZES, *published])}"
+        )
+    tf = transformers_module()
+    ids = dict(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+    if size in published:
+        return _published_config(tf, family, published[size], ids, max_positions)
+    s = SIZES[size]
+    if family == "gpt2":
+        return tf.GPT2Config(
+            n_embd=s.hidden,
+            n_layer=s.layers,
+            n_head=s.heads,
+            n_positions=max_positions,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **ids,
+        )
+    if family == "opt":
+        return tf.OPTConfig(
+            hidden_size=s.hidden,
+            num_hidden_layers=s.layers,
+            num_attention_heads=s.heads,
+            ffn_dim=4 * s.hidden,
+            max_position_embeddings=max_positions,
+            word_embed_proj_dim=s.hidden,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            **ids,
+        )
+    common = dict(
+        hidden_size=s.hidden,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        max_position_embeddings=max_positions,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        **ids,
+    )
+    if family == "llama":
+        return tf.LlamaConfig(intermediate_size=s.ffn, **common)
+    return tf.MixtralConfig(
+        intermediate_size=2 * s.ffn // s.experts,
+        num_local_experts=s.experts,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.0,
+        **common,
+    )
+
+
+def _published_config(tf, family: str, fields: dict[str, Any], ids: dict, max_positions: int):
+    """The HF config of a published size (dropout off, like the shared sizes)."""
+    if family == "gpt2":
+        return tf.GPT2Config(
+            n_positions=max_positions,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **fields,
+            **ids,
+        )
+    if family == "opt":
+        hidden = fields["hidden_size"]
+        return tf.OPTConfig(
+            ffn_dim=4 * hidden,
+            word_embed_proj_dim=hidden,
+            max_position_embeddings=max_positions,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            **fields,
+            **ids,
+        )
+    common = dict(
+        max_position_embeddings=max_positions,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        **fields,
+        **ids,
+    )
+    if family == "llama":
+        return tf.LlamaConfig(**common)
+    return tf.MixtralConfig(router_jitter_noise=0.0, **common)
+
+
+def config_from_file(path: str):
+    """An HF config from a ``config.json`` (its ``model_type`` picks the class)."""
+    tf = transformers_module()
+    file = Path(path)
+    if not file.is_file():
+        raise ModelError(f"--model-config {path}: no such file; give an HF config.json")
+    try:
+        data: dict[str, Any] = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ModelError(f"--model-config {path}: not valid JSON ({err.msg})") from None
+    model_type = data.pop("model_type", None)
+    if not model_type:
+        raise ModelError(f"--model-config {path}: needs a 'model_type' (e.g. \"llama\")")
+    known = tf.CONFIG_MAPPING.keys()
+    if model_type not in known:
+        close = difflib.get_close_matches(model_type, known, n=3, cutoff=0.6)
+        raise ModelError(
+            f"--model-config {path}: unknown model_type {model_type!r}"
+            + (f"; close matches: {', '.join(close)}" if close else "")
+            + f" (transformers {tf.__version__} knows {len(known)} model types)"
+        )
+    try:
+        config = tf.AutoConfig.for_model(model_type, **data)
+    except ValueError as err:
+        raise ModelError(f"--model-config {path}: {err}") from None
+    _warn_missing_sizes(config, data, f"--model-config {path}")
+    return config
+
+
+SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+"""Fields that size a model; a config.json without one gets transformers' class default."""
+
+
+def _warn_missing_sizes(config, data: dict[str, Any], where: str) -> None:
+    """One line on stderr naming the size fields ``data`` lacks and the defaults used instead."""
+    aliases = {target: source for source, target in getattr(config, "attribute_map", {}).items()}
+    missing = [
+        name
+        for name in SIZE_FIELDS
+        if hasattr(config, name) and name not in data and aliases.get(name) not in data
+    ]
+    if missing:
+        used = ", ".join(f"{name} {getattr(config, name)}" for name in missing)
+        print(
+            f"tierwise: warning: {where} has no {', '.join(missing)}; using the Hugging "
+            f"Face {config.model_type} defaults ({used})",
+            file=sys.stderr,
+        )

@@ -52,8 +52,19 @@ def test_two_ranks_match_ddp_trainer(tmp_path, kind, accum):
             saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
             for name, value in saved.state_dict().items():
                 assert torch.equal(value, ours["state"][name]), name
+        lr = training_args(tmp_path).learning_rate
         for name, value in ddp["state"].items():
             if name.startswith("module."):
                 name = name.removeprefix("module.")
-            rel = (ours["state"][name] - value).abs().max() / value.abs().max()
+            diff = (ours["state"][name] - value).abs().max()
+            if name.endswith("k_proj.bias"):
+                # The key projection's bias has a true gradient of zero: softmax ignores a
+                # constant added to every score of a row, and q·b_k is one. Its computed gradient
+                # is float rounding noise, which Adam normalises to steps of about the learning
+                # rate whatever its size, so two correct runs (here: reduce-scatter vs DDP's
+                # bucketed all-reduce, which round differently) move it apart by up to about
+                # lr per step each. Compare it as such: at most 2 runs x 4 steps x lr.
+                assert diff <= 2 * 4 * lr, (rank, name, float(diff))
+                continue
+            rel = diff / value.abs().max()
             assert rel <= 1e-5, (rank, name, float(rel))

@@ -152,14 +152,11 @@ class ModuleAccess:
             ):
                 self.post_backward(module)
 
-    def scale_root_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
-        """fp16: multiply the gradient entering the model by the loss scale, once per backward
-        (the first model output backward reaches is the one the loss came from; the gradient
-        then flowing into other outputs, e.g. logits under the loss, is scaled already)."""
-        if self.phases.loss_scaled:
-            return None
+    def scale_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """fp16: a gradient entering the model from outside, through one of its outputs,
+        multiplied by the loss scale ([Note: fp16 loss scaling at the model's outputs]); every
+        output's, so a loss made of several outputs is scaled whole."""
         self.phases.enter_backward()
-        self.phases.loss_scaled = True
         return grad * self.scaler.scale
 
     def unpin_all(self) -> None:

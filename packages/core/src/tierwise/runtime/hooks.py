@@ -26,10 +26,11 @@ blocks rather than every chunk, and prefetch is skipped when there is no rCache.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tierwise.runtime.frozen_release import FrozenRelease
 
@@ -59,6 +60,31 @@ def _grad_tensors_flat(values) -> list[torch.Tensor]:
         elif not isinstance(x, _PLAIN):
             return _grad_tensors(list(values))
     return out
+
+
+def _scaled_outputs(output: Any, scale: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``output`` with each tensor that needs a gradient replaced by a view of itself whose
+    gradient hook is ``scale``.
+
+    [Note: fp16 loss scaling at the model's outputs]
+    fp16 multiplies the gradient entering the model by the loss scale. The user's loss may use
+    several outputs (logits and an auxiliary loss, two heads, a distillation term), and one
+    output may also feed another inside the model (an HF model's loss is computed from its
+    logits), so a hook on the outputs themselves cannot tell an outside gradient, to be scaled,
+    from one that flowed in from another output and is scaled already. The model returns a view
+    of each output instead: only gradients from outside the model reach a view, each is scaled
+    once, and gradients inside the model never pass through one. The scale is a power of two,
+    so scaling there or at the loss (GradScaler) gives the same bits.
+    """
+    leaves, spec = tree_flatten(output)
+    changed = False
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            view = leaf.view_as(leaf)
+            view.register_hook(scale)
+            leaves[i] = view
+            changed = True
+    return tree_unflatten(leaves, spec) if changed else None
 
 
 def install_hooks(
@@ -105,8 +131,8 @@ def install_hooks(
 
     def root_post_forward(module, args, kwargs, output):
         if torch.is_grad_enabled() and access.scaler is not None:
-            for tensor in _grad_tensors(output):  # fp16: scale the loss's gradient
-                tensor.register_hook(access.scale_root_grad)
+            return _scaled_outputs(output, access.scale_output_grad)
+        return None
 
     handles.append(
         model.register_forward_pre_hook(root_pre_forward, with_kwargs=True, prepend=True)

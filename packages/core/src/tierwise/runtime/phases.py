@@ -28,8 +28,8 @@ class TrainingState(Enum):
 
 
 class Phases:
-    """The step's phase, the modules pinned for backward and for a re-forward, whether fp16's
-    loss scale was applied in this backward, and the step's timing."""
+    """The step's phase, the modules pinned for backward and for a re-forward, and the step's
+    timing."""
 
     def __init__(self, *, on_backward_end: Callable[[], None]):
         self.state = TrainingState.IDLE
@@ -39,8 +39,6 @@ class Phases:
         self.reforward_pins: list[torch.nn.Module] = []
         """Modules a checkpoint re-forward fetched inside this backward (released by their
         post-forward hook, or at the next module backward when torch stopped the re-forward)."""
-        self.loss_scaled = False
-        """fp16: the gradient entering the model was multiplied by the loss scale already."""
         self.backwards_this_step = 0
         """Backward passes completed since the last optimizer step."""
         self._step_started: float | None = None
@@ -76,7 +74,6 @@ class Phases:
     def _clear_backward(self) -> None:
         self.backward_pins.clear()
         self.reforward_pins.clear()
-        self.loss_scaled = False
 
     def end_step(self) -> float | None:
         """The optimizer step is over (taken, skipped on overflow, or undone): seconds since

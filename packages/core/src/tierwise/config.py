@@ -35,6 +35,12 @@ class Config:
     """Compute precision of parameters and gradients: "bf16" (default), "fp16" (with dynamic
     loss scaling) or "fp32". Master weights and Adam states are always fp32."""
 
+    cast_forward_inputs: bool = True
+    """Cast floating-point tensors among the model's forward inputs to the compute precision
+    (bf16/fp16) at the root module, as FSDP2's ``MixedPrecisionPolicy`` does by default, so a
+    float32 input (``inputs_embeds``, pixel values) meets bf16/fp16 weights. Integer inputs
+    (token ids, masks) are left alone; with "fp32" nothing is cast. False passes inputs as given."""
+
     device: str = field(default_factory=_default_device)
     """The compute device ("cuda", "cuda:1", "cpu"). Default: cuda if available, else cpu."""
 
@@ -109,6 +115,8 @@ class Config:
             torch.device(self.device)
         except (RuntimeError, TypeError):
             fail("device", "not a torch device; use e.g. 'cuda', 'cuda:0' or 'cpu'")
+        if not isinstance(self.cast_forward_inputs, bool):
+            fail("cast_forward_inputs", "give True or False")
         if self.chunk_size != "auto" and (
             isinstance(self.chunk_size, bool)
             or not isinstance(self.chunk_size, int)

@@ -7,6 +7,7 @@ Everything before ``fill_payloads`` only plans and allocates and is undone on fa
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from tierwise.checkpoint import install_state_dict_hooks
 from tierwise.config import Config, ConfigError
+from tierwise.devices import normalize_device
 from tierwise.hardware import Hardware
 from tierwise.hf_compat import enable_hf_checkpointing, hf_checkpointing_enabled
 from tierwise.integrations.hf_save import install_save_pretrained
@@ -54,6 +56,8 @@ def assemble_engine(
     """Plan, allocate and build the engine managing ``model``; registers it
     (``tierwise.registry``). Nothing is changed on the model if it raises before the payloads
     are filled."""
+    # [Note: normalised device]: tiers, engine and plugins all see the device as tensors report it
+    config = dataclasses.replace(config, device=str(normalize_device(config.device)))
     world = _world_group(process_group)
     patterns = _patterns(config, host, world)
     restore_model = snapshot_model(model)  # [Note: atomic setup]

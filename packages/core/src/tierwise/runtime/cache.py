@@ -136,7 +136,7 @@ class RCache:
         if (
             self._lent[block_id]
             or storage.nbytes() != 0
-            or storage.device != torch.device(self.tier.device)
+            or storage.device != self.tier.device  # [Note: normalised device]
             or not hasattr(storage, "_swap_data_ptr_")
         ):
             return False

@@ -160,7 +160,10 @@ class Engine:
         ``step`` refuses to run until ``zero_grad`` starts the step again."""
         self.layout_note: str | None = None
         """Why a chunk group kept its setup layout ([Note: re-layout after warm-up])."""
-        self.hook_handles: list = install_hooks(self.access, model, list(modules))
+        cast_inputs = config.cast_forward_inputs and self.dtype != torch.float32
+        self.hook_handles: list = install_hooks(
+            self.access, model, list(modules), input_dtype=self.dtype if cast_inputs else None
+        )
         """Every hook tierwise put on the model and its parameters (removed by ``close``)."""
         on_grad = grad_ready_hook(self)
         for chunk in self.index.chunks():

@@ -172,7 +172,7 @@ class GradientPath:
             and chunk.slots[0].numel == chunk.capacity
             and grad.is_contiguous()
             and grad.dtype == self.dtype
-            and grad.device == self.tiers["device"].device
+            and grad.device == self.tiers["device"].device  # [Note: normalised device]
         )
 
     def give_back_staging(self, chunk: Chunk) -> None:

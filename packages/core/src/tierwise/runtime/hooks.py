@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from tierwise.runtime.frozen_release import FrozenRelease
 
@@ -87,11 +87,24 @@ def _scaled_outputs(output: Any, scale: Callable[[torch.Tensor], torch.Tensor]) 
     return tree_unflatten(leaves, spec) if changed else None
 
 
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` (any nesting of containers) with its floating-point tensors cast to ``dtype``."""
+    return tree_map(
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+        value,
+    )
+
+
 def install_hooks(
-    access: ModuleAccess, model: torch.nn.Module, modules: list[torch.nn.Module]
+    access: ModuleAccess,
+    model: torch.nn.Module,
+    modules: list[torch.nn.Module],
+    *,
+    input_dtype: torch.dtype | None = None,
 ) -> list:
     """Register the access hooks driving ``access``; return the handles (removed when the
-    engine closes)."""
+    engine closes). ``input_dtype``: the dtype the root module's floating-point inputs are
+    cast to (``Config.cast_forward_inputs``), None to pass them as given."""
     handles = []
     frozen_release = FrozenRelease(access.post_backward)
     frozen = {module for module in modules if FrozenRelease.applies_to(module)}
@@ -128,6 +141,9 @@ def install_hooks(
 
     def root_pre_forward(module, args, kwargs):
         access.begin_forward()
+        if input_dtype is not None:
+            return cast_floating(args, input_dtype), cast_floating(kwargs, input_dtype)
+        return None
 
     def root_post_forward(module, args, kwargs, output):
         if torch.is_grad_enabled() and access.scaler is not None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from tierwise.chunks import Chunk, TensorState
 from tierwise.config import Config
+from tierwise.devices import stack_on
 from tierwise.optim import (
     AdamHyper,
     DynamicLossScaler,
@@ -252,7 +253,10 @@ class OptimizerStep:
             )
             if not norms:
                 return torch.zeros((), dtype=torch.float32)
-            return torch.linalg.vector_norm(torch.stack([n for _, n in norms]), 2.0).float().cpu()
+            # per-parameter norms live on their gradient's device: gathered on the compute device
+            # as torch.nn.utils.clip_grad_norm_ gathers them on the first gradient's
+            stacked = stack_on([n for _, n in norms], self.device)
+            return torch.linalg.vector_norm(stacked, 2.0).float().cpu()
         total = torch.zeros((), dtype=torch.float64)
         for chunk, grad in self._grad_shards():
             sq = grad.double().pow(2).sum().cpu()
@@ -383,12 +387,17 @@ class OptimizerStep:
 
     def _grad_multiplier(self) -> list | None:
         """Factors applied to fp32 gradients before the update: 1/loss scale (fp16), then the
-        clip coefficient — in that order, as GradScaler.unscale_ + clip_grad_norm_ do."""
+        clip coefficient — in that order, as GradScaler.unscale_ + clip_grad_norm_ do.
+
+        [Note: host scalars]
+        The factors are 0-dim CPU tensors, made once per step. A 0-dim CPU tensor multiplies a
+        tensor on any device as a kernel argument: no copy to the device, no wait, where moving
+        it to the device for each chunk would queue a blocking host-to-device copy per chunk."""
         factors = []
         if self.scaler is not None:
             factors.append(torch.tensor(1.0 / self.loss_scale, dtype=torch.float32))
         if self._clip_coef is not None:
-            factors.append(self._clip_coef)
+            factors.append(self._clip_coef.cpu())
         return factors or None
 
     def _agree_on_grads(self) -> None:
@@ -440,8 +449,8 @@ class OptimizerStep:
 
         def fp32_grad(grad: torch.Tensor, device: torch.device) -> torch.Tensor:
             grad = grad.to(device=device, dtype=torch.float32)
-            for factor in multiplier or ():
-                grad = grad * factor.to(grad.device)
+            for factor in multiplier or ():  # [Note: host scalars]
+                grad = grad * factor
             return grad
 
         def update(states: list[torch.Tensor]) -> None:
@@ -499,8 +508,8 @@ class OptimizerStep:
             if inside:
                 piece = grad[: hi - lo]
                 piece.copy_(shard[lo:hi])
-                for factor in multiplier or ():
-                    piece.mul_(factor.to(piece.device))
+                for factor in multiplier or ():  # [Note: host scalars]
+                    piece.mul_(factor)
                 adam_update_ranges(
                     master=master[lo:hi],
                     grad=piece,

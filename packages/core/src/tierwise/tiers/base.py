@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from tierwise.devices import normalize_device
 from tierwise.units import format_bytes
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class Tier(ABC):
     step]); the planners count optimizer bytes on this tier that many times."""
 
     def __init__(self, *, device: torch.device, budget: int | None, config: Config):
-        self.device = device
+        self.device = normalize_device(device)  # [Note: normalised device]
         self.budget = budget
         self.config = config
         self.used_bytes = 0

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tierwise.chunks.grad_state import GradOwner, GradState, check_grad_transition
 from tierwise.chunks.state import ALLOWED, TensorState, check_transition
 
 _NEXT = {old.value: tuple(new) for old, new in ALLOWED.items()}
@@ -54,21 +55,12 @@ class OptimSlabs:
     exp_avg_sq: Slab
     grad: Slab
     tier: Tier
-    grad_filled: bool = False
-    """The gradient shard holds data since the last zero_grad (accumulate by adding)."""
-    grad_fresh: bool = False
-    """The first backward since zero_grad is filling the shard slot by slot: a slot's first
-    gradient is copied in, and what got none is zeroed when the chunk is finished
-    ([Note: first gradient is a copy])."""
     grads_kept: bool = False
     """This step's gradients are the slots' ``kept_grad`` tensors, not the shard's memory
     ([Note: gradients without copies])."""
     grad_buffer: torch.Tensor | None = None
     """Host memory holding the gradient shard while ``grad`` is on a storage tier and the
     shard is in memory ([Note: active gradient offloading]); None otherwise."""
-    grad_consumed: bool = False
-    """The optimizer update read this step's gradient shard and its buffer was freed
-    ([Note: active gradient offloading])."""
 
     def start_grad(self) -> torch.Tensor:
         """The gradient shard, with memory again if ``clear_grad`` gave it back (the caller
@@ -90,7 +82,7 @@ class OptimSlabs:
         and not pinned host memory: its caching allocator keeps freed blocks for later pinned
         allocations only, so shrinking would save nothing.
         """
-        self.grad_filled = self.grad_fresh = self.grads_kept = self.grad_consumed = False
+        self.grads_kept = False
         tensor = self.grad.tensor
         if (
             tensor is not None
@@ -128,16 +120,20 @@ class Chunk:
     """``staging`` is autograd's gradient tensor itself (a parameter filling the chunk)."""
     pending: int = 0
     """Trainable parameters whose gradient this backward has not delivered yet."""
-    grads_done: bool = False
-    """This backward's gradients were reduced into the gradient shard already."""
-    handed_over: bool = False
-    """This backward's gradients went to the streaming reducer."""
+    grad_state: GradState = GradState.EMPTY
+    """Where its gradients are in their lifecycle: [Note: gradient lifecycle]."""
     local_grad: torch.Tensor | None = None
     """Full-chunk gradients accumulated locally under no_sync (not yet reduced)."""
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.group.name, self.index)
+
+    def move_grads(self, new: GradState, owner: GradOwner) -> None:
+        """The one way ``grad_state`` changes: checked ([Note: gradient lifecycle])."""
+        if new is not self.grad_state:
+            check_grad_transition(f"{self.group.name}#{self.index}", self.grad_state, new, owner)
+            self.grad_state = new
 
     @property
     def trainable(self) -> bool:

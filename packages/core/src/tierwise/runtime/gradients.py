@@ -1,10 +1,10 @@
 """The gradient path: capture, staging, reduction across ranks, gradient shards.
 
 A component of :class:`tierwise.runtime.engine.Engine` ([Note: shared runtime state]): it owns
-the staging pool, the ``no_sync`` state and the streaming reducer, and writes the per-chunk
-gradient flags (``pending``, ``grads_done``, ``handed_over``, the slots' ``got_grad``,
-``has_grad`` and ``kept_grad``); it hands finished chunks to the optimizer step (``grads_final``).
-See [Note: gradient path].
+the staging pool, the ``no_sync`` state and the streaming reducer, and the chunks' gradient
+lifecycle up to REDUCED ([Note: gradient lifecycle]) with the per-backward counters (``pending``,
+the slots' ``got_grad``, ``has_grad`` and ``kept_grad``); it hands finished chunks to the
+optimizer step (``grads_final``). See [Note: gradient path].
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tierwise.chunks import Chunk, ParamSlot, TensorState
+from tierwise.chunks.grad_state import GradOwner, GradState
 from tierwise.parallel.collectives import Collectives
 from tierwise.runtime.phases import Phases
 from tierwise.runtime.reduce import StreamingReducer
@@ -25,6 +26,8 @@ from tierwise.tiers.base import PayloadKind, Tier
 if TYPE_CHECKING:
     from tierwise.runtime.grad_offload import GradientOffload
     from tierwise.runtime.stepping import OptimizerStep
+
+_OWNER = GradOwner.GRADIENT_PATH
 
 # [Note: gradient path]
 # A parameter's post-accumulate-grad hook takes its gradient and sets ``p.grad = None``.
@@ -113,16 +116,18 @@ class GradientPath:
         if chunk.group.world == 1:
             self._add_to_grad_shard(chunk, slot, grad)
             return
-        if self._streams(chunk) and (chunk.handed_over or chunk.grads_done):
+        landed = chunk.grad_state is GradState.REDUCED  # in this backward: HELD after it
+        if self._streams(chunk) and (landed or self.reducer.holds(chunk)):
             raise RuntimeError(
                 f"tierwise: parameter {slot.name} received a second gradient after its chunk was "
                 "handed to the gradient reduction in this backward (a parameter reused across "
                 "re-entrant checkpoint segments); with several ranks use non-re-entrant "
                 "checkpointing (use_reentrant=False)"
             )
-        if chunk.grads_done:  # late delivery after the chunk was reduced: reduce it on its own
+        if landed:  # late delivery after the chunk was reduced: reduce it on its own
             self._late_grad(chunk, slot, grad)
             return
+        self._begin_delivery(chunk)
         if chunk.staging is None and self._can_borrow(chunk, grad):
             # the gradient fills the whole chunk (an embedding): reduce it where autograd put it
             # instead of copying it into a staging buffer (which would hold it twice)
@@ -195,7 +200,8 @@ class GradientPath:
         (``_finish_fresh_grad``): when its last gradient arrives, or at the end of backward.
         """
         optim = chunk.optim
-        if (optim.grads_kept or not optim.grad_filled) and self._keeps_grads(chunk):
+        empty = chunk.grad_state is GradState.EMPTY
+        if (optim.grads_kept or empty) and self._keeps_grads(chunk):
             self._keep_grad(chunk, slot, grad)
             return
         if self.optimizer.updated_in_backward(chunk):
@@ -205,11 +211,10 @@ class GradientPath:
                 "gradient accumulation or re-entrant checkpoint reuse set "
                 "optimizer_overlap='after-backward'"
             )
-        target = self.grad_memory(chunk, start=not optim.grad_filled)
-        if not optim.grad_filled:  # first gradient since zero_grad
-            optim.grad_filled = optim.grad_fresh = True
+        target = self.grad_memory(chunk, start=empty)
+        self._begin_delivery(chunk)
         segment = target[slot.offset : slot.offset + slot.numel]
-        if optim.grad_fresh and not slot.got_grad:
+        if chunk.grad_state is GradState.FILLING and not slot.got_grad:
             segment.copy_(grad.reshape(-1))
         else:
             segment.add_(grad.reshape(-1).to(target.device))
@@ -238,8 +243,8 @@ class GradientPath:
 
     def _keep_grad(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
         """[Note: gradients without copies]: keep autograd's gradient, or add into the kept one."""
-        optim = chunk.optim
-        optim.grad_filled = optim.grads_kept = True
+        chunk.optim.grads_kept = True
+        self._begin_delivery(chunk)
         if slot.kept_grad is None:
             slot.kept_grad = grad.reshape(-1)  # a view: autograd's gradients are contiguous
         else:
@@ -262,7 +267,7 @@ class GradientPath:
             if slot.kept_grad is not None:
                 shard[slot.offset : slot.offset + slot.numel].copy_(slot.kept_grad)
                 slot.kept_grad = None
-        optim.grads_kept = optim.grad_fresh = False
+        optim.grads_kept = False
 
     def grad_shard(self, chunk: Chunk) -> torch.Tensor:
         """The chunk's gradient shard with this step's gradients in it."""
@@ -282,18 +287,31 @@ class GradientPath:
             return self.grad_offload.hold(chunk, fresh=start)
         return chunk.optim.start_grad() if start else chunk.optim.grad.tensor
 
+    def _begin_delivery(self, chunk: Chunk) -> None:
+        """A gradient of this backward is about to go into ``chunk``: [Note: gradient
+        lifecycle]."""
+        state = chunk.grad_state
+        if state is GradState.EMPTY:
+            chunk.move_grads(GradState.FILLING, _OWNER)
+        elif state in (GradState.HELD, GradState.REDUCED):
+            chunk.move_grads(GradState.ACCUMULATING, _OWNER)
+
     def _finish_fresh_grad(self, chunk: Chunk) -> None:
-        """Zero what the first backward since zero_grad left unwritten in the gradient shard:
-        [Note: first gradient is a copy]."""
+        """Single process: this backward's gradients of ``chunk`` are all in (REDUCED); zero
+        what the first backward since zero_grad left unwritten in the gradient shard: [Note:
+        first gradient is a copy]."""
         optim = chunk.optim
-        if optim.grads_kept or (not optim.grad_filled and self._keeps_grads(chunk)):
-            return  # nothing to zero: [Note: gradients without copies]
-        if not optim.grad_filled:  # no gradient at all since zero_grad: zeros
+        state = chunk.grad_state
+        if state is GradState.EMPTY:  # no gradient at all since zero_grad
+            if self._keeps_grads(chunk):
+                return  # nothing to zero, no update: [Note: gradients without copies]
             self.grad_memory(chunk, start=True).zero_()
-            optim.grad_filled = True
-        elif optim.grad_fresh:
-            self._zero_unwritten(chunk, self.grad_memory(chunk, start=False))
-        optim.grad_fresh = False
+        elif state is GradState.FILLING:
+            if not optim.grads_kept:
+                self._zero_unwritten(chunk, self.grad_memory(chunk, start=False))
+        elif state is not GradState.ACCUMULATING:
+            return  # finished already, or nothing delivered in this backward
+        chunk.move_grads(GradState.REDUCED, _OWNER)
 
     def _streams(self, chunk: Chunk) -> bool:
         """Whether this chunk's reduction goes through the streaming reducer."""
@@ -308,14 +326,13 @@ class GradientPath:
         if chunk.local_grad is not None:  # micro-batches accumulated under no_sync
             chunk.staging.add_(chunk.local_grad)
             chunk.local_grad = None
-        chunk.handed_over = True
         if not at_end:
             self.reducer.chunk_complete(chunk, self.index.by_key)
 
     def reduced(self, chunk: Chunk, shard: torch.Tensor) -> None:
         """The streaming reducer finished ``chunk``: its shard of averaged gradients."""
         self._accumulate_grad_shard(chunk, shard)
-        chunk.grads_done = True
+        chunk.move_grads(GradState.REDUCED, _OWNER)
         self.optimizer.grads_final(chunk)
 
     @staticmethod
@@ -331,7 +348,7 @@ class GradientPath:
     def _late_grad(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
         """A gradient arriving after its chunk was finished (a parameter reused across
         re-entrant checkpoint segments): reduce a chunk-sized buffer holding only it."""
-        chunk.grads_done = False
+        chunk.move_grads(GradState.ACCUMULATING, _OWNER)
         chunk.staging = self._take_staging(chunk)
         saved = [(s, s.got_grad) for s in chunk.slots]
         for other in chunk.slots:
@@ -351,8 +368,7 @@ class GradientPath:
             else:
                 chunk.local_grad.add_(full)
             self.give_back_staging(chunk)
-            chunk.grads_done = True
-            return
+            return  # FILLING/ACCUMULATING until the end of backward: [Note: gradient lifecycle]
         if chunk.local_grad is not None:
             full = chunk.local_grad.add_(full)
         group = chunk.group
@@ -369,7 +385,7 @@ class GradientPath:
         self._accumulate_grad_shard(chunk, shard)
         chunk.local_grad = None
         self.give_back_staging(chunk)
-        chunk.grads_done = True
+        chunk.move_grads(GradState.REDUCED, _OWNER)
         self.optimizer.grads_final(chunk)
 
     def _accumulate_grad_shard(self, chunk: Chunk, shard: torch.Tensor) -> None:
@@ -379,13 +395,12 @@ class GradientPath:
         tier = "host" if offloaded else slab.tier.name  # [Note: active gradient offloading]
         if tier != "device":
             self.traffic.count(f"device->{tier}", shard.numel() * shard.element_size())
-        if not optim.grad_filled and offloaded:
+        first = chunk.grad_state is GradState.FILLING  # nothing held before this backward
+        if first and offloaded:
             self.grad_memory(chunk, start=True).copy_(shard)
-            optim.grad_filled = True
-        elif not optim.grad_filled:
+        elif first:
             optim.start_grad()
             slab.tier.write(slab, shard).wait()
-            optim.grad_filled = True
         else:
             target = self.grad_memory(chunk, start=False)
             target.add_(shard.to(target.device))
@@ -405,9 +420,10 @@ class GradientPath:
         for chunk in self.index.chunks():
             if chunk.trainable and chunk.group.world == 1:
                 self._finish_fresh_grad(chunk)  # [Note: first gradient is a copy]
-            elif chunk.trainable and not chunk.grads_done and not chunk.handed_over:
+            elif chunk.trainable and not self._finished(chunk):
                 if chunk.staging is None:  # got no gradient at all: finalised as zero
                     chunk.staging = self._take_staging(chunk)
+                self._begin_delivery(chunk)
                 if self._streams(chunk):
                     self._hand_to_reducer(chunk, at_end=True)
                 else:
@@ -427,10 +443,24 @@ class GradientPath:
         self._reset_flags()
         self._release_staging_memory()
 
+    def _finished(self, chunk: Chunk) -> bool:
+        """Whether this backward's gradients of ``chunk`` were reduced or handed over."""
+        if chunk.grad_state is GradState.REDUCED:
+            return True
+        return self.reducer is not None and self.reducer.holds(chunk)
+
     def _reset_flags(self) -> None:
+        """The backward is over: per-backward counters restart, and each chunk's gradients
+        are held (or, left in ``local_grad`` by ``no_sync``, not yet in the shard)."""
+        after = {
+            GradState.REDUCED: GradState.HELD,
+            GradState.ACCUMULATING: GradState.HELD,
+            GradState.FILLING: GradState.EMPTY,
+        }
         for chunk in self.index.chunks():
             chunk.pending = len(chunk.slots) if chunk.trainable else 0
-            chunk.grads_done = chunk.handed_over = False
+            if chunk.grad_state in after:
+                chunk.move_grads(after[chunk.grad_state], _OWNER)
             for slot in chunk.slots:
                 slot.got_grad = False
 
@@ -440,6 +470,7 @@ class GradientPath:
                 if self.offloads(chunk):
                     self.grad_offload.drop(chunk)  # [Note: active gradient offloading]
                 chunk.optim.clear_grad()  # [Note: gradient memory between steps]
+            chunk.move_grads(GradState.EMPTY, _OWNER)
             chunk.local_grad = None
             for slot in chunk.slots:
                 slot.has_grad = False

@@ -51,6 +51,10 @@ class StreamingReducer:
     def streaming(self) -> bool:
         return self.order is not None
 
+    def holds(self, chunk: Chunk) -> bool:
+        """Whether ``chunk`` was handed over in this backward (in flight or landed)."""
+        return chunk.key in self._ready
+
     def chunk_complete(self, chunk: Chunk, chunks_by_key: dict) -> None:
         """A chunk's staging buffer holds all its gradients for this backward."""
         self._completed_order.append(chunk.key)

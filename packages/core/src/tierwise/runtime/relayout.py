@@ -39,6 +39,7 @@ from tierwise.chunks import (
     pack,
     sharded_capacity,
 )
+from tierwise.chunks.grad_state import GradState
 from tierwise.chunks.io import gather_chunk, read_slab
 from tierwise.hf_compat import hf_checkpointing_enabled
 from tierwise.plan import Plan
@@ -272,7 +273,16 @@ def _min_blocks_with(engine: Engine, group: ChunkGroup, cached: list[Chunk]) -> 
 def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> dict[str, list[str]]:
     tiers = _plan_tiers(engine, group, chunks)
     where = {s.name: (c, s) for c in chunks for s in c.slots}
-    grads_filled = group.trainable and any(c.optim.grad_filled for c in group.chunks)
+    states = {c.grad_state for c in group.chunks} if group.trainable else set()
+    # the new chunks' gradients: [Note: gradient lifecycle]
+    grad_state = (
+        GradState.CONSUMED
+        if GradState.CONSUMED in states
+        else GradState.HELD
+        if states - {GradState.EMPTY}
+        else GradState.EMPTY
+    )
+    grads_filled = grad_state is GradState.HELD
     new_slabs: dict[str, list[Slab]] = {}
     for kind in _kinds(engine, group):
         if kind == "grad" and not grads_filled:
@@ -303,8 +313,8 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> dict[
             chunk.optim = OptimSlabs(
                 *(new_slabs[k][i] for k in (*_STATE_KINDS, "grad")),
                 opt_tier,
-                grad_filled=grads_filled,
             )
+            chunk.grad_state = grad_state  # a new chunk starts where the old ones were
             if not grads_filled:
                 chunk.optim.clear_grad()
             chunk.home = new_slabs["home"][i] if "home" in new_slabs else chunk.optim.master

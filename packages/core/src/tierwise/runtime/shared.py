@@ -13,9 +13,10 @@ their state and read no other component's private attributes. What they do share
   tier): the host buffers of gradient shards, filled by the gradient path and consumed by the
   optimizer step's updates ([Note: active gradient offloading]).
 
-Chunks and their slots carry per-chunk flags (``pending``, ``got_grad``, ``compute_refs``, ...):
-the gradient path writes the gradient flags, module access the compute pins; see
-``tierwise.chunks``.
+Chunks and their slots carry per-chunk state: one gradient state per chunk (``grad_state``,
+[Note: gradient lifecycle]: the gradient path owns it up to REDUCED, the optimizer step from
+there), the gradient path's per-backward counters (``pending``, ``got_grad``), module access's
+compute pins (``compute_refs``); see ``tierwise.chunks``.
 """
 
 from __future__ import annotations

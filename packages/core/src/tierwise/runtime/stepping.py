@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tierwise.chunks import Chunk, TensorState
+from tierwise.chunks.grad_state import GradOwner, GradState
 from tierwise.config import Config
 from tierwise.devices import stack_on
 from tierwise.optim import (
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from tierwise.runtime.grad_offload import GradientOffload
     from tierwise.runtime.residency import Residency
 
+_OWNER = GradOwner.OPTIMIZER_STEP
 
 # [Note: updates in pieces]
 # On a CPU, the update of a chunk whose gradient shard is not fp32 (bf16/fp16 shard in host
@@ -193,10 +195,22 @@ class OptimizerStep:
             raise
         finally:
             self._early_hyper.clear()
+            self._settle_grads()
 
     def updated_in_backward(self, chunk: Chunk) -> bool:
-        """Whether ``chunk``'s update already ran during this backward."""
-        return chunk.key in self._early_hyper
+        """Whether ``chunk``'s update already ran (or is queued) during this backward."""
+        return chunk.grad_state in (GradState.UPDATING, GradState.UPDATED)
+
+    def _settle_grads(self) -> None:
+        """The step is over (committed, skipped or undone): updated chunks hold their
+        gradients again, or none when the update consumed an offloaded shard ([Note: gradient
+        lifecycle])."""
+        for chunk in self.index.chunks():
+            if chunk.grad_state is GradState.UPDATING:  # a failed step's update that never ran
+                chunk.move_grads(GradState.HELD, _OWNER)
+            elif chunk.grad_state is GradState.UPDATED:
+                consumed = self._offloads(chunk) and chunk.optim.grad_buffer is None
+                chunk.move_grads(GradState.CONSUMED if consumed else GradState.HELD, _OWNER)
 
     def renew_pipelines(self) -> None:
         """After chunks were re-packed: pipelines for the new optimizer-state slabs."""
@@ -211,7 +225,9 @@ class OptimizerStep:
 
     def _filled_chunks(self) -> list[Chunk]:
         """Trainable chunks with gradients since zero_grad."""
-        return [c for c in self.index.chunks() if c.trainable and c.optim.grad_filled]
+        return [
+            c for c in self.index.chunks() if c.trainable and c.grad_state is not GradState.EMPTY
+        ]
 
     def _offloads(self, chunk: Chunk) -> bool:
         return self.grad_offload is not None and self.grad_offload.offloads(chunk)
@@ -532,8 +548,11 @@ class OptimizerStep:
         if pipeline is not None:
             self._submit(pipeline, chunk, update)
         elif optim.tier.ADDRESSABLE:
+            chunk.move_grads(GradState.UPDATING, _OWNER)
             update([slab.tensor for slab in slabs])
+            chunk.move_grads(GradState.UPDATED, _OWNER)
         else:  # a storage tier without a pipeline: read, update, write in turn
+            chunk.move_grads(GradState.UPDATING, _OWNER)
             try:
                 states = [torch.empty(chunk.shard_size, dtype=torch.float32) for _ in slabs]
                 for slab, out in zip(slabs, states, strict=True):
@@ -548,6 +567,7 @@ class OptimizerStep:
         """Queue one chunk's update; a lent gradient buffer goes back when the job is done."""
         optim = chunk.optim
         slabs = (optim.master, optim.exp_avg, optim.exp_avg_sq)
+        chunk.move_grads(GradState.UPDATING, _OWNER)
         pipeline.submit(chunk.key, slabs, update, on_done=lambda: self._update_done(chunk))
 
     def _update_done(self, chunk: Chunk) -> None:
@@ -555,6 +575,8 @@ class OptimizerStep:
         offloading]."""
         if self._offloads(chunk):
             self.grad_offload.consumed(chunk)
+        if chunk.grad_state is GradState.UPDATING:  # not dropped by zero_grad meanwhile
+            chunk.move_grads(GradState.UPDATED, _OWNER)
 
     def _count_update_traffic(self, chunk: Chunk) -> None:
         """Count what one chunk's update moves (on the calling thread, before it runs): states

@@ -1,0 +1,60 @@
+"""[Note: gradient lifecycle]: one checked state per chunk, one owner per transition, and the
+states a training loop walks through (read from the chunks, not from flags)."""
+
+from __future__ import annotations
+
+import pytest
+import tierwise
+import torch
+from helpers.models import tiny_batch, tiny_model
+from tierwise.chunks.grad_state import (
+    TRANSITIONS,
+    GradOwner,
+    GradState,
+    IllegalGradTransition,
+)
+
+
+def states(engine) -> set[GradState]:
+    return {chunk.grad_state for chunk in engine.chunks() if chunk.trainable}
+
+
+def test_each_transition_has_one_owner_and_others_are_refused():
+    optimizer_side = {GradState.UPDATING, GradState.UPDATED, GradState.ROLLED_BACK}
+    for (old, new), owner in TRANSITIONS.items():
+        if new in optimizer_side or old in optimizer_side - {GradState.UPDATING}:
+            assert owner is GradOwner.OPTIMIZER_STEP or new is GradState.EMPTY, (old, new)
+    model = tiny_model("gpt2")
+    model, _ = tierwise.setup(model, torch.optim.AdamW(model.parameters()), device="cpu")
+    chunk = next(c for c in tierwise.engine_of(model).chunks() if c.trainable)
+    with pytest.raises(IllegalGradTransition, match="EMPTY -> UPDATED"):
+        chunk.move_grads(GradState.UPDATED, GradOwner.OPTIMIZER_STEP)
+    with pytest.raises(IllegalGradTransition, match="owned by the gradient path"):
+        chunk.move_grads(GradState.FILLING, GradOwner.OPTIMIZER_STEP)
+    assert chunk.grad_state is GradState.EMPTY  # a refused transition changes nothing
+    tierwise.engine_of(model).close()
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_a_training_loop_walks_the_lifecycle(placement):
+    model = tiny_model("gpt2")
+    model, optimizer = tierwise.setup(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        device="cpu",
+        chunk_size=5000,
+        param_placement=placement,
+        optimizer_placement=placement,
+    )
+    engine = tierwise.engine_of(model)
+    try:
+        assert states(engine) == {GradState.EMPTY}
+        for micro in range(2):  # accumulation: HELD -> ACCUMULATING -> REDUCED -> HELD
+            model(**tiny_batch(seed=micro)).loss.backward()
+            assert states(engine) == {GradState.HELD}
+        optimizer.step()
+        assert states(engine) == {GradState.HELD}  # in memory: usable again, as in PyTorch
+        optimizer.zero_grad()
+        assert states(engine) == {GradState.EMPTY}
+    finally:
+        engine.close()

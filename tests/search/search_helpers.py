@@ -65,6 +65,8 @@ def gpu_hardware(**overrides) -> Hardware:
         device_adam_velocity=40e9,
         host_adam_velocity=2e9,
         device_flops=100e12,
+        matmul_efficiency=1.0,  # the tests reason in FLOPs / device_flops
+        device_memory_bandwidth=1e12,
         nvme_read_bandwidth=3e9,
         nvme_write_bandwidth=2e9,
         interconnect_bandwidth=100e9,

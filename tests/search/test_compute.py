@@ -8,7 +8,7 @@ pytest.importorskip("tierwise_search")
 
 from search_helpers import gpu_hardware, make_profile  # noqa: E402
 from tierwise import Config, Hardware  # noqa: E402
-from tierwise_search.compute import BACKWARD_OVER_FORWARD, layer_times  # noqa: E402
+from tierwise_search.compute import BACKWARD_OVER_FORWARD, ComputeRates, layer_times  # noqa: E402
 from tierwise_search.search import search_plan  # noqa: E402
 
 K = 1024
@@ -18,7 +18,7 @@ def test_measured_layer_times_win_over_flops_and_fill_the_gaps():
     profile = make_profile([[512], [512], [512]], layer_bytes=1000, layer_flops=1e9)
     # layer_flops: blk0 1e9, blk1 2e9, blk2 3e9; blk1 measured, root measured but has no FLOPs
     profile.layer_forward_s = {"blk1": 0.5, "": 0.25}
-    times = layer_times(profile, device_flops=1e10)
+    times = layer_times(profile, ComputeRates(1e10, 1.0, 1e10))
     assert times.layers == {"blk0": 0.1, "blk1": 0.5, "blk2": 0.3, "": 0.25}
     assert times.forward_s == pytest.approx(1.15)
     assert times.step_s == pytest.approx((1 + BACKWARD_OVER_FORWARD) * 1.15)
@@ -27,7 +27,7 @@ def test_measured_layer_times_win_over_flops_and_fill_the_gaps():
 
 def test_without_measurements_flops_over_the_probed_rate():
     profile = make_profile([[512], [512]], layer_bytes=1000, layer_flops=1e9)
-    times = layer_times(profile, device_flops=1e10)
+    times = layer_times(profile, ComputeRates(1e10, 1.0, 1e10))
     assert times.forward_s == pytest.approx(0.3)
     assert "FLOPs" in times.source
 

@@ -31,6 +31,13 @@ class Hardware(JsonDataclass):
     """Chunked AdamW update rate on the host CPU, elements/s."""
     device_flops: float | None = None
     """Dense matmul throughput of the device in the compute precision, FLOP/s."""
+    matmul_efficiency: float | None = None
+    """The largest fraction of ``device_flops`` a training step's matrix products reach (a
+    published measurement, cited in the preset); the search never predicts more. None: probed
+    rates are achieved ones (1.0 on a CPU), a conservative fallback on CUDA."""
+    device_memory_bandwidth: float | None = None
+    """Memory bandwidth memory-bound ops (element-wise, norms, softmax) achieve on the device,
+    bytes/s."""
     nvme_read_bandwidth: float | None = None
     """NVMe tier read bandwidth, bytes/s (tierwise-nvme)."""
     nvme_write_bandwidth: float | None = None

@@ -55,6 +55,11 @@ class Profile(JsonDataclass):
     """Forward FLOPs per layer (module name)."""
     layer_forward_s: dict[str, float] = field(default_factory=dict)
     """Measured forward time per layer on the compute device, seconds (empty when unknown)."""
+    layer_ops: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
+    """Forward ops per layer by op class ("matmul", "attention", "memory": element-wise, norms,
+    softmax, copies): ``[flops, bytes, count]`` per distinct shape, bytes being what the op reads
+    and writes. The search turns them into seconds for hardware it cannot time (the roofline of
+    [Note: achievable compute] in tierwise_search.compute); empty when unknown."""
     peak_activation_bytes: int = 0
     """Peak non-model (activation + temporaries) memory over the step, bytes."""
     buffer_bytes: int = 0
@@ -86,7 +91,9 @@ def activation_blocks(profile: Profile) -> dict[str, list[str]]:
     A block is the longest common module prefix of a checkpoint block's parameters; without
     checkpoint blocks, the numbered entry of a module list (``model.layers.3`` of
     ``model.layers.3.mlp``), which is what ``tierwise.runtime.activations.find_blocks`` finds.
-    Layers outside every block (embeddings, the LM head) are not listed."""
+    Layers outside every block (embeddings, the LM head) are not listed. Every checkpoint block
+    is a block, also one none of whose layers saves anything (the tensors a checkpointed block
+    keeps, its input, belong to the layer that made them: the block before it)."""
     import re
 
     names: list[str] = []
@@ -111,4 +118,4 @@ def activation_blocks(profile: Profile) -> dict[str, list[str]]:
             if layer == name or layer.startswith(name + "."):
                 blocks[name].append(layer)
                 break
-    return {name: layers for name, layers in blocks.items() if layers}
+    return blocks

@@ -173,6 +173,14 @@ def expand(short: Profile, prefix: str, layers: int, longer: Profile) -> Profile
             blocks.append([c for name in block for c in copies(name)])
     per_layer_peak = longer.peak_activation_bytes - short.peak_activation_bytes
     per_layer_buffers = longer.buffer_bytes - short.buffer_bytes
+    saved = grow_dict(short.layer_activation_bytes, longer.layer_activation_bytes)
+    # [Note: peak above saved] the peak is the largest of the step's moments; the two copies'
+    # peaks may fall at different moments (a block's backward in one, the loss in the other), so
+    # their difference can grow slower than the saved activations do. Every step holds all saved
+    # activations at the end of forward plus what the longer copy needed on top of its own there
+    # (the head and loss), so the grown peak is at least that.
+    headroom = max(longer.peak_activation_bytes - sum(longer.layer_activation_bytes.values()), 0)
+    peak = max(short.peak_activation_bytes + extra * per_layer_peak, sum(saved.values()) + headroom)
     return replace(
         short,
         params=params,
@@ -181,12 +189,11 @@ def expand(short: Profile, prefix: str, layers: int, longer: Profile) -> Profile
         module_params=grow_dict(short.module_params),
         checkpoint_blocks=blocks,
         multi_use=multi_use,
-        layer_activation_bytes=grow_dict(
-            short.layer_activation_bytes, longer.layer_activation_bytes
-        ),
+        layer_activation_bytes=saved,
         layer_flops=grow_dict(short.layer_flops, longer.layer_flops),
         layer_forward_s=grow_dict(short.layer_forward_s, longer.layer_forward_s),
-        peak_activation_bytes=short.peak_activation_bytes + extra * per_layer_peak,
+        layer_ops=grow_dict(short.layer_ops),
+        peak_activation_bytes=peak,
         buffer_bytes=short.buffer_bytes + extra * per_layer_buffers,
         seconds=short.seconds + longer.seconds,
     )
@@ -213,6 +220,7 @@ def _same_structure(a: Profile, b: Profile) -> bool:
         and a.module_params == b.module_params
         and a.checkpoint_blocks == b.checkpoint_blocks
         and a.layer_flops == b.layer_flops
+        and a.layer_ops == b.layer_ops
         and a.layer_activation_bytes == b.layer_activation_bytes
         and a.peak_activation_bytes == b.peak_activation_bytes
         and a.buffer_bytes == b.buffer_bytes

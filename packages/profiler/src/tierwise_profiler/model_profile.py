@@ -119,6 +119,7 @@ def profile_model(
         multi_use=[name for name, count in forward_counts.items() if count > 1],
         layer_activation_bytes=record.layer_activation_bytes,
         layer_flops=record.layer_flops,
+        layer_ops=record.layer_ops,
         layer_forward_s=layer_forward_s,
         peak_activation_bytes=record.peak_bytes,
         buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),

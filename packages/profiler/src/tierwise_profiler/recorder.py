@@ -70,6 +70,7 @@ class StepRecord:
     module_params: dict[str, list[str]]
     checkpoint_blocks: list[list[str]]
     layer_flops: dict[str, float]
+    layer_ops: dict[str, dict[str, list[list[float]]]]
     layer_activation_bytes: dict[str, int]
     """Bytes alive at the end of forward, by the module whose op allocated them."""
     peak_bytes: int
@@ -117,6 +118,7 @@ class StepRecorder(TorchDispatchMode):
         self._block: dict[str, None] | None = None  # the checkpoint block being re-run
         self._group: set[str] = set()
         self._flops: dict[str, float] = {}
+        self._ops: dict[str, dict[tuple[str, float, float], int]] = {}
         self._saved: dict[str, int] = {}
         self._handles: list[Any] = []
         self.op_log = op_log
@@ -154,6 +156,7 @@ class StepRecorder(TorchDispatchMode):
             module_params=self._module_params,
             checkpoint_blocks=[list(block) for block in self._blocks],
             layer_flops=self._flops,
+            layer_ops={layer: _by_class(counts) for layer, counts in self._ops.items()},
             layer_activation_bytes=self._saved,
             peak_bytes=self.live.peak_bytes,
         )
@@ -258,13 +261,84 @@ class StepRecorder(TorchDispatchMode):
             name = self._params_by_storage.get(key)
             if name is not None:
                 self._param_used(name)
-        if self.phase == "forward" and counts_flops(func):
-            self._flops[owner] = self._flops.get(owner, 0.0) + op_flops(func, args, kwargs, out)
+        if self.phase == "forward":
+            flops = float(op_flops(func, args, kwargs, out)) if counts_flops(func) else 0.0
+            if flops:
+                self._flops[owner] = self._flops.get(owner, 0.0) + flops
+            self._count_op(owner, func, flops, args, kwargs, out)
         self.live.add_outputs(input_keys, op_tensors((out,)), owner=owner)
         return out
 
+    def _count_op(self, owner: str, func, flops: float, args, kwargs, out) -> None:
+        """One forward op in its class, with the bytes it reads and writes (views and in-place
+        results count what they touch: their size, not their storage)."""
+        tensors = list(op_tensors(args, kwargs.values())) + list(op_tensors((out,)))
+        nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
+        if not flops and not nbytes:
+            return
+        kind = op_class(func, flops)
+        if kind == "memory" and func in _VIEW_OPS:
+            return  # no data moves
+        counts = self._ops.setdefault(owner, {})
+        key = (kind, flops, nbytes)
+        counts[key] = counts.get(key, 0) + 1
+
 
 _METADATA_OPS = {torch.ops.prim.device.default}
+_ATTENTION_NAMES = ("attention", "flash", "efficient_attention", "cudnn_attention")
+
+
+def op_class(func, flops: float) -> str:
+    """ "attention" (fused attention kernels), "matmul" (other ops that count FLOPs) or
+    "memory" (element-wise, norms, softmax, copies: bound by memory bandwidth)."""
+    name = str(func.overloadpacket).lower()
+    if any(part in name for part in _ATTENTION_NAMES):
+        return "attention"
+    return "matmul" if flops else "memory"
+
+
+def _view_ops() -> set:
+    aten = torch.ops.aten
+    names = (
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "expand",
+        "permute",
+        "transpose",
+        "t",
+        "unsqueeze",
+        "squeeze",
+        "slice",
+        "select",
+        "as_strided",
+        "alias",
+        "detach",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "chunk",
+        "narrow",
+        "lift_fresh",
+        "_reshape_alias",
+        "view_as",
+    )
+    ops = set()
+    for name in names:
+        packet = getattr(aten, name, None)
+        if packet is not None:
+            ops.update(getattr(packet, overload) for overload in packet.overloads())
+    return ops
+
+
+_VIEW_OPS = _view_ops()
+
+
+def _by_class(counts: dict[tuple[str, float, float], int]) -> dict[str, list[list[float]]]:
+    out: dict[str, list[list[float]]] = {}
+    for (kind, flops, nbytes), count in counts.items():
+        out.setdefault(kind, []).append([flops, nbytes, float(count)])
+    return out
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from tierwise.profile import Profile, activation_blocks
 
+from tierwise_search.compute import block_seconds
 from tierwise_search.cost import ActivationTraffic, Prediction
 
 
@@ -42,11 +43,12 @@ class ActivationChoice:
 
 
 def block_usage(profile: Profile, seconds: dict[str, float]) -> dict[str, tuple[int, float]]:
-    """Per block: (saved bytes, forward seconds), summed over its layers."""
+    """Per block: (saved bytes, forward seconds); the seconds of every layer inside the block,
+    whether it saves activations or not (recomputing a block re-runs all of it)."""
     return {
         block: (
             sum(profile.layer_activation_bytes[layer] for layer in layers),
-            sum(seconds.get(layer, 0.0) for layer in layers),
+            block_seconds(seconds, block),
         )
         for block, layers in activation_blocks(profile).items()
     }
@@ -79,7 +81,7 @@ def activation_choices(
     """Candidate choices for Config.activation_offload ("none" | "host" | "nvme" | "auto");
     ``seconds``: forward seconds per layer."""
     usage = block_usage(profile, seconds)
-    blocks = [block for block, (nbytes, _) in usage.items() if nbytes > 0]
+    blocks = [block for block, (nbytes, secs) in usage.items() if nbytes > 0 or secs > 0]
     if checkpointing and offload not in ("host", "nvme"):
         base = _choice(profile, usage, "checkpointing", blocks, None)
     else:

@@ -49,8 +49,7 @@ def hf_config(model: str, size: str | None = None, *, seq_len: int = 1024):
         )
     except ModelError as err:
         raise ValueError(str(err)) from None
-    config._attn_implementation = "eager"  # as tierwise profile builds presets: one model
-    return config
+    return config  # default (SDPA) attention, as tierwise profile and tierwise train build it
 
 
 def _call_order(model, modules: dict[str, Any]) -> list[str]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tierwise.hardware import Hardware
+from tierwise.hardware import Hardware, HardwareError
+
+from tierwise_search.compute import ComputeRates
 
 GB = 1e9
 
@@ -21,6 +23,9 @@ FALLBACKS: dict[str, dict[str, float]] = {
         "device_adam_velocity": 5e9,  # elements/s
         "host_adam_velocity": 2e8,
         "device_flops": 20e12,  # FLOP/s
+        # below the lowest published large-model figure (Llama 3 on H100s: 38 %)
+        "matmul_efficiency": 0.35,
+        "device_memory_bandwidth": 300 * GB,
         "nvme_read_bandwidth": 1 * GB,
         "nvme_write_bandwidth": 0.5 * GB,
         "interconnect_bandwidth": 5 * GB,
@@ -31,6 +36,8 @@ FALLBACKS: dict[str, dict[str, float]] = {
         "device_adam_velocity": 2e8,
         "host_adam_velocity": 2e8,
         "device_flops": 2e10,
+        "matmul_efficiency": 1.0,  # a probed CPU rate is a measured (achieved) matmul rate
+        "device_memory_bandwidth": 2 * GB,  # as h2d: a single-threaded memcpy
         "nvme_read_bandwidth": 0.5 * GB,
         "nvme_write_bandwidth": 0.25 * GB,
         "interconnect_bandwidth": 1 * GB,
@@ -56,6 +63,10 @@ class Rates:
     """Host optimizer elements/s."""
     flops: float
     """Device FLOP/s in the compute precision."""
+    matmul_efficiency: float
+    """The largest fraction of ``flops`` training matmuls reach (``Hardware.matmul_efficiency``)."""
+    memory_bandwidth: float
+    """Bytes/s memory-bound ops reach on the device."""
     interconnect: float
     """Collective bytes/s between ranks."""
     overlap: bool
@@ -67,6 +78,10 @@ class Rates:
     """Data-parallel ranks."""
     fallbacks: dict[str, str] = field(default_factory=dict)
     """Hardware field -> reason line, for figures that were not probed."""
+
+    @property
+    def compute(self) -> ComputeRates:
+        return ComputeRates(self.flops, self.matmul_efficiency, self.memory_bandwidth)
 
 
 def resolve_rates(hardware: Hardware) -> Rates:
@@ -83,6 +98,12 @@ def resolve_rates(hardware: Hardware) -> Rates:
             )
         return float(value)
 
+    efficiency = pick("matmul_efficiency")
+    if efficiency > 1:
+        raise HardwareError(
+            f"matmul_efficiency {efficiency:g} is above 1: give the fraction of device_flops "
+            "that training matmuls reach (e.g. 0.52)"
+        )
     return Rates(
         h2d=pick("h2d_bandwidth"),
         d2h=pick("d2h_bandwidth"),
@@ -91,6 +112,8 @@ def resolve_rates(hardware: Hardware) -> Rates:
         device_adam=pick("device_adam_velocity"),
         host_adam=pick("host_adam_velocity"),
         flops=pick("device_flops"),
+        matmul_efficiency=efficiency,
+        memory_bandwidth=pick("device_memory_bandwidth"),
         interconnect=pick("interconnect_bandwidth"),
         overlap=kind == "cuda",
         device_is_host=kind == "cpu",

@@ -135,7 +135,7 @@ class _Search:
         self.param_bytes = param_bytes(config.precision)
         world = self.rates.world_size
         self.shard = world if (config.shard and world > 1) else 1
-        self.times = layer_times(profile, self.rates.flops)
+        self.times = layer_times(profile, self.rates.compute)
         self.reasons.append(self.times.source)
         self.host_capacity = (
             config.host_memory if config.host_memory is not None else hardware.host_memory
@@ -414,6 +414,8 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
         "device_adam_velocity",
         "host_adam_velocity",
         "device_flops",
+        "matmul_efficiency",
+        "device_memory_bandwidth",
     }
     if config.nvme_path:
         used |= {"nvme_read_bandwidth", "nvme_write_bandwidth"}

@@ -1,0 +1,86 @@
+"""The compute model at what hardware achieves (issue 29): op classes on a roofline at the
+preset's published efficiency, predicted utilisation never above it, recomputation that costs a
+forward, and every block of the model in the plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("tierwise_search")
+
+from search_helpers import make_profile  # noqa: E402
+from test_plan_hardware import GPU_PRESETS  # noqa: E402
+from tierwise.cli import main  # noqa: E402
+from tierwise.hardware import Hardware, hardware_facts  # noqa: E402
+from tierwise.plan import Plan  # noqa: E402
+from tierwise_search.compute import ComputeRates, layer_times  # noqa: E402
+from tierwise_search.hf_profile import hf_config  # noqa: E402
+
+
+@pytest.fixture
+def plan_json(monkeypatch, capsys):
+    monkeypatch.setenv("TIERWISE_DISABLE_PLUGINS", "profiler")  # the analytic profile
+
+    def run(*args: str) -> dict:
+        assert main(["plan", *args, "--json"]) == 0, capsys.readouterr().err
+        return json.loads(capsys.readouterr().out)
+
+    return run
+
+
+def test_op_classes_run_on_a_roofline_at_the_achievable_rates():
+    rates = ComputeRates(flops=100e12, matmul_efficiency=0.5, memory_bandwidth=1e12)
+    profile = make_profile([[512]], layer_bytes=1000, layer_flops=1e9)
+    profile.layer_ops = {
+        "blk0": {
+            # compute-bound: 1e12 FLOPs at 50 TFLOP/s = 20 ms (its 1 GB takes 1 ms), twice
+            "matmul": [[1e12, 1e9, 2], [1e9, 4e9, 1]],  # the second is bound by its 4 GB: 4 ms
+            "attention": [[5e11, 1e8, 1]],  # 10 ms
+            "memory": [[0.0, 3e9, 1]],  # 3 ms, whatever its FLOPs
+        }
+    }
+    times = layer_times(profile, rates)
+    assert times.layers["blk0"] == pytest.approx(2 * 0.020 + 0.004 + 0.010 + 0.003)
+    assert times.by_class == pytest.approx({"matmul": 0.044, "attention": 0.010, "memory": 0.003})
+    assert "by op class" in times.source
+
+
+def test_every_gpu_preset_cites_an_efficiency_at_most_one():
+    for name in GPU_PRESETS:
+        hardware = Hardware(**hardware_facts(name))
+        assert 0 < hardware.matmul_efficiency <= 1, name
+        assert hardware.device_memory_bandwidth > 0, name
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_predicted_utilisation_stays_within_what_the_preset_documents(preset, plan_json):
+    result = plan_json("--model", "gpt2", "--size", "xl", "--seq", "1024", "--hardware", preset)
+    plan = Plan.from_dict(result["plan"])
+    hardware = Hardware(**hardware_facts(preset))
+    utilisation = plan.predicted_tflops * 1e12 / hardware.device_flops
+    assert 0 < utilisation <= hardware.matmul_efficiency
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_checkpointing_costs_at_least_a_quarter_more_compute(preset, plan_json):
+    args = ("--model", "gpt2", "--size", "xl", "--seq", "1024", "--hardware", preset)
+    plain = Plan.from_dict(plan_json(*args)["plan"])
+    checkpointed = Plan.from_dict(plan_json(*args, "--checkpointing")["plan"])
+    assert set(checkpointed.activation_policy.values()) == {"recompute"}
+    ratio = checkpointed.predicted_step_s["compute"] / plain.predicted_step_s["compute"]
+    assert ratio >= 1.25, ratio
+
+
+def test_a_checkpointed_plan_lists_every_block_with_its_recompute_cost(plan_json):
+    result = plan_json(
+        "--model", "llama", "--size", "7b", "--seq", "1024", "--hardware", "a100-80gb",
+        "--checkpointing",
+    )  # fmt: skip
+    plan = Plan.from_dict(result["plan"])
+    layers = hf_config("llama", "7b").num_hidden_layers
+    assert sorted(plan.activation_policy) == sorted(f"model.layers.{i}" for i in range(layers))
+    lines = [r for r in plan.reasons if r.startswith("activations of model.layers.")]
+    assert len(lines) == layers
+    assert all(" 0.00 ms to recompute" not in line for line in lines)

@@ -23,12 +23,21 @@ def setup(
     *,
     process_group: dist.ProcessGroup | None = None,
     example_batch: Any = None,
+    weights: Any = None,
     **overrides,
 ) -> tuple[torch.nn.Module, TierwiseOptimizer]:
     """Move ``model``'s data into chunks across tiers; return it and a chunked optimizer.
 
     The model is the same object (its parameters become views into chunks). The optimizer keeps
     your ``param_groups``. Nothing is changed on the model if setup raises.
+
+    ``weights``: pretrained values for the parameters, read straight into the chunks on their
+    tiers one tensor at a time (the model may be on the meta device; it is never materialised):
+    a safetensors checkpoint directory (``save_pretrained`` output, sharded or not) or file, a
+    callable ``name -> tensor`` or a state dict. Hugging Face's legacy layouts are converted as
+    ``from_pretrained`` converts them; tied parameters need one of their names. A missing,
+    unexpected or mis-shaped tensor, or a truncated file, raises ``tierwise.weights.WeightsError``
+    naming it, and leaves nothing behind ([Note: loading pretrained weights]).
     """
     if managed(model):
         raise ValueError(
@@ -44,6 +53,7 @@ def setup(
         decoupled=decoupled,
         process_group=process_group,
         example_batch=example_batch,
+        weights=weights,
     )
     return model, TierwiseOptimizer(engine, optimizer)
 

@@ -57,6 +57,12 @@ class ParallelPattern(ABC):
         :meth:`full_tensor`; no communication). Default: ``full``."""
         return full
 
+    def local_slice(self, name: str, param: torch.nn.Parameter) -> tuple[int, int, int] | None:
+        """This rank's block of ``param`` as ``(dim, start, stop)`` of the whole-model tensor,
+        so a weight source reads only that part (``tierwise.weights``); None: all of it.
+        Default: None (nothing is split)."""
+        return None
+
     @abstractmethod
     def claims(self, name: str, param: torch.nn.Parameter) -> bool:
         """Whether this pattern owns ``param`` (first claiming pattern wins; "data" claims all)."""

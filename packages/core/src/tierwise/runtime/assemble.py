@@ -32,15 +32,18 @@ from tierwise.runtime.build import (
     allocate_payloads,
     check_chunk_size,
     collect_params,
+    fill_from_weights,
     fill_payloads,
     layout_groups,
     move_buffers,
+    release_payloads,
     static_profile,
 )
 from tierwise.runtime.cache import RCache
 from tierwise.runtime.engine import Engine
 from tierwise.runtime.grad_offload import gradient_offload_for
 from tierwise.runtime.meta_buffers import compute_meta_buffers, install_buffers
+from tierwise.weights import open_weights
 
 
 def assemble_engine(
@@ -52,13 +55,15 @@ def assemble_engine(
     decoupled: bool,
     process_group: dist.ProcessGroup | None,
     example_batch: Any,
+    weights: Any = None,
 ) -> Engine:
     """Plan, allocate and build the engine managing ``model``; registers it
     (``tierwise.registry``). Nothing is changed on the model if it raises before the payloads
-    are filled."""
+    are filled, or, with ``weights`` (a ``tierwise.weights`` source), while they are filled."""
     # [Note: normalised device]: tiers, engine and plugins all see the device as tensors report it
     config = dataclasses.replace(config, device=str(normalize_device(config.device)))
     world = _world_group(process_group)
+    resolved = open_weights(weights).resolve(model) if weights is not None else None
     patterns = _patterns(config, host, world)
     restore_model = snapshot_model(model)  # [Note: atomic setup]
     try:
@@ -71,11 +76,30 @@ def assemble_engine(
     except BaseException:
         restore_model()
         raise
-    del restore_model  # drops the originals of the parameters patterns sliced
     dtype = compute_dtype(config.precision)
+    if resolved is not None:  # [Note: loading pretrained weights]
+        try:
+            resolved.bind_slices(_claimed(model, patterns))
+            fill_from_weights(groups, dtype, resolved)
+        except BaseException:
+            release_payloads(groups)
+            cache.close()
+            if grad_offload is not None:
+                grad_offload.close()
+            for tier in tiers.values():
+                tier.close()
+            restore_model()
+            raise
+        finally:
+            resolved.close()
+        _off_meta(model)
+    del restore_model  # drops the originals of the parameters patterns sliced
     # --- from here on the model is changed -----------------------------------------------
-    fill_payloads(groups, dtype, model)
+    if resolved is None:
+        fill_payloads(groups, dtype, model)
     install_buffers(buffers)
+    if resolved is not None:
+        resolved.load_buffers()
     move_buffers(model, tiers["device"].device)
     for group in groups:
         for chunk in group.chunks:
@@ -124,6 +148,25 @@ def assemble_engine(
     model.zero_grad = types.MethodType(_zero_grad, model)  # Trainer calls model.zero_grad()
     install_save_pretrained(model)  # [Note: the dtype save_pretrained records]
     return engine
+
+
+def _claimed(model: torch.nn.Module, patterns: list) -> list[tuple]:
+    """(name, parameter, the pattern claiming it) for every distinct parameter."""
+    return [
+        (name, param, next(p for p in patterns if p.claims(name, param)))
+        for name, param in model.named_parameters()
+    ]
+
+
+def _off_meta(model: torch.nn.Module) -> None:
+    """Give parameters still on the meta device an empty CPU tensor (their values are in the
+    chunks; ``attach_params`` makes each a view). ``set_data`` cannot leave the meta device."""
+    for param in model.parameters():
+        if param.is_meta:
+            tags = dict(param.__dict__)  # swap_tensors swaps __dict__ too (shard specs)
+            empty = torch.nn.Parameter(torch.empty(0, dtype=param.dtype), param.requires_grad)
+            torch.utils.swap_tensors(param, empty)
+            param.__dict__.update(tags)
 
 
 def _zero_grad(model: torch.nn.Module, set_to_none: bool = True) -> None:
@@ -185,6 +228,8 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
             grad_offload.close()
         for slab in allocated:
             slab.tier.release(slab)
+        for tier in tiers.values():
+            tier.close()
         raise
     return profile, hardware, plan, groups, tiers, cache, grad_offload, blocks
 

@@ -1,0 +1,30 @@
+"""Pretrained weights in and out of chunks without holding the model in host memory:
+weight sources for ``setup(weights=...)`` and streaming safetensors shards."""
+
+from tierwise.weights.safetensors_io import (
+    READS,
+    SafetensorsFile,
+    ShardPlan,
+    StreamingShardWriter,
+    WeightsError,
+)
+from tierwise.weights.source import (
+    CallableWeights,
+    DirectoryWeights,
+    ResolvedWeights,
+    WeightSource,
+    open_weights,
+)
+
+__all__ = [
+    "READS",
+    "CallableWeights",
+    "DirectoryWeights",
+    "ResolvedWeights",
+    "SafetensorsFile",
+    "ShardPlan",
+    "StreamingShardWriter",
+    "WeightSource",
+    "WeightsError",
+    "open_weights",
+]

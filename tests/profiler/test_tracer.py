@@ -107,9 +107,21 @@ def test_tensors_made_before_start_or_while_paused_are_not_counted():
     assert view.shape == (1 << 18, 2)
 
 
-def test_cuda_tracer_needs_the_model_bytes():
-    with pytest.raises(ValueError, match="model_bytes"):
-        MemoryTracer("cuda")
+def test_a_cuda_tracer_leaves_cuda_statistics_alone(monkeypatch):
+    """Issue 28, defect 8: tracing the warm-up step on CUDA must not reset the process's CUDA
+    peak-memory statistics (the user's own measurements). Every torch.cuda call fails here, so a
+    tracer for "cuda" that resets, synchronises or reads them fails; it counts storages as on
+    the CPU ([Note: the tracer leaves CUDA's statistics alone])."""
+    from helpers.cuda_calls import forbid_cuda_calls
+
+    calls = forbid_cuda_calls(monkeypatch)
+    tracer = MemoryTracer("cuda", model_bytes=lambda: 0)
+    tracer.start()
+    made = torch.empty(1 << 20)  # 4 MiB
+    tracer.mark("op")
+    del made
+    assert tracer.stop() == [("op", 4 << 20), ("stop", 4 << 20)]  # made lived into "stop"
+    assert calls == []
 
 
 def test_the_tracer_is_the_memory_tracer_core_calls():

@@ -34,7 +34,19 @@ class NVMeOptions:
     """Requests in flight at once (libaio queue depth, or thread-pool size).
     Env: TIERWISE_NVME_QUEUE_DEPTH."""
 
+    timeout_s: float = 600.0
+    """Seconds a caller waits for one transfer before giving up with an error naming it (a
+    disk or driver that stopped answering must not hang training). Env: TIERWISE_NVME_TIMEOUT."""
+
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.timeout_s, bool)
+            or not isinstance(self.timeout_s, (int, float))
+            or not self.timeout_s > 0
+        ):
+            raise NVMeOptionsError(
+                f"NVMeOptions.timeout_s={self.timeout_s!r}: give a positive number of seconds"
+            )
         if self.backend not in BACKENDS:
             raise NVMeOptionsError(
                 f"NVMeOptions.backend={self.backend!r}: choose one of {', '.join(BACKENDS)}"
@@ -61,7 +73,8 @@ class NVMeOptions:
 
     @classmethod
     def from_env(cls) -> NVMeOptions:
-        """Defaults, overridden by TIERWISE_NVME_BACKEND / _BLOCK_SIZE / _QUEUE_DEPTH."""
+        """Defaults, overridden by TIERWISE_NVME_BACKEND / _BLOCK_SIZE / _QUEUE_DEPTH /
+        _TIMEOUT."""
         values: dict = {}
         if "TIERWISE_NVME_BACKEND" in os.environ:
             values["backend"] = os.environ["TIERWISE_NVME_BACKEND"].strip().lower()
@@ -79,6 +92,14 @@ class NVMeOptions:
             except ValueError:
                 raise NVMeOptionsError(
                     f"TIERWISE_NVME_QUEUE_DEPTH={raw!r}: give a whole number, e.g. 32"
+                ) from None
+        if "TIERWISE_NVME_TIMEOUT" in os.environ:
+            raw = os.environ["TIERWISE_NVME_TIMEOUT"]
+            try:
+                values["timeout_s"] = float(raw)
+            except ValueError:
+                raise NVMeOptionsError(
+                    f"TIERWISE_NVME_TIMEOUT={raw!r}: give a number of seconds, e.g. 600"
                 ) from None
         return cls(**values)
 

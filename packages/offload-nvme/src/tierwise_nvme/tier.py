@@ -90,7 +90,10 @@ class NVMeTier(Tier):
         StagingPool.for_reads and [Note: staged reads]). Only this tier's reads use it."""
         self._staged = StagedReads(self.backend, self.staging)
         self._transfers = Transfers(
-            self.backend, pin=self.device.type == "cuda", staged=self._staged
+            self.backend,
+            pin=self.device.type == "cuda",
+            staged=self._staged,
+            timeout_s=self.options.timeout_s,
         )
         self._files: dict[str, SwapFile] = {}
         self._lock = threading.Lock()

@@ -46,9 +46,23 @@ if TYPE_CHECKING:
 
 
 class NVMeHandle(IOHandle):
-    """A tier transfer of one or more backend requests; ``wait()`` re-raises the first error."""
+    """A tier transfer of one or more backend requests; ``wait()`` re-raises the first error.
 
-    def __init__(self, parts: int, *, finalize: Callable[[], None] | None, keep: tuple) -> None:
+    [Note: bounded NVMe waits]
+    A waiter never hangs: the handle completes (its event is set) whatever its finalizer or
+    completion callbacks raise (the first such error is what ``wait`` raises), and ``wait``
+    gives up after ``timeout_s`` seconds with an error naming the transfer.
+    """
+
+    def __init__(
+        self,
+        parts: int,
+        *,
+        finalize: Callable[[], None] | None,
+        keep: tuple,
+        what: str = "transfer",
+        timeout_s: float | None = None,
+    ) -> None:
         self._remaining = parts
         self._finalize = finalize
         self._keep = keep  # buffers the kernel uses until the transfer is complete
@@ -56,26 +70,48 @@ class NVMeHandle(IOHandle):
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._on_complete: list[Callable[[], None]] = []
+        self.what = what
+        """The transfer, in words (for the timeout error)."""
+        self.timeout_s = timeout_s
+        """How long ``wait`` waits (None: for ever)."""
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
 
     def part_done(self, error: NVMeIOError | None) -> None:
         with self._lock:
-            if error is not None and self._error is None:
-                self._error = error
+            if error is not None:
+                self._fail(error)
             self._remaining -= 1
             if self._remaining:
                 return
-        if self._error is None and self._finalize is not None:
-            try:
-                self._finalize()
-            except Exception as err:  # never let a copy error hang the waiter
-                self._error = err
-        self._keep = self._finalize = None
-        for callback in self._on_complete:
-            callback()
-        self._event.set()
+        try:
+            if self._error is None and self._finalize is not None:
+                try:
+                    self._finalize()
+                except Exception as err:  # never let a copy error hang the waiter
+                    self._fail(err)
+            self._keep = self._finalize = None
+            for callback in self._on_complete:
+                try:
+                    callback()
+                except Exception as err:  # [Note: bounded NVMe waits]
+                    self._fail(err)
+        finally:
+            self._event.set()
+
+    def _wait_bounded(self) -> None:
+        if not self._event.wait(self.timeout_s):
+            raise NVMeIOError(
+                errno.ETIMEDOUT,
+                f"nvme tier: {self.what} did not complete within {self.timeout_s:g} s: the disk "
+                "or its driver stopped answering (check dmesg); raise TIERWISE_NVME_TIMEOUT if "
+                "the disk is only slow",
+            )
 
     def wait(self) -> None:
-        self._event.wait()
+        self._wait_bounded()
         if self._error is not None:
             raise self._error
 
@@ -83,8 +119,9 @@ class NVMeHandle(IOHandle):
         return self._event.is_set()
 
     def wait_quietly(self) -> None:
-        """Block until complete without raising (for ordering, not for results)."""
-        self._event.wait()
+        """Block until complete without raising its error (for ordering, not for results);
+        raises only when it does not complete in time ([Note: bounded NVMe waits])."""
+        self._wait_bounded()
 
 
 class InFlight:
@@ -165,8 +202,11 @@ class Transfers:
         pin: bool,
         staged: StagedReads | None = None,
         cache_bytes: int = BOUNCE_CACHE_BYTES,
+        timeout_s: float | None = None,
     ) -> None:
         self.backend = backend
+        self.timeout_s = timeout_s
+        """How long a caller waits for one transfer ([Note: bounded NVMe waits])."""
         self.staged = staged
         """Reads that O_DIRECT cannot do in place go through it (None: through bounces)."""
         self.bounces = BounceCache(limit=cache_bytes)
@@ -205,7 +245,13 @@ class Transfers:
             if not in_place:
                 out.copy_(host.view(out.dtype).view(out.shape))
 
-        handle = NVMeHandle(len(segments), finalize=finalize, keep=(host, bounces, out))
+        handle = NVMeHandle(
+            len(segments),
+            finalize=finalize,
+            keep=(host, bounces, out),
+            what=f"read of {end - start} bytes at offset {start} in {file.path}",
+            timeout_s=self.timeout_s,
+        )
         self._give_back_when_done(handle, bounces, None if in_place else host)
         inflight = self._inflight_of(file)
         with inflight.issuing:
@@ -218,7 +264,13 @@ class Transfers:
     ) -> NVMeHandle:
         """Read file pages ``[lo, hi)`` through the staging pool. See [Note: staged reads]."""
         assert self.staged is not None
-        handle = NVMeHandle(self.staged.pieces(lo, hi), finalize=None, keep=(dest,))
+        handle = NVMeHandle(
+            self.staged.pieces(lo, hi),
+            finalize=None,
+            keep=(dest,),
+            what=f"read of {hi - lo} bytes at offset {lo} in {file.path}",
+            timeout_s=self.timeout_s,
+        )
         inflight = self._inflight_of(file)
         with inflight.issuing:
             inflight.wait_for_conflicts(lo, hi, False)
@@ -253,7 +305,13 @@ class Transfers:
                 if not in_place:
                     self.staging.give(host)
                 raise
-            handle = NVMeHandle(len(segments), finalize=None, keep=(host, bounces, src))
+            handle = NVMeHandle(
+                len(segments),
+                finalize=None,
+                keep=(host, bounces, src),
+                what=f"write of {end - start} bytes at offset {start} in {file.path}",
+                timeout_s=self.timeout_s,
+            )
             self._give_back_when_done(handle, bounces, None if in_place else host)
             self._issue(file, "write", segments, bounces, host, start, handle)
         return handle

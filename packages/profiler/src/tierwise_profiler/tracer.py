@@ -11,12 +11,18 @@ Each moment's value is the peak non-model memory since the previous mark (or ``s
 what must fit on the device between those two points. ``stop`` closes the last interval as the
 moment "stop".
 
-- CUDA: ``torch.cuda.max_memory_allocated`` over the interval minus ``model_bytes()`` (the
-  bytes of model data, i.e. chunks, the engine holds on the device at the mark).
-- CPU: no allocator statistics exist, so a dispatch mode counts the storages that ops allocate
-  while the tracer runs and that are still alive (:mod:`tierwise_profiler.live_memory`). Tensors
-  that existed before ``start`` are never counted; the engine runs its own chunk allocations
-  inside ``with tracer.paused():`` so they are not counted either. ``model_bytes`` is not used.
+On every device a dispatch mode counts the storages that ops allocate while the tracer runs and
+that are still alive (:mod:`tierwise_profiler.live_memory`). Tensors that existed before
+``start`` (parameters, chunks, the batch) are never counted; the engine runs its own chunk
+allocations inside ``with tracer.paused():`` so they are not counted either.
+
+[Note: the tracer leaves CUDA's statistics alone]
+The tracer does not read CUDA's peak-memory statistics: an interval's peak from them needs
+``torch.cuda.reset_peak_memory_stats`` at every mark, which clobbers the statistics the user's own
+code (or a profiler around the run) is measuring. The storage count gives the same per-interval
+peak of tensor memory on any device, with no device synchronisation; memory the allocator keeps
+beyond live tensors (fragmentation, library workspaces) is what the planner's ``frag_factor``
+allows for.
 """
 
 from __future__ import annotations
@@ -53,12 +59,9 @@ class MemoryTracer:
 
     def __init__(self, device: str | torch.device, *, model_bytes: Callable[[], int] | None = None):
         self.device = torch.device(device)
-        if self.device.type == "cuda" and model_bytes is None:
-            raise ValueError(
-                "MemoryTracer on cuda needs model_bytes: a callable returning the bytes of model "
-                "data (chunks) the engine holds on the device, to subtract from the allocator's count"
-            )
         self._model_bytes = model_bytes
+        """Bytes of model data on the device (the ``tierwise_memory_tracer`` hook passes it); the
+        storage count never sees model data, so it is not subtracted from anything."""
         self._mode: _LiveTensorMode | None = None
         self._moments: list[tuple[str, int]] = []
         self.peak_bytes = 0
@@ -68,12 +71,8 @@ class MemoryTracer:
         """Begin tracing (the first interval starts now)."""
         self._moments = []
         self.peak_bytes = 0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self._mode = _LiveTensorMode()
-            self._mode.__enter__()
+        self._mode = _LiveTensorMode()  # [Note: the tracer leaves CUDA's statistics alone]
+        self._mode.__enter__()
 
     def mark(self, moment: str) -> None:
         """Close the current interval under the name ``moment`` and start the next one."""
@@ -103,11 +102,6 @@ class MemoryTracer:
             self._mode.paused = False
 
     def _interval_peak(self) -> int:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) - self._model_bytes()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return max(0, int(peak))
         if self._mode is None:
             raise RuntimeError("MemoryTracer.mark() before start(): call start() first")
         live = self._mode.live

@@ -141,7 +141,7 @@ def assemble_engine(
         reduction_group=reduction_group,
         activation_blocks=blocks,
     )
-    if not blocks and config.activation_checkpointing:
+    if not blocks and plan.activation_checkpointing:
         enable_hf_checkpointing(model)
     register(model, engine)
     install_state_dict_hooks(engine, model, patterns)
@@ -191,6 +191,8 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
     hardware = Hardware(**host.probe_hardware(config=config))
     plan = host.make_plan(profile=profile, hardware=hardware, config=config)
     plan.check_tiers(host.tier_classes())
+    # the plan is what runs: a planner may choose checkpointing, and Config's request stands
+    plan.activation_checkpointing = plan.activation_checkpointing or config.activation_checkpointing
     check_chunk_size(plan)
     dtype = compute_dtype(config.precision)
     world_rank = {p.key: _dp_world(p) for p in patterns}
@@ -246,6 +248,7 @@ def _check_cache_minimum(model, config: Config, profile, plan, groups) -> None:
     }
     recompute = (
         may_recompute(config)
+        or plan.activation_checkpointing
         or hf_checkpointing_enabled(model)
         or "recompute" in plan.activation_policy.values()
     )
@@ -276,7 +279,7 @@ def _activation_blocks(model, config: Config, host, plan) -> dict:
             list(blocks),
             policy=config.activation_policy,
             offload=config.activation_offload,
-            checkpointing=config.activation_checkpointing or hf_checkpointing,
+            checkpointing=plan.activation_checkpointing or hf_checkpointing,
             plan_policy=plan.activation_policy,
         )
     except ValueError as err:

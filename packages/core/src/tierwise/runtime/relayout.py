@@ -264,6 +264,7 @@ def _min_blocks_with(engine: Engine, group: ChunkGroup, cached: list[Chunk]) -> 
     )
     recompute = (
         may_recompute(engine.config)
+        or engine.plan.activation_checkpointing
         or "recompute" in engine.plan.activation_policy.values()
         or hf_checkpointing_enabled(engine.model)
     )

@@ -8,6 +8,7 @@ tiers, where the next updates run (``optimizer_mode``), the updates that ran dur
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -112,6 +113,12 @@ class OptimizerStep:
         )
         self.step_undo = StepUndo(step_counts=self.step_counts, scaler=scaler)
         self.pipelines = self._make_pipelines()
+        if config.optimizer_overlap == "in-backward" and self.multi_rank and self.pipelines:
+            warnings.warn(
+                "tierwise: optimizer_overlap='in-backward' runs after backward with more than one "
+                "rank (updates during backward are one-process only for now)",
+                stacklevel=2,
+            )
         self.optimizer_mode = "after-backward"
         """How storage-tier optimizer states are updated next (see Config.optimizer_overlap)."""
         self.last_update_mode = "after-backward"

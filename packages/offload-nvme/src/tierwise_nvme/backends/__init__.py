@@ -11,7 +11,7 @@ from pathlib import Path
 from tierwise_nvme.backends.base import IOBackend, IORequest, PieceTracker
 from tierwise_nvme.backends.libaio_backend import LibaioBackend
 from tierwise_nvme.backends.threads import ThreadPoolBackend
-from tierwise_nvme.options import ALIGNMENT, NVMeOptions
+from tierwise_nvme.options import ALIGNMENT, NVMeOptions, NVMeOptionsError
 
 
 class NVMeFallbackWarning(RuntimeWarning):
@@ -40,14 +40,28 @@ def o_direct_supported(directory: Path) -> bool:
         path.unlink(missing_ok=True)
 
 
+def _forced_libaio_unusable(why: str) -> NVMeOptionsError:
+    return NVMeOptionsError(
+        f"TIERWISE_NVME_BACKEND=libaio (NVMeOptions.backend) asks for Linux AIO with O_DIRECT, "
+        f"which cannot be used here: {why}. Install libaio.so.1 (Debian/Ubuntu: apt-get install "
+        "libaio1, or libaio1t64 on newer releases) and point nvme_path to a local disk (ext4, "
+        "xfs), or set TIERWISE_NVME_BACKEND=auto to fall back to a thread pool"
+    )
+
+
 def open_backend(options: NVMeOptions, directory: Path) -> IOBackend:
-    """The backend ``options.backend`` asks for, or the best fallback, said once in one line."""
+    """The backend ``options.backend`` asks for, or with "auto" the best fallback, said once in
+    one line; a forced "libaio" that cannot be used raises ``NVMeOptionsError``."""
     from tierwise_nvme.preflight import say_once
 
     threads = dict(block_size=options.block_size, queue_depth=options.queue_depth)
     if options.backend == "buffered":
         return ThreadPoolBackend(direct=False, **threads)
     if not o_direct_supported(directory):
+        if options.backend == "libaio":
+            raise _forced_libaio_unusable(
+                f"the file system of {directory} refuses O_DIRECT (tmpfs or FUSE?)"
+            )
         say_once(
             directory,
             f"nvme tier: the file system of {directory} refuses O_DIRECT (tmpfs or FUSE?); "
@@ -59,6 +73,8 @@ def open_backend(options: NVMeOptions, directory: Path) -> IOBackend:
         try:
             return LibaioBackend(**threads)
         except (OSError, ImportError) as err:
+            if options.backend == "libaio":
+                raise _forced_libaio_unusable(f"Linux AIO is unavailable: {err}") from err
             say_once(
                 directory,
                 f"nvme tier: Linux AIO is unavailable ({err}); using a thread pool of "

@@ -8,6 +8,7 @@ import math
 import sys
 
 import pytest
+import tierwise
 import torch
 from tierwise import model_presets
 from tierwise.model_presets import ModelError
@@ -176,11 +177,18 @@ def test_from_pretrained_loads_the_saved_weights(tmp_path, family):
     )
     model = presets.build_random(config, seed=1)
     model.save_pretrained(tmp_path)
-    loaded = presets.load_pretrained(str(tmp_path))
+    on_meta = presets.pretrained_on_meta(str(tmp_path))
+    assert on_meta.training and all(p.is_meta for p in on_meta.parameters())
+    loaded, _ = tierwise.setup(
+        on_meta,
+        torch.optim.AdamW(on_meta.parameters()),
+        weights=str(tmp_path),
+        precision="fp32",
+        device="cpu",
+    )
     saved, back = model.state_dict(), loaded.state_dict()
     assert saved.keys() == back.keys()
     assert all(torch.equal(saved[k], back[k]) for k in saved)
-    assert loaded.training
 
 
 def test_model_config_file(tmp_path):

@@ -14,6 +14,7 @@ from tierwise._version import __version__
 _PUBLIC = {
     "clip_grad_norm_": "tierwise.api",
     "engine_of": "tierwise.registry",
+    "from_pretrained": "tierwise.pretrained",
     "no_sync": "tierwise.api",
     "setup": "tierwise.api",
     "load_checkpoint": "tierwise.checkpoint",
@@ -48,6 +49,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "clip_grad_norm_",
     "engine_of",
+    "from_pretrained",
     "load_checkpoint",
     "no_sync",
     "save_checkpoint",

@@ -2,6 +2,9 @@
 
 Everything is the Trainer users know; tierwise takes over what it must own:
 
+- ``model`` may be the path of a Hugging Face checkpoint: the model is built on the meta device
+  and its weights read straight into chunks (``tierwise.from_pretrained``'s path; host memory
+  holds one tensor at a time, never the model). ``model_init`` is called once, in ``__init__``.
 - ``tierwise.setup`` runs in ``__init__`` with an AdamW over Trainer's own decay / no-decay groups
   (``learning_rate``, ``weight_decay``, ``adam_*``); the LR scheduler and warmup are Trainer's.
 - Precision comes from ``bf16`` / ``fp16`` (neither: fp32); accelerate does no mixed precision of
@@ -30,6 +33,7 @@ import tierwise
 from tierwise.checkpoint import full_state
 from tierwise.config import Config, ConfigError
 from tierwise.integrations.hf_save import DTYPES, MAX_SHARD_SIZE
+from tierwise.pretrained import build_on_meta
 
 try:
     import transformers
@@ -155,11 +159,18 @@ class TierwiseTrainer(Trainer):
     ):
         if trainer_args:
             raise TypeError("TierwiseTrainer: pass Trainer's arguments after `args` by keyword")
-        if model is None or trainer_kwargs.get("model_init") is not None:
+        model_init = trainer_kwargs.pop("model_init", None)
+        if (model is None) == (model_init is None):
             raise TierwiseTrainerError(
-                "TierwiseTrainer needs `model` (model_init is not supported: tierwise sets the "
-                "model up once, in __init__)"
+                "TierwiseTrainer needs `model` (a module, or the path of a Hugging Face "
+                "checkpoint) or `model_init` (called once, here: tierwise sets the model up once)"
             )
+        weights = None
+        if isinstance(model, (str, os.PathLike)):  # [Note: loading pretrained weights]
+            weights = model
+            model = build_on_meta(model).train()
+        elif model is None:
+            model = model_init()
         if trainer_kwargs.get("optimizer_cls_and_kwargs") is not None:
             raise TierwiseTrainerError(
                 "TierwiseTrainer: optimizer_cls_and_kwargs is not supported; tierwise runs its own "
@@ -184,7 +195,7 @@ class TierwiseTrainer(Trainer):
         optimizer, scheduler = trainer_kwargs.pop("optimizers", (None, None))
         if optimizer is None:
             optimizer = self._adamw(model, args)
-        model, optimizer = tierwise.setup(model, optimizer, config)
+        model, optimizer = tierwise.setup(model, optimizer, config, weights=weights)
         # accelerate registers the model as prepared: it neither wraps it (DDP), nor moves it,
         # nor patches its forward with autocast ([Note: accelerate and a managed model])
         model._is_accelerate_prepared = True

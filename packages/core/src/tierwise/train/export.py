@@ -39,10 +39,8 @@ from tierwise.integrations.hf_save import DTYPES, record_dtype
 from tierwise.integrations.safetensors_shards import MAX_SHARD_BYTES, ShardWriter
 from tierwise.train.checkpoints import CHECKPOINTS, LATEST
 from tierwise.train.errors import TrainError
-from tierwise.train.lora import MODEL_FOLDER
+from tierwise.train.lora import MODEL_FOLDER, PEFT_PREFIX
 
-PEFT_PREFIX = "base_model.model."
-"""What PEFT puts before the base model's parameter names."""
 ADAPTER = "default"
 """The adapter name `tierwise train --lora` trains."""
 BASE_FOLDER = "base"

@@ -50,6 +50,31 @@ def apply_lora(
         ) from None
 
 
+PEFT_PREFIX = "base_model.model."
+"""What PEFT puts before the base model's parameter names."""
+
+
+def base_name(name: str) -> str:
+    """The base model's name of a PEFT model's parameter (``base_model.model.x.base_layer.w``
+    -> ``x.w``): the name a pretrained checkpoint stores it under."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def materialise_adapters(model: torch.nn.Module, *, seed: int) -> None:
+    """Give LoRA adapters PEFT put on the meta device (a base built there) CPU memory and PEFT's
+    initial values (A random, B zero), deterministic in ``seed``; the base stays on meta."""
+    torch.manual_seed(seed)
+    for module in model.modules():
+        adapters = getattr(module, "lora_A", None)
+        if not isinstance(adapters, torch.nn.ModuleDict):
+            continue
+        for name in adapters:
+            for part in (module.lora_A[name], module.lora_B[name]):
+                if any(p.is_meta for p in part.parameters()):
+                    part.to_empty(device="cpu")
+            module.reset_lora_parameters(name, True)
+
+
 def describe_model(run_dir: Path, model: torch.nn.Module) -> None:
     """Write ``run_dir/hf/config.json`` (and ``adapter_config.json`` for a LoRA run), which
     `tierwise export` turns into a from_pretrained folder."""

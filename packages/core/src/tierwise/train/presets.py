@@ -1,14 +1,9 @@
-"""Models for `tierwise train`: a preset or a config file (``tierwise.model_presets``), or a local
-checkpoint, built on the CPU.
+"""Models for `tierwise train`: a preset or a config file (``tierwise.model_presets``), built on
+the CPU, or a local checkpoint, built on the meta device.
 
-``--from-pretrained DIR`` builds the model with its parameters on the meta device and streams the
-safetensors weights in one tensor at a time (transformers does it), so host RAM holds the fp32
-model once and never a second full copy.
-
-[Note: what the engine could add] ``tierwise.setup`` accepts meta models, but a meta model has no
-values to put in its chunks. Loading straight into chunks (never holding the whole fp32 model in
-host RAM) needs the engine to take a weight source, e.g. ``setup(..., weights=callable(name) ->
-tensor)`` called while it fills each chunk; until then the model is materialised on the CPU here.
+``--from-pretrained DIR`` builds the model on the meta device from ``DIR/config.json``; setup then
+reads the safetensors weights straight into the chunks, one tensor at a time
+(``setup(weights=...)``, [Note: loading pretrained weights]), so host RAM never holds the model.
 """
 
 from __future__ import annotations
@@ -50,24 +45,19 @@ def build_random(config, *, seed: int) -> torch.nn.Module:
     return tf.AutoModelForCausalLM.from_config(config).train()
 
 
-def load_pretrained(path: str) -> torch.nn.Module:
-    """The checkpoint in ``path`` as an fp32 CPU model.
+def pretrained_on_meta(path: str) -> torch.nn.Module:
+    """The model of the checkpoint in ``path`` on the meta device, in training mode; its weights
+    come in through ``setup(weights=path)`` (HF's legacy layouts converted as from_pretrained
+    converts them)."""
+    from tierwise.pretrained import build_on_meta
 
-    transformers builds it on the meta device and streams the safetensors weights in one tensor
-    at a time (converting legacy layouts, e.g. per-expert MoE weights), so host RAM holds the
-    model once, never a second full copy.
-    """
-    tf = transformers_module()
     config_from_pretrained(path)  # a clear error when it is not a checkpoint directory
     if not any(Path(path).glob("*.safetensors")):
         raise TrainError(
             f"--from-pretrained {path}: no *.safetensors files; save the model with "
             "save_pretrained (safetensors is its default)"
         )
-    model = tf.AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=torch.float32
-    )
-    return model.train()
+    return build_on_meta(path).train()
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -39,6 +39,7 @@ from tierwise.train.sample import generate, printable
 from tierwise.train.schedule import warmup_cosine
 from tierwise.train.trace import StepTracer
 from tierwise.units import format_bytes
+from tierwise.weights import DirectoryWeights, WeightsError
 
 OPTIONS_FILE = "options.json"
 CONFIG_FILE = "config.json"
@@ -221,11 +222,15 @@ def _train(request: Request, world: World) -> int:
         max_eval_blocks=options.eval_batches * options.batch * world.size,
     )
     model, model_name = _build_model(options, tokenizer)
+    weights = options.from_pretrained  # [Note: loading pretrained weights]
     if options.lora:
         model = lora.apply_lora(
             model, rank=options.lora, alpha=options.lora_alpha, targets=options.lora_targets
         )
         model_name += f", LoRA rank {options.lora} (base frozen)"
+        if weights:  # the base comes from the checkpoint, the adapters from PEFT's init
+            lora.materialise_adapters(model, seed=options.seed)
+            weights = DirectoryWeights(weights, rename=lora.base_name, keep_initialised=True)
     n_params = presets.count_parameters(model)
     config = request.config.replace(device=world.device)
     data_bytes = model_data_bytes(n_params, config.precision)
@@ -264,9 +269,13 @@ def _train(request: Request, world: World) -> int:
     # one batch as the loop passes it: a profiler plugin sizes activations from its shape
     example_batch = data.batch_of(corpus.train_blocks[: options.batch], torch.device("cpu"))
     try:
-        model, optimizer = tierwise.setup(model, optimizer, config, example_batch=example_batch)
+        model, optimizer = tierwise.setup(
+            model, optimizer, config, example_batch=example_batch, weights=weights
+        )
     except (PlanError, TierBudgetError) as err:
         raise TrainError(f"the plan does not fit: {err}") from None
+    except WeightsError as err:
+        raise TrainError(f"--from-pretrained {options.from_pretrained}: {err}") from None
     engine = tierwise.engine_of(model)
     scheduler = warmup_cosine(
         optimizer, warmup=options.warmup_steps, total=options.steps, floor=options.lr_floor
@@ -613,7 +622,7 @@ def evaluate(
 # -- helpers ------------------------------------------------------------------------------------
 def _build_model(options: TrainOptions, tokenizer) -> tuple[torch.nn.Module, str]:
     if options.from_pretrained:
-        model = presets.load_pretrained(options.from_pretrained)
+        model = presets.pretrained_on_meta(options.from_pretrained)
         presets.check_vocab(model.config, tokenizer, f"--from-pretrained {options.from_pretrained}")
         return model, f"{options.from_pretrained} ({model.config.model_type})"
     if options.model_config:

@@ -34,9 +34,17 @@ def _names(items: list[str]) -> str:
 
 
 class WeightSource:
-    """Checkpoint tensors by key: their shapes without reading them, and reads of a slice."""
+    """Checkpoint tensors by key: their shapes without reading them, and reads of a slice.
+
+    ``rename``: model parameter name -> the name the checkpoint knows it by (e.g. a PEFT
+    model's ``base_model.model.x.base_layer.weight`` -> ``x.weight``), applied before HF's own
+    conversions. ``keep_initialised``: a parameter the checkpoint lacks keeps the values it has
+    when it is not on the meta device (LoRA adapters on a pretrained base); by default every
+    parameter must come from the checkpoint."""
 
     description = "weights"
+    rename: Callable[[str], str] | None = None
+    keep_initialised: bool = False
 
     def keys(self) -> list[str]:
         raise NotImplementedError
@@ -51,28 +59,31 @@ class WeightSource:
     def resolve(self, model: torch.nn.Module) -> ResolvedWeights:
         """Match the checkpoint to ``model`` (as built, before any pattern shards it). Raises
         :class:`WeightsError` naming every missing, unexpected or mis-shaped tensor."""
+        rename = self.rename or (lambda name: name)
         named = list(model.named_parameters(remove_duplicate=False))
         buffers = {
-            prefix + ("." if prefix else "") + name: (module, name)
+            rename(prefix + ("." if prefix else "") + name)
             for prefix, module in model.named_modules()
             for name, buf in module.named_buffers(recurse=False)
-            if name not in module._non_persistent_buffers_set
+            if name not in getattr(module, "_non_persistent_buffers_set", ())
         }
-        model_keys = {n for n, _ in named} | set(buffers)
-        recipes, unused = plan_recipes(self.keys(), model, model_keys)
-        ignore = ignored_unexpected(model)
+        model_keys = {rename(n) for n, _ in named} | buffers
+        hf_model = next((m for m in model.modules() if _is_hf(m)), model)
+        recipes, unused = plan_recipes(self.keys(), hf_model, model_keys)
+        ignore = ignored_unexpected(hf_model)
         unexpected = [k for k in unused if not any(p.search(k) for p in ignore)]
         by_param: dict[int, list[str]] = {}
         for name, param in named:
             by_param.setdefault(id(param), []).append(name)
         missing, mismatched, chosen = [], [], {}
+        param_of = {n: p for n, p in named}
         for names in by_param.values():
-            found = next((n for n in names if n in recipes), None)
+            found = next((rename(n) for n in names if rename(n) in recipes), None)
             if found is None:
-                missing.append(names[0])
+                if not (self.keep_initialised and not param_of[names[0]].is_meta):
+                    missing.append(names[0])
                 continue
             chosen[names[0]] = found
-        param_of = {n: p for n, p in named}
         for first, found in chosen.items():
             recipe = recipes[found]
             if recipe.converter is None:
@@ -95,14 +106,26 @@ class WeightSource:
                 + "; ".join(problems)
                 + " (check that the checkpoint and the model config are the same architecture)"
             )
-        buffer_recipes = {b: recipes[b] for b in buffers if b in recipes}
-        return ResolvedWeights(self, model, recipes, chosen, buffer_recipes)
+        buffer_recipes = {
+            prefix + ("." if prefix else "") + name: recipes[key]
+            for prefix, module in model.named_modules()
+            for name, _ in module.named_buffers(recurse=False)
+            if (key := rename(prefix + ("." if prefix else "") + name)) in recipes
+        }
+        return ResolvedWeights(self, hf_model, model, recipes, chosen, buffer_recipes)
 
 
 class DirectoryWeights(WeightSource):
     """A safetensors checkpoint: a directory (with or without the index) or one file."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        rename: Callable[[str], str] | None = None,
+        keep_initialised: bool = False,
+    ):
+        self.rename, self.keep_initialised = rename, keep_initialised
         path = Path(path)
         self.description = f"checkpoint {path}"
         if path.is_file():
@@ -182,6 +205,13 @@ class CallableWeights(WeightSource):
         return super().resolve(model)
 
 
+def _is_hf(module: torch.nn.Module) -> bool:
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+        for c in type(module).__mro__
+    )
+
+
 def open_weights(weights: Any) -> WeightSource:
     """A :class:`WeightSource` from what ``setup(weights=...)`` was given."""
     if isinstance(weights, WeightSource):
@@ -210,8 +240,11 @@ def open_weights(weights: Any) -> WeightSource:
 class ResolvedWeights:
     """A source matched to a model: reads each parameter's values (or a part of them)."""
 
-    def __init__(self, source: WeightSource, model, recipes: dict[str, Recipe], chosen, buffers):
+    def __init__(
+        self, source: WeightSource, hf_model, model, recipes: dict[str, Recipe], chosen, buffers
+    ):
         self.source = source
+        self.hf_model = hf_model  # what HF's converters are given
         self.model = model
         self.recipes = recipes
         self.chosen = chosen  # first parameter name -> the model name whose recipe gives it
@@ -229,6 +262,9 @@ class ResolvedWeights:
     def local_value(self, name: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
         """Elements ``lo:hi`` of this rank's (flattened) value of parameter ``name``, in the
         stored dtype; reads only the rows (and model-parallel block) they lie in."""
+        if name not in self.chosen:  # keep_initialised: the parameter's own values
+            flat = self._params()[name].detach().reshape(-1)
+            return flat if lo is None else flat[lo:hi]
         recipe = self.recipes[self.chosen[name]]
         block = self.slices.get(name)
         if recipe.converter is None:
@@ -268,7 +304,7 @@ class ResolvedWeights:
         if block is not None and block[0] == 0 and recipe.stacks_dim0():
             keep = lambda i, b=block: b[1] <= i < b[2]  # noqa: E731 - this rank's experts only
             sliced_already = True
-        values = recipe.convert(self.source.read, self.model, keep)
+        values = recipe.convert(self.source.read, self.hf_model, keep)
         for target_name, value in values.items():
             READS.track(value)
             if target_name != target and target_name in self.recipes:
@@ -306,7 +342,7 @@ class ResolvedWeights:
         for name, recipe in self.buffers.items():
             module_name, _, attr = name.rpartition(".")
             module = self.model.get_submodule(module_name)
-            value = recipe.convert(self.source.read, self.model)[name]
+            value = next(iter(recipe.convert(self.source.read, self.hf_model).values()))
             current = getattr(module, attr)
             setattr(
                 module,

@@ -8,6 +8,8 @@ sees the old contents (zeros here), so a missing or misplaced wait fails the val
 On CPU the copies are synchronous and the same checks hold trivially.
 """
 
+import contextlib
+
 import pytest
 import torch
 from helpers.devices import DEVICES, synchronize
@@ -56,15 +58,22 @@ def test_device_to_host_copy_is_complete_after_wait(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_host_to_device_copy_is_ordered_before_compute(device):
+    """The copy is issued on another stream than the compute that reads it, behind a delay on
+    that stream: only the handle's wait orders the sum after the copy (on one stream the order
+    would hold whatever ``wait`` did, and the test could not fail)."""
     tier = _host_tier(device)
     n = _numel(device)
     slab = tier.allocate(n, torch.int32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk 0")
     slab.tensor.copy_(torch.arange(n, dtype=torch.int32))
     out = torch.zeros(n, dtype=torch.int32, device=device)
     synchronize(device)
-    handle = tier.read(slab, out)
-    handle.wait()  # the current stream waits for the copy; the sum below runs after it
+    side = torch.Stream(device=device) if device != "cpu" else contextlib.nullcontext()
+    with side:
+        _delay_current_stream(device)  # the copy queued on the side stream runs after this
+        handle = tier.read(slab, out)
+    handle.wait()  # the compute stream waits for the copy; the sum below runs after it
     assert int(out.sum(dtype=torch.int64)) == n * (n - 1) // 2
+    assert int(out[-1]) == n - 1
     tier.release(slab)
 
 

@@ -3,9 +3,11 @@ the side-stream prefetch, the fused device Adam and the caching allocator, which
 of tests/core never touch. Each test runs once per device (tests/helpers/devices.py); the cuda
 case is skipped with a reason where there is no GPU.
 
-On CUDA, bitwise equality across plans also needs the same kernels for the same shapes: a
-parameter's address inside its chunk (its alignment) can change which cuBLAS kernel runs, so a
-failure of the invariant test that only some chunk sizes show points there first.
+On CUDA, bitwise equality across plans holds only between plans that run the same kernels:
+cuBLAS picks a GEMM kernel by the alignment of a parameter's address inside its chunk (which
+the chunk size changes, e.g. chunk-7777), and a chunk whose optimizer states are on the host is
+updated by the CPU's fused AdamW, not CUDA's. Plans with the kernel choice of the all-device plan
+are compared bitwise; the others within a tolerance (``_assert_close_across_kernels``).
 """
 
 import pytest
@@ -23,6 +25,41 @@ def _cpu_state(model) -> dict[str, torch.Tensor]:
     return {key: value.detach().cpu() for key, value in model.state_dict().items()}
 
 
+ALIGNMENT = 16
+"""Bytes: cuBLAS chooses vectorised GEMM kernels by 16-byte alignment of its operands."""
+LOSS_RTOL = {"fp32": 1e-5, "bf16": 2e-2}
+"""Relative loss tolerance between plans whose kernels differ: another summation order changes
+a result by a few units in the last place of the compute precision (fp32: 2^-23 ≈ 1.2e-7, bf16:
+2^-8 ≈ 3.9e-3), and six steps of training carry that on; the bounds leave about 100x (fp32) and
+5x (bf16) of room, far below what a wrong value or a missed update changes (the loss moves by
+~1e-1 per step at lr 1e-2)."""
+
+
+def _kernel_choice(model) -> dict[str, tuple[int, bool]]:
+    """Per parameter: its byte offset in its chunk modulo ``ALIGNMENT`` (which GEMM kernel
+    runs) and whether its optimizer update runs on the compute device (CUDA or CPU AdamW)."""
+    engine = tierwise.engine_of(model)
+    return {
+        slot.name: (
+            slot.offset * engine.dtype.itemsize % ALIGNMENT,
+            chunk.optim is not None and chunk.optim.tier.name == "device",
+        )
+        for chunk in engine.chunks()
+        for slot in chunk.slots
+    }
+
+
+def _assert_close_across_kernels(precision, losses, base_losses, params, base_params, name):
+    for a, b in zip(losses, base_losses, strict=True):
+        assert abs(a - b) <= LOSS_RTOL[precision] * abs(b), f"{name}: losses {a} vs {b}"
+    # Adam moves an element by at most about lr per step, so two runs whose gradients differ
+    # slightly stay within 2 * lr * steps of each other, element by element
+    bound = 2 * 1e-2 * STEPS
+    for key, value in base_params.items():
+        diff = (params[key].float() - value.float()).abs().max().item()
+        assert diff <= bound, f"{name}: {key} differs by {diff} > {bound}"
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_plan_trains_bitwise_alike_on_device(device, precision):
@@ -33,12 +70,19 @@ def test_every_plan_trains_bitwise_alike_on_device(device, precision):
         }
     base_losses, base_model = results["all-device"]
     base_params = _cpu_state(base_model)
+    base_kernels = _kernel_choice(base_model)
+    bitwise = 0
     for name, (losses, model) in results.items():
         assert tierwise.engine_of(model).device.type == device
-        assert losses == base_losses, f"{name}: losses differ from all-device"
         params = _cpu_state(model)
-        for key, value in base_params.items():
-            assert torch.equal(params[key], value), f"{name}: {key} differs"
+        if device == "cpu" or _kernel_choice(model) == base_kernels:
+            bitwise += 1
+            assert losses == base_losses, f"{name}: losses differ from all-device"
+            for key, value in base_params.items():
+                assert torch.equal(params[key], value), f"{name}: {key} differs"
+        else:
+            _assert_close_across_kernels(precision, losses, base_losses, params, base_params, name)
+    assert device != "cpu" or bitwise == len(PLANS)  # on a CPU every plan runs the same kernels
     prefetched = tierwise.engine_of(results["all-host-prefetch2"][1]).stats()
     assert prefetched["moved_bytes"].get("host->device", 0) > 0
 

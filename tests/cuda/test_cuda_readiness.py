@@ -1,0 +1,94 @@
+"""The single-device GPU path (issue 28): what only a GPU can show of each defect. The CPU side
+of each is in tests/core/test_cuda_readiness.py (and the files its note names)."""
+
+from __future__ import annotations
+
+import pytest
+import tierwise
+import torch
+from helpers.devices import ONLY_CUDA, deterministic
+from helpers.models import tiny_batch, tiny_model
+from helpers.train import train
+from tierwise import api
+from tierwise.hookspecs import hookimpl
+from tierwise.plugins import build_plugin_manager
+from tierwise.runtime.cache import RCache
+
+
+class MixedOptimizerPlanner:
+    """Optimizer states of even chunks on the device, odd ones on the host (as search plans
+    place them when the model exceeds the device budget)."""
+
+    @hookimpl(tryfirst=True)
+    def tierwise_make_plan(self, profile, hardware, config):
+        from tierwise.planner import default_plan
+
+        plan = default_plan(profile=profile, hardware=hardware, config=config)
+        groups = {info.group for info in profile.params}
+        plan.optim_tiers = {g: ["device", "host"] * 64 for g in groups}
+        return plan
+
+
+@pytest.mark.parametrize("device", ONLY_CUDA)
+def test_clip_with_optimizer_states_on_device_and_host(device, monkeypatch):
+    """Defect 1: the clip norm of gradients on two devices equals torch's on the same model."""
+    host = build_plugin_manager(load_entry_points=False)
+    host.pm.register(MixedOptimizerPlanner(), name="mixed")
+    monkeypatch.setattr(api, "get_plugin_host", lambda: host)
+    reference = tiny_model("gpt2").to(device)
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(model, opt, precision="fp32", device=device, chunk_size=5000)
+    engine = tierwise.engine_of(model)
+    assert {c.optim.tier.name for c in engine.chunks() if c.trainable} == {"device", "host"}
+    with deterministic(device):
+        batch = {k: v.to(device) for k, v in tiny_batch(seed=0).items()}
+        model(**batch).loss.backward()
+        got = tierwise.clip_grad_norm_(model, 0.5)
+        reference(**batch).loss.backward()
+        want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    # per-parameter norms of host chunks are taken by the CPU's kernel, not CUDA's
+    assert abs(got.item() - want.item()) <= 1e-5 * want.item()
+    opt.step()
+    engine.close()
+
+
+@pytest.mark.parametrize("device", ONLY_CUDA)
+def test_cuda_without_index_lends_the_fixed_rcache_blocks(device, monkeypatch):
+    """Defect 2: Config.device="cuda" becomes cuda:N, so the rCache lends its blocks."""
+    lent: list[bool] = []
+    original = RCache.lend
+
+    def record(self, block_id, storage):
+        lent.append(original(self, block_id, storage))
+        return lent[-1]
+
+    monkeypatch.setattr(RCache, "lend", record)
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(
+        model, opt, device="cuda", param_placement="host", cache_blocks=3, chunk_size=5000
+    )
+    engine = tierwise.engine_of(model)
+    assert engine.device == torch.device("cuda", torch.cuda.current_device())
+    train(model, opt, 1)
+    assert lent and all(lent)
+    engine.close()
+
+
+@pytest.mark.parametrize("device", ONLY_CUDA)
+def test_warm_up_tracing_keeps_the_users_peak_memory_statistics(device):
+    """Defect 8: the profiler's tracer runs during the warm-up step and leaves the CUDA peak
+    that the user's code measured before it."""
+    pytest.importorskip("tierwise_profiler")
+    torch.cuda.reset_peak_memory_stats(device)
+    big = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    del big
+    peak = torch.cuda.max_memory_allocated(device)
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(model, opt, device=device, param_placement="host", cache_blocks=3)
+    train(model, opt, 1)  # the warm-up step, traced
+    assert tierwise.engine_of(model).tracing.memory_moments  # the tracer did run
+    assert torch.cuda.max_memory_allocated(device) >= peak
+    tierwise.engine_of(model).close()

@@ -13,9 +13,11 @@ import torch
 import torch.distributed as dist
 
 from tierwise.checkpoint_manifest import FORMAT_VERSION, CheckpointError, describe, write_manifest
-from tierwise.checkpoint_reader import CheckpointReader
+from tierwise.checkpoint_reader import MOMENT_KINDS, CheckpointReader
 from tierwise.chunks import Chunk
 from tierwise.chunks.io import gather_chunk, read_slab, write_slab
+from tierwise.optim.state_formats import MomentFormat, moment_formats
+from tierwise.precision import QUANT_BLOCK
 from tierwise.registry import engine_of
 
 if TYPE_CHECKING:
@@ -166,8 +168,10 @@ def rank_pieces(engine: Engine, rank: int, world: int) -> tuple[dict, dict]:
     for chunk in engine.chunks():
         pattern = pattern_of.get(chunk.group.pattern_key)
         for kind, slab in _slabs(chunk).items():
-            shard = read_slab(slab).float()
-            if _splits(pattern):
+            stored = read_slab(slab)
+            fmt = _moment_format(engine, kind)
+            shard = stored.float() if fmt is None else fmt.decoded(stored, chunk.shard_size)
+            if _splits(pattern):  # whole-model values: low-bit moments are saved decoded
                 full = gather_chunk(chunk, shard)
                 for slot in chunk.slots:
                     local = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
@@ -183,7 +187,8 @@ def rank_pieces(engine: Engine, rank: int, world: int) -> tuple[dict, dict]:
                     lo, hi = _overlap(chunk, slot)
                     if lo < hi:
                         a = slot.offset + lo - start
-                        pieces[f"{slot.name}/{kind}"] = shard[a : a + hi - lo].clone()
+                        key = f"{slot.name}/{kind}"
+                        pieces.update(_stored_piece(key, fmt, stored, shard, a, hi - lo))
                         index[slot.name] = {"shape": list(slot.shape), "lo": lo, "hi": hi}
         for slot in chunk.slots:
             if slot.name in index:
@@ -195,6 +200,66 @@ def rank_pieces(engine: Engine, rank: int, world: int) -> tuple[dict, dict]:
                 )
                 index[slot.name].update(trainable=chunk.optim is not None, step=step)
     return pieces, index
+
+
+def _moment_format(engine: Engine, kind: str) -> MomentFormat | None:
+    """How ``kind`` is stored when it is an Adam moment in low precision, else None."""
+    if kind not in MOMENT_KINDS or engine.config.optimizer_states == "fp32":
+        return None
+    return moment_formats(engine.config.optimizer_states)[MOMENT_KINDS.index(kind)]
+
+
+def _stored_piece(
+    key: str, fmt: MomentFormat | None, stored: torch.Tensor, shard: torch.Tensor, a: int, n: int
+) -> dict[str, torch.Tensor]:
+    """The checkpoint entries of elements ``[a, a + n)`` of a shard, stored as they are ([Note:
+    checkpoint by parameter name]): fp32, bf16, or int8 codes with the scales of the blocks
+    they fall in and where the first one starts in its block (``.scales``, ``.phase``)."""
+    if fmt is None:
+        return {key: shard[a : a + n].clone()}
+    if fmt.precision == "bf16":
+        return {key: stored[a : a + n].clone()}
+    codes, scales = fmt.split(stored)
+    first, last = a // QUANT_BLOCK, (a + n - 1) // QUANT_BLOCK
+    return {
+        key: codes[a : a + n].clone(),
+        f"{key}.scales": scales[first : last + 1].clone(),
+        f"{key}.phase": torch.tensor(a % QUANT_BLOCK),
+    }
+
+
+def _restored_int8(
+    engine: Engine, reader: CheckpointReader, chunk: Chunk, kind: str, fmt: MomentFormat
+) -> torch.Tensor | None:
+    """A chunk's int8 moment exactly as saved, when the checkpoint holds it in the same blocks
+    (same world size and chunk layout: a resumed run continues bitwise, Invariant 5); None when
+    it must be encoded again from its values."""
+    if reader.optimizer_states != "int8" or reader.world_size != _rank_and_world()[1]:
+        return None
+    if reader.chunk_size not in (None, engine.plan.chunk_size):
+        return None
+    padded = fmt.padded_numel(chunk.shard_size)
+    codes = torch.full((padded,), fmt.zero_code, dtype=torch.uint8)
+    scales = torch.full((padded // QUANT_BLOCK,), 1e-12)  # a block of zeros encodes to this
+    filled = torch.zeros(padded // QUANT_BLOCK, dtype=torch.bool)
+    start, _ = chunk.shard_range()
+    for slot in chunk.slots:
+        lo, hi = _overlap(chunk, slot)
+        if lo == hi:
+            continue
+        a = slot.offset + lo - start
+        piece = reader.stored_piece(slot.name, kind, lo, hi)
+        if piece is None or piece[2] != a % QUANT_BLOCK:
+            return None
+        piece_codes, piece_scales, _ = piece
+        blocks = slice(a // QUANT_BLOCK, (a + hi - lo - 1) // QUANT_BLOCK + 1)
+        known = filled[blocks]
+        if not torch.equal(scales[blocks][known], piece_scales[known]):
+            return None  # blocks of another layout
+        codes[a : a + hi - lo] = piece_codes
+        scales[blocks] = piece_scales
+        filled[blocks] = True
+    return torch.cat([codes, scales.view(torch.uint8)])
 
 
 def _gather_objects(value):
@@ -249,6 +314,7 @@ def _manifest(engine: Engine, world: int, gathered: list) -> dict:
         "tierwise_version": __version__,
         "world_size": world,
         "step": engine.optimizer.steps_taken,
+        "optimizer_states": engine.config.optimizer_states,
         "files": files,
         "params": params,
         "aliases": aliases,
@@ -392,7 +458,14 @@ def load_from_reader(engine: Engine, reader: CheckpointReader) -> None:
                 {"counts": {slot.name: int(reader.step(slot.name)) for slot in chunk.slots}}
             )
             for kind, slab in _slabs(chunk).items():
-                write_slab(slab, values[kind])
+                fmt = _moment_format(engine, kind)  # [Note: low-bit optimizer states]
+                if fmt is None:
+                    write_slab(slab, values[kind])
+                    continue
+                stored = None
+                if fmt.precision == "int8" and not _splits(pattern):
+                    stored = _restored_int8(engine, reader, chunk, kind, fmt)
+                write_slab(slab, stored if stored is not None else fmt.encoded(values[kind]))
             if chunk.home is not chunk.optim.master:
                 write_slab(chunk.home, values["master"].to(engine.dtype))
             chunk.optim.clear_grad()
@@ -414,6 +487,7 @@ def rank_state(engine: Engine) -> dict:
         "format": FORMAT_VERSION,
         "world_size": world,
         "rank": rank,
+        "optimizer_states": engine.config.optimizer_states,
         "pieces": pieces,
         "index": index,
         "engine": engine.state_dict(),
@@ -436,6 +510,7 @@ class _InMemoryReader(CheckpointReader):
         self.manifest = {
             "world_size": state["world_size"],
             "step": state["engine"]["steps_taken"],
+            "optimizer_states": state.get("optimizer_states", "fp32"),
             "params": params,
             "files": {},
         }

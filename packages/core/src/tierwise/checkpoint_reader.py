@@ -1,8 +1,9 @@
 """Read a tierwise checkpoint by parameter name, one piece at a time.
 
 [Note: checkpoint by parameter name]
-A checkpoint stores, per parameter (under its original, whole-model name), flat fp32 pieces of
-its master weights and Adam moments: piece ``[lo, hi)`` of the parameter's flattened whole-model
+A checkpoint stores, per parameter (under its original, whole-model name), flat pieces of its
+fp32 master weights and of its Adam moments as the run stored them (fp32, bf16, or int8 codes
+with their block scales; ``read`` gives fp32 values of any of them): piece ``[lo, hi)`` of the parameter's flattened whole-model
 value, in the file of the rank that wrote it. Which rank wrote which piece follows from the
 layout it ran with (its data-parallel shard of each chunk, or a 1/world share of a
 model-parallel parameter), and the manifest's ``params`` index lists them. Reading by name and
@@ -21,10 +22,15 @@ from typing import Any
 import torch
 
 from tierwise.checkpoint_manifest import CheckpointError, check_file, read_manifest
+from tierwise.optim.state_formats import decode_piece
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 """What is stored per parameter: fp32 master weights (a frozen parameter's value) and, for
 trainable parameters, the two Adam moments."""
+
+MOMENT_KINDS = KINDS[1:]
+"""The Adam moments, stored as the run's ``Config.optimizer_states`` kept them (fp32, bf16, or
+int8 codes with ``<key>.scales`` and ``<key>.phase``: [Note: low-bit optimizer states])."""
 
 
 class CheckpointReader:
@@ -105,7 +111,14 @@ class CheckpointReader:
             a, b = max(lo, start), min(hi, end)
             if a >= b:
                 continue
-            piece = self._open(file)[f"{self._aliases.get(name, name)}/{kind}"]
+            entries = self._open(file)
+            key = f"{self._aliases.get(name, name)}/{kind}"
+            piece = entries[key]
+            if piece.dtype == torch.uint8:  # int8 moments: decoded, as the run decoded them
+                phase = int(entries[f"{key}.phase"])
+                piece = decode_piece(
+                    piece, entries[f"{key}.scales"], phase, signed=kind == "exp_avg"
+                )
             out[a - start : b - start] = piece[a - lo : b - lo]
             covered += b - a
         if covered != end - start:
@@ -113,6 +126,31 @@ class CheckpointReader:
                 f"checkpoint {self.path}: the pieces of {name} do not cover [{start}, {end})"
             )
         return out
+
+    @property
+    def optimizer_states(self) -> str:
+        """How the saving run stored its Adam moments (``Config.optimizer_states``)."""
+        return self.manifest.get("optimizer_states", "fp32")
+
+    @property
+    def chunk_size(self) -> int | None:
+        """The saving run's chunk size (None when not recorded)."""
+        return self.manifest.get("plan", {}).get("chunk_size")
+
+    def stored_piece(
+        self, name: str, kind: str, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """int8 moments: (codes, block scales, phase) of the one piece that is exactly elements
+        ``[start, end)`` of ``name`` (a resumed run of the same layout restores them as they
+        were); None when the moment is not int8 or no piece has those bounds."""
+        if self.optimizer_states != "int8" or kind not in MOMENT_KINDS:
+            return None
+        for file, lo, hi in self._entry(name)["pieces"]:
+            if (lo, hi) == (start, end):
+                entries = self._open(file)
+                key = f"{self._aliases.get(name, name)}/{kind}"
+                return entries[key], entries[f"{key}.scales"], int(entries[f"{key}.phase"])
+        return None
 
     def files_for(self, name: str, start: int = 0, end: int | None = None) -> set[str]:
         """The files holding elements ``[start, end)`` of ``name``."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tierwise.plan import check_policy_entries
-from tierwise.precision import PRECISIONS
+from tierwise.precision import PRECISIONS, STATE_PRECISIONS
 from tierwise.units import parse_bytes
 
 PLACEMENTS = ("auto", "device", "host", "nvme")
@@ -55,6 +55,12 @@ class Config:
 
     optimizer_placement: str = "auto"
     """Tier holding fp32 master weights and Adam states: "auto" | "device" | "host" | "nvme"."""
+
+    optimizer_states: str = "fp32"
+    """Precision the Adam moments (exp_avg, exp_avg_sq) are stored in: "fp32" (default, the
+    same values as torch's AdamW), "bf16" (half the bytes), or "int8" (8-bit codes with a
+    scale per 256-element block, as torchao's AdamW8bit: about a quarter). The fp32 master
+    copy stays fp32; updates run in fp32 ([Note: low-bit optimizer states])."""
 
     device_memory: int | str | None = None
     """Byte budget for model data on the compute device (int or "8GiB"); None = what it has."""
@@ -186,6 +192,8 @@ class Config:
                 "expert_capacity_factor",
                 "give a positive factor (1.25 is common) or None for exact routing",
             )
+        if self.optimizer_states not in STATE_PRECISIONS:
+            fail("optimizer_states", f"choose one of {', '.join(STATE_PRECISIONS)}")
         if self.optimizer_overlap not in ("auto", "in-backward", "after-backward"):
             fail("optimizer_overlap", "choose one of auto, in-backward, after-backward")
         if self.optimizer_overlap == "in-backward" and self.precision == "fp16":

@@ -27,7 +27,33 @@ OPTIM_STATES = ("master", "exp_avg", "exp_avg_sq")
 """The optimizer states every trainable element has, in slab order."""
 
 OPTIM_BYTES = STATE_BYTES * len(OPTIM_STATES)
-"""fp32 master + exp_avg + exp_avg_sq per trainable element."""
+"""fp32 master + exp_avg + exp_avg_sq per trainable element (``optimizer_states="fp32"``)."""
+
+STATE_PRECISIONS = ("fp32", "bf16", "int8")
+"""Precisions the Adam moments may be stored in (``Config.optimizer_states``); the master copy
+stays fp32 in every one ([Note: low-bit optimizer states])."""
+
+QUANT_BLOCK = 256
+"""Elements per block of int8 moments: each block of a chunk's shard has one fp32 scale."""
+
+MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / QUANT_BLOCK}
+"""Bytes per element of each Adam moment in each state precision (int8: a code, plus a block's
+fp32 scale shared by QUANT_BLOCK elements)."""
+
+
+def optim_bytes(optimizer_states: str = "fp32") -> float:
+    """Bytes per trainable element of the fp32 master and both Adam moments stored in
+    ``optimizer_states`` (12 for fp32, 8 for bf16, about 6.03 for int8)."""
+    return STATE_BYTES + 2 * MOMENT_BYTES[check_state_precision(optimizer_states)]
+
+
+def check_state_precision(optimizer_states: str) -> str:
+    """``optimizer_states`` when tierwise knows it; otherwise a one-line ValueError."""
+    if optimizer_states not in MOMENT_BYTES:
+        raise ValueError(
+            f"optimizer_states {optimizer_states!r}: choose one of {', '.join(STATE_PRECISIONS)}"
+        )
+    return optimizer_states
 
 
 def check_precision(precision: str) -> str:

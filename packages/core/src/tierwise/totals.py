@@ -5,21 +5,25 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tierwise.precision import PARAM_BYTES, STATE_BYTES
+from tierwise.precision import MOMENT_BYTES, PARAM_BYTES, STATE_BYTES
 
 if TYPE_CHECKING:
     from tierwise.plan import Plan
     from tierwise.profile import Profile
 
 
-def model_data_bytes(numel: int, trainable: int, precision: str) -> list[tuple[str, int]]:
+def model_data_bytes(
+    numel: int, trainable: int, precision: str, optimizer_states: str = "fp32"
+) -> list[tuple[str, int]]:
     """Model-data bytes by kind: compute-precision parameters (gradients reuse their chunks)
-    and the fp32 optimizer states of the trainable ones (master copy unless fp32, Adam m and v)."""
+    and the optimizer states of the trainable ones (fp32 master copy unless fp32, Adam m and v
+    stored as ``optimizer_states``)."""
     low = precision != "fp32"
     rows = [(f"parameters ({precision}, gradients reuse them)", numel * PARAM_BYTES[precision])]
     if low:
         rows.append(("fp32 master parameters", trainable * STATE_BYTES))
-    rows.append(("Adam m and v (fp32)", trainable * 2 * STATE_BYTES))
+    moments = int(trainable * 2 * MOMENT_BYTES[optimizer_states])
+    rows.append((f"Adam m and v ({optimizer_states})", moments))
     rows.append(("total", sum(n for _, n in rows)))
     return rows
 

@@ -213,7 +213,13 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
     needed |= {plan.optim_tier_of(g.name, c.index) for g in groups if g.trainable for c in g.chunks}
     needed |= {a for a in plan.activation_policy.values() if a == "nvme"}
     tiers = _make_tiers(host, config, plan, needed)
-    allocated = allocate_payloads(groups, plan, tiers, fp32_alias=config.precision == "fp32")
+    allocated = allocate_payloads(
+        groups,
+        plan,
+        tiers,
+        fp32_alias=config.precision == "fp32",
+        optimizer_states=config.optimizer_states,
+    )
     grad_offload = None
     try:
         grad_offload = gradient_offload_for(groups, tiers, dtype)

@@ -21,9 +21,10 @@ from tierwise.chunks import (
     pack,
     sharded_capacity,
 )
+from tierwise.optim.state_formats import moment_formats, moment_kind
 from tierwise.parallel import ParallelPattern
 from tierwise.plan import Plan
-from tierwise.precision import OPTIM_STATES, STATE_BYTES
+from tierwise.precision import STATE_BYTES
 from tierwise.profile import ParamInfo, Profile
 from tierwise.tiers.base import PayloadKind
 
@@ -149,7 +150,13 @@ def layout_groups(
     return groups
 
 
-def payload_sizes(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_alias: bool) -> dict:
+def payload_sizes(
+    groups: list[ChunkGroup],
+    plan: Plan,
+    tiers: dict,
+    fp32_alias: bool,
+    optimizer_states: str = "fp32",
+) -> dict:
     """Tier name -> the byte sizes of the slabs ``allocate_payloads`` will allocate there."""
     sizes: dict[str, list[int]] = {}
     for group in groups:
@@ -159,8 +166,12 @@ def payload_sizes(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_alias:
             if group.trainable:
                 opt = plan.optim_tier_of(group.name, chunk.index)
                 copies = tiers[opt].STATE_COPIES  # [Note: atomic optimizer step]
+                moments = [  # [Note: low-bit optimizer states]
+                    fmt.stored_numel(chunk.shard_size) * fmt.dtype.itemsize
+                    for fmt in moment_formats(optimizer_states)
+                ]
                 sizes.setdefault(opt, []).extend(
-                    [chunk.shard_size * STATE_BYTES] * len(OPTIM_STATES) * copies
+                    [chunk.shard_size * STATE_BYTES, *moments] * copies
                 )
                 # the gradient shard lives with the optimizer states, on a storage tier too
                 # ([Note: active gradient offloading]: its host buffers are the engine's)
@@ -171,9 +182,17 @@ def payload_sizes(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_alias:
     return sizes
 
 
-def allocate_payloads(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_alias: bool) -> list:
-    """Allocate home and optimizer slabs per chunk; on failure release what was allocated."""
-    for name, slab_bytes in payload_sizes(groups, plan, tiers, fp32_alias).items():
+def allocate_payloads(
+    groups: list[ChunkGroup],
+    plan: Plan,
+    tiers: dict,
+    fp32_alias: bool,
+    optimizer_states: str = "fp32",
+) -> list:
+    """Allocate home and optimizer slabs per chunk (the Adam moments stored as
+    ``optimizer_states``); on failure release what was allocated."""
+    sizes = payload_sizes(groups, plan, tiers, fp32_alias, optimizer_states)
+    for name, slab_bytes in sizes.items():
         tiers[name].check_capacity(slab_bytes)  # before the first allocation
     allocated = []
     try:
@@ -191,12 +210,13 @@ def allocate_payloads(groups: list[ChunkGroup], plan: Plan, tiers: dict, fp32_al
                     )
                     allocated.append(master)
                     slabs = [master]
-                    for kind in ("exp_avg", "exp_avg_sq"):
+                    formats = moment_formats(optimizer_states)
+                    for kind, fmt in zip(("exp_avg", "exp_avg_sq"), formats, strict=True):
                         slabs.append(
                             opt_tier.allocate_state(
-                                chunk.shard_size,
-                                torch.float32,
-                                kind=PayloadKind.OPTIM_STATE,
+                                fmt.stored_numel(chunk.shard_size),
+                                fmt.dtype,
+                                kind=moment_kind(optimizer_states),
                                 what=f"{what} {kind}",
                             )
                         )
@@ -242,9 +262,9 @@ def fill_payloads(groups: list[ChunkGroup], dtype: torch.dtype, model: torch.nn.
     for group in groups:
         for chunk in group.chunks:
             shard_zeros = torch.zeros(chunk.shard_size, dtype=torch.float32)
-            if chunk.optim is not None:
+            if chunk.optim is not None:  # zero bytes: zero moments in every state precision
                 for slab in (chunk.optim.master, chunk.optim.exp_avg, chunk.optim.exp_avg_sq):
-                    slab.tier.write(slab, shard_zeros).wait()
+                    slab.tier.write(slab, torch.zeros(slab.numel, dtype=slab.dtype)).wait()
             if chunk.optim is None or chunk.home is not chunk.optim.master:
                 chunk.home.tier.write(chunk.home, shard_zeros.to(dtype)).wait()
             for slot in chunk.slots:

@@ -42,6 +42,7 @@ from tierwise.chunks import (
 from tierwise.chunks.grad_state import GradState
 from tierwise.chunks.io import gather_chunk, read_slab
 from tierwise.hf_compat import hf_checkpointing_enabled
+from tierwise.optim.state_formats import MomentFormat, moment_formats, moment_kind
 from tierwise.plan import Plan
 from tierwise.planner import may_recompute, profile_min_blocks
 from tierwise.precision import OPTIM_STATES
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from tierwise.tiers.base import Slab
 
 _STATE_KINDS = OPTIM_STATES
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 _PAYLOAD = {
     "home": PayloadKind.PARAM_CHUNK,
     "master": PayloadKind.MASTER,
@@ -169,6 +171,21 @@ def _tiers_for(group: ChunkGroup, chunks: list[Chunk], tier_of) -> list[str]:
     return out
 
 
+def _moment_format(engine: Engine, kind: str) -> MomentFormat | None:
+    """How ``kind`` is stored when it is an Adam moment ([Note: low-bit optimizer states])."""
+    if kind not in _MOMENTS:
+        return None
+    return moment_formats(engine.config.optimizer_states)[_MOMENTS.index(kind)]
+
+
+def _stored(engine: Engine, group: ChunkGroup, kind: str, numel: int) -> tuple[int, torch.dtype]:
+    """(elements, dtype) of the slab holding ``numel`` elements of ``kind``."""
+    fmt = _moment_format(engine, kind)
+    if fmt is not None:
+        return fmt.stored_numel(numel), fmt.dtype
+    return numel, torch.float32 if kind in _STATE_KINDS else group.dtype
+
+
 def _kinds(engine: Engine, group: ChunkGroup) -> list[str]:
     kinds = (
         []
@@ -207,11 +224,10 @@ def _cannot_move(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> str 
     growth: Counter[str] = Counter()
     largest_kind = 0
     for kind in _kinds(engine, group):
-        dtype = torch.float32 if kind in _STATE_KINDS else group.dtype
-        size = torch.empty((), dtype=dtype).element_size()
         new: Counter[str] = Counter()
         for chunk, tier in zip(chunks, tiers[kind], strict=True):
-            new[tier] += chunk.shard_size * size
+            numel, dtype = _stored(engine, group, kind, chunk.shard_size)
+            new[tier] += numel * dtype.itemsize
         old: Counter[str] = Counter()
         for chunk in group.chunks:
             old[_slab(chunk, kind).tier.name] += _slab(chunk, kind).nbytes
@@ -289,23 +305,25 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> dict[
         if kind == "grad" and not grads_filled:
             values = None  # nothing to keep: the next backward overwrites them
         else:
-            values = _gather_kind(group, chunks, kind, where)
+            values = _gather_kind(group, chunks, kind, where, _moment_format(engine, kind))
         for chunk in group.chunks:
             slab = _slab(chunk, kind)
             slab.tier.release(slab)
         slabs = []
         for i, (chunk, tier_name) in enumerate(zip(chunks, tiers[kind], strict=True)):
-            dtype = torch.float32 if kind in _STATE_KINDS else group.dtype
+            numel, dtype = _stored(engine, group, kind, chunk.shard_size)
+            fmt = _moment_format(engine, kind)
             tier = engine.tiers[tier_name]
             allocate = tier.allocate_state if kind in _STATE_KINDS else tier.allocate
             slab = allocate(
-                chunk.shard_size,
+                numel,
                 dtype,
-                kind=_PAYLOAD[kind],
+                kind=moment_kind(engine.config.optimizer_states) if fmt else _PAYLOAD[kind],
                 what=f"{group.name}#{chunk.index} {kind}",
             )
             if values is not None:
-                tier.write(slab, values[i].to(dtype)).wait()
+                value = fmt.encoded(values[i]) if fmt is not None else values[i].to(dtype)
+                tier.write(slab, value).wait()
             slabs.append(slab)
         new_slabs[kind] = slabs
     for i, chunk in enumerate(chunks):
@@ -327,13 +345,17 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> dict[
 
 
 def _gather_kind(
-    group: ChunkGroup, chunks: list[Chunk], kind: str, where: dict
+    group: ChunkGroup, chunks: list[Chunk], kind: str, where: dict, fmt: MomentFormat | None
 ) -> list[torch.Tensor]:
-    """This rank's shard of every new chunk, for one kind, filled from the old chunks."""
+    """This rank's shard of every new chunk, for one kind, filled from the old chunks (Adam
+    moments stored in low precision are decoded: the new chunks' blocks are other blocks)."""
     dtype = torch.float32 if kind in _STATE_KINDS else group.dtype
     shards = [torch.zeros(c.shard_size, dtype=dtype) for c in chunks]
     for old in group.chunks:
-        full = gather_chunk(old, read_slab(_slab(old, kind)))
+        shard = read_slab(_slab(old, kind))
+        if fmt is not None:
+            shard = fmt.decoded(shard, old.shard_size)
+        full = gather_chunk(old, shard)
         for slot in old.slots:
             new_chunk, new_slot = where[slot.name]
             start, end = new_chunk.shard_range()

@@ -25,6 +25,7 @@ from tierwise.optim import (
     adam_update_ranges,
     adam_update_tensors,
 )
+from tierwise.optim.state_formats import LowBitMoments
 from tierwise.parallel.collectives import Collectives
 from tierwise.protocols import OptimizerPipeline
 from tierwise.runtime.gradients import slot_grad
@@ -112,6 +113,8 @@ class OptimizerStep:
             for s in c.slots
         )
         self.step_undo = StepUndo(step_counts=self.step_counts, scaler=scaler)
+        self.moments = LowBitMoments(config.optimizer_states)
+        """How the Adam moments are stored ([Note: low-bit optimizer states])."""
         self.pipelines = self._make_pipelines()
         if config.optimizer_overlap == "in-backward" and self.multi_rank and self.pipelines:
             warnings.warn(
@@ -456,8 +459,8 @@ class OptimizerStep:
         return ranges
 
     def _chunk_update(self, chunk: Chunk, hyper: AdamHyper, multiplier: list | None):
-        """The update of one chunk, given its fp32 (master, exp_avg, exp_avg_sq) tensors (it
-        advances the step counts now, on the calling thread)."""
+        """The update of one chunk, given its (master, exp_avg, exp_avg_sq) tensors as stored
+        (it advances the step counts now, on the calling thread)."""
         optim = chunk.optim
         ranges = self._update_ranges(chunk)
         undo = self.step_undo
@@ -504,7 +507,12 @@ class OptimizerStep:
                 undo.home_written(chunk)
                 chunk.home.tier.write(chunk.home, master.to(self.dtype)).wait()
 
-        return update
+        # stored moments in low precision: [Note: low-bit optimizer states]
+        if kept is not None:
+            spans = [(s.offset, s.offset + s.numel) for s, _ in kept]
+        else:
+            spans = [(a, b) for a, b, _ in ranges]
+        return self.moments.around(update, numel=chunk.shard_size, spans=spans)
 
     def _update_in_pieces(
         self,
@@ -561,7 +569,7 @@ class OptimizerStep:
         else:  # a storage tier without a pipeline: read, update, write in turn
             chunk.move_grads(GradState.UPDATING, _OWNER)
             try:
-                states = [torch.empty(chunk.shard_size, dtype=torch.float32) for _ in slabs]
+                states = [torch.empty(slab.numel, dtype=slab.dtype) for slab in slabs]
                 for slab, out in zip(slabs, states, strict=True):
                     optim.tier.read(slab, out).wait()
                 update(states)

@@ -30,7 +30,11 @@ class PayloadKind(str, Enum):
     MASTER = "master"
     """fp32 master copy of a chunk's shard."""
     OPTIM_STATE = "optim_state"
-    """Adam exp_avg / exp_avg_sq of a chunk's shard."""
+    """Adam exp_avg / exp_avg_sq of a chunk's shard (fp32)."""
+    LOWBIT_STATE = "lowbit_state"
+    """Adam exp_avg / exp_avg_sq of a chunk's shard stored in low precision
+    (``Config.optimizer_states`` "bf16", or "int8" codes and block scales: [Note: low-bit
+    optimizer states])."""
     GRAD_SHARD = "grad_shard"
     """A chunk's shard of reduced gradients."""
     STAGING = "staging"

@@ -11,6 +11,7 @@ import dataclasses
 import typing
 
 from tierwise.config import Config
+from tierwise.precision import STATE_PRECISIONS
 from tierwise.train.options import TrainOptions, field_docs
 
 CONFIG_FLAG_PREFIX = "config_"
@@ -23,6 +24,7 @@ examples:
   tierwise train --data 'notes/*.md' --tokenizer ./tok --from-pretrained ./my-model
   tierwise train --host-memory 4MiB --nvme-path /mnt/nvme/tierwise   # needs tierwise-nvme
   tierwise train --activation-offload auto --seq 2048          # keep/recompute/swap per block
+  tierwise train --optimizer-states int8           # Adam moments in 8 bits: 6 B/param of states, not 12
   tierwise train --activation-policy 'transformer.h.*=host' --activation-policy 'transformer.h.0=keep'
   tierwise train --resume runs/train-20250101-120000
 """
@@ -137,6 +139,8 @@ def _add_option(
         )
     elif name == "activation_offload":
         group.add_argument(flag, choices=("none", "host", "nvme", "auto"), **common)
+    elif name == "optimizer_states":
+        group.add_argument(flag, choices=STATE_PRECISIONS, **common)
     elif name == "data":
         group.add_argument(flag, nargs="+", action="extend", metavar="PATH", **common)
     else:

@@ -25,7 +25,7 @@ from tierwise.config import Config, ConfigError
 from tierwise.model_presets import ModelError
 from tierwise.plan import PlanError
 from tierwise.plugins import get_plugin_host
-from tierwise.precision import OPTIM_BYTES, param_bytes
+from tierwise.precision import optim_bytes, param_bytes
 from tierwise.tiers import TierBudgetError
 from tierwise.train import checkpoints, data, lora, presets
 from tierwise.train.distributed import World, barrier, close_world, init_world, mean_over_ranks
@@ -180,10 +180,10 @@ def check_plugins(config: Config) -> None:
         )
 
 
-def model_data_bytes(n_params: int, precision: str) -> int:
+def model_data_bytes(n_params: int, precision: str, optimizer_states: str = "fp32") -> int:
     """Model data before chunk padding, counted as core's planner counts it: params and grads in
-    the compute precision, fp32 master weights and two Adam states."""
-    return n_params * (2 * param_bytes(precision) + OPTIM_BYTES)
+    the compute precision, fp32 master weights and two Adam states (``optimizer_states``)."""
+    return int(n_params * (2 * param_bytes(precision) + optim_bytes(optimizer_states)))
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def _train(request: Request, world: World) -> int:
             weights = DirectoryWeights(weights, rename=lora.base_name, keep_initialised=True)
     n_params = presets.count_parameters(model)
     config = request.config.replace(device=world.device)
-    data_bytes = model_data_bytes(n_params, config.precision)
+    data_bytes = model_data_bytes(n_params, config.precision, config.optimizer_states)
     budget_note = ""
     if not request.device_memory_given:
         config = config.replace(device_memory=data_bytes // 2)
@@ -243,7 +243,8 @@ def _train(request: Request, world: World) -> int:
         )
     console.note(
         f"model: {model_name}, {n_params:,} parameters, model data ≈ {format_bytes(data_bytes)} "
-        f"({config.precision} params and grads, fp32 master weights and Adam states)",
+        f"({config.precision} params and grads, fp32 master weights, "
+        f"{config.optimizer_states} Adam states)",
         parameters=n_params,
         model_data_bytes=data_bytes,
     )

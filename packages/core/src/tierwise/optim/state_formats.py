@@ -1,0 +1,320 @@
+"""Adam moments stored in low precision (``Config.optimizer_states``): bf16, or int8 codes with
+block-wise scales.
+
+[Note: low-bit optimizer states]
+With ``optimizer_states="int8"`` both Adam moments of a chunk's shard are stored as one byte per
+element plus one fp32 scale per block of QUANT_BLOCK (256) elements of the shard, in the scheme of
+torchao's ``AdamW8bit`` (after bitsandbytes): a block is divided by its largest magnitude, then each
+value becomes the index of the nearest entry of the dynamic quantization map (signed for
+exp_avg, unsigned for exp_avg_sq), rounding exactly as torchao does. ``"bf16"`` stores the
+moments in bf16 (round to nearest). The fp32 master copy is never stored in low precision.
+
+A stored moment is one slab (PayloadKind.LOWBIT_STATE): bf16 elements, or for int8 the codes of
+every block followed by the blocks' fp32 scales (``MomentFormat.stored_numel``). The update of a
+chunk decodes both moments into fp32 buffers (one pair per thread, reused), runs the same fused
+Adam(W) as fp32 states on them (so the parameter update uses the unrounded new moments, as
+torchao's does), and encodes them back: ``LowBitMoments.around``. Only the blocks holding
+elements the update changed are encoded again: decoding and encoding is not the identity for
+int8 (a block whose largest magnitude is negative maps to -0.993, not -1), so the moments of
+parameters skipped in a step ([Note: unused parameters are skipped]) stay as they were unless
+they share a block with an updated parameter.
+
+Differences from torchao's optimizer, by design: blocks are 256 consecutive elements of a
+chunk's shard, so one block may hold the ends of two parameters, and small parameters are
+quantized too (torchao keeps tensors under 4096 elements, or not a multiple of 256, in fp32);
+the arithmetic of the update is torch's fused Adam(W) kernel, which rounds a few steps
+differently from torchao's compiled formula. ``tests/core/test_lowbit_states.py`` compares both.
+Because blocks follow the layout, int8 states make results depend on the chunk layout (bf16 and
+fp32 states are elementwise: Invariant 1 holds for them).
+
+Quantizing by binary search over the map (torchao's eager code, 8 gathers per element) takes
+about 75 ns per element on one CPU thread; ``_code_table`` instead looks up the nearest code
+from the top 16 bits of each scaled value plus one comparison, bitwise the same codes at a
+fraction of the cost ([Note: int8 code lookup]).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tierwise.precision import QUANT_BLOCK, check_state_precision
+from tierwise.tiers.base import PayloadKind
+
+QUANT_PIECE = 1 << 20
+"""Elements quantized in one pass (bounds the int32 temporaries of the code lookup)."""
+
+_STORED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+
+
+@functools.cache
+def dynamic_map(signed: bool) -> torch.Tensor:
+    """The 256 sorted values of the dynamic quantization map on [-1, 1] (signed) or [0, 1].
+
+    Seven decades 10^-6 .. 10^0; decade i holds the centres of 2^i (signed: each sign) or
+    2^(i+1) (unsigned) equal steps of [0.1, 1] times 10^(i-6); plus 0 and 1. The same values,
+    bit for bit, as torchao's ``create_dynamic_map`` (checked by the tests)."""
+    values = [0.0, 1.0]
+    for decade in range(7):
+        steps = 2**decade if signed else 2 ** (decade + 1)
+        edges = torch.linspace(0.1, 1, steps + 1)
+        centres = (edges[:-1] + edges[1:]) / 2.0
+        level = (10 ** (decade - 6)) * centres
+        values += level.tolist()
+        if signed:
+            values += (-level).tolist()
+    assert len(values) == 256
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+# [Note: int8 code lookup]
+# torchao rounds a scaled value x to code c + 1 instead of c (where q[c] <= x < q[c+1]) when
+# fp32(x - q[c]) >= fp32((q[c+1] - q[c]) * 0.5). fp32 subtraction is monotone in x, so for
+# each c there is a least fp32 value t[c] from which x rounds up; the code of x is the number of
+# thresholds t[c] <= x (0 below q[0], 255 at 1.0). The thresholds are ~0.7% of 1 apart or
+# more, while the fp32 values sharing their top 16 bits (one bf16 value's bucket) span at
+# most 0.4% of their magnitude, so a bucket holds at most one threshold: a 65536-entry table
+# gives the count at the bucket's lower end and one comparison with the next threshold
+# finishes. ``_code_table`` checks that property when it builds the table.
+@functools.cache
+def _code_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(thresholds: 256 fp32, the last NaN; base: int32 count of thresholds below each bucket
+    of 65536, indexed by the top 16 bits of an fp32 value plus 32768)."""
+    qmap = dynamic_map(signed)
+    down, up = qmap[:-1], qmap[1:]
+    half = (up - down) * 0.5
+    t = down + half
+    while True:  # up to the least value that rounds up (or to q[c+1])
+        low = (t - down < half) & (t < up)
+        if not low.any():
+            break
+        t = torch.where(low, torch.nextafter(t, up), t)
+    while True:  # down while the value below still rounds up
+        below = torch.nextafter(t, down)
+        lower = (below >= down) & (below - down >= half)
+        if not lower.any():
+            break
+        t = torch.where(lower, below, t)
+    thresholds = torch.cat([t, torch.tensor([float("nan")])])
+    if sys.byteorder != "little":  # the bucket ends below are built from int16 halves
+        raise RuntimeError("tierwise int8 optimizer states need a little-endian machine")
+    high = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    ends = []
+    for low_half in (0, -1):  # low 16 bits all zero, all one: the two ends of each bucket
+        halves = torch.stack([torch.full_like(high, low_half), high], dim=1)
+        ends.append(halves.contiguous().view(torch.int32).view(torch.float32).view(-1))
+    lo, hi = torch.minimum(*ends), torch.maximum(*ends)
+    finite = ~torch.isnan(lo)
+    base = torch.searchsorted(t, torch.where(finite, lo, 0.0), right=True).to(torch.int32)
+    top = torch.searchsorted(t, torch.where(finite, hi, 0.0), right=True).to(torch.int32)
+    if bool(((top - base) > 1).any()):
+        raise AssertionError("int8 code lookup: a bucket holds two thresholds")
+    return thresholds, base
+
+
+@functools.cache
+def _on_device(signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
+    thresholds, base = _code_table(signed)
+    return dynamic_map(signed).to(device), thresholds.to(device), base.to(device)
+
+
+def quantize_blocks(
+    values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, signed: bool
+) -> None:
+    """int8-encode fp32 ``values`` (a multiple of QUANT_BLOCK elements) into ``codes`` (uint8,
+    same size) and ``scales`` (fp32, one per block): [Note: low-bit optimizer states]. Block
+    scale = largest magnitude (at least 1e-12), code = nearest entry of the signed or unsigned
+    map to value / scale, rounded as torchao rounds ([Note: int8 code lookup])."""
+    _, thresholds, base = _on_device(signed, values.device)
+    for lo in range(0, values.numel(), QUANT_PIECE):
+        hi = min(lo + QUANT_PIECE, values.numel())
+        blocks = values[lo:hi].view(-1, QUANT_BLOCK)
+        scale = blocks.abs().amax(-1).clip(1e-12)
+        scaled = (blocks / scale.view(-1, 1)).view(-1)
+        index = (scaled.view(torch.int32) >> 16).add_(32768)
+        below = base[index]
+        codes[lo:hi].copy_(below.add_(scaled >= thresholds[below]))
+        scales[lo // QUANT_BLOCK : hi // QUANT_BLOCK].copy_(scale)
+
+
+def dequantize_blocks(
+    codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, signed: bool
+) -> None:
+    """fp32 values of int8 ``codes`` with their blocks' ``scales`` into ``out``."""
+    qmap = _on_device(signed, codes.device)[0]
+    for lo in range(0, codes.numel(), QUANT_PIECE):
+        hi = min(lo + QUANT_PIECE, codes.numel())
+        values = qmap[codes[lo:hi].int()].view(-1, QUANT_BLOCK)
+        values = values * scales[lo // QUANT_BLOCK : hi // QUANT_BLOCK].view(-1, 1)
+        out[lo:hi].copy_(values.view(-1))
+
+
+@dataclass(frozen=True)
+class MomentFormat:
+    """How one Adam moment of a shard is stored: ``precision`` ("fp32", "bf16", "int8") and
+    whether its values may be negative (exp_avg) or not (exp_avg_sq: the unsigned map)."""
+
+    precision: str
+    signed: bool
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The stored slab's dtype."""
+        return _STORED_DTYPES[self.precision]
+
+    def padded_numel(self, numel: int) -> int:
+        """fp32 elements a decoded moment of ``numel`` elements takes (whole int8 blocks)."""
+        if self.precision != "int8":
+            return numel
+        return -(-numel // QUANT_BLOCK) * QUANT_BLOCK
+
+    def stored_numel(self, numel: int) -> int:
+        """Elements (of ``dtype``) of the slab storing a moment of ``numel`` elements."""
+        if self.precision != "int8":
+            return numel
+        padded = self.padded_numel(numel)
+        return padded + 4 * (padded // QUANT_BLOCK)
+
+    def split(self, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """int8: views of a stored tensor's (codes, block scales)."""
+        blocks = stored.numel() // (QUANT_BLOCK + 4)
+        codes = stored[: blocks * QUANT_BLOCK]
+        return codes, stored[blocks * QUANT_BLOCK :].view(torch.float32)
+
+    def decode(self, stored: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the fp32 values of ``stored`` into ``out`` (``padded_numel`` elements)."""
+        if self.precision != "int8":
+            out.copy_(stored)
+            return
+        codes, scales = self.split(stored)
+        dequantize_blocks(codes, scales, out, signed=self.signed)
+
+    def encode(
+        self, values: torch.Tensor, stored: torch.Tensor, spans: Sequence[tuple[int, int]] = ()
+    ) -> None:
+        """Store fp32 ``values`` (``padded_numel`` elements; int8: zero past the moment's end)
+        into ``stored``; with ``spans`` ((start, end) element ranges), only the int8 blocks
+        they touch ([Note: low-bit optimizer states])."""
+        if self.precision != "int8":
+            stored.copy_(values)
+            return
+        codes, scales = self.split(stored)
+        for lo, hi in _block_spans(spans) if spans else [(0, values.numel())]:
+            blocks = slice(lo // QUANT_BLOCK, hi // QUANT_BLOCK)
+            quantize_blocks(values[lo:hi], codes[lo:hi], scales[blocks], signed=self.signed)
+
+    def encoded(self, values: torch.Tensor) -> torch.Tensor:
+        """A new stored tensor holding fp32 ``values`` (checkpoint loads, re-layout)."""
+        padded = self.padded_numel(values.numel())
+        if padded != values.numel():
+            values = torch.cat([values, values.new_zeros(padded - values.numel())])
+        stored = torch.zeros(self.stored_numel(values.numel()), dtype=self.dtype)
+        self.encode(values.float(), stored)
+        return stored
+
+    @property
+    def zero_code(self) -> int:
+        """int8: the code of 0.0."""
+        return int((dynamic_map(self.signed) == 0).nonzero()[0])
+
+    def decoded(self, stored: torch.Tensor, numel: int) -> torch.Tensor:
+        """The first ``numel`` fp32 values of a stored tensor (a new tensor)."""
+        out = torch.empty(self.padded_numel(numel), dtype=torch.float32, device=stored.device)
+        self.decode(stored, out)
+        return out[:numel]
+
+
+def decode_piece(
+    codes: torch.Tensor, scales: torch.Tensor, phase: int, *, signed: bool
+) -> torch.Tensor:
+    """fp32 values of int8 ``codes`` that start ``phase`` elements into their first block (a
+    parameter's piece of a shard, as checkpoints store it), bit for bit what decoding the
+    whole shard gives."""
+    block = (torch.arange(codes.numel()) + phase) // QUANT_BLOCK
+    return dynamic_map(signed)[codes.int()] * scales[block]
+
+
+def _block_spans(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Element ranges widened to whole blocks and merged, in order."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        lo = start // QUANT_BLOCK * QUANT_BLOCK
+        hi = -(-end // QUANT_BLOCK) * QUANT_BLOCK
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+@functools.cache
+def moment_formats(optimizer_states: str) -> tuple[MomentFormat, MomentFormat]:
+    """The formats of (exp_avg, exp_avg_sq) for ``Config.optimizer_states``."""
+    precision = check_state_precision(optimizer_states)
+    return MomentFormat(precision, signed=True), MomentFormat(precision, signed=False)
+
+
+def moment_kind(optimizer_states: str) -> PayloadKind:
+    """The payload kind of Adam moment slabs stored as ``optimizer_states``."""
+    if check_state_precision(optimizer_states) == "fp32":
+        return PayloadKind.OPTIM_STATE
+    return PayloadKind.LOWBIT_STATE
+
+
+Update = Callable[[list[torch.Tensor]], None]
+
+
+class LowBitMoments:
+    """Runs fp32 updates on moments stored as ``optimizer_states`` ([Note: low-bit optimizer
+    states]): decodes them into per-thread fp32 buffers and encodes them back."""
+
+    def __init__(self, optimizer_states: str) -> None:
+        self.formats = moment_formats(optimizer_states)
+        self.exact = optimizer_states == "fp32"
+        """fp32 states: updates run on the stored tensors themselves (Invariant 2)."""
+        self._local = threading.local()
+
+    def _buffers(self, numel: int, device: torch.device) -> list[torch.Tensor]:
+        """Two fp32 buffers of at least ``numel`` elements for this thread, reused."""
+        held = getattr(self._local, "buffers", {})
+        self._local.buffers = held
+        buffers = held.get(device)
+        if buffers is None or buffers[0].numel() < numel:
+            buffers = [torch.empty(numel, dtype=torch.float32, device=device) for _ in range(2)]
+            held[device] = buffers
+        return [b[:numel] for b in buffers]
+
+    def around(self, update: Update, *, numel: int, spans: Sequence[tuple[int, int]]) -> Update:
+        """``update`` (which takes fp32 master, exp_avg, exp_avg_sq of ``numel`` elements) made
+        to take the stored states; ``spans`` are the element ranges it changes."""
+        if self.exact:
+            return update
+        formats = self.formats
+
+        def run(states: list[torch.Tensor]) -> None:
+            master, *stored = states
+            decoded = self._buffers(formats[0].padded_numel(numel), master.device)
+            for fmt, moment, out in zip(formats, stored, decoded, strict=True):
+                fmt.decode(moment, out)
+            update([master, *(d[:numel] for d in decoded)])
+            for fmt, moment, out in zip(formats, stored, decoded, strict=True):
+                fmt.encode(out, moment, spans)
+
+        return run
+
+
+__all__ = [
+    "LowBitMoments",
+    "MomentFormat",
+    "decode_piece",
+    "dequantize_blocks",
+    "dynamic_map",
+    "moment_formats",
+    "moment_kind",
+    "quantize_blocks",
+]

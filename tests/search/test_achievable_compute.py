@@ -45,6 +45,8 @@ def test_op_classes_run_on_a_roofline_at_the_achievable_rates():
     assert times.layers["blk0"] == pytest.approx(2 * 0.020 + 0.004 + 0.010 + 0.003)
     assert times.by_class == pytest.approx({"matmul": 0.044, "attention": 0.010, "memory": 0.003})
     assert "by op class" in times.source
+    # backward: two products per matmul (and attention), 1.5 passes per memory-bound op
+    assert times.backward == pytest.approx(2 * (0.044 + 0.010) + 1.5 * 0.003)
 
 
 def test_every_gpu_preset_cites_an_efficiency_at_most_one():

@@ -43,7 +43,11 @@ def _plan_profile_and_depths(monkeypatch, tmp_path, family: str, config: Config)
 def _assert_equal_but_seconds(got, want):
     got, want = dataclasses.asdict(got), dataclasses.asdict(want)
     for field in want:
-        if field not in ("seconds", "layer_forward_s"):  # measured times differ run to run
+        if field not in (
+            "seconds",
+            "layer_forward_s",
+            "layer_matmul_s",
+        ):  # measured times differ run to run
             assert got[field] == want[field], field
 
 

@@ -80,7 +80,10 @@ class Plan(JsonDataclass):
     warm-up forward measures them); None: not bounded by the plan."""
     predicted_step_s: dict[str, float] = field(default_factory=dict)
     """Predicted step-time breakdown in seconds (compute, h2d, d2h, nvme_read, nvme_write,
-    optimizer, comm, total)."""
+    optimizer, comm, total; compute split into forward, backward and recompute)."""
+    predicted_bytes: dict[str, float] = field(default_factory=dict)
+    """Predicted bytes one step moves per link (h2d, d2h, nvme_read, nvme_write, comm), for
+    checking a plan against a measured step (``tierwise plan --validate``)."""
     predicted_tflops: float | None = None
     """Predicted model TFLOP/s per rank: forward and backward FLOPs of one step (recomputation
     not counted) over the predicted step time."""

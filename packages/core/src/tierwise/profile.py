@@ -55,6 +55,9 @@ class Profile(JsonDataclass):
     """Forward FLOPs per layer (module name)."""
     layer_forward_s: dict[str, float] = field(default_factory=dict)
     """Measured forward time per layer on the compute device, seconds (empty when unknown)."""
+    layer_matmul_s: dict[str, float] = field(default_factory=dict)
+    """Of ``layer_forward_s``, the seconds of matrix products and attention kernels (whose
+    backward runs two products per forward one; the rest is memory-bound)."""
     layer_ops: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     """Forward ops per layer by op class ("matmul", "attention", "memory": element-wise, norms,
     softmax, copies): ``[flops, bytes, count]`` per distinct shape, bytes being what the op reads

@@ -23,7 +23,7 @@ from tierwise.profile import ParamInfo, Profile
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from tierwise_profiler.op_timing import OpLog, layer_forward_seconds
+from tierwise_profiler.op_timing import OpLog, layer_forward_seconds, layer_matmul_seconds
 from tierwise_profiler.recorder import StepRecorder
 
 DTYPES = {p: compute_dtype(p) for p in PRECISIONS}
@@ -106,6 +106,7 @@ def profile_model(
                 raise MetaProfileError(_explain(model, recorder.failed_op, err)) from err
         record = recorder.result()
     layer_forward_s = layer_forward_seconds(op_log) if op_log is not None else {}
+    layer_matmul_s = layer_matmul_seconds(op_log, layer_forward_s) if op_log is not None else {}
     batch_size, seq_len = _batch_shape(example_batch)
     forward_counts: dict[str, int] = {}
     for name in record.forward_order:
@@ -121,6 +122,7 @@ def profile_model(
         layer_flops=record.layer_flops,
         layer_ops=record.layer_ops,
         layer_forward_s=layer_forward_s,
+        layer_matmul_s=layer_matmul_s,
         peak_activation_bytes=record.peak_bytes,
         buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
         batch_size=batch_size,

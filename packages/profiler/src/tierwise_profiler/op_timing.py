@@ -150,6 +150,23 @@ def layer_forward_seconds(log: OpLog) -> dict[str, float]:
     }
 
 
+def layer_matmul_seconds(log: OpLog, measured: dict[str, float]) -> dict[str, float]:
+    """Of the layers' measured seconds (``layer_forward_seconds``), those of matmuls and
+    attention kernels (ops that count FLOPs)."""
+    from tierwise_profiler.flops import counts_flops
+
+    if not measured:
+        return {}
+    return {
+        layer: sum(
+            _MEASURED[key] * calls
+            for key, calls in counts.items()
+            if key in _MEASURED and counts_flops(log.ops[key][0])
+        )
+        for layer, counts in log.calls.items()
+    }
+
+
 __all__ = [
     "MAX_SECONDS",
     "REPLAY_MAX_BYTES",
@@ -157,4 +174,5 @@ __all__ = [
     "OpLog",
     "TensorSpec",
     "layer_forward_seconds",
+    "layer_matmul_seconds",
 ]

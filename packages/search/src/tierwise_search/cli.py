@@ -62,6 +62,22 @@ def add_plan_command(subparsers) -> None:
     parser.add_argument(
         "--activation-offload", default="none", choices=("none", "host", "nvme", "auto")
     )
+    for kind in ("param", "optimizer"):
+        parser.add_argument(
+            f"--{kind}-placement",
+            default="auto",
+            choices=("auto", "device", "host", "nvme"),
+            help=f"force where {kind} chunks live (default auto)",
+        )
+    parser.add_argument(
+        "--validate",
+        action="store_true",
+        help="run the plan on this machine (random weights and tokens) and print predicted "
+        "against measured time per phase (see 'How to read and validate a plan' in the README)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=3, help="timed steps for --validate (default 3)"
+    )
     parser.add_argument("--json", action="store_true", help="print totals and the plan as JSON")
     parser.set_defaults(func=run_plan)
 
@@ -115,7 +131,7 @@ def _profile_of(args, config: Config, cfg):
     return profile, layer_list(model, cfg.num_hidden_layers)
 
 
-def plan_config(args, device_type: str) -> Config:
+def plan_config(args, device_type: str, **overrides) -> Config:
     return Config(
         device=device_type,
         precision=args.precision,
@@ -123,7 +139,51 @@ def plan_config(args, device_type: str) -> Config:
         nvme_path=args.nvme,
         activation_checkpointing=args.checkpointing,
         activation_offload=args.activation_offload,
+        param_placement=getattr(args, "param_placement", "auto"),
+        optimizer_placement=getattr(args, "optimizer_placement", "auto"),
+        **overrides,
     )
+
+
+def run_validation(args: argparse.Namespace) -> int:
+    """``tierwise plan --validate``: see [Note: plan validation] in tierwise_search.validate."""
+    import tierwise
+    import torch
+    import transformers
+
+    from tierwise_search.hf_profile import hf_config
+    from tierwise_search.validate import validate_plan
+
+    if args.hardware is not None or args.gpus != 1:
+        raise ValueError(
+            "--validate runs the plan on this machine: drop --hardware and --gpus (validate a "
+            "plan for other hardware on that hardware)"
+        )
+    if args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: must be ≥ 1")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    capacity = (
+        parse_bytes(args.device_memory, what="--device-memory") if args.device_memory else None
+    )
+    config = plan_config(args, device, device_memory=capacity)
+    cfg = hf_config(args.model, args.size, seq_len=args.seq)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(cfg.vocab_size, (args.batch, args.seq), device=device)
+    batch = {"input_ids": ids, "labels": ids}
+    model, optimizer = tierwise.setup(model, optimizer, config, example_batch=batch)
+    engine = tierwise.engine_of(model)
+    try:
+        result = validate_plan(model, optimizer, batch, steps=args.steps)
+    finally:
+        engine.close()
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        print(engine.plan.table())
+        print(result.table())
+    return 0
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -136,6 +196,8 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         if args.seq < 1 or args.batch < 1:
             raise ValueError(f"--seq {args.seq} --batch {args.batch}: both must be ≥ 1")
+        if args.validate:
+            return run_validation(args)
         capacity = (
             parse_bytes(args.device_memory, what="--device-memory") if args.device_memory else None
         )

@@ -13,9 +13,13 @@
    predicted utilisation never exceeds what the preset documents as achievable.
 3. FLOPs only (a profile without ops): ``flops / (device_flops x matmul_efficiency)``.
 
-One training step computes the forward once and the backward, ``BACKWARD_OVER_FORWARD`` times
-the forward (two matrix products per forward one), plus the forward of every recomputed block
-again: a recomputed block costs its forward time, whichever source gave it.
+One training step computes the forward once, the backward, and the forward of every recomputed
+block again: a recomputed block costs its forward time, whichever source gave it. The backward
+of a matmul or attention op is ``BACKWARD_OVER_FORWARD`` times its forward (two products per
+forward one: dX and dW); that of a memory-bound op ``MEMORY_BACKWARD_OVER_FORWARD`` times (it
+reads its input and the incoming gradient and writes one gradient: three tensors where the
+forward moved two). Measured profiles say which of a layer's seconds were matmuls
+(``Profile.layer_matmul_s``); without that split the whole layer counts as matmuls.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from dataclasses import dataclass, field
 from tierwise.profile import Profile
 
 BACKWARD_OVER_FORWARD = 2.0
-"""Backward time over forward time of a layer (dX and dW: two products per forward one)."""
+"""Backward time over forward time of a matmul (dX and dW: two products per forward one)."""
+MEMORY_BACKWARD_OVER_FORWARD = 1.5
+"""Backward time over forward time of a memory-bound op (three tensors moved per two)."""
 OP_CLASSES = ("matmul", "attention", "memory")
 """The classes of ``Profile.layer_ops``."""
 
@@ -66,11 +72,20 @@ class LayerTimes:
     """Where the figures come from, for ``Plan.reasons``."""
     by_class: dict[str, float] = field(default_factory=dict)
     """Forward seconds per op class, when op classes gave them."""
+    backward_s: float | None = None
+    """One backward pass (without recomputation), seconds; None: ``BACKWARD_OVER_FORWARD`` x
+    the forward."""
+
+    @property
+    def backward(self) -> float:
+        if self.backward_s is None:
+            return BACKWARD_OVER_FORWARD * self.forward_s
+        return self.backward_s
 
     @property
     def step_s(self) -> float:
         """Forward plus backward of one step, without recomputation."""
-        return (1 + BACKWARD_OVER_FORWARD) * self.forward_s
+        return self.forward_s + self.backward
 
 
 def layer_times(profile: Profile, rates: ComputeRates) -> LayerTimes:
@@ -83,11 +98,19 @@ def layer_times(profile: Profile, rates: ComputeRates) -> LayerTimes:
             if layer not in measured
         }
         layers.update(measured)
-        source = (
-            f"compute: forward {sum(layers.values()) * 1e3:.4g} ms measured per layer by the "
-            f"profiler, backward {BACKWARD_OVER_FORWARD:g} x forward"
+        matmul = {layer: profile.layer_matmul_s.get(layer, s) for layer, s in layers.items()}
+        backward = sum(
+            BACKWARD_OVER_FORWARD * matmul[layer]
+            + MEMORY_BACKWARD_OVER_FORWARD * max(seconds - matmul[layer], 0.0)
+            for layer, seconds in layers.items()
         )
-        return LayerTimes(sum(layers.values()), layers, source)
+        forward = sum(layers.values())
+        source = (
+            f"compute: forward {forward * 1e3:.4g} ms measured per layer by the profiler "
+            f"({sum(matmul.values()) * 1e3:.4g} ms of it matmuls), backward {backward * 1e3:.4g} "
+            f"ms ({BACKWARD_OVER_FORWARD:g} x matmuls, {MEMORY_BACKWARD_OVER_FORWARD:g} x the rest)"
+        )
+        return LayerTimes(forward, layers, source, backward_s=backward)
     ceiling = (
         f"{rates.matmul_efficiency:.0%} of {rates.flops / 1e12:.4g} TFLOP/s (matmul_efficiency)"
     )
@@ -104,12 +127,17 @@ def layer_times(profile: Profile, rates: ComputeRates) -> LayerTimes:
         for layer, flops in profile.layer_flops.items():  # a layer the op log missed
             layers.setdefault(layer, flops / rates.matmul_flops)
         parts = ", ".join(f"{kind} {s * 1e3:.4g} ms" for kind, s in by_class.items() if s)
+        forward = sum(layers.values())
+        backward = BACKWARD_OVER_FORWARD * forward - (
+            BACKWARD_OVER_FORWARD - MEMORY_BACKWARD_OVER_FORWARD
+        ) * by_class.get("memory", 0.0)
         source = (
-            f"compute: forward {sum(layers.values()) * 1e3:.4g} ms by op class ({parts}): "
+            f"compute: forward {forward * 1e3:.4g} ms by op class ({parts}): "
             f"matmuls at {ceiling} or their bytes at {rates.memory_bandwidth / 1e9:.4g} GB/s, "
-            f"memory-bound ops at that bandwidth; backward {BACKWARD_OVER_FORWARD:g} x forward"
+            f"memory-bound ops at that bandwidth; backward {backward * 1e3:.4g} ms "
+            f"({BACKWARD_OVER_FORWARD:g} x matmuls, {MEMORY_BACKWARD_OVER_FORWARD:g} x the rest)"
         )
-        return LayerTimes(sum(layers.values()), layers, source, by_class)
+        return LayerTimes(forward, layers, source, by_class, backward)
     if profile.layer_flops:
         layers = {layer: f / rates.matmul_flops for layer, f in profile.layer_flops.items()}
         source = f"compute: forward FLOPs at {ceiling} (the profile has no op classes)"
@@ -135,6 +163,7 @@ def block_seconds(seconds: dict[str, float], block: str) -> float:
 
 __all__ = [
     "BACKWARD_OVER_FORWARD",
+    "MEMORY_BACKWARD_OVER_FORWARD",
     "OP_CLASSES",
     "ComputeRates",
     "LayerTimes",

@@ -17,8 +17,8 @@ budget, so the minimum host memory a plan needs does not depend on the budget gi
 on NVMe need no host staging (the engine reads a chunk straight into its rCache block).
 
 [Note: step time model] One step is a forward/backward phase followed by an optimizer phase.
-- forward/backward: compute = forward + backward (``BACKWARD_OVER_FORWARD`` x forward) + the
-  forward of recomputed layers, from measured layer times or FLOPs (``tierwise_search.compute``).
+- forward/backward: compute = forward + backward (per op class, see [Note: achievable compute])
+  + the forward of recomputed layers, from measured layer times or FLOPs (``tierwise_search.compute``).
   Parameter
   fetches (rCache misses), gradient offload, activation swaps and collectives use their own
   links. On CUDA, prefetch on side streams overlaps them with compute, so the phase takes the
@@ -64,7 +64,6 @@ from tierwise.precision import OPTIM_BYTES
 from tierwise.runtime.grad_offload import grad_offload_buffers
 
 from tierwise_search.belady import AccessTrace, simulate
-from tierwise_search.compute import BACKWARD_OVER_FORWARD
 from tierwise_search.layout import ChunkTable
 from tierwise_search.rates import Rates
 
@@ -109,6 +108,8 @@ class Setting:
     """L_c: bytes per parameter element."""
     forward_s: float
     """One forward pass on the device, seconds (``tierwise_search.compute``)."""
+    backward_s: float
+    """One backward pass without recomputation, seconds (``tierwise_search.compute``)."""
     shard: int
     """Ranks a chunk is sharded over (1 = whole chunks on every rank)."""
     prefetch: int
@@ -175,12 +176,19 @@ class Memory:
     nvme: int
 
 
+PARTS_OF_OTHERS = ("total", "forward", "backward", "recompute", "fwd_bwd_phase", "optimizer_phase")
+"""Prediction.seconds keys that are sums or parts of other keys (compute = forward + backward +
+recompute; the step = the forward/backward phase + the optimizer phase after it)."""
+
+
 @dataclass(frozen=True)
 class Prediction:
     seconds: dict[str, float]
     """compute, h2d, d2h, nvme_read, nvme_write, optimizer, comm, total."""
     fetches: np.ndarray
     """Per chunk rCache fetches in one step."""
+    bytes: dict[str, float] = field(default_factory=dict)
+    """h2d, d2h, nvme_read, nvme_write, comm: bytes one step moves on each link."""
 
     @property
     def total(self) -> float:
@@ -188,7 +196,7 @@ class Prediction:
 
     @property
     def sum(self) -> float:
-        return sum(v for k, v in self.seconds.items() if k != "total")
+        return sum(v for k, v in self.seconds.items() if k not in PARTS_OF_OTHERS)
 
 
 class CostModel:
@@ -258,7 +266,7 @@ class CostModel:
                 comm = part * ((fetches * chunk_bytes).sum() + chunk_bytes[train].sum())
             else:  # replicas: all-reduce gradients
                 comm = 2 * part * chunk_bytes[train].sum()
-        compute = (1 + BACKWARD_OVER_FORWARD) * s.forward_s + act.recompute_s
+        compute = s.forward_s + s.backward_s + act.recompute_s
 
         # optimizer phase
         host_opt = elems[offload_grad].sum() / r.host_adam
@@ -307,9 +315,13 @@ class CostModel:
             end = max(fb_end + host_opt - stolen + t["h2d_opt"], queue_end)
         else:
             queue_end = self._pipeline_cuda(placement, phase_fb, compute)
+            fb_end = phase_fb
             end = max(phase_fb + max(host_in_place, t["h2d_opt"]), queue_end)
         total = end + device_opt + t["d2h_opt"]
         seconds = {
+            "forward": s.forward_s,
+            "backward": s.backward_s,
+            "recompute": act.recompute_s,
             "compute": compute,
             "h2d": t["h2d_fb"] + t["h2d_opt"],
             "d2h": t["d2h_fb"] + t["d2h_opt"],
@@ -317,9 +329,22 @@ class CostModel:
             "nvme_write": t["nvme_write_fb"] + t["nvme_write_opt"],
             "optimizer": host_opt + device_opt,
             "comm": t["comm"],
+            "fwd_bwd_phase": fb_end,
+            "optimizer_phase": total - fb_end,
             "total": total,
         }
-        return Prediction({k: float(v) for k, v in seconds.items()}, fetches)
+        moved = {
+            "h2d": h2d_fb + h2d_opt,
+            "d2h": d2h_fb + d2h_opt,
+            "nvme_read": nvme_read_fb + nvme_read_opt,
+            "nvme_write": nvme_write_fb + nvme_write_opt,
+            "comm": comm,
+        }
+        return Prediction(
+            {k: float(v) for k, v in seconds.items()},
+            fetches,
+            {k: float(v) for k, v in moved.items()},
+        )
 
     def _pipeline_jobs(self, placement: Placement, phase_fb: float, compute: float):
         """Per chunk with NVMe optimizer states: read, write and Adam seconds, and when it is

@@ -219,6 +219,7 @@ class _Search:
                 rates=self.rates,
                 param_bytes=self.param_bytes,
                 forward_s=self.times.forward_s,
+                backward_s=self.times.backward,
                 shard=self.shard,
                 prefetch=self.config.prefetch,
                 min_blocks=self.min_blocks(table),
@@ -414,9 +415,9 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
         "device_adam_velocity",
         "host_adam_velocity",
         "device_flops",
-        "matmul_efficiency",
-        "device_memory_bandwidth",
     }
+    if not search.profile.layer_forward_s:  # measured times need no rates
+        used |= {"matmul_efficiency", "device_memory_bandwidth"}
     if config.nvme_path:
         used |= {"nvme_read_bandwidth", "nvme_write_bandwidth"}
     if search.rates.world_size > 1:
@@ -462,6 +463,7 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
             else None
         ),
         predicted_step_s=best.prediction.seconds,
+        predicted_bytes=best.prediction.bytes,
         predicted_tflops=step_flops / total_s / 1e12 if step_flops and total_s > 0 else None,
         predicted_tokens_per_s=(
             tokens * search.rates.world_size / total_s if tokens and total_s > 0 else None

@@ -2,12 +2,14 @@
 
 [Note: staged reads]
 O_DIRECT moves whole pages between the file and page-aligned memory. An rCache chunk (an
-ordinary torch allocation), a device tensor, or any tensor whose address is misaligned
-differently from its file offset cannot be filled in place. Such a read is cut into pieces of
-at most one staging buffer (the tier's block size) over the page-widened file range; each
-piece takes a buffer from the tier's bounded StagingPool, is read into it by the backend, and
-its bytes are copied into the destination by the thread that completes the piece, which then
-returns the buffer and starts the next waiting piece. So:
+ordinary torch allocation), or any host tensor whose address is misaligned differently from its
+file offset, cannot be filled in place. Such a read is cut into pieces of at most one staging
+buffer (the tier's block size) over the page-widened file range; each piece takes a buffer from
+the tier's bounded StagingPool, is read into it by the backend, and its bytes are copied into
+the destination by the thread that completes the piece, which then returns the buffer and
+starts the next waiting piece. Destinations are host memory only: a device tensor is read
+through a pinned buffer and copied by the engine's thread ([Note: storage reads into device
+memory]). So:
 - ``read`` returns at once with a handle: pieces that find no free buffer wait in a FIFO
   queue (oldest read first, so a chunk demanded first is complete first) and start as buffers
   come back; the caller never blocks on the pool, and the pool never grows past its count.
@@ -146,12 +148,15 @@ def copy_out(piece: _Piece, buffer: torch.Tensor) -> None:
     lo, hi = max(piece.lo, piece.start), min(piece.hi, end)
     if hi <= lo:
         return
-    if piece.dest.device.type == "cpu":  # one memcpy without the GIL or intra-op threads
-        ctypes.memmove(
-            piece.dest.data_ptr() + (lo - piece.start), buffer.data_ptr() + (lo - piece.lo), hi - lo
+    if piece.dest.device.type != "cpu":  # [Note: storage reads into device memory]
+        raise RuntimeError(
+            "tierwise-nvme bug: a staged read into device memory (completion threads fill host "
+            "memory only)"
         )
-    else:
-        piece.dest[lo - piece.start : hi - piece.start].copy_(buffer[lo - piece.lo : hi - piece.lo])
+    # one memcpy without the GIL or intra-op threads
+    ctypes.memmove(
+        piece.dest.data_ptr() + (lo - piece.start), buffer.data_ptr() + (lo - piece.lo), hi - lo
+    )
 
 
 __all__ = ["StagedReads", "copy_out"]

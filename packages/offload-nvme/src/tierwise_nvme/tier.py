@@ -280,6 +280,7 @@ class NVMeTier(Tier):
             self._closed = True
         self._staged.drain()  # pieces still queued for a staging buffer are not in the backend
         self.backend.close()
+        self._transfers.reclaim(all_=True)
         for file in self._files.values():
             self._transfers.forget(file)
             file.close()

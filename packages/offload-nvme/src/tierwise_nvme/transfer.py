@@ -124,6 +124,67 @@ class NVMeHandle(IOHandle):
         self._wait_bounded()
 
 
+class DeviceRead(IOHandle):
+    """A read into device memory: the disk read fills a pinned host buffer, then the engine's
+    thread copies it to the device.
+
+    [Note: storage reads into device memory]
+    I/O completion threads only fill host memory. A copy into device memory made there would run
+    on the legacy default stream, block its thread once per piece (a pageable-style synchronous
+    copy) and bypass the stream/event ordering of the engine's loads ([Note: prefetch overlap]).
+    So the handle remembers the stream current when the read was issued (the side stream of a
+    prefetch), and on the engine's thread, once the disk read is done (``progress``, called as
+    other loads start, or ``wait``), issues a non-blocking host-to-device copy there and records
+    an event; ``wait`` makes the current stream wait for that event. The pinned buffer goes back
+    to its cache only once the event has completed (``Transfers.reclaim``). On a device without
+    streams (the meta device in CPU tests) the copy is a plain copy on the waiting thread.
+    """
+
+    def __init__(
+        self, disk: NVMeHandle, host: torch.Tensor, out: torch.Tensor, give_back: Callable
+    ) -> None:
+        self.disk = disk
+        self.host = host
+        self.out = out
+        self._give_back = give_back
+        """``give_back(event, host)``: the buffer is reusable once ``event`` completes."""
+        self._streams = out.device.type not in ("cpu", "meta")
+        self.stream = torch.accelerator.current_stream(out.device) if self._streams else None
+        self.event = None
+        self._copied = False
+
+    def _copy(self) -> None:
+        self.disk.wait()  # its error, or the timeout, reaches the engine's thread
+        source = self.host.view(self.out.dtype).view(self.out.shape)
+        if self.stream is None:
+            self.out.copy_(source)
+            self._give_back(None, self.host)
+        else:
+            with self.stream:
+                self.out.copy_(source, non_blocking=True)
+                self.event = self.stream.record_event()
+            self._give_back(self.event, self.host)
+        self._copied = True
+
+    def progress(self) -> None:
+        if not self._copied and self.disk.done():
+            self._copy()
+
+    def wait(self) -> None:
+        if not self._copied:
+            try:
+                self._copy()
+            except BaseException:
+                self._give_back(None, self.host)  # nothing will read it now
+                self._copied = True
+                raise
+        if self.event is not None:
+            torch.accelerator.current_stream(self.out.device).wait_event(self.event)
+
+    def done(self) -> bool:
+        return self._copied and (self.event is None or self.event.query())
+
+
 class InFlight:
     """Page ranges of one file with transfers in flight. See [Note: ordering of transfers]."""
 
@@ -215,6 +276,29 @@ class Transfers:
         """Host copies of non-CPU or non-contiguous tensors (pinned on CUDA)."""
         self._inflight: dict[int, InFlight] = {}
         self._lock = threading.Lock()
+        self._returns: list[tuple] = []
+        """(event or None, pinned buffer) of device reads: the buffer goes back to ``staging``
+        once its host-to-device copy is done ([Note: storage reads into device memory])."""
+
+    def reclaim(self, *, all_: bool = False) -> None:
+        """Give back the staging buffers of device reads whose copies are done (``all_``:
+        wait for every copy first, when the tier closes)."""
+        with self._lock:
+            returns, self._returns = self._returns, []
+        waiting = []
+        for event, host in returns:
+            if event is None or all_ or event.query():
+                if event is not None:
+                    event.synchronize()  # done already unless all_
+                self.staging.give(host)
+            else:
+                waiting.append((event, host))
+        with self._lock:
+            self._returns.extend(waiting)
+
+    def _return_later(self, event, host: torch.Tensor) -> None:
+        with self._lock:
+            self._returns.append((event, host))
 
     def _inflight_of(self, file: SwapFile) -> InFlight:
         with self._lock:
@@ -224,8 +308,12 @@ class Transfers:
         with self._lock:
             self._inflight.pop(id(file), None)
 
-    def read(self, file: SwapFile, start: int, out: torch.Tensor) -> NVMeHandle:
+    def read(self, file: SwapFile, start: int, out: torch.Tensor) -> IOHandle:
         """Fill ``out`` with file bytes ``[start, start + out.nbytes)``."""
+        self.reclaim()
+        if out.device.type != "cpu":  # [Note: storage reads into device memory]
+            host = self.staging.take(out.nbytes)
+            return DeviceRead(self.read(file, start, host), host, out, self._return_later)
         if self.staged is not None and self.backend.direct and out.is_contiguous():
             dest = byte_view(out)
             segments = plan_segments(start, start + dest.numel(), dest.data_ptr(), True)

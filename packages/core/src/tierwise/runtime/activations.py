@@ -173,6 +173,9 @@ class _Stored:
     """IOHandle or CUDA event of the swap-out in flight."""
     read: Any = None
     """IOHandle or CUDA event of the swap-in in flight."""
+    on_disk: bool = False
+    """CUDA nvme swap-in: ``read`` is the disk read into ``host``; the copy to the device is
+    issued once it lands ([Note: storage reads into device memory])."""
     loaded: torch.Tensor | None = None
     """uint8 bytes on the compute device after swap-in."""
     users: int = 0
@@ -586,6 +589,8 @@ class ActivationManager:
 
     def _prefetch(self) -> None:
         """Start swap-ins of the next blocks in backward order within the budget."""
+        if self._stream is not None:
+            self._progress_disk_reads()
         while self._loading:
             name = self._loading[0]
             need = sum(s.nbytes for s in self._stored[name] if s.loaded is None and s.read is None)
@@ -601,33 +606,49 @@ class ActivationManager:
     def _swap_in(self, stored: _Stored) -> None:
         nbytes = stored.nbytes
         if stored.target == "nvme":
-            if self._stream is not None:
+            if self._stream is not None:  # into pinned memory; to the device once it landed
                 stored.host = self._host_buffer(nbytes)
                 stored.read = self.nvme.read(stored.slab, stored.host)
+                stored.on_disk = True
             else:  # the whole slab, in place: [Note: swap writes from the saved storage]
                 pages = aligned_empty(stored.slab.nbytes)
                 stored.read = self.nvme.read(stored.slab, pages)
                 stored.host = pages[stored.lead : stored.lead + nbytes]
-            self.moved_bytes[f"act:nvme->{'host' if self._stream else 'device'}"] += nbytes
-            if self._stream is None:
                 stored.loaded = stored.host
-        if self._stream is not None:
-            if stored.read is not None:  # nvme: the host buffer must be full first
-                self._waited(stored.read.wait)
-            loaded = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            # its memory may have been freed by work still queued on the compute stream
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                loaded.copy_(stored.host, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            self._give_host(stored, after=event)  # reusable once the copy has read it
-            stored.read, stored.loaded = event, loaded
-            self.moved_bytes["act:host->device"] += nbytes
-        elif stored.target == "host":
+            self.moved_bytes[f"act:nvme->{'host' if self._stream else 'device'}"] += nbytes
+        elif self._stream is not None:
+            self._copy_to_device(stored)
+        else:
             stored.loaded = stored.host  # a CPU device: the copy is already where compute is
             self.moved_bytes["act:host->device"] += nbytes
         self._now.swapped_in[stored.target] += nbytes
+
+    def _copy_to_device(self, stored: _Stored) -> None:
+        """CUDA: copy ``stored.host`` (full) to the device on the side stream."""
+        loaded = torch.empty(stored.nbytes, dtype=torch.uint8, device=self.device)
+        # its memory may have been freed by work still queued on the compute stream
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            loaded.copy_(stored.host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._give_host(stored, after=event)  # reusable once the copy has read it
+        stored.read, stored.loaded = event, loaded
+        self.moved_bytes["act:host->device"] += stored.nbytes
+
+    def _landed(self, stored: _Stored) -> None:
+        """A CUDA nvme swap-in's disk read is done (or must be now): issue its device copy."""
+        self._waited(stored.read.wait)  # re-raises the read's error
+        stored.on_disk = False
+        self._copy_to_device(stored)
+
+    def _progress_disk_reads(self) -> None:
+        """Issue the device copies of CUDA nvme swap-ins whose disk reads have landed, without
+        waiting for the others ([Note: storage reads into device memory])."""
+        for name in self.order:
+            for stored in self._stored[name]:
+                if stored.on_disk and stored.read.done():
+                    self._landed(stored)
 
     def _unpack(self, packed):
         if not isinstance(packed, _Packed):
@@ -661,6 +682,8 @@ class ActivationManager:
                 for other in self._stored[stored.block]:
                     if other.loaded is None and other.read is None:
                         self._swap_in(other)
+        if stored.on_disk:
+            self._landed(stored)
         if stored.read is not None:
             if self._stream is not None:
                 torch.cuda.current_stream(self.device).wait_event(stored.read)

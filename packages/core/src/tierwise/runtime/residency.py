@@ -93,17 +93,21 @@ class Residency:
         home = chunk.home
         src_tier = home.tier.name
         if chunk.group.sharded:
-            if home.tier.ADDRESSABLE and home.tensor.device == block.device:
-                shard = home.tensor
-            else:
-                shard = torch.empty(chunk.shard_size, dtype=block.dtype, device=block.device)
-                home.tier.read(home, shard).wait()
-            shard = shard.to(block.dtype)
-            work = self.collectives.all_gather(
-                block, shard, chunk.group.process_group, async_op=True
-            )
-            handles, keep = [work], [shard]
             nbytes = chunk.shard_size * block.element_size()
+            if not (home.tier.ADDRESSABLE and home.tensor.device == block.device):
+                # a storage tier (or the host): the shard's read is in flight now, its
+                # all-gather is issued when the load is finished ([Note: gather after read])
+                shard = torch.empty(chunk.shard_size, dtype=block.dtype, device=block.device)
+                read = home.tier.read(home, shard)
+                handles = [_GatherAfterRead(read, self.collectives, block, shard, chunk)]
+            else:
+                shard = home.tensor.to(block.dtype)
+                handles = [
+                    self.collectives.all_gather(
+                        block, shard, chunk.group.process_group, async_op=True
+                    )
+                ]
+            keep = [shard]
         else:
             handles, keep = [home.tier.read(home, block)], []
             nbytes = chunk.capacity * block.element_size()
@@ -163,3 +167,33 @@ class Residency:
         """Give the rCache reservation back and stop the load thread."""
         self.cache.close()
         self.loads.close()
+
+
+class _GatherAfterRead:
+    """The load of a sharded chunk whose shard is read from a tier that is not the device.
+
+    [Note: gather after read]
+    The shard's read is issued with the load (asynchronous on a storage tier) and the chunk's
+    all-gather when the load is finished: ``ChunkLoads.finish`` runs on the engine's thread in
+    the order of the access trace, the same on every rank, so every rank issues its collectives
+    in the same order (Invariant 8). The gather is never issued from ``progress`` (it runs when
+    a disk read happens to land, which differs between ranks).
+    """
+
+    def __init__(self, read, collectives: Collectives, block, shard, chunk: Chunk) -> None:
+        self.read, self.collectives = read, collectives
+        self.block, self.shard, self.chunk = block, shard, chunk
+        self._gathered = False
+
+    def wait(self) -> None:
+        if self._gathered:
+            return
+        self.read.wait()
+        self._gathered = True
+        self.collectives.all_gather(
+            self.block, self.shard.to(self.block.dtype), self.chunk.group.process_group
+        )
+
+    def done(self) -> bool:
+        return self._gathered
+

@@ -61,6 +61,10 @@ class ChunkLoads:
         (collectives must be issued in the same order on every rank: the calling thread's)."""
         if key in self._pending:
             raise RuntimeError(f"tierwise bug: chunk {key} is already being loaded")
+        for pending in self._pending.values():  # [Note: storage reads into device memory]
+            for handle in pending.handles:
+                if hasattr(handle, "progress"):
+                    handle.progress()
         if self.side_stream is not None:
             compute = torch.accelerator.current_stream(self.device)
             self.side_stream.wait_stream(compute)

@@ -73,6 +73,12 @@ class IOHandle:
     def done(self) -> bool:
         return True
 
+    def progress(self) -> None:
+        """Move the transfer on without blocking, on the engine's thread (a storage tier's
+        read into device memory issues its host-to-device copy once the disk read is done:
+        [Note: storage reads into device memory]); by default there is nothing to do."""
+        return None
+
 
 DONE = IOHandle()
 

@@ -92,3 +92,49 @@ def test_warm_up_tracing_keeps_the_users_peak_memory_statistics(device):
     assert tierwise.engine_of(model).tracing.memory_moments  # the tracer did run
     assert torch.cuda.max_memory_allocated(device) >= peak
     tierwise.engine_of(model).close()
+
+
+@pytest.mark.parametrize("device", ONLY_CUDA)
+def test_host_gradient_shards_are_filled_without_a_wait_per_parameter(device, monkeypatch):
+    """Defect 4: gradients going into host-resident shards are copied without blocking; each
+    chunk's copies are waited for once ([Note: one host wait per chunk])."""
+    from tierwise.runtime.gradients import GradientPath
+
+    blocking: list[tuple] = []
+    original_copy = torch.Tensor.copy_
+
+    def copy_(self, src, non_blocking=False):
+        if self.device.type == "cpu" and src.device.type == "cuda" and not non_blocking:
+            blocking.append(tuple(src.shape))
+        return original_copy(self, src, non_blocking)
+
+    waits: list = []
+    original_land = GradientPath._land_copies
+
+    def land(self, chunk):
+        if chunk.key in self._copies_in_flight:
+            waits.append(chunk.key)
+        return original_land(self, chunk)
+
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device=device,
+        param_placement="device",
+        optimizer_placement="host",
+        chunk_size=5000,
+    )
+    engine = tierwise.engine_of(model)
+    train(model, opt, 1)  # warm-up and re-layout
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    monkeypatch.setattr(GradientPath, "_land_copies", land)
+    batch = {k: v.to(device) for k, v in tiny_batch(seed=1).items()}
+    model(**batch).loss.backward()
+    trainable = [c for c in engine.chunks() if c.trainable]
+    assert blocking == [], "a gradient was copied to its host shard with a blocking copy"
+    assert 0 < len(waits) == len(set(waits)) <= len(trainable)
+    opt.step()
+    engine.close()

@@ -91,6 +91,9 @@ class GradientPath:
         self.world_group = world_group
         self.multi_rank = index.multi_rank
         self._no_sync = False
+        self._copies_in_flight: dict = {}
+        """Chunk key -> device of the gradient copies into its pinned host shard not yet
+        landed ([Note: one host wait per chunk])."""
         self._staging_free: list[torch.Tensor] = []
         self.staging_slabs: list = []
         """The device slabs of the staging pool (released after a re-layout)."""
@@ -215,8 +218,9 @@ class GradientPath:
         self._begin_delivery(chunk)
         segment = target[slot.offset : slot.offset + slot.numel]
         if chunk.grad_state is GradState.FILLING and not slot.got_grad:
-            segment.copy_(grad.reshape(-1))
+            self._copy_grad(chunk, segment, grad.reshape(-1))
         else:
+            self._land_copies(chunk)  # the host add reads what they write
             segment.add_(grad.reshape(-1).to(target.device))
         tier = "host" if optim.grad_buffer is not None else optim.grad.tier.name
         if tier != "device":
@@ -296,10 +300,41 @@ class GradientPath:
         elif state in (GradState.HELD, GradState.REDUCED):
             chunk.move_grads(GradState.ACCUMULATING, _OWNER)
 
+    def _copy_grad(self, chunk: Chunk, segment: torch.Tensor, grad: torch.Tensor) -> None:
+        """Copy a parameter's first gradient into its slot of the gradient shard.
+
+        [Note: one host wait per chunk]
+        A gradient on an accelerator going into a pinned host shard is copied without
+        blocking, on the stream that produced it (autograd's gradient may be freed after the
+        hook returns: the caching allocator reuses its memory only for work queued after the
+        copy on that stream). The chunk's copies land together: one event, waited for once,
+        before host code reads the shard (its last gradient, the end of backward, an
+        accumulation into it) instead of one blocking copy per parameter. A shard kept on a
+        storage tier is copied as before (its host buffer may be written out while filling).
+        """
+        device = grad.device
+        if (
+            device.type not in ("cpu", "meta")
+            and segment.device.type == "cpu"
+            and not self.offloads(chunk)
+            and segment.is_pinned()
+        ):
+            segment.copy_(grad, non_blocking=True)
+            self._copies_in_flight[chunk.key] = device
+        else:
+            segment.copy_(grad)
+
+    def _land_copies(self, chunk: Chunk) -> None:
+        """Wait for ``chunk``'s gradient copies in flight: [Note: one host wait per chunk]."""
+        device = self._copies_in_flight.pop(chunk.key, None)
+        if device is not None:
+            torch.accelerator.current_stream(device).record_event().synchronize()
+
     def _finish_fresh_grad(self, chunk: Chunk) -> None:
         """Single process: this backward's gradients of ``chunk`` are all in (REDUCED); zero
         what the first backward since zero_grad left unwritten in the gradient shard: [Note:
         first gradient is a copy]."""
+        self._land_copies(chunk)
         optim = chunk.optim
         state = chunk.grad_state
         if state is GradState.EMPTY:  # no gradient at all since zero_grad
@@ -437,6 +472,8 @@ class GradientPath:
     def abandon_backward(self) -> None:
         """A backward stopped on an error: drop its staged gradients and reset the flags
         ([Note: an abandoned backward]; ``zero_grad`` drops the shards)."""
+        for chunk in self.index.chunks():
+            self._land_copies(chunk)  # no copy may still write into a shard being dropped
         for chunk in self.index.chunks():
             if chunk.staging is not None:
                 self.give_back_staging(chunk)

@@ -196,4 +196,3 @@ class _GatherAfterRead:
 
     def done(self) -> bool:
         return self._gathered
-

@@ -68,3 +68,29 @@ def test_setup_works_after_a_failed_attempt():
     model, opt = tierwise.setup(model, torch.optim.AdamW(model.parameters()), device="cpu")
     model(**tiny_batch()).loss.backward()
     opt.step()
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("3.5GiB", int(3.5 * 2**30)), ("4096", 4096), ("2 KiB", 2048), (3.0, 3), ("8b", 8)],
+)
+def test_byte_counts_read_as_people_write_them(value, expected):
+    from tierwise.units import parse_bytes
+
+    assert parse_bytes(value) == expected
+
+
+@pytest.mark.parametrize("value", ["3.5", "3.5B", 3.5, ".5"])
+def test_a_byte_count_without_a_unit_is_a_whole_number(value):
+    """``--device-memory 3.5`` became 3 bytes, silently (issue 30)."""
+    from tierwise.units import parse_bytes
+
+    with pytest.raises(ValueError, match="not a whole number of bytes"):
+        parse_bytes(value, what="device_memory")
+
+
+@pytest.mark.parametrize("name", ["device_memory", "host_memory"])
+@pytest.mark.parametrize("value", [0, "0", "0GiB"])
+def test_a_zero_budget_is_refused_with_the_fix(name, value):
+    with pytest.raises(tierwise.ConfigError, match=f"{name}=0: a budget of 0 bytes leaves no room"):
+        tierwise.Config(**{name: value})

@@ -109,10 +109,16 @@ def test_defaults_train_a_model_that_does_not_fit_the_device(tmp_path):
 def test_resume_continues_bitwise(train, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     ok(train(*TINY, "--steps", "6", "--out", str(straight), cwd=tmp_path))
-    ok(train(*TINY, "--steps", "6", "--stop-after", "3", "--out", str(split), cwd=tmp_path))
+    stopped = ok(
+        train(*TINY, "--steps", "6", "--stop-after", "3", "--out", str(split), cwd=tmp_path)
+    )
     assert sorted(train_losses(split / "metrics.jsonl")) == [1, 2, 3]
+    # it ends with the command that finishes the run (issue 30: it printed the export command)
+    assert f"resume the run with: tierwise train --resume {split}" in stopped.stdout
+    assert "export a Hugging Face model" not in stopped.stdout
     resumed = ok(train("--resume", str(split), cwd=tmp_path))
     assert "resumed" in resumed.stdout and "at step 3" in resumed.stdout
+    assert "export a Hugging Face model: tierwise export" in resumed.stdout  # finished now
 
     expected = train_losses(straight / "metrics.jsonl")
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 from dataclasses import asdict
 
 from tierwise._version import __version__
@@ -42,10 +43,18 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+class Parser(argparse.ArgumentParser):
+    """argparse with errors on one line, naming the (sub)command they belong to; every
+    subcommand's parser is one of these too (``add_parser`` uses the parent's class)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
+def build_parser() -> Parser:
     from tierwise.plugins import get_plugin_host
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="tierwise",
         description="Train models bigger than your device: chunks across device, host and NVMe.",
     )
@@ -69,11 +78,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's flags were misspelled: its error, not the top level's
+        command = subcommand_parser(parser, getattr(args, "command", None)) or parser
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
     return int(args.func(args) or 0)
+
+
+def subcommand_parser(parser: argparse.ArgumentParser, name: str | None):
+    """The parser of subcommand ``name`` (None when there is none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(name)
+    return None
 
 
 if __name__ == "__main__":

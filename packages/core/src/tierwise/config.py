@@ -145,6 +145,14 @@ class Config:
                     object.__setattr__(self, name, parse_bytes(value, what=name))
                 except ValueError as err:
                     raise ConfigError(f"Config.{err}") from None
+                if getattr(self, name) == 0:
+                    where = "the device" if name == "device_memory" else "host RAM"
+                    fail(
+                        name,
+                        f"a budget of 0 bytes leaves no room for model data in {where}; give "
+                        'a size such as 64MiB, or None ("all" on the command line) for what '
+                        "the machine has",
+                    )
         if self.activation_policy is not None:
             problem = check_policy_entries(self.activation_policy)
             if problem:

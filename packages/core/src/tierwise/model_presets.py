@@ -46,9 +46,12 @@ SIZES: dict[str, Shape] = {
     "7b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=11008, experts=8),
     "13b": Shape(hidden=5120, layers=40, heads=40, kv_heads=8, ffn=13824, experts=8),
 }
-"""Named sizes, roughly the parameter count of a llama with a 32k vocabulary. With the byte
-tokenizer the embeddings are tiny, so counts come out lower; gpt2/opt use a 4 × hidden FFN. The
-parameter count `tierwise train` prints is the truth."""
+"""Shapes for every family, named by their rough parameter count with a 32k vocabulary. Where a
+family published a model of that name its exact shape is in ``FAMILY_SIZES`` and wins (llama 1b,
+3b, 7b, 13b; opt 350m, 13b); gpt2 125m and 350m are GPT-2 small and medium here, opt 125m is
+OPT-125m. The other (family, size) pairs are tierwise's own shapes and claim no published model
+(the parameter count ``tierwise train`` prints is the truth; with the byte tokenizer the
+embeddings are tiny, so counts come out lower)."""
 
 FAMILY_SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "gpt2": {  # the released sizes, then Elixir's GPT-2 sizes (4B..20B)
@@ -60,15 +63,53 @@ FAMILY_SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "15b": dict(n_embd=4096, n_layer=78, n_head=16),
         "20b": dict(n_embd=8192, n_layer=25, n_head=16),
     },
-    "opt": {  # the released OPT sizes (Zhang et al. 2022, table 1)
+    "opt": {  # the released OPT sizes (Zhang et al. 2022, table 1; facebook/opt-* config.json)
+        "350m": dict(
+            hidden_size=1024,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            word_embed_proj_dim=512,
+            do_layer_norm_before=False,
+        ),
         "1.3b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32),
         "2.7b": dict(hidden_size=2560, num_hidden_layers=32, num_attention_heads=32),
         "6.7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32),
+        "13b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40),
         "30b": dict(hidden_size=7168, num_hidden_layers=48, num_attention_heads=56),
         "66b": dict(hidden_size=9216, num_hidden_layers=64, num_attention_heads=72),
         "175b": dict(hidden_size=12288, num_hidden_layers=96, num_attention_heads=96),
     },
-    "llama": {
+    "llama": {  # Llama 3.2 1B and 3B, Llama 2 7B, 13B and 70B (their config.json)
+        "1b": dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            tie_word_embeddings=True,
+        ),
+        "3b": dict(
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=28,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            tie_word_embeddings=True,
+        ),
+        "7b": dict(
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+        ),
+        "13b": dict(
+            hidden_size=5120,
+            intermediate_size=13824,
+            num_hidden_layers=40,
+            num_attention_heads=40,
+            num_key_value_heads=40,
+        ),
         "70b": dict(
             hidden_size=8192,
             intermediate_size=28672,
@@ -89,12 +130,22 @@ FAMILY_SIZES: dict[str, dict[str, dict[str, Any]]] = {
         ),
     },
 }
-"""Published sizes of one family (real shapes), next to the shared ``SIZES``; ``--size`` takes
-either, the same choices for ``tierwise train``, ``profile`` and ``plan``."""
+"""Published models of one family, with their exact shapes (all but the vocabulary, which is the
+tokenizer's in ``tierwise train`` and ``released_vocab`` in ``profile`` and ``plan``); for a
+name in both, this wins over ``SIZES``. ``--size`` takes either, the same choices for
+``tierwise train``, ``profile`` and ``plan``."""
 
 FAMILY_VOCAB = {"gpt2": 50257, "opt": 50272, "llama": 32000, "mixtral": 32000}
-"""Vocabulary size of each family's released tokenizer (``profile`` and ``plan`` use it;
-``train`` uses its own tokenizer's)."""
+"""Vocabulary size of each family's released tokenizer (Llama 2's for llama)."""
+
+SIZE_VOCAB = {("llama", "1b"): 128256, ("llama", "3b"): 128256}
+"""Published sizes whose tokenizer differs from the family's (Llama 3.2's)."""
+
+
+def released_vocab(family: str, size: str) -> int:
+    """The vocabulary of the published model ``family`` ``size`` (the family's for tierwise's own
+    shapes): ``profile`` and ``plan`` count embeddings with it; ``train`` uses its tokenizer's."""
+    return SIZE_VOCAB.get((family, size), FAMILY_VOCAB.get(family, 50257))
 
 
 def size_names() -> list[str]:
@@ -184,67 +235,74 @@ def preset_config(family: str, size: str, *, vocab_size: int, eos_id: int, max_p
 
 
 def _published_config(tf, family: str, fields: dict[str, Any], ids: dict, max_positions: int):
-    """The HF config of a published size (dropout off, like the shared sizes)."""
+    """The HF config of a published size (dropout off, like the shared sizes); ``fields`` win
+    over the defaults here."""
     if family == "gpt2":
-        return tf.GPT2Config(
-            n_positions=max_positions,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            **fields,
-            **ids,
-        )
+        defaults = dict(n_positions=max_positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return tf.GPT2Config(**{**defaults, **fields, **ids})
     if family == "opt":
         hidden = fields["hidden_size"]
-        return tf.OPTConfig(
+        defaults = dict(
             ffn_dim=4 * hidden,
             word_embed_proj_dim=hidden,
             max_position_embeddings=max_positions,
             dropout=0.0,
             attention_dropout=0.0,
             activation_dropout=0.0,
-            **fields,
-            **ids,
         )
-    common = dict(
-        max_position_embeddings=max_positions,
-        attention_dropout=0.0,
-        tie_word_embeddings=False,
-        **fields,
-        **ids,
+        return tf.OPTConfig(**{**defaults, **fields, **ids})
+    defaults = dict(
+        max_position_embeddings=max_positions, attention_dropout=0.0, tie_word_embeddings=False
     )
     if family == "llama":
-        return tf.LlamaConfig(**common)
-    return tf.MixtralConfig(router_jitter_noise=0.0, **common)
+        return tf.LlamaConfig(**{**defaults, **fields, **ids})
+    return tf.MixtralConfig(**{**defaults, "router_jitter_noise": 0.0, **fields, **ids})
 
 
-def config_from_file(path: str):
-    """An HF config from a ``config.json`` (its ``model_type`` picks the class)."""
+def config_from_file(path: str, *, flag: str = "--model-config"):
+    """An HF config from a ``config.json`` (its ``model_type`` picks the class); ``flag`` is the
+    option that named the file, for messages."""
     tf = transformers_module()
     file = Path(path)
     if not file.is_file():
-        raise ModelError(f"--model-config {path}: no such file; give an HF config.json")
+        raise ModelError(f"{flag} {path}: no such file; give an HF config.json")
     try:
         data: dict[str, Any] = json.loads(file.read_text())
     except json.JSONDecodeError as err:
-        raise ModelError(f"--model-config {path}: not valid JSON ({err.msg})") from None
+        raise ModelError(
+            f"{flag} {path}: not valid JSON ({err.msg}, line {err.lineno} column {err.colno})"
+        ) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ModelError(f"{flag} {path}: cannot read it ({err})") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{flag} {path}: expected a JSON object of config fields")
     model_type = data.pop("model_type", None)
     if not model_type:
-        raise ModelError(f"--model-config {path}: needs a 'model_type' (e.g. \"llama\")")
+        raise ModelError(f"{flag} {path}: needs a 'model_type' (e.g. \"llama\")")
     known = tf.CONFIG_MAPPING.keys()
     if model_type not in known:
         close = difflib.get_close_matches(model_type, known, n=3, cutoff=0.6)
         raise ModelError(
-            f"--model-config {path}: unknown model_type {model_type!r}"
+            f"{flag} {path}: unknown model_type {model_type!r}"
             + (f"; close matches: {', '.join(close)}" if close else "")
             + f" (transformers {tf.__version__} knows {len(known)} model types)"
         )
     try:
         config = tf.AutoConfig.for_model(model_type, **data)
-    except ValueError as err:
-        raise ModelError(f"--model-config {path}: {err}") from None
-    _warn_missing_sizes(config, data, f"--model-config {path}")
+    except Exception as err:  # transformers validates with ValueError or its own error types
+        raise ModelError(
+            f"{flag} {path}: not a valid {model_type} config: {last_line(err).rstrip('.')}; fix the file"
+        ) from None
+    _warn_missing_sizes(config, data, f"{flag} {path}")
     return config
+
+
+def last_line(err: BaseException) -> str:
+    """The last line of an error's message (transformers nests the reason under a header),
+    without a leading exception name."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    name, sep, rest = lines[-1].partition(": ")
+    return rest if sep and name.isidentifier() and name[0].isupper() else lines[-1]
 
 
 SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")

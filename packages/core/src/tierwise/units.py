@@ -30,12 +30,22 @@ def parse_bytes(value: int | float | str, *, what: str = "size") -> int:
     if isinstance(value, (int, float)):
         if value < 0:
             raise ValueError(f"{what}: {value} is negative; give a byte count like 8GiB")
+        if value != int(value):
+            raise ValueError(
+                f"{what}: {value} is not a whole number of bytes; give an integer byte count "
+                "or a size with a unit, e.g. 3.5GiB"
+            )
         return int(value)
     match = _PATTERN.match(str(value))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(
             f"{what}: cannot read {value!r} as a size; write e.g. 8GiB, 512MiB, 2GB or 1073741824"
+        )
+    if _UNITS[unit] == 1 and not match.group(1).isdigit():
+        raise ValueError(
+            f"{what}: {value!r} is not a whole number of bytes; a number without a unit is a "
+            f"byte count: give an integer, or a unit, e.g. {match.group(1)}GiB"
         )
     return int(float(match.group(1)) * _UNITS[unit])
 

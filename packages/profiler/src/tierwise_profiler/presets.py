@@ -15,6 +15,7 @@ from tierwise.model_presets import (
     ModelError,
     config_from_file,
     preset_config,
+    released_vocab,
     size_names,
 )
 from tierwise.replicate import layer_list
@@ -36,13 +37,13 @@ def model_config(model: str, *, size: str = "125m", seq: int = 1024):
                 f"--model {model!r}: not a family ({', '.join(FAMILIES)}) nor an existing file; "
                 "give a family or the path of an HF config.json"
             )
-        config = config_from_file(model)
+        config = config_from_file(model, flag="--model")
     else:
         config = preset_config(
             model,
             size,
-            vocab_size=VOCAB.get(model, 50257),
-            eos_id=VOCAB.get(model, 50257) - 1,
+            vocab_size=released_vocab(model, size),
+            eos_id=released_vocab(model, size) - 1,
             max_positions=max(seq, 1024),
         )
     return config

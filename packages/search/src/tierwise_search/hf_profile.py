@@ -14,7 +14,6 @@ tierwise-profiler measures these instead; the search plugin does not depend on i
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,18 +26,24 @@ def hf_config(model: str, size: str | None = None, *, seq_len: int = 1024):
     """A transformers config for a preset family and ``--size`` (core's presets, the same as
     ``tierwise train`` and ``tierwise profile``, with the family's released vocabulary), or
     from a local config.json path."""
-    import transformers as tf
-    from tierwise.model_presets import FAMILIES, FAMILY_VOCAB, ModelError, preset_config
+    from tierwise.model_presets import (
+        FAMILIES,
+        ModelError,
+        config_from_file,
+        preset_config,
+        released_vocab,
+    )
 
     if model not in FAMILIES:
-        path = Path(model)
-        if not path.is_file():
+        if not Path(model).is_file():
             raise ValueError(
                 f"--model {model!r}: use one of {', '.join(FAMILIES)} or a path to a config.json"
             )
-        data = json.loads(path.read_text())
-        return tf.AutoConfig.for_model(data.pop("model_type"), **data)
-    vocab = FAMILY_VOCAB[model]
+        try:
+            return config_from_file(model, flag="--model")
+        except ModelError as err:
+            raise ValueError(str(err)) from None
+    vocab = released_vocab(model, size or "125m")
     try:
         config = preset_config(
             model,

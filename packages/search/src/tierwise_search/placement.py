@@ -104,23 +104,37 @@ def minimum_placement(model: CostModel, budgets: Budgets, forced: Forced) -> Pla
         if budgets.nvme is not None and memory.nvme > budgets.nvme:
             over.append((memory.nvme - budgets.nvme, "nvme", memory.nvme, budgets.nvme))
         tried.append(max(over))
-    _, tier, need, limit = min(tried)
-    if tier == "host":
-        hint = "raise host_memory" + (
-            "" if budgets.nvme_allowed else " or set nvme_path to keep model data on NVMe"
+    # [Note: which tier binds] With nvme_path set the user asked for NVMe: report the
+    # placements that use it (NVMe space, the disk's free space, often binds there), and give
+    # what keeping everything in host memory would need as the other remedy.
+    host_only_need = tried[0][2]
+    _, tier, need, limit = min(tried[1:] if budgets.nvme_allowed else tried)
+    short = f"{format_gib(need - limit)} short"
+    if tier == "nvme":
+        message = (
+            f"NVMe space binds: the smallest plan needs {format_gib(need)} of model data on NVMe, "
+            f"on nvme_path's disk the free space is {format_gib(limit)}: {short}; free space on "
+            "the NVMe disk or point nvme_path at a larger one"
+            + (
+                f" (or raise host_memory to {format_gib(host_only_need)} to keep model data in "
+                "host memory)"
+                if budgets.host is not None
+                else ""
+            )
         )
-        what = "host_memory"
+    elif budgets.nvme_allowed:
+        message = (
+            f"host memory binds: even with model data on NVMe the smallest plan needs "
+            f"{format_gib(need)} of host memory, host_memory is {format_gib(limit)}: {short}; "
+            "raise host_memory"
+        )
     else:
-        hint = "free space on the NVMe disk or use a larger one, or raise host_memory"
-        what = "the NVMe disk's free space"
-    label = {"host": "host memory", "nvme": "NVMe space"}[tier]
-    raise PlacementError(
-        f"{label} binds: the smallest plan needs {format_gib(need)} of model data in {label}, "
-        f"{what} is {format_gib(limit)}: {format_gib(need - limit)} short; {hint}",
-        tier=tier,
-        need=need,
-        limit=limit,
-    )
+        message = (
+            f"host memory binds: the smallest plan needs {format_gib(need)} of model data in "
+            f"host memory, host_memory is {format_gib(limit)}: {short}; raise host_memory or "
+            "set nvme_path to keep model data on NVMe"
+        )
+    raise PlacementError(message, tier=tier, need=need, limit=limit)
 
 
 def _moves(model: CostModel, current: Step, forced: Forced) -> Iterator[tuple[str, Placement]]:

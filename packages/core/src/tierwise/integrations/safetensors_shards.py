@@ -18,6 +18,22 @@ MAX_SHARD_BYTES = 5 * 10**9
 """5 GB, as transformers reads max_shard_size="5GB"."""
 
 
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """``safetensors.torch.save_file`` with the file's mode from the umask (0644 under the
+    usual 022), as ``save_pretrained``'s files get: save_file itself creates them 0600."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~current_umask())
+
+
 class ShardWriter:
     """Collects tensors by name and writes them into shards of at most ``max_bytes``."""
 
@@ -43,10 +59,8 @@ class ShardWriter:
         self.total_bytes += nbytes
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         path = self.folder / f"{self.prefix}-part{len(self._written) + 1:05d}.safetensors.tmp"
-        save_file(self._pending, path, metadata={"format": "pt"})
+        save_safetensors(self._pending, path)
         self._written.append((path, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
 

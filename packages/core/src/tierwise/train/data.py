@@ -73,6 +73,51 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+    def save_pretrained(self, folder: str | Path) -> None:
+        """This tokenizer as a Hugging Face tokenizer folder (``AutoTokenizer.from_pretrained``
+        gives the same ids: byte b is token b, ``<|endoftext|>`` 256, ``<|pad|>`` 257).
+
+        [Note: the byte tokenizer as a Hugging Face tokenizer]
+        A byte-level BPE with no merges: the pre-tokenizer maps each byte to one printable
+        character (GPT-2's byte-to-character table), the vocabulary maps that character back to
+        the byte's value, and the decoder turns characters into bytes again. The special tokens
+        are never matched inside text (``split_special_tokens``), as here, where text is only
+        ever bytes.
+        """
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {char: byte for byte, char in enumerate(_byte_characters())}
+        vocab.update({BYTE_EOS: self.eos_id, BYTE_PAD: self.pad_id})
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        PreTrainedTokenizerFast(
+            tokenizer_object=backend,
+            eos_token=BYTE_EOS,
+            pad_token=BYTE_PAD,
+            split_special_tokens=True,
+        ).save_pretrained(folder)
+
+
+BYTE_EOS = "<|endoftext|>"
+BYTE_PAD = "<|pad|>"
+
+
+def _byte_characters() -> list[str]:
+    """The character standing for each byte value in a byte-level BPE vocabulary: printable
+    Latin-1 characters stand for themselves, the others (controls, space, soft hyphen) for
+    code points from 256 up, in byte order."""
+    stands_for_itself = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, spare = [], 256
+    for byte in range(256):
+        if byte in stands_for_itself:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(spare))
+            spare += 1
+    return chars
+
 
 class HFTokenizer:
     """A local Hugging Face tokenizer directory (``--tokenizer DIR``), never downloaded."""

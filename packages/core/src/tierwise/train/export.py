@@ -36,8 +36,13 @@ import torch
 from tierwise.checkpoint_manifest import CheckpointError
 from tierwise.checkpoint_reader import CheckpointReader
 from tierwise.integrations.hf_save import DTYPES, record_dtype
-from tierwise.integrations.safetensors_shards import MAX_SHARD_BYTES, ShardWriter
+from tierwise.integrations.safetensors_shards import (
+    MAX_SHARD_BYTES,
+    ShardWriter,
+    save_safetensors,
+)
 from tierwise.train.checkpoints import CHECKPOINTS, LATEST
+from tierwise.train.data import ByteTokenizer
 from tierwise.train.errors import TrainError
 from tierwise.train.lora import MODEL_FOLDER, PEFT_PREFIX
 
@@ -122,7 +127,7 @@ def export(
     try:
         options = _options(run)
         if lora is not None and not merge_lora:
-            base = options.get("from_pretrained")
+            base = _base_path(options, lora)
             if not base:  # a random base: write it, as the adapters need it
                 base = str((out / BASE_FOLDER).resolve())
                 _write_model(
@@ -142,6 +147,16 @@ def export(
         shutil.rmtree(out, ignore_errors=True)
         raise
     return out
+
+
+def _base_path(options: dict, lora: dict) -> str | None:
+    """The --from-pretrained directory of a LoRA run, absolute: as `tierwise train` recorded it
+    (runs before it did so: resolved from here)."""
+    given = options.get("from_pretrained")
+    if not given:
+        return None
+    recorded = lora.get("base_model_name_or_path") or ""
+    return recorded if Path(recorded).is_absolute() else str(Path(given).resolve())
 
 
 def _read_json(path: Path) -> dict | None:
@@ -224,25 +239,26 @@ def _write_adapters(
     reader: CheckpointReader, out: Path, lora: dict, dtype: torch.dtype, base: str
 ) -> None:
     """The files ``PeftModel.save_pretrained`` writes: adapter weights without the adapter name."""
-    from safetensors.torch import save_file
-
     tensors = {
         name.replace(f".{ADAPTER}.", "."): reader.tensor(name).to(dtype).contiguous()
         for name in reader.names()
         if ".lora_" in name
     }
-    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    save_safetensors(tensors, out / "adapter_model.safetensors")
     config = dict(lora)
     config["base_model_name_or_path"] = base
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _copy_tokenizer(options: dict, out: Path) -> None:
-    """The run's Hugging Face tokenizer, if it had one (the default byte tokenizer has none)."""
+    """The run's Hugging Face tokenizer, or, for a run on the default byte tokenizer, that one
+    as a Hugging Face tokenizer ([Note: the byte tokenizer as a Hugging Face tokenizer]), so
+    ``AutoTokenizer.from_pretrained(out)`` works on every export."""
     source = options.get("tokenizer") or options.get("from_pretrained")
     if not source or not any(
         (Path(source) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
     ):
+        ByteTokenizer().save_pretrained(out)  # what the run trained on (see run._train)
         return
     import transformers
 

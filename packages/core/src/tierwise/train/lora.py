@@ -75,9 +75,11 @@ def materialise_adapters(model: torch.nn.Module, *, seed: int) -> None:
             module.reset_lora_parameters(name, True)
 
 
-def describe_model(run_dir: Path, model: torch.nn.Module) -> None:
+def describe_model(run_dir: Path, model: torch.nn.Module, *, base_path: str | None = None) -> None:
     """Write ``run_dir/hf/config.json`` (and ``adapter_config.json`` for a LoRA run), which
-    `tierwise export` turns into a from_pretrained folder."""
+    `tierwise export` turns into a from_pretrained folder. ``base_path`` is the --from-pretrained
+    directory a LoRA run adapts: recorded as an absolute path, so the adapters name their base
+    wherever `tierwise export` and the loading code run (PEFT records the path as given)."""
     folder = Path(run_dir) / MODEL_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     peft_config = getattr(model, "peft_config", None)
@@ -86,4 +88,7 @@ def describe_model(run_dir: Path, model: torch.nn.Module) -> None:
     config["architectures"] = [type(base).__name__]
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if peft_config:
-        peft_config["default"].save_pretrained(folder)
+        adapter = peft_config["default"]
+        if base_path is not None:
+            adapter.base_model_name_or_path = str(Path(base_path).resolve())
+        adapter.save_pretrained(folder)

@@ -5,12 +5,25 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import textwrap
 from dataclasses import dataclass
 from typing import Any
 
 from tierwise.model_presets import FAMILIES, size_names
 from tierwise.train.errors import TrainError
+
+FINITE_NUMBERS = (
+    "lr",
+    "lr_floor",
+    "weight_decay",
+    "clip",
+    "save_minutes",
+    "temperature",
+    "lora_alpha",
+)
+"""Float options checked to be finite first (``nan`` passes every comparison the checks below
+make, and reached the optimizer as a traceback)."""
 
 DEFAULT_SAVE_EVERY = 100
 """Checkpoint interval in steps when --save-every is not given."""
@@ -25,8 +38,9 @@ class TrainOptions:
     """Preset family: gpt2, opt, llama or mixtral (random init)."""
     size: str = "small"
     """Preset size: tiny, small, 125m, 350m, 1b, 3b, 7b, 13b, or a family's published size
-    (gpt2 medium..20b, opt 1.3b..175b, llama 70b, mixtral 8x7b); the same choices as ``tierwise
-    profile`` and ``tierwise plan``."""
+    (gpt2 medium..20b, opt 1.3b..175b, llama 70b, mixtral 8x7b); a name a family published has
+    that model's exact shape (llama 7b is Llama-2-7B, llama 1b Llama-3.2-1B); the same choices as
+    ``tierwise profile`` and ``tierwise plan``."""
     model_config: str | None = None
     """A Hugging Face config.json to build the model from (random init) instead of a preset."""
     from_pretrained: str | None = None
@@ -101,6 +115,10 @@ class TrainOptions:
             raise TrainError(f"--{flag} {getattr(self, flag.replace('-', '_'))!r}: {message}")
 
         object.__setattr__(self, "data", tuple(self.data))
+        for name in FINITE_NUMBERS:
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                fail(name.replace("_", "-"), "must be a finite number")
         if self.model_config and self.from_pretrained:
             raise TrainError("give either --model-config or --from-pretrained, not both")
         if self.model not in FAMILIES:

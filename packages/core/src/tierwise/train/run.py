@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,14 @@ from tierwise.plugins import get_plugin_host
 from tierwise.precision import optim_bytes, param_bytes
 from tierwise.tiers import TierBudgetError
 from tierwise.train import checkpoints, data, lora, presets
-from tierwise.train.distributed import World, barrier, close_world, init_world, mean_over_ranks
+from tierwise.train.distributed import (
+    World,
+    barrier,
+    close_world,
+    init_world,
+    launched_by_torchrun,
+    mean_over_ranks,
+)
 from tierwise.train.errors import RunFailed, TrainError
 from tierwise.train.interrupts import Agreement, StopRequest, exit_status
 from tierwise.train.metrics import MetricsLog, read_metrics, step_record
@@ -60,10 +69,10 @@ def main(train_given: dict[str, Any], config_given: dict[str, Any]) -> int:
     try:
         return train(train_given, config_given)
     except (TrainError, ModelError, ConfigError) as err:
-        print(f"tierwise train: error: {err}", file=sys.stderr)
+        _print_error(err, every_rank=False)
         return 2
     except (RunFailed, OSError) as err:  # a disk failed under the run: one line, no traceback
-        print(f"tierwise train: error: {err}", file=sys.stderr)
+        _print_error(err, every_rank=True)
         return 1
     except KeyboardInterrupt:  # outside the training loop ([Note: stopping between steps])
         print(
@@ -72,6 +81,22 @@ def main(train_given: dict[str, Any], config_given: dict[str, Any]) -> int:
             file=sys.stderr,
         )
         return exit_status(signal.SIGINT)
+
+
+def _print_error(err: BaseException, *, every_rank: bool) -> None:
+    """One line on stderr.
+
+    [Note: an error is printed once under torchrun]
+    Every rank checks the same flags, files and plan, so a bad input fails on all of them with
+    the same message: rank 0 alone prints it (torchrun still reports every rank's exit code). A
+    failure of the run itself (a disk under the NVMe tier, a checkpoint write) belongs to the
+    rank it happened on: each such rank prints it, naming itself.
+    """
+    rank = int(os.environ.get("RANK", "0")) if launched_by_torchrun() else 0
+    if rank != 0 and not every_rank:
+        return
+    where = f" (rank {rank})" if rank else ""
+    print(f"tierwise train: error{where}: {err}", file=sys.stderr)
 
 
 # -- inputs -----------------------------------------------------------------------------------
@@ -178,6 +203,16 @@ def check_plugins(config: Config) -> None:
         raise TrainError(
             f"--nvme-path {config.nvme_path}: no such directory; create it on a fast local disk"
         )
+    try:  # before the data and the model are read: a read-only mount fails in a second
+        fd, probe = tempfile.mkstemp(prefix=".tierwise-write-probe-", dir=config.nvme_path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise TrainError(
+            f"--nvme-path {config.nvme_path} is not writable ({err.strerror or err}): give a "
+            "writable directory on a fast local disk, or remount it read-write / fix its "
+            "permissions"
+        ) from None
 
 
 def model_data_bytes(n_params: int, precision: str, optimizer_states: str = "fp32") -> int:
@@ -227,7 +262,10 @@ def _train(request: Request, world: World) -> int:
         model = lora.apply_lora(
             model, rank=options.lora, alpha=options.lora_alpha, targets=options.lora_targets
         )
-        model_name += f", LoRA rank {options.lora} (base frozen)"
+        held = request.config.precision
+        model_name += f", LoRA rank {options.lora} (base frozen, held in {held}" + (
+            "; --precision fp32 holds it in fp32)" if held != "fp32" else ")"
+        )
         if weights:  # the base comes from the checkpoint, the adapters from PEFT's init
             lora.materialise_adapters(model, seed=options.seed)
             weights = DirectoryWeights(weights, rename=lora.base_name, keep_initialised=True)
@@ -254,10 +292,12 @@ def _train(request: Request, world: World) -> int:
         f"{len(corpus.train_blocks):,} training blocks of {options.seq}, "
         f"{len(corpus.eval_blocks)} held out",
     )
-    budget_text = format_bytes(config.device_memory) if config.device_memory else "all it has"
+    budget_text = (
+        "all it has" if config.device_memory is None else format_bytes(config.device_memory)
+    )
     console.note(
         f"device: {world.device}, model data budget {budget_text}{budget_note}; host budget "
-        f"{format_bytes(config.host_memory) if config.host_memory else 'all it has'}"
+        f"{'all it has' if config.host_memory is None else format_bytes(config.host_memory)}"
         + (f"; {world.size} ranks" if world.size > 1 else ""),
         device_memory=config.device_memory,
         host_memory=config.host_memory,
@@ -289,7 +329,7 @@ def _train(request: Request, world: World) -> int:
         _write_json(run_dir / OPTIONS_FILE, options.to_dict())
         _write_json(run_dir / CONFIG_FILE, config.to_dict())
         engine.plan.to_json(run_dir / PLAN_FILE)
-        lora.describe_model(run_dir, model)  # what `tierwise export` needs
+        lora.describe_model(run_dir, model, base_path=options.from_pretrained)
     console.block("plan", engine.plan.table(), plan=engine.plan.to_dict())
 
     step, micro_step = 0, 0
@@ -587,7 +627,7 @@ def _finish(
         "summary",
         table(rows) + "\n\n" + table(memory_rows) + f"\n\noutputs in {run_dir}/: {OPTIONS_FILE}, "
         f"{CONFIG_FILE}, {PLAN_FILE}, metrics.jsonl, checkpoints/, {PLOT_FILE}\n"
-        f"export a Hugging Face model: {export_command(run_dir, options)}",
+        + _next_command(run_dir, options, step),
         steps=step,
         first_step=first_step,
         tokens_per_s=tokens_per_step / statistics.median(steady),
@@ -597,8 +637,25 @@ def _finish(
         moved_bytes=stats.get("moved_bytes", {}),
         run_dir=str(run_dir),
         export_command=export_command(run_dir, options),
+        resume_command=resume_command(run_dir) if step < options.steps else None,
     )
     return 0
+
+
+def _next_command(run_dir: Path, options: TrainOptions, step: int) -> str:
+    """What to run next: the resume command when --stop-after ended the run early, else the
+    export command."""
+    if step < options.steps:
+        return (
+            f"stopped at step {step} of {options.steps} (--stop-after); resume the run with: "
+            f"{resume_command(run_dir)}\n(export what it has so far: "
+            f"{export_command(run_dir, options)})"
+        )
+    return f"export a Hugging Face model: {export_command(run_dir, options)}"
+
+
+def resume_command(run_dir: Path) -> str:
+    return f"tierwise train --resume {run_dir}"
 
 
 @torch.no_grad()

@@ -1,0 +1,47 @@
+"""Running the ``tierwise`` command in a subprocess, as a user does, and reading its errors."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+IMPORT_NOISE = re.compile(
+    r"^(Failed to load .*torchao.*|W\d{4} [\d:.]+ \d+ .*torch/utils/_pytree\.py:\d+\].*)$"
+)
+"""Lines third-party imports print on some machines (torchao's optional kernels, torch's pytree
+deprecation log); they are not the command's output."""
+
+
+def run_cli(
+    *args: str, cwd: Path | None = None, env: dict | None = None, launcher: list[str] | None = None
+) -> subprocess.CompletedProcess:
+    """``tierwise ARGS`` (through ``launcher``, e.g. torchrun, when given) with stdout/stderr."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    command = [*(launcher or [sys.executable, "-m"]), "tierwise.cli", *args]
+    return subprocess.run(
+        command, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=600, check=False
+    )
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr's lines, without blank lines and third-party import noise."""
+    return [line for line in stderr.splitlines() if line.strip() and not IMPORT_NOISE.match(line)]
+
+
+def assert_one_line_error(
+    done: subprocess.CompletedProcess, command: str, *words: str, code: int = 2
+) -> str:
+    """The command failed with ``code``, printing exactly one line on stderr, no traceback,
+    starting ``tierwise COMMAND:`` and containing every one of ``words``; returns that line."""
+    lines = error_lines(done.stderr)
+    assert done.returncode == code, (done.returncode, done.stdout[-2000:], done.stderr[-4000:])
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line.startswith(f"tierwise {command}:".replace("tierwise :", "tierwise:")), line
+    for word in words:
+        assert word in line, (word, line)
+    return line

@@ -6,6 +6,7 @@ import pytest
 import tierwise
 import torch
 from helpers.models import tiny_batch, tiny_model
+from tierwise.checkpoint_reader import CheckpointReader
 from tierwise.optim.state_formats import (
     MomentFormat,
     dequantize_blocks,
@@ -56,11 +57,13 @@ def _tierwise(optimizer_states: str, **overrides):
     return tierwise.setup(model, opt, **config)
 
 
-def _train(model, opt, steps: int) -> list[float]:
+def _train(model, opt, steps: int, clip: float | None = None) -> list[float]:
     losses = []
     for step in range(steps):
         loss = _loss(model, step)
         loss.backward()
+        if clip is not None:
+            tierwise.clip_grad_norm_(model, clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -76,7 +79,7 @@ def _torchao_round(state: torch.Tensor, signed: bool) -> None:
     state.copy_(quant_utils.dequant_with_qmap(codes, qmap, scale).view(state.shape))
 
 
-def _rounded_reference(optimizer_states: str, steps: int):
+def _rounded_reference(optimizer_states: str, steps: int, clip: float | None = None):
     """PyTorch's fused AdamW with exp_avg / exp_avg_sq rounded to the stored precision after
     every step (bf16: round to nearest; int8: torchao's block quantization)."""
     model = _model()
@@ -85,6 +88,8 @@ def _rounded_reference(optimizer_states: str, steps: int):
     for step in range(steps):
         loss = _loss(model, step)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -152,12 +157,14 @@ def test_moment_format_sizes_and_round_trip():
     assert MomentFormat("bf16", signed=False).stored_numel(1000) == 1000
 
 
+@pytest.mark.parametrize("clip", [None, 0.05])
 @pytest.mark.parametrize("optimizer_states", ["bf16", "int8"])
-def test_matches_fused_adamw_with_moments_rounded(optimizer_states):
-    """Same kernel, same rounding of the moments between steps: bitwise the same."""
-    ref_losses, ref_model = _rounded_reference(optimizer_states, 4)
+def test_matches_fused_adamw_with_moments_rounded(optimizer_states, clip):
+    """Same kernel, same rounding of the moments between steps: bitwise the same (with
+    clipping too)."""
+    ref_losses, ref_model = _rounded_reference(optimizer_states, 4, clip)
     model, opt = _tierwise(optimizer_states)
-    losses = _train(model, opt, 4)
+    losses = _train(model, opt, 4, clip)
     assert losses == ref_losses
     state = model.state_dict()
     for name, value in ref_model.state_dict().items():
@@ -363,3 +370,80 @@ def test_checkpoint_converts_state_precision(tmp_path, saved, loaded):
             assert torch.equal(ours.reshape(-1), expected), name
     losses = _train(other, other_opt, 2)
     assert all(loss == loss for loss in losses)  # finite, it trains
+
+
+DP_STEPS = 4
+
+
+def _dp_setup():
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    return tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        chunk_size=4096,
+        shard=True,
+        param_placement="host",
+        optimizer_placement="host",
+        optimizer_states="int8",
+    )
+
+
+def _dp_int8(rank, world, save_to=None):
+    """int8 states over ``world`` ranks (sharded chunks: each rank quantizes its own shard in
+    256-element blocks, which start where the one-process blocks start), each rank on its own
+    half of a global batch; returns losses and the full parameters (a collective)."""
+    model, opt = _dp_setup()
+    engine = tierwise.engine_of(model)
+    assert all(c.shard_size % 256 == 0 for c in engine.chunks())
+    losses = []
+    for step in range(DP_STEPS):
+        parts = range(rank, 2, world)  # one process takes both halves, as accumulation
+        total = 0.0
+        for part in parts:
+            loss = model(**tiny_batch(seed=1000 * step + part)).loss / len(parts)
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    if save_to is not None:
+        tierwise.save_checkpoint(save_to, model, opt)
+    return losses, model.state_dict()
+
+
+@pytest.mark.multiprocess
+def test_int8_data_parallel_matches_one_process(tmp_path):
+    """Two gloo ranks with int8 states (each quantizing its own shard) train bitwise like one
+    process accumulating both halves of the global batch: the reduced gradient (g0 + g1) / 2
+    equals g0 / 2 + g1 / 2 exactly (halving is exact), and the blocks are the same."""
+    from helpers.multiproc import run_ranks
+
+    ranks = run_ranks(_dp_int8, 2, tmp_path / "ckpt")
+    one_losses, one_state = _dp_int8(0, 1)
+    global_losses = [(a + b) / 2 for a, b in zip(ranks[0][0], ranks[1][0], strict=True)]
+    assert global_losses == one_losses
+    for name, value in one_state.items():
+        for rank_state in (ranks[0][1], ranks[1][1]):
+            assert torch.equal(rank_state[name], value), name
+    # resharding: the 2-rank checkpoint loads into one process; the int8 blocks are encoded
+    # again from the saved values (the checkpoint reader decodes them)
+    model, opt = _dp_setup()
+    tierwise.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in ranks[0][1].items())
+    reader = CheckpointReader(tmp_path / "ckpt")
+    engine = tierwise.engine_of(model)
+    for chunk in engine.chunks():
+        for fmt, kind, slab in zip(
+            engine.optimizer.moments.formats,
+            ("exp_avg", "exp_avg_sq"),
+            (chunk.optim.exp_avg, chunk.optim.exp_avg_sq),
+            strict=True,
+        ):
+            values = torch.zeros(chunk.shard_size)
+            for slot in chunk.slots:
+                values[slot.offset : slot.offset + slot.numel] = reader.read(slot.name, kind)
+            expected = fmt.decoded(fmt.encoded(values), chunk.shard_size)
+            assert torch.equal(fmt.decoded(slab.tensor, chunk.shard_size), expected)

@@ -50,8 +50,11 @@ def mlp(seed: int = 0) -> torch.nn.Module:
 
 
 @pytest.mark.combined  # search + profiler (+ nvme)
+@pytest.mark.parametrize("optimizer_states", ["fp32", "int8"])  # int8: padded stored sizes
 @pytest.mark.parametrize("use_nvme", [False, True])
-def test_engine_trains_at_the_stated_host_minimum_and_not_below(use_nvme, tmp_path):
+def test_engine_trains_at_the_stated_host_minimum_and_not_below(
+    use_nvme, optimizer_states, tmp_path
+):
     pytest.importorskip("tierwise_profiler")
     import tierwise
 
@@ -65,6 +68,7 @@ def test_engine_trains_at_the_stated_host_minimum_and_not_below(use_nvme, tmp_pa
         chunk_size=128 * 129,
         example_batch=batch,
         nvme_path=str(tmp_path) if use_nvme else None,
+        optimizer_states=optimizer_states,
     )
 
     def setup(host_memory: int):

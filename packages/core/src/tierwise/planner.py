@@ -15,8 +15,7 @@ from tierwise.chunks import first_use_order, pack
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError
-from tierwise.precision import PARAM_BYTES
-from tierwise.precision import optim_bytes as optim_bytes_per_element
+from tierwise.precision import PARAM_BYTES, optim_stored_bytes
 from tierwise.profile import Profile, activation_blocks
 from tierwise.units import format_bytes, format_gib
 
@@ -143,9 +142,10 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
     n_sharded = sum(1 for *_, shards in caps if shards > 1)
     param_bytes = sum(-(-cap // shards) for cap, _, _, shards in caps) * lc
     frozen_param_bytes = sum(-(-cap // shards) for cap, t, _, shards in caps if not t) * lc
-    state_bytes = optim_bytes_per_element(config.optimizer_states)  # the stored sizes
-    optim_bytes = int(
-        sum(-(-cap // shards) for cap, t, _, shards in caps if t) * (state_bytes + lc)
+    optim_bytes = sum(  # the stored sizes ([Note: low-bit optimizer states])
+        optim_stored_bytes(-(-cap // shards), config.optimizer_states) + -(-cap // shards) * lc
+        for cap, t, _, shards in caps
+        if t
     )
     # see [Note: gradient path]: trainable chunks reduced across ranks go through staging
     staging_blocks = sum(1 for _, t, dp, _ in caps if t and dp > 1)

@@ -47,6 +47,21 @@ def optim_bytes(optimizer_states: str = "fp32") -> float:
     return STATE_BYTES + 2 * MOMENT_BYTES[check_state_precision(optimizer_states)]
 
 
+def moment_stored_bytes(numel: int, optimizer_states: str = "fp32") -> int:
+    """Bytes of one Adam moment of a ``numel``-element shard as stored: int8 pads the shard to
+    whole QUANT_BLOCK blocks, one code byte each plus one fp32 scale per block."""
+    if check_state_precision(optimizer_states) != "int8":
+        return int(numel * MOMENT_BYTES[optimizer_states])
+    blocks = -(-numel // QUANT_BLOCK)
+    return blocks * (QUANT_BLOCK + 4)
+
+
+def optim_stored_bytes(numel: int, optimizer_states: str = "fp32") -> int:
+    """Bytes of a ``numel``-element shard's fp32 master and both Adam moments as stored (what
+    the engine allocates, per state copy)."""
+    return numel * STATE_BYTES + 2 * moment_stored_bytes(numel, optimizer_states)
+
+
 def check_state_precision(optimizer_states: str) -> str:
     """``optimizer_states`` when tierwise knows it; otherwise a one-line ValueError."""
     if optimizer_states not in MOMENT_BYTES:

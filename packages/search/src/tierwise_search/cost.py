@@ -2,7 +2,8 @@
 
 Model data per element: parameters ``L_c`` bytes (2 for bf16/fp16, 4 for fp32); gradients are
 written into the parameter chunks in backward (no extra memory); optimizer states of trainable
-chunks are fp32 master + exp_avg + exp_avg_sq = 12 bytes; frozen chunks have none. With ZeRO
+chunks are fp32 master + exp_avg + exp_avg_sq = 12 bytes (``Setting.optim_bytes``: ~6.03 with
+int8 moments, 8 with bf16: Config.optimizer_states); frozen chunks have none. With ZeRO
 sharding over N ranks each rank's home tiers hold 1/N of every chunk, rCache blocks hold whole
 (gathered) chunks.
 
@@ -60,7 +61,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 
 import numpy as np
-from tierwise.precision import OPTIM_BYTES
+from tierwise.precision import OPTIM_BYTES, optim_bytes, optim_stored_bytes
 from tierwise.runtime.grad_offload import grad_offload_buffers
 
 from tierwise_search.belady import AccessTrace, simulate
@@ -124,6 +125,15 @@ class Setting:
     """NVMe optimizer states are updated as each chunk's gradients complete in backward (see
     [Note: optimizer pipeline timing]); False: all of them after backward."""
     activations: ActivationTraffic = field(default_factory=ActivationTraffic)
+    optimizer_states: str = "fp32"
+    """How the Adam moments are stored (Config.optimizer_states): memory counts each chunk's
+    stored bytes (int8 pads shards to whole 256-element blocks), traffic ``optim_bytes``."""
+
+    @property
+    def optim_bytes(self) -> float:
+        """Bytes per trainable element of the fp32 master and the moments as stored (12 for
+        fp32, 8 for bf16, ~6.03 for int8)."""
+        return optim_bytes(self.optimizer_states)
 
     @property
     def world(self) -> int:
@@ -223,7 +233,10 @@ class CostModel:
             home = (p == tier) & ~(s.fp32_alias & train & (o == tier))
             totals[tier] += int(shard[home].sum()) * s.param_bytes
             copies = state_copies(TIERS[tier])  # [Note: atomic optimizer step]
-            totals[tier] += int(shard[train & (o == tier)].sum()) * OPTIM_BYTES * copies
+            stored = sum(
+                optim_stored_bytes(int(n), s.optimizer_states) for n in shard[train & (o == tier)]
+            )
+            totals[tier] += stored * copies
         # gradient shards live in the optimizer tier; on NVMe, host memory holds
         # GRAD_OFFLOAD_BUFFERS of the largest shard ([Note: active gradient offloading])
         for tier in (DEVICE, HOST, NVME):
@@ -273,8 +286,8 @@ class CostModel:
         device_opt = elems[train & (o == DEVICE)].sum() / r.device_adam
         optim_nvme = train & (o == NVME)
         host_opt_pipe = elems[optim_nvme].sum() / r.host_adam
-        nvme_read_opt = elems[optim_nvme].sum() * OPTIM_BYTES
-        nvme_write_opt = elems[optim_nvme].sum() * OPTIM_BYTES
+        nvme_read_opt = elems[optim_nvme].sum() * s.optim_bytes
+        nvme_write_opt = elems[optim_nvme].sum() * s.optim_bytes
         # updated parameters go home: uploaded from a host optimizer, written back from a device one
         h2d_opt = shard_bytes[offload_grad & (p == DEVICE)].sum()
         d2h_opt = shard_bytes[train & (o == DEVICE) & (p != DEVICE)].sum()
@@ -353,9 +366,9 @@ class CostModel:
         p, o = placement.param_tier, placement.optim_tier
         pipe = np.flatnonzero(s.table.trainable & (o == NVME))
         elems = s.shard_sizes[pipe].astype(np.float64)
-        read = elems * OPTIM_BYTES / r.nvme_read
+        read = elems * s.optim_bytes / r.nvme_read
         # the new parameter values go home too; those of NVMe-resident parameters to the disk
-        write = elems * (OPTIM_BYTES + s.param_bytes * (p[pipe] == NVME)) / r.nvme_write
+        write = elems * (s.optim_bytes + s.param_bytes * (p[pipe] == NVME)) / r.nvme_write
         adam = elems / r.host_adam
         if s.optimizer_in_backward:
             forward_share = s.forward_s / compute if compute > 0 else 0.0

@@ -227,6 +227,7 @@ class _Search:
                 staging_blocks=staging,
                 optimizer_in_backward=self.optimizer_in_backward,
                 activations=traffic,
+                optimizer_states=self.config.optimizer_states,
             )
         )
 

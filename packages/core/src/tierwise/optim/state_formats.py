@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tierwise.precision import QUANT_BLOCK, check_state_precision
+from tierwise.precision import QUANT_BLOCK, check_state_precision, moment_stored_bytes
 from tierwise.tiers.base import PayloadKind
 
 QUANT_PIECE = 1 << 20
@@ -175,10 +175,7 @@ class MomentFormat:
 
     def stored_numel(self, numel: int) -> int:
         """Elements (of ``dtype``) of the slab storing a moment of ``numel`` elements."""
-        if self.precision != "int8":
-            return numel
-        padded = self.padded_numel(numel)
-        return padded + 4 * (padded // QUANT_BLOCK)
+        return moment_stored_bytes(numel, self.precision) // self.dtype.itemsize
 
     def split(self, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """int8: views of a stored tensor's (codes, block scales)."""

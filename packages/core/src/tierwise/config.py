@@ -99,9 +99,16 @@ class Config:
 
     optimizer_overlap: str = "auto"
     """When optimizer states live on a storage tier (NVMe): "in-backward" updates each chunk as
-    soon as its gradients are final (LoHan), "after-backward" only prefetches its states during
-    backward and updates at ``step``; "auto" updates in backward when the previous step had one
-    backward pass, no clipping and no fp16 scaling (anything else needs every gradient first)."""
+    soon as its gradients are final (LoHan), speculatively when clipping or fp16 scaling may
+    change them (rolled back and redone exactly when they do); "after-backward" only prefetches
+    its states during backward and updates at ``step``; "auto" updates in the last backward of
+    a step from the second step on, unless the recent gradient norms come near ``max_norm``
+    (see README, "Optimizer overlap")."""
+
+    accumulation_steps: int | None = None
+    """Backward passes per optimizer step, when known (``tierwise train`` and TierwiseTrainer
+    pass it): in-backward updates run in the last one. None: the last is the first backward
+    outside ``tierwise.no_sync``, or, without it, a step's only backward."""
 
     alloc_fraction: float = 0.95
     """F_alloc: fraction of free device memory the planner may use for model data."""
@@ -204,11 +211,12 @@ class Config:
             fail("optimizer_states", f"choose one of {', '.join(STATE_PRECISIONS)}")
         if self.optimizer_overlap not in ("auto", "in-backward", "after-backward"):
             fail("optimizer_overlap", "choose one of auto, in-backward, after-backward")
-        if self.optimizer_overlap == "in-backward" and self.precision == "fp16":
-            fail(
-                "optimizer_overlap",
-                "fp16 loss scaling needs every gradient before any update: use 'auto' or 'after-backward'",
-            )
+        if self.accumulation_steps is not None and (
+            isinstance(self.accumulation_steps, bool)
+            or not isinstance(self.accumulation_steps, int)
+            or self.accumulation_steps < 1
+        ):
+            fail("accumulation_steps", "give a positive number of micro-batches per step, or None")
         if not 0 < self.alloc_fraction <= 1:
             fail("alloc_fraction", "must be in (0, 1]")
         if self.frag_factor < 1:

@@ -189,6 +189,9 @@ class TierwiseTrainer(Trainer):
                 given,
                 precision=precision_of(args, given),
                 device=given.get("device") or str(args.device),  # args.device sets up torchrun
+                # in-backward updates run in the last micro-batch: [Note: speculative updates]
+                accumulation_steps=given.get("accumulation_steps")
+                or args.gradient_accumulation_steps,
             )
         except ConfigError as err:
             raise TierwiseTrainerError(f"TierwiseTrainer: tierwise_config: {err}") from None

@@ -355,6 +355,7 @@ class Engine:
             "loss_scale": self.loss_scale,
             "skipped_steps": self.scaler.skipped_steps if self.scaler else 0,
             "optimizer_mode": self.optimizer.last_update_mode,
+            "optimizer_overlap": self.optimizer.overlap_stats(),
             "activations": self.activations.stats() if self.activations is not None else None,
             "non_model_peak_bytes": max((b for _, b in moments), default=0) if moments else None,
         }

@@ -66,6 +66,9 @@ class GradientOffload:
         self._lru: OrderedDict[Chunk, None] = OrderedDict()
         """Chunks holding a buffer that no update reads, least recently used first."""
         self._pinned = 0
+        self._on_disk: dict[Chunk, object] = {}
+        """Chunks whose shard is being (an IOHandle) or was (True, or the OSError) written to
+        disk before a speculative update consumes it ([Note: speculative updates])."""
         self._cond = threading.Condition()
         self.moved_bytes: Counter[str] = Counter()
         """Gradient bytes spilled to ("host->nvme") and read back from ("nvme->host") disk."""
@@ -106,9 +109,36 @@ class GradientOffload:
             self._pinned += 1
         return buffer
 
-    def consumed(self, chunk: Chunk) -> None:
-        """The update that was lent ``chunk``'s shard is done (or dropped): the buffer is free."""
+    def keep_on_disk(self, chunk: Chunk) -> None:
+        """Start writing the chunk's held shard to its disk region: a speculative update will
+        consume the buffer, and a rollback redoes the update from the region. The write is
+        waited for before the buffer goes back (``consumed``)."""
         optim = chunk.optim
+        handle = optim.grad.tier.write(optim.grad, optim.grad_buffer)
+        self.moved_bytes["host->nvme"] += optim.grad.nbytes
+        with self._cond:
+            self._on_disk[chunk] = handle
+
+    def kept_on_disk(self, chunk: Chunk, *, forget: bool = False) -> bool:
+        """Whether the chunk's shard was written to its region in full (after ``consumed``)."""
+        with self._cond:
+            done = self._on_disk.pop(chunk, None) if forget else self._on_disk.get(chunk)
+        return done is True
+
+    def consumed(self, chunk: Chunk) -> None:
+        """The update that was lent ``chunk``'s shard is done (or dropped): the buffer is free
+        (once a write to disk started by ``keep_on_disk`` is complete)."""
+        optim = chunk.optim
+        with self._cond:
+            handle = self._on_disk.get(chunk)
+        if handle is not None and handle is not True and not isinstance(handle, OSError):
+            try:
+                handle.wait()
+                done = True
+            except OSError as err:  # the redo cannot use the region: the step says so
+                done = err
+            with self._cond:
+                self._on_disk[chunk] = done
         with self._cond:
             buffer, optim.grad_buffer = optim.grad_buffer, None
             self._pinned -= 1
@@ -119,6 +149,8 @@ class GradientOffload:
     def drop(self, chunk: Chunk) -> None:
         """zero_grad: forget the chunk's gradients (no write)."""
         optim = chunk.optim
+        with self._cond:
+            self._on_disk.pop(chunk, None)
         if optim.grad_buffer is None or chunk not in self._lru:
             return  # none, or lent to an update that gives it back through ``consumed``
         del self._lru[chunk]

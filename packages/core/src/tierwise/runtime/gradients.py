@@ -230,7 +230,7 @@ class GradientPath:
             chunk.pending -= 1
             if chunk.pending == 0:
                 self._finish_fresh_grad(chunk)
-                self.optimizer.grads_final(chunk)
+                self.optimizer.grads_final(chunk, in_no_sync=self._no_sync)
         if slot.state is not TensorState.COMPUTE:
             slot.set_state(TensorState.HOLD_AFTER_BWD)
 
@@ -444,6 +444,7 @@ class GradientPath:
     def no_sync(self):
         """Accumulate gradients locally, without communication, until the context exits."""
         previous, self._no_sync = self._no_sync, True
+        self.optimizer.no_sync_entered()  # [Note: speculative updates]
         try:
             yield
         finally:

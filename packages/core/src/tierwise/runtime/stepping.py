@@ -3,12 +3,14 @@
 A component of :class:`tierwise.runtime.engine.Engine` ([Note: shared runtime state]): it owns
 the per-parameter Adam step counts, the step's undo record, the optimizer pipelines of storage
 tiers, where the next updates run (``optimizer_mode``), the updates that ran during backward
-(their hyper-parameters), the clip coefficient and the step counters.
+(their hyper-parameters and checks: [Note: speculative updates]), the speculation policy, the
+clip coefficient and the step counters.
 """
 
 from __future__ import annotations
 
-import warnings
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +31,7 @@ from tierwise.optim.state_formats import LowBitMoments
 from tierwise.parallel.collectives import Collectives
 from tierwise.protocols import OptimizerPipeline
 from tierwise.runtime.gradients import slot_grad
+from tierwise.runtime.overlap import SpeculationPolicy
 from tierwise.runtime.phases import Phases
 from tierwise.runtime.shared import ChunkIndex, Traffic
 from tierwise.runtime.step_undo import StepUndo
@@ -55,6 +58,24 @@ _OWNER = GradOwner.OPTIMIZER_STEP
 UPDATE_PIECE = 1 << 21
 """Elements per piece of a piecewise update (8 MiB of fp32 gradient): large enough that a
 many-threaded kernel call per piece costs little, small enough to stay off fresh pages."""
+
+
+@dataclass
+class _Early:
+    """An update that ran during this backward ([Note: speculative updates])."""
+
+    hyper: AdamHyper
+    has_grad: tuple[bool, ...]
+    """The slots' ``has_grad`` it updated with (several ranks agree on them only at step)."""
+    norms: list | None = None
+    """What the norm needs of its gradients when the update consumes them: (position,
+    per-parameter norm) pairs (one process) or the sum of squares (several ranks)."""
+    finite: bool | None = None
+    """Whether its gradients were finite (fp16), when the update consumes them."""
+
+
+def _first(pair: tuple) -> int:
+    return pair[0]
 
 
 def _in_pieces(master: torch.Tensor, shard: torch.Tensor, multiplier: list | None) -> bool:
@@ -116,18 +137,22 @@ class OptimizerStep:
         self.moments = LowBitMoments(config.optimizer_states)
         """How the Adam moments are stored ([Note: low-bit optimizer states])."""
         self.pipelines = self._make_pipelines()
-        if config.optimizer_overlap == "in-backward" and self.multi_rank and self.pipelines:
-            warnings.warn(
-                "tierwise: optimizer_overlap='in-backward' runs after backward with more than one "
-                "rank (updates during backward are one-process only for now)",
-                stacklevel=2,
-            )
         self.optimizer_mode = "after-backward"
         """How storage-tier optimizer states are updated next (see Config.optimizer_overlap)."""
         self.last_update_mode = "after-backward"
-        """Where the last step's updates ran."""
-        self._early_hyper: dict = {}
-        """Chunk key -> the hyper-parameters of its update that ran during this backward."""
+        """Where the last step's updates ran: one of ``overlap.UPDATE_MODES``."""
+        self.last_update_reason = "no step yet"
+        """Why they ran there."""
+        self.exposed_optimizer_s = 0.0
+        """Seconds the last ``step`` took: optimizer time left after backward."""
+        self.policy = SpeculationPolicy(
+            overlap=config.optimizer_overlap, accumulation_steps=config.accumulation_steps
+        )
+        """Whether a backward's updates run in it ([Note: speculative updates])."""
+        self._early: dict = {}
+        """Chunk key -> its update that ran during this backward (``_Early``)."""
+        self._decision: tuple[int, bool, str] | None = None
+        """(backward index, speculate, why) for the running step."""
         self._clip_coef: torch.Tensor | None = None
         self.steps_taken = 0
         self.step_time_s = 0.0
@@ -176,6 +201,7 @@ class OptimizerStep:
                 f"tierwise: an earlier optimizer step failed part way ({self.step_failed}); load "
                 "the last checkpoint (tierwise.load_checkpoint) before stepping again"
             )
+        began = time.perf_counter()
         try:
             self._step()
         except OSError as err:  # [Note: a step that failed part way]
@@ -204,8 +230,10 @@ class OptimizerStep:
             )
             raise
         finally:
-            self._early_hyper.clear()
+            self._early.clear()
+            self._decision = None
             self._settle_grads()
+            self.exposed_optimizer_s = time.perf_counter() - began
 
     def updated_in_backward(self, chunk: Chunk) -> bool:
         """Whether ``chunk``'s update already ran (or is queued) during this backward."""
@@ -242,15 +270,46 @@ class OptimizerStep:
     def _offloads(self, chunk: Chunk) -> bool:
         return self.grad_offload is not None and self.grad_offload.offloads(chunk)
 
-    def _grad_shards(self):
-        """(chunk, gradient shard in memory) of each filled chunk, one at a time: a shard on a
-        storage tier is read back when reached and may be written out again after the next
-        one ([Note: active gradient offloading]), so use each before taking the next."""
+    def _grad_shards(self, need: str):
+        """(chunk, gradient shard in memory, or the ``_Early`` record of an update that
+        consumed it) of each filled chunk, one at a time: a shard on a storage tier is read
+        back when reached and may be written out again after the next one ([Note: active
+        gradient offloading]), so use each before taking the next. ``need`` ("norms" or
+        "finite") says what the caller reads of a record."""
         for chunk in self._filled_chunks():
-            if self._offloads(chunk):
+            early = self._early.get(chunk.key)
+            if early is not None and self._offloads(chunk):
+                if getattr(early, need) is None:  # consumed and not recorded
+                    raise self._clipped_too_late()
+                yield chunk, early
+            elif self._offloads(chunk):
                 yield chunk, self.grad_offload.hold(chunk, fresh=False)
             else:
                 yield chunk, chunk.optim.grad.tensor
+
+    def _norm_parts(self, chunk: Chunk, grad: torch.Tensor):
+        """One chunk's part of the total norm: (position, norm) per parameter with a gradient
+        (one process), or its sum of squares (several ranks, replicated chunks counted once)."""
+        if not self.multi_rank:
+            return [
+                (
+                    self._param_order[id(s.param)],
+                    torch.linalg.vector_norm(slot_grad(chunk, grad, s), 2.0, dtype=torch.float32),
+                )
+                for s in chunk.slots
+                if s.has_grad  # clip_grad_norm_ skips parameters whose grad is None
+            ]
+        sq = grad.double().pow(2).sum().cpu()
+        return sq if chunk.group.sharded else sq / chunk.group.world
+
+    @staticmethod
+    def _all_finite(chunk: Chunk, shard: torch.Tensor) -> bool:
+        grads = (
+            [s.kept_grad for s in chunk.slots if s.kept_grad is not None]
+            if chunk.optim.grads_kept
+            else [shard]
+        )
+        return all(bool(torch.isfinite(grad).all()) for grad in grads)
 
     def _all_reduce_scalar(self, value: torch.Tensor, op) -> torch.Tensor:
         if self.world_group is not None or (dist.is_available() and dist.is_initialized()):
@@ -267,16 +326,12 @@ class OptimizerStep:
         bits, and overflow under fp16 loss scaling). Several ranks: sums of squares of each
         rank's shards (replicated chunks counted once), all-reduced.
         """
+        parts = (
+            grad.norms if isinstance(grad, _Early) else self._norm_parts(chunk, grad)
+            for chunk, grad in self._grad_shards("norms")
+        )
         if not self.multi_rank:  # in model.parameters() order, whatever the chunk layout
-            norms = sorted(
-                (
-                    self._param_order[id(s.param)],
-                    torch.linalg.vector_norm(slot_grad(chunk, grad, s), 2.0, dtype=torch.float32),
-                )
-                for chunk, grad in self._grad_shards()
-                for s in chunk.slots
-                if s.has_grad  # clip_grad_norm_ skips parameters whose grad is None
-            )
+            norms = sorted((pair for chunk_pairs in parts for pair in chunk_pairs), key=_first)
             if not norms:
                 return torch.zeros((), dtype=torch.float32)
             # per-parameter norms live on their gradient's device: gathered on the compute device
@@ -284,32 +339,26 @@ class OptimizerStep:
             stacked = stack_on([n for _, n in norms], self.device)
             return torch.linalg.vector_norm(stacked, 2.0).float().cpu()
         total = torch.zeros((), dtype=torch.float64)
-        for chunk, grad in self._grad_shards():
-            sq = grad.double().pow(2).sum().cpu()
-            total += sq if chunk.group.sharded else sq / chunk.group.world
+        for sq in parts:  # in chunk order, recorded or not
+            total += sq
         return self._all_reduce_scalar(total, dist.ReduceOp.SUM).sqrt().float()
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         if norm_type != 2.0:
             raise ValueError("tierwise.clip_grad_norm_ supports norm_type=2.0 only")
-        if self._early_hyper:  # their gradients are gone: [Note: active gradient offloading]
-            raise self._clipped_too_late()
         total = self._total_norm()
         if self.scaler is not None:
             total = total / self.loss_scale
         coef = max_norm / (total + 1e-6)
         self._clip_coef = torch.clamp(coef, max=1.0)
+        self.policy.clipped(float(total), max_norm)
         return total
 
     def _found_overflow(self) -> bool:
         flag = torch.zeros((), dtype=torch.float32)
-        for chunk, shard in self._grad_shards():
-            grads = (
-                [s.kept_grad for s in chunk.slots if s.kept_grad is not None]
-                if chunk.optim.grads_kept
-                else [shard]
-            )
-            if not all(torch.isfinite(grad).all() for grad in grads):
+        for chunk, grad in self._grad_shards("finite"):
+            finite = grad.finite if isinstance(grad, _Early) else self._all_finite(chunk, grad)
+            if not finite:
                 flag.fill_(1.0)
                 break
         return bool(self._all_reduce_scalar(flag, dist.ReduceOp.MAX) > 0)
@@ -330,58 +379,122 @@ class OptimizerStep:
         group = self.optimizer_groups[chunk.group.param_group]
         return AdamHyper.from_group(group, decoupled=self.decoupled)
 
-    def _update_in_backward(self) -> bool:
-        """Whether storage-tier updates run as soon as a chunk's gradients are final."""
-        if not self.pipelines or self.multi_rank or self.scaler is not None:
-            return False
-        if self.config.optimizer_overlap == "in-backward":
-            return True
-        return self.config.optimizer_overlap == "auto" and self.optimizer_mode == "in-backward"
+    def _speculation(self, in_no_sync: bool) -> tuple[bool, str]:
+        """Whether this backward's updates run in it, and why (decided once per backward)."""
+        # grads_final may run from end_backward, after the phase counted the backward
+        index = self.phases.backwards_this_step - (0 if self.phases.in_backward else 1)
+        if self._decision is None or self._decision[0] != index:
+            self._decision = (index, *self.policy.decide(index, in_no_sync=in_no_sync))
+        return self._decision[1], self._decision[2]
 
-    def grads_final(self, chunk: Chunk) -> None:
+    def no_sync_entered(self) -> None:
+        """``tierwise.no_sync`` was entered: this step accumulates, its last backward is the
+        first one outside it."""
+        self.policy.no_sync_this_step = True
+
+    def grads_final(self, chunk: Chunk, *, in_no_sync: bool = False) -> None:
         """A chunk's gradients for this backward are in its gradient shard: start its update
-        (LoHan's active gradient offloading) or at least the read of its optimizer states."""
+        (LoHan's active gradient offloading, speculative: [Note: speculative updates]) or at
+        least the read of its optimizer states."""
         pipeline = self.pipelines.get(chunk.optim.tier.name) if chunk.optim else None
         if pipeline is None:
             return
-        slabs = (chunk.optim.master, chunk.optim.exp_avg, chunk.optim.exp_avg_sq)
-        if self._update_in_backward() and self.phases.backwards_this_step == 0:
-            hyper = self._hyper(chunk)
-            self._early_hyper[chunk.key] = hyper
-            self.step_undo.begin()  # the step begins here: [Note: atomic optimizer step]
-            # its cached copy goes stale, but nothing reads it again in this backward: all of
-            # its gradients are in; step() drops every cached copy
-            self._submit(pipeline, chunk, self._chunk_update(chunk, hyper, None))
-            self._count_update_traffic(chunk)
-        else:
-            pipeline.prefetch(chunk.key, slabs)
+        speculate, _ = self._speculation(in_no_sync)
+        if not speculate:
+            pipeline.prefetch(
+                chunk.key, (chunk.optim.master, chunk.optim.exp_avg, chunk.optim.exp_avg_sq)
+            )
+            return
+        hyper = self._hyper(chunk)
+        early = _Early(hyper=hyper, has_grad=tuple(s.has_grad for s in chunk.slots))
+        if self._offloads(chunk):  # the update consumes the shard: record what step needs
+            grad = self.grad_offload.hold(chunk, fresh=False)
+            early.norms = self._norm_parts(chunk, grad)
+            if self.policy.rollback_possible or self.scaler is not None:
+                self.grad_offload.keep_on_disk(chunk)  # for a redo after a rollback
+            if self.scaler is not None:
+                early.finite = self._all_finite(chunk, grad)
+        self._early[chunk.key] = early
+        self.step_undo.begin()  # the step begins here: [Note: atomic optimizer step]
+        # its cached copy goes stale, but nothing reads it again in this backward: all of
+        # its gradients are in; step() drops every cached copy
+        self._submit(pipeline, chunk, self._chunk_update(chunk, hyper, self._unscale()))
+        self._count_update_traffic(chunk)
+
+    def _unscale(self) -> list | None:
+        """The factors of a speculative update: 1/loss scale (fp16), no clip coefficient."""
+        if self.scaler is None:
+            return None
+        return [torch.tensor(1.0 / self.loss_scale, dtype=torch.float32)]
+
+    def _rollback_reason(self, overflow: bool) -> str | None:
+        """Why the updates that ran in backward differ from the after-backward ones (None:
+        they are bitwise the same): [Note: speculative updates]."""
+        if overflow:
+            return "a gradient overflowed (fp16): the step is skipped"
+        if self._clip_coef is not None and float(self._clip_coef) != 1.0:
+            return f"the gradient norm is over max_norm (clip coefficient {float(self._clip_coef):.6g})"
+        for chunk in self._filled_chunks():
+            early = self._early.get(chunk.key)
+            if early is None:
+                continue
+            if early.hyper != self._hyper(chunk):
+                return "the hyper-parameters changed between backward and step"
+            if early.has_grad != tuple(s.has_grad for s in chunk.slots):
+                return "another rank's gradients reached parameters this rank's did not"
+        return None
+
+    def _roll_back(self, reason: str, *, redo: bool) -> None:
+        """Undo every update that ran during this backward ([Note: speculative updates]): the
+        storage tiers commit none of them, StepUndo puts back counts, scaler and homes, and
+        the chunks are ROLLED_BACK, their gradients in place for the redo."""
+        chunks = [c for c in self.index.chunks() if c.key in self._early]
+        for pipeline in self.pipelines.values():
+            pipeline.abandon()
+        self.step_undo.restore()
+        lost = [
+            c
+            for c in chunks
+            if self._offloads(c) and not self.grad_offload.kept_on_disk(c, forget=True)
+        ]
+        self._early.clear()
+        self.step_undo.begin()
+        if lost and redo:  # they stay UPDATED and become CONSUMED: nothing to redo them with
+            raise RuntimeError(
+                f"tierwise: clip_grad_norm_ was called after the optimizer already updated "
+                f"chunks during backward, and {reason}; their gradients were not kept "
+                f"({self.overlap_reason('did not clip')}), so nothing of this step was applied: "
+                "call zero_grad() and run the step again (from now on the gradients are kept); "
+                "or set optimizer_overlap='after-backward'"
+            )
+        for chunk in chunks:
+            chunk.move_grads(GradState.ROLLED_BACK, _OWNER)
 
     def _step(self) -> None:
         self.step_undo.begin()
+        speculated = bool(self._early)
+        _, why = self._decision[1:] if self._decision else (False, "no backward ran")
+        overflow = self._found_overflow() if self.scaler is not None else False
+        multiplier = None if overflow else self._grad_multiplier()
+        if not overflow:
+            self._agree_on_grads()
+        rollback = self._rollback_reason(overflow) if speculated else None
+        if rollback is not None:
+            self._roll_back(rollback, redo=not overflow)
         if self.scaler is not None:
-            overflow = self._found_overflow()
             self.scaler.update(overflow=overflow)
-            if overflow:
-                self._clip_coef = None
-                self._finish_step()
-                return
-        multiplier = self._grad_multiplier()
-        if self._early_hyper and multiplier is not None:
-            raise self._clipped_too_late()
-        self._agree_on_grads()
+        if overflow:
+            self._clip_coef = None
+            self._end_step(speculated, rollback, why)
+            self._finish_step()
+            return
         in_memory = []  # updated once the pipelines committed: [Note: atomic optimizer step]
         for chunk in self._filled_chunks():
             if not any(slot.has_grad for slot in chunk.slots):
                 continue  # [Note: unused parameters are skipped]
+            if chunk.key in self._early:
+                continue  # updated in backward, and kept
             hyper = self._hyper(chunk)
-            if chunk.key in self._early_hyper:
-                if self._early_hyper[chunk.key] != hyper:
-                    raise RuntimeError(
-                        "tierwise: hyper-parameters changed between backward and step after an "
-                        "in-backward update; change them before backward, or set "
-                        "optimizer_overlap='after-backward'"
-                    )
-                continue
             if chunk.optim.tier.name in self.pipelines:
                 self._update_chunk(chunk, hyper, multiplier)
             else:
@@ -391,18 +504,30 @@ class OptimizerStep:
         self.step_undo.clear()  # committed: from here on a failure is not undone
         for chunk, hyper in in_memory:
             self._update_chunk(chunk, hyper, multiplier)
-        ran_in_backward = bool(self._early_hyper)
-        next_in_backward = (
-            self.phases.backwards_this_step == 1 and self._clip_coef is None and self.scaler is None
-        )
-        if self.config.optimizer_overlap == "auto":
-            self.optimizer_mode = "in-backward" if next_in_backward else "after-backward"
-        else:
-            self.optimizer_mode = self.config.optimizer_overlap
-        self.last_update_mode = "in-backward" if ran_in_backward else "after-backward"
+        self._end_step(speculated, rollback, why)
         self._clip_coef = None
         self.residency.invalidate_cache()
         self._finish_step()
+
+    def _end_step(self, speculated: bool, rollback: str | None, why: str) -> None:
+        """Say where this step's updates ran and why; learn for the next step."""
+        checked = self._clip_coef is not None or self.scaler is not None
+        if not speculated:
+            self.last_update_mode, self.last_update_reason = "after-backward", why
+        elif rollback is not None:
+            self.last_update_mode, self.last_update_reason = "rolled-back", rollback
+        elif checked:
+            self.last_update_mode = "speculative-kept"
+            self.last_update_reason = f"{why}; the checks (clip norm, fp16 overflow) kept them"
+        else:
+            self.last_update_mode, self.last_update_reason = "in-backward", why
+        self.policy.end_step(
+            backwards=self.phases.backwards_this_step,
+            speculated=speculated,
+            rolled_back=rollback is not None,
+            overflow=rollback is not None and rollback.startswith("a gradient overflowed"),
+        )
+        self.optimizer_mode = "in-backward" if self.policy.next_in_backward() else "after-backward"
 
     def _clipped_too_late(self) -> RuntimeError:
         return RuntimeError(
@@ -419,9 +544,7 @@ class OptimizerStep:
         The factors are 0-dim CPU tensors, made once per step. A 0-dim CPU tensor multiplies a
         tensor on any device as a kernel argument: no copy to the device, no wait, where moving
         it to the device for each chunk would queue a blocking host-to-device copy per chunk."""
-        factors = []
-        if self.scaler is not None:
-            factors.append(torch.tensor(1.0 / self.loss_scale, dtype=torch.float32))
+        factors = self._unscale() or []
         if self._clip_coef is not None:
             factors.append(self._clip_coef.cpu())
         return factors or None
@@ -607,6 +730,19 @@ class OptimizerStep:
             direction = f"{where}->{chunk.home.tier.name}"
             self.traffic.count(direction, chunk.home.nbytes)
 
+    def overlap_stats(self) -> dict:
+        """The last step's update mode and why, the optimizer time it left after backward,
+        and the speculation record so far ([Note: speculative updates])."""
+        return {
+            "mode": self.last_update_mode,
+            "reason": self.last_update_reason,
+            "exposed_s": self.exposed_optimizer_s,
+            "speculation_hits": self.policy.hits,
+            "rollbacks": self.policy.rollbacks,
+            "margin": self.policy.margin,
+            "next": self.optimizer_mode,
+        }
+
     def overlap_reason(self, previous_step: str) -> str:
         """Why updates ran during backward, for error messages."""
         if self.config.optimizer_overlap == "auto":
@@ -619,7 +755,8 @@ class OptimizerStep:
         the engine refuses to step until a load ([Note: a step that failed part way])."""
         for pipeline in self.pipelines.values():
             pipeline.abandon()
-        self._early_hyper.clear()
+        self._early.clear()
+        self._decision = None
         if self.step_undo.active:
             try:
                 self.step_undo.restore()

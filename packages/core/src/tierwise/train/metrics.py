@@ -55,6 +55,8 @@ def step_record(
         "comm_bytes": counter_delta(
             stats.get("comm_bytes", {}), stats_before.get("comm_bytes", {})
         ),
+        "optimizer_mode": stats.get("optimizer_mode"),
+        "optimizer_overlap": dict(stats.get("optimizer_overlap") or {}),
     }
 
 

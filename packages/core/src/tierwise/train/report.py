@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -118,6 +119,18 @@ class Console:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def overlap_row(lines: Sequence[Mapping[str, Any]], overlap: Mapping[str, Any]) -> tuple:
+    """Where the optimizer updates ran: steps per mode, speculation hits and rollbacks, and
+    why the last step ran where it did ([Note: speculative updates])."""
+    modes = Counter(line.get("optimizer_mode") or "after-backward" for line in lines)
+    value = ", ".join(f"{mode} {n}" for mode, n in modes.most_common())
+    note = (
+        f"{overlap.get('speculation_hits', 0)} speculations kept, "
+        f"{overlap.get('rollbacks', 0)} rolled back; last: {overlap.get('reason', '-')}"
+    )
+    return ("optimizer updates", value or "-", note)
 
 
 def summary_rows(

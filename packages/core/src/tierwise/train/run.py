@@ -43,7 +43,7 @@ from tierwise.train.interrupts import Agreement, StopRequest, exit_status
 from tierwise.train.metrics import MetricsLog, read_metrics, step_record
 from tierwise.train.options import RUN_IDENTITY, TrainOptions
 from tierwise.train.plot import plot_memory
-from tierwise.train.report import Console, summary_rows, table
+from tierwise.train.report import Console, overlap_row, summary_rows, table
 from tierwise.train.sample import generate, printable
 from tierwise.train.schedule import warmup_cosine
 from tierwise.train.trace import StepTracer
@@ -116,12 +116,18 @@ class Request:
     """Continue the run in run_dir."""
 
 
+def with_accumulation(config_given: dict[str, Any], options: TrainOptions) -> dict[str, Any]:
+    """The config overrides, telling the engine how many backwards make a step: in-backward
+    updates run in the last one ([Note: speculative updates])."""
+    return {"accumulation_steps": options.grad_accum, **config_given}
+
+
 def resolve(train_given: dict[str, Any], config_given: dict[str, Any]) -> Request:
     """Check every flag and file; raise TrainError/ConfigError with one line for people."""
     resume = train_given.get("resume")
     if resume is None:
         options = TrainOptions(**train_given)
-        config = Config.from_any(options.config, **config_given)
+        config = Config.from_any(options.config, **with_accumulation(config_given, options))
         run_dir = Path(options.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
         if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
             raise TrainError(
@@ -611,6 +617,7 @@ def _finish(
             "median step after the first",
         ),
         ("wall time", f"{elapsed:.1f} s", f"{step - first_step} steps"),
+        overlap_row(this_run, stats.get("optimizer_overlap") or {}),
         (
             "plan",
             f"{engine.plan.planner}: chunk {engine.plan.chunk_size:,} elements, "

@@ -52,6 +52,7 @@ def _both(rank, world, nvme_dir):
     )
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_speculate_and_roll_back_exactly(nvme_dir):
     for rank, (want, got) in enumerate(run_ranks(_both, 2, str(nvme_dir), timeout=400)):
         assert got[0] == want[0], f"rank {rank}: losses differ"

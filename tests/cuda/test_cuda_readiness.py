@@ -138,3 +138,29 @@ def test_host_gradient_shards_are_filled_without_a_wait_per_parameter(device, mo
     assert 0 < len(waits) == len(set(waits)) <= len(trainable)
     opt.step()
     engine.close()
+
+
+@pytest.mark.parametrize("device", ONLY_CUDA)
+def test_pinned_memory_is_one_budget_counted_in_host_memory(device):
+    """Defect 5: the activation swaps' pinned buffers are Config.pinned_memory, reserved in the
+    host tier; host slabs are page-locked by registration (is_pinned) at their exact size."""
+    model = tiny_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        device=device,
+        param_placement="host",
+        optimizer_placement="host",
+        cache_blocks=3,
+        activation_offload="host",
+        pinned_memory="64MiB",
+    )
+    engine = tierwise.engine_of(model)
+    host = engine.tiers["host"]
+    slabs = sum(c.home.nbytes for c in engine.chunks() if c.home.tier is host)
+    assert engine.activations.pool.capacity == 64 << 20
+    assert host.used_bytes >= slabs + (64 << 20)
+    assert all(c.home.tensor.is_pinned() for c in engine.chunks() if c.home.tier is host)
+    train(model, opt, 2)
+    engine.close()

@@ -68,6 +68,13 @@ class Config:
     host_memory: int | str | None = None
     """Byte budget for model data in host RAM (int or "64GiB"); None = what the machine has."""
 
+    pinned_memory: int | str | None = None
+    """Bytes of page-locked host memory (int or "1GiB") for the activation swaps' host buffers on
+    CUDA, counted in ``host_memory`` (only copies from page-locked memory overlap compute; a
+    swap that finds the budget full goes through pageable memory, whose copies block, and says
+    so once). None: 1 GiB. Without CUDA nothing is pinned and this is not used. The host tier's
+    own slabs are page-locked on CUDA too, each counted at its exact size."""
+
     nvme_path: str | None = None
     """Directory on a fast disk for the NVMe tier (needs the tierwise-nvme plugin)."""
 
@@ -145,7 +152,7 @@ class Config:
         for name in ("param_placement", "optimizer_placement"):
             if getattr(self, name) not in PLACEMENTS:
                 fail(name, f"choose one of {', '.join(PLACEMENTS)}")
-        for name in ("device_memory", "host_memory"):
+        for name in ("device_memory", "host_memory", "pinned_memory"):
             value = getattr(self, name)
             if value is not None:
                 try:

@@ -58,6 +58,7 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -283,6 +284,7 @@ class ActivationManager:
         self._handles: list = []
         self._restore: list[Callable[[], None]] = []
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._said_unpinned = False
         self.pool = HostBufferPool(pinned_bytes, pin=True) if self._stream is not None else None
         """CUDA: the pinned host buffers swaps go through, at most ``pinned_bytes`` of them
         ([Note: bounded pinned buffers]); None on other devices (no copies to overlap)."""
@@ -494,6 +496,15 @@ class ActivationManager:
                 break
             self._land_one(staging, wait=True)
         if buffer is None:
+            if not self._said_unpinned:
+                self._said_unpinned = True
+                warnings.warn(
+                    f"tierwise: the pinned host buffers of activation swaps are full "
+                    f"(Config.pinned_memory = {self.pool.capacity} bytes): swaps go through "
+                    "pageable memory, whose copies block the host thread, until buffers come "
+                    "back; raise pinned_memory (it counts in host_memory)",
+                    stacklevel=2,
+                )
             self._now.unpinned_bytes += nbytes
             buffer = aligned_empty(nbytes)
         return buffer

@@ -42,7 +42,9 @@ from tierwise.runtime.build import (
 from tierwise.runtime.cache import RCache
 from tierwise.runtime.engine import Engine
 from tierwise.runtime.grad_offload import gradient_offload_for
+from tierwise.runtime.host_buffers import pinned_swap_bytes
 from tierwise.runtime.meta_buffers import compute_meta_buffers, install_buffers
+from tierwise.tiers.base import PayloadKind
 from tierwise.weights import open_weights
 
 
@@ -222,6 +224,11 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
     )
     grad_offload = None
     try:
+        pinned = pinned_swap_bytes(config, plan.activation_policy if blocks else {})
+        if pinned:  # the activation swaps' page-locked buffers count in host_memory
+            tiers["host"].reserve(
+                pinned, kind=PayloadKind.STAGING, what="pinned activation buffers (pinned_memory)"
+            )
         grad_offload = gradient_offload_for(groups, tiers, dtype)
         cached = [c for g in groups for c in g.chunks if not c.computes_in_home]
         block_numel = max((c.capacity for c in cached), default=0)

@@ -29,6 +29,7 @@ from tierwise.runtime.cache import RCache
 from tierwise.runtime.grad_offload import GradientOffload
 from tierwise.runtime.gradients import GradientPath
 from tierwise.runtime.hooks import grad_ready_hook, install_hooks
+from tierwise.runtime.host_buffers import pinned_swap_bytes
 from tierwise.runtime.phases import Phases
 from tierwise.runtime.relayout import relayout
 from tierwise.runtime.residency import Residency
@@ -181,6 +182,7 @@ class Engine:
                 untraced=self.tracing.untraced,
                 allowance=plan.activation_allowance,
                 on_backward_error=self.abandon_backward,
+                pinned_bytes=pinned_swap_bytes(config, plan.activation_policy),
             )
             self.activations.install()
 

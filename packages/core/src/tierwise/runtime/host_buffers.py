@@ -39,6 +39,17 @@ PINNED_POOL_BYTES = 1 << 30
 """Default budget of the activation manager's pinned host buffers on CUDA, bytes (1 GiB)."""
 
 
+def pinned_swap_bytes(config, policy: dict[str, str]) -> int:
+    """Bytes of pinned host buffers the activation manager may hold (``Config.pinned_memory``,
+    default ``PINNED_POOL_BYTES``): on CUDA when some block swaps to host or nvme, else 0. Setup
+    reserves them in the host tier, so ``host_memory`` counts them."""
+    if torch.device(config.device).type != "cuda":
+        return 0
+    if not any(action in ("host", "nvme") for action in policy.values()):
+        return 0
+    return PINNED_POOL_BYTES if config.pinned_memory is None else config.pinned_memory
+
+
 def aligned_empty(nbytes: int, *, pin: bool = False, alignment: int = ALIGNMENT) -> torch.Tensor:
     """An uninitialised uint8 CPU tensor of ``nbytes`` whose first byte is ``alignment``-aligned
     (one page more is allocated and sliced, so any allocator works, pinned or not)."""
@@ -193,6 +204,7 @@ __all__ = [
     "HostBufferPool",
     "PoolStats",
     "aligned_empty",
+    "pinned_swap_bytes",
     "transfer_done",
     "wait_for_transfer",
 ]

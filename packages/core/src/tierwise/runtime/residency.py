@@ -15,7 +15,7 @@ from tierwise.parallel.collectives import Collectives
 from tierwise.runtime.cache import AccessTrace, RCache
 from tierwise.runtime.shared import ChunkIndex, Traffic
 from tierwise.runtime.transfer import ChunkLoads
-from tierwise.tiers.base import Tier
+from tierwise.tiers.base import PayloadKind, Slab, Tier
 
 
 class Residency:
@@ -97,9 +97,16 @@ class Residency:
             if not (home.tier.ADDRESSABLE and home.tensor.device == block.device):
                 # a storage tier (or the host): the shard's read is in flight now, its
                 # all-gather is issued when the load is finished ([Note: gather after read])
-                shard = torch.empty(chunk.shard_size, dtype=block.dtype, device=block.device)
+                # counted in the device tier until gathered (Invariant 4)
+                slab = self.device_tier.allocate(
+                    chunk.shard_size,
+                    block.dtype,
+                    kind=PayloadKind.STAGING,
+                    what=f"shard of chunk {chunk.key} being gathered",
+                )
+                shard = slab.tensor
                 read = home.tier.read(home, shard)
-                handles = [_GatherAfterRead(read, self.collectives, block, shard, chunk)]
+                handles = [_GatherAfterRead(read, self.collectives, block, slab, chunk)]
             else:
                 shard = home.tensor.to(block.dtype)
                 handles = [
@@ -180,19 +187,22 @@ class _GatherAfterRead:
     a disk read happens to land, which differs between ranks).
     """
 
-    def __init__(self, read, collectives: Collectives, block, shard, chunk: Chunk) -> None:
+    def __init__(self, read, collectives: Collectives, block, slab: Slab, chunk: Chunk) -> None:
         self.read, self.collectives = read, collectives
-        self.block, self.shard, self.chunk = block, shard, chunk
+        self.block, self.slab, self.chunk = block, slab, chunk
         self._gathered = False
 
     def wait(self) -> None:
         if self._gathered:
             return
-        self.read.wait()
         self._gathered = True
-        self.collectives.all_gather(
-            self.block, self.shard.to(self.block.dtype), self.chunk.group.process_group
-        )
+        try:
+            self.read.wait()
+            self.collectives.all_gather(
+                self.block, self.slab.tensor, self.chunk.group.process_group
+            )
+        finally:  # the collective has taken the shard (NCCL records its stream use)
+            self.slab.tier.release(self.slab)
 
     def done(self) -> bool:
         return self._gathered

@@ -6,6 +6,19 @@ import torch
 
 from tierwise.tiers.base import DONE, IOHandle, PayloadKind, Slab, Tier
 
+PAGE = 4096
+"""Bytes: host slabs registered with CUDA start on a page and cover whole pages."""
+
+
+def _check_cuda(call: str, status) -> None:
+    code = int(getattr(status, "value", status))
+    if code != 0:
+        raise RuntimeError(
+            f"tierwise: {call} failed with CUDA error {code} while page-locking a host slab "
+            "([Note: page-locked slabs]); the machine may limit locked memory (ulimit -l), or "
+            "lower host_memory"
+        )
+
 
 class MemoryTier(Tier):
     """A tier whose slabs are plain tensors on ``self.storage_device``."""
@@ -26,16 +39,21 @@ class MemoryTier(Tier):
         slab = Slab(self, numel, dtype, what or kind.value, kind=kind)
         self._account(slab.nbytes, slab.what)
         try:
-            slab.tensor = torch.empty(
-                numel, dtype=dtype, device=self.storage_device, pin_memory=self.pin
-            )
+            slab.tensor = self._empty(slab)
         except BaseException:
             self.used_bytes -= slab.nbytes
             raise
         return slab
 
+    def _empty(self, slab: Slab) -> torch.Tensor:
+        return torch.empty(slab.numel, dtype=slab.dtype, device=self.storage_device)
+
+    def _free(self, slab: Slab) -> None:
+        """The slab's memory is no longer used (its tensor is dropped next)."""
+
     def release(self, slab: Slab) -> None:
         if slab.tensor is not None:
+            self._free(slab)
             self.used_bytes -= slab.nbytes
             slab.tensor = None
 
@@ -105,3 +123,28 @@ class HostTier(MemoryTier):
     @property
     def pin(self) -> bool:
         return self.device.type == "cuda"
+
+    def _empty(self, slab: Slab) -> torch.Tensor:
+        """[Note: page-locked slabs]
+        On CUDA a host slab is page-locked so its copies overlap compute. It is not taken from
+        PyTorch's pinned allocator (``pin_memory=True``), which rounds every block up to a power
+        of two and keeps freed blocks for later pinned allocations: ``host_memory`` would count
+        up to half of what is really locked. The slab is ordinary page-aligned memory registered
+        with the driver (``cudaHostRegister``) for exactly its pages, counted at its size, and
+        unregistered when released."""
+        if not self.pin:
+            return super()._empty(slab)
+        pages = -(-slab.nbytes // PAGE) * PAGE
+        raw = torch.empty(pages + PAGE, dtype=torch.uint8)
+        skip = -raw.data_ptr() % PAGE
+        region = raw[skip : skip + pages]
+        _check_cuda(
+            "cudaHostRegister", torch.cuda.cudart().cudaHostRegister(region.data_ptr(), pages, 0)
+        )
+        slab.extra["registered"] = region.data_ptr()
+        return region[: slab.nbytes].view(slab.dtype)
+
+    def _free(self, slab: Slab) -> None:
+        address = slab.extra.pop("registered", None)
+        if address is not None:
+            _check_cuda("cudaHostUnregister", torch.cuda.cudart().cudaHostUnregister(address))

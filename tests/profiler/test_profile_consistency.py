@@ -56,3 +56,8 @@ def test_op_classes_carry_every_counted_flop():
         assert counted == pytest.approx(flops), layer
     memory = [op for ops in profile.layer_ops.values() for op in ops.get("memory", [])]
     assert memory and all(f == 0 and nbytes > 0 for f, nbytes, _ in memory)
+    # [Note: fused attention]: one op per layer, moving q, k, v and the output, not the scores
+    attention = profile.layer_ops["model.layers.0.self_attn"]["attention"]
+    assert len(attention) == 1 and attention[0][2] == 1
+    scores = 2 * 4 * 64 * 64 * 2  # batch x heads x seq x seq in bf16: never written
+    assert attention[0][1] < scores

@@ -86,3 +86,29 @@ def test_a_checkpointed_plan_lists_every_block_with_its_recompute_cost(plan_json
     lines = [r for r in plan.reasons if r.startswith("activations of model.layers.")]
     assert len(lines) == layers
     assert all(" 0.00 ms to recompute" not in line for line in lines)
+
+
+def test_on_a_cpu_nvme_swaps_overlap_compute_and_host_swaps_add():
+    from test_compute import cpu_hardware
+    from tierwise import Config
+    from tierwise_search.search import search_plan
+
+    # 4 blocks of 1 MB saved and 0.1 s forward each: recomputing costs far more than swapping
+    profile = make_profile([[512, 512]] * 4, layer_bytes=10**6, layer_flops=1e11)
+    hardware = cpu_hardware()
+
+    def predicted(**config):
+        return search_plan(profile, hardware, Config(device="cpu", nvme_path="/tmp", **config))
+
+    keep = predicted()
+    nvme = predicted(activation_offload="nvme")
+    host = predicted(activation_offload="host")
+    assert set(nvme.activation_policy.values()) == {"nvme"}
+    assert set(host.activation_policy.values()) == {"host"}
+    # the NVMe I/O (4 MB each way: 12 ms) runs beside 2.4 s of compute, and moves no copy
+    assert nvme.predicted_step_s["total"] == pytest.approx(keep.predicted_step_s["total"])
+    assert nvme.predicted_bytes["nvme_write"] == nvme.predicted_bytes["nvme_read"] == 4 * 10**6
+    assert nvme.predicted_bytes["d2h"] == keep.predicted_bytes["d2h"]
+    # a host swap copies on the compute cores: out at d2h, back at h2d
+    copies = 4 * 10**6 / hardware.d2h_bandwidth + 4 * 10**6 / hardware.h2d_bandwidth
+    assert host.predicted_step_s["total"] == pytest.approx(keep.predicted_step_s["total"] + copies)

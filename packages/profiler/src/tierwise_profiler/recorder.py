@@ -40,6 +40,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tierwise_profiler.fake_fixes import run_op
@@ -119,6 +120,8 @@ class StepRecorder(TorchDispatchMode):
         self._group: set[str] = set()
         self._flops: dict[str, float] = {}
         self._ops: dict[str, dict[tuple[str, float, float], int]] = {}
+        self._attention: list[float] | None = None  # FLOPs inside a fused attention call
+        self._attention_calls = _AttentionCalls(self)
         self._saved: dict[str, int] = {}
         self._handles: list[Any] = []
         self.op_log = op_log
@@ -132,12 +135,14 @@ class StepRecorder(TorchDispatchMode):
         for p in self._params:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        self._attention_calls.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._attention_calls.__exit__(*exc)
         return super().__exit__(*exc)
 
     def begin_backward(self) -> None:
@@ -276,12 +281,52 @@ class StepRecorder(TorchDispatchMode):
         nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
         if not flops and not nbytes:
             return
+        if self._attention is not None:  # [Note: fused attention]
+            self._attention[0] += flops
+            return
         kind = op_class(func, flops)
         if kind == "memory" and func in _VIEW_OPS:
             return  # no data moves
         counts = self._ops.setdefault(owner, {})
         key = (kind, flops, nbytes)
         counts[key] = counts.get(key, 0) + 1
+
+    def attention(self, call, args, kwargs):
+        """Run one ``scaled_dot_product_attention`` call as one "attention" op."""
+        if self.phase != "forward" or self._attention is not None:
+            return call(*args, **kwargs)
+        self._attention = [0.0]
+        try:
+            out = call(*args, **kwargs)
+        finally:
+            flops = self._attention[0]
+            self._attention = None
+        owner = self._frames[-1].name if self._frames else ROOT
+        tensors = [*op_tensors(args, kwargs.values()), *op_tensors((out,))]
+        nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
+        counts = self._ops.setdefault(owner, {})
+        key = ("attention", flops, nbytes)
+        counts[key] = counts.get(key, 0) + 1
+        return out
+
+
+class _AttentionCalls(TorchFunctionMode):
+    """[Note: fused attention] ``scaled_dot_product_attention`` reaches the dispatcher as its
+    math decomposition on fake tensors (scores, softmax, dropout and two batched products, the
+    s x s scores in memory), while a real GPU runs one fused kernel that never writes the scores
+    (flash / memory-efficient attention). So the op classes take the call as one "attention"
+    op: the FLOPs of its products, the bytes of its inputs and output. FLOPs per layer, saved
+    activations and the peak still come from the ops it decomposes into."""
+
+    def __init__(self, recorder: StepRecorder) -> None:
+        super().__init__()
+        self._recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return self._recorder.attention(func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 _METADATA_OPS = {torch.ops.prim.device.default}

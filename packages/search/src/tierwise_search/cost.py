@@ -267,10 +267,18 @@ class CostModel:
         fetched = fetches * shard_bytes
         nvme_fetched = fetched[p == NVME].sum()
         # NVMe chunks reach a CUDA device through host memory; on CPU the read lands in the block
-        h2d_fb = fetched[p == HOST].sum() + (0.0 if r.device_is_host else nvme_fetched) + act.h2d
+        # [Note: activation swap cost] LoHan's transfer time minus the overlap the runtime gets:
+        # on CUDA a swapped block goes device -> pinned host (-> NVMe) on side streams; on a CPU
+        # an NVMe swap is written from the saved storage and read back by asynchronous I/O (no
+        # copy on the compute cores: it overlaps compute, bench/activations.py measured it
+        # hidden), while a host swap is a memcpy on the compute cores (it adds)
+        act_h2d, act_d2h = act.h2d, act.d2h
+        if r.device_is_host:
+            act_h2d, act_d2h = act.h2d - act.nvme_read, act.d2h - act.nvme_write
+        h2d_fb = fetched[p == HOST].sum() + (0.0 if r.device_is_host else nvme_fetched) + act_h2d
         nvme_read_fb = nvme_fetched + act.nvme_read
         offload_grad = train & (o != DEVICE)
-        d2h_fb = shard_bytes[offload_grad].sum() + act.d2h
+        d2h_fb = shard_bytes[offload_grad].sum() + act_d2h
         nvme_write_fb = act.nvme_write
         comm = 0.0
         if s.world > 1:
@@ -305,6 +313,7 @@ class CostModel:
             "d2h_fb": d2h_fb / r.d2h,
             "nvme_read_fb": nvme_read_fb / r.nvme_read,
             "nvme_write_fb": nvme_write_fb / r.nvme_write,
+            "act_nvme": act.nvme_read / r.nvme_read + act.nvme_write / r.nvme_write,
             "comm": comm / r.interconnect,
             "h2d_opt": h2d_opt / r.h2d,
             "d2h_opt": d2h_opt / r.d2h,
@@ -315,8 +324,9 @@ class CostModel:
         nvme_fb = max(t["nvme_read_fb"], t["nvme_write_fb"])
         spare = placement.n_blocks - s.min_blocks
         can_prefetch = s.prefetch > 0 and (spare >= 1 or not fetches.any())
-        if r.device_is_host:
-            phase_fb = compute + sum(links) + t["nvme_read_fb"] + t["nvme_write_fb"]
+        if r.device_is_host:  # the engine waits for model-data reads; swap I/O runs beside
+            disk_sync = t["nvme_read_fb"] + t["nvme_write_fb"] - t["act_nvme"]
+            phase_fb = max(compute + sum(links) + disk_sync, disk_sync + t["act_nvme"])
         elif can_prefetch:
             phase_fb = max(compute, nvme_fb, *links)
         else:

@@ -103,7 +103,7 @@ def nvme_run(args, states: str, directory: Path) -> list[dict]:
     nvme = engine.tiers["nvme"]
     params = sum(s.numel for c in engine.chunks() for s in c.slots)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 8192, (1, 128), generator=gen)
+    ids = torch.randint(0, 8192, (1, args.seq), generator=gen)
     data = {"input_ids": ids, "labels": ids}
     rows = []
     try:
@@ -149,6 +149,7 @@ def nvme(args) -> None:
                 params=params,
                 layers=args.layers,
                 n_embd=args.n_embd,
+                seq=args.seq,
                 min_bytes_per_param=round(min_bytes_per_param(states), 3),
                 disk_bytes_per_param=round(disk / params, 3),
                 steps=rows,
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     n.add_argument("--layers", type=int, default=8)
     n.add_argument("--n-embd", type=int, default=512)
     n.add_argument("--steps", type=int, default=4)
+    n.add_argument("--seq", type=int, default=32, help="tokens per step (few: disk-bound)")
     n.add_argument("--pairs", type=int, default=3)
     n.add_argument("--host-memory", default="2GiB")
     args = parser.parse_args(argv)

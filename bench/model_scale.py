@@ -172,6 +172,14 @@ moments on NVMe): read 12 and write 12 of optimizer state, write 2 of new parame
 parameters (forward and backward)."""
 
 
+def min_bytes_per_param(optimizer_states: str) -> float:
+    """MIN_BYTES_PER_PARAM with the Adam moments stored as ``optimizer_states`` (issue 31):
+    master r+w 8, moments r+w 4 x their stored bytes (int8: about 4.06), parameters 6."""
+    from tierwise.precision import MOMENT_BYTES
+
+    return MIN_BYTES_PER_PARAM - 16 + 4 * MOMENT_BYTES[optimizer_states]
+
+
 def child_tierwise(args) -> dict:
     import tierwise
     import torch
@@ -195,6 +203,7 @@ def child_tierwise(args) -> dict:
         nvme_path=args.nvme_dir,
         host_memory=int(args.host_memory),
         device_memory=int(args.device_memory),
+        optimizer_states=args.optimizer_states,
     )
     setup_s = time.perf_counter() - begin
     engine = tierwise.engine_of(model)
@@ -226,7 +235,9 @@ def child_tierwise(args) -> dict:
                         if v != kinds_before.get(k, 0)
                     },
                     "nvme_bytes_per_param": round(per_param, 2),
-                    "over_min_traffic": round(per_param / MIN_BYTES_PER_PARAM, 3),
+                    "over_min_traffic": round(
+                        per_param / min_bytes_per_param(args.optimizer_states), 3
+                    ),
                     "pipeline_s": {
                         k: round(v - timings_before.get(k, 0.0), 2)
                         for k, v in (pipeline.timings if pipeline else {}).items()
@@ -299,6 +310,7 @@ def child_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host-memory", default=None)
     parser.add_argument("--device-memory", default=None)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--optimizer-states", default="fp32")
     return parser
 
 
@@ -421,6 +433,8 @@ def tierwise_run(args, cap: int, n_layer: int, nvme_dir: Path, steps: int) -> di
             budgets["device_memory"],
             "--steps",
             str(steps),
+            "--optimizer-states",
+            args.optimizer_states,
         ],
         args.timeout,
     )
@@ -468,6 +482,13 @@ def main() -> None:
         default=None,
         metavar="PARAMS",
         help="skip the search and use this plain maximum (for reruns)",
+    )
+    parser.add_argument(
+        "--optimizer-states",
+        default="fp32",
+        choices=("fp32", "bf16", "int8"),
+        help="how tierwise stores the Adam moments (issue 31: int8 takes ~6 B/param of disk "
+        "per state copy instead of 12)",
     )
     parser.add_argument(
         "--host-rows",
@@ -520,8 +541,14 @@ def main() -> None:
             params=params_of(n_layer),
             cap_bytes=cap,
             placement="params+optimizer on nvme",
+            optimizer_states=args.optimizer_states,
             loss_finite_and_falling=falling,
-            min_bytes_per_param=MIN_BYTES_PER_PARAM,
+            min_bytes_per_param=round(min_bytes_per_param(args.optimizer_states), 3),
+            disk_bytes_per_param=(
+                round(result["disk_bytes"] / result["params_managed"], 3)
+                if result.get("disk_bytes")
+                else None
+            ),
             **bounds(result, fio, compute_s),
             **result,
         )
@@ -546,6 +573,7 @@ def main() -> None:
             cap_bytes=cap,
             plain_max_params={p: params for p, (_, params, _) in plain.items()} or plain_max,
             tierwise_params=params_of(n_layer),
+            optimizer_states=args.optimizer_states,
             ratio=round(params_of(n_layer) / plain_max, 2) if plain_max else None,
             tierwise_ok=bool(result.get("ok")) and falling,
         )

@@ -164,3 +164,34 @@ def test_pinned_memory_is_one_budget_counted_in_host_memory(device):
     assert all(c.home.tensor.is_pinned() for c in engine.chunks() if c.home.tier is host)
     train(model, opt, 2)
     engine.close()
+
+
+@pytest.mark.parametrize("device", ONLY_CUDA)
+def test_nvme_reads_into_device_memory_copy_on_the_issuing_stream(device, tmp_path):
+    """Defect 3: a read into device memory issued on a side stream (as a prefetch is) is
+    copied there by the engine's thread, and the compute stream waits for its event."""
+    pytest.importorskip("tierwise_nvme")
+    from tierwise.config import Config
+    from tierwise.tiers import PayloadKind
+    from tierwise_nvme import NVMeOptions, NVMeTier
+    from tierwise_nvme.transfer import DeviceRead
+
+    tier = NVMeTier(
+        device=torch.device(device),
+        budget=None,
+        config=Config(nvme_path=str(tmp_path), device=device),
+        options=NVMeOptions(backend="threads"),
+    )
+    n = 1 << 22
+    slab = tier.allocate(n, torch.int32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk 0")
+    tier.write(slab, torch.arange(n, dtype=torch.int32)).wait()
+    out = torch.zeros(n, dtype=torch.int32, device=device)
+    side = torch.Stream(device=device)
+    torch.accelerator.synchronize(device)
+    with side:
+        handle = tier.read(slab, out)
+    assert isinstance(handle, DeviceRead) and handle.stream == side
+    handle.wait()  # the compute stream waits for the copy's event
+    assert int(out.sum(dtype=torch.int64)) == n * (n - 1) // 2
+    tier.release(slab)
+    tier.close()

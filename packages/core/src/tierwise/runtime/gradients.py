@@ -409,8 +409,9 @@ class GradientPath:
         group = chunk.group
         if group.world > 1:
             full.div_(group.world)
-            if group.sharded:
-                shard = torch.empty(chunk.shard_size, dtype=full.dtype, device=full.device)
+            if group.sharded:  # [Note: reduce-scatter in place]
+                start, end = chunk.shard_range()
+                shard = full[start:end]
                 self.collectives.reduce_scatter(shard, full, group.process_group)
             else:
                 self.collectives.all_reduce(full, group.process_group)

@@ -95,7 +95,13 @@ class StreamingReducer:
         world = chunk.group.world
         full.div_(world)  # average first, as DDP does
         if chunk.group.sharded:
-            out = torch.empty(chunk.shard_size, dtype=full.dtype, device=full.device)
+            # [Note: reduce-scatter in place]
+            # The rank's reduced shard is written over its own slice of the staging buffer (NCCL
+            # reduce-scatters in place when the output is that slice): no device memory outside
+            # the device tier's staging buffers, which it counts (Invariant 4). The shard is used
+            # before the staging buffer goes back to the pool.
+            start, end = chunk.shard_range()
+            out = full[start:end]
             work = self.collectives.reduce_scatter(out, full, self.group, async_op=True)
         else:
             out = full

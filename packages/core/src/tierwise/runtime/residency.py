@@ -15,7 +15,7 @@ from tierwise.parallel.collectives import Collectives
 from tierwise.runtime.cache import AccessTrace, RCache
 from tierwise.runtime.shared import ChunkIndex, Traffic
 from tierwise.runtime.transfer import ChunkLoads
-from tierwise.tiers.base import PayloadKind, Slab, Tier
+from tierwise.tiers.base import Tier
 
 
 class Residency:
@@ -97,16 +97,12 @@ class Residency:
             if not (home.tier.ADDRESSABLE and home.tensor.device == block.device):
                 # a storage tier (or the host): the shard's read is in flight now, its
                 # all-gather is issued when the load is finished ([Note: gather after read])
-                # counted in the device tier until gathered (Invariant 4)
-                slab = self.device_tier.allocate(
-                    chunk.shard_size,
-                    block.dtype,
-                    kind=PayloadKind.STAGING,
-                    what=f"shard of chunk {chunk.key} being gathered",
-                )
-                shard = slab.tensor
+                # read into the rank's own slice of the block and gathered in place: no device
+                # memory outside the rCache block (Invariant 4)
+                start, end = chunk.shard_range()
+                shard = block[start:end]
                 read = home.tier.read(home, shard)
-                handles = [_GatherAfterRead(read, self.collectives, block, slab, chunk)]
+                handles = [_GatherAfterRead(read, self.collectives, block, shard, chunk)]
             else:
                 shard = home.tensor.to(block.dtype)
                 handles = [
@@ -187,22 +183,18 @@ class _GatherAfterRead:
     a disk read happens to land, which differs between ranks).
     """
 
-    def __init__(self, read, collectives: Collectives, block, slab: Slab, chunk: Chunk) -> None:
+    def __init__(self, read, collectives: Collectives, block, shard, chunk: Chunk) -> None:
         self.read, self.collectives = read, collectives
-        self.block, self.slab, self.chunk = block, slab, chunk
+        self.block, self.shard, self.chunk = block, shard, chunk
         self._gathered = False
 
     def wait(self) -> None:
         if self._gathered:
             return
         self._gathered = True
-        try:
-            self.read.wait()
-            self.collectives.all_gather(
-                self.block, self.slab.tensor, self.chunk.group.process_group
-            )
-        finally:  # the collective has taken the shard (NCCL records its stream use)
-            self.slab.tier.release(self.slab)
+        self.read.wait()
+        # in place: the shard is this rank's slice of the block (NCCL and gloo gather in place)
+        self.collectives.all_gather(self.block, self.shard, self.chunk.group.process_group)
 
     def done(self) -> bool:
         return self._gathered

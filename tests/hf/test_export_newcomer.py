@@ -123,3 +123,30 @@ def test_lora_export_names_its_base_and_merges_as_peft_on_the_same_base(
     else:  # ... or their bf16 rounding
         assert "model.embed_tokens.weight" in differs
     assert all(not n.startswith(PEFT_PREFIX) for n in merged)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_lora_state_dict_holds_the_base_in_the_run_precision(precision):
+    """``state_dict()`` of a LoRA model returns the frozen base as the run holds it: its bf16
+    rounding by default, the original fp32 values with precision="fp32"."""
+    import tierwise
+
+    peft = pytest.importorskip("peft", reason="LoRA needs peft (tierwise[peft])")
+    original = tiny_model("llama")
+    expected = {k: v.clone() for k, v in original.state_dict().items()}
+    model = peft.get_peft_model(
+        original, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
+    model, _ = tierwise.setup(
+        model, torch.optim.AdamW(p for p in model.parameters() if p.requires_grad),
+        precision=precision, device="cpu",
+    )  # fmt: skip
+    got = {
+        n.removeprefix(PEFT_PREFIX).replace(".base_layer.", "."): v
+        for n, v in model.state_dict().items()
+        if ".lora_" not in n
+    }
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        held = value if precision == "fp32" else value.bfloat16().float()
+        assert torch.equal(got[name].float(), held), name

@@ -85,6 +85,7 @@ def test_defaults_train_a_model_that_does_not_fit_the_device(tmp_path):
         assert "memory.png skipped" in result.stdout
     else:
         assert (run / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (run / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # loss, tokens/s
 
     # the loss falls, and the model data did not fit the device budget
     lines = read_metrics(run / "metrics.jsonl")
@@ -94,6 +95,13 @@ def test_defaults_train_a_model_that_does_not_fit_the_device(tmp_path):
     assert all(math.isfinite(loss) for loss in losses)
     assert losses[-1] < losses[0] - 0.5
     assert any(line["kind"] == "eval" and math.isfinite(line["eval_loss"]) for line in lines)
+    # [Note: the step after an eval moves less]: the eval loaded the parameters into the rCache
+    h2d = {line["step"]: line["moved_bytes"].get("host->device", 0) for line in train_lines}
+    evals = [line for line in lines if line["kind"] == "eval" and line["step"] < 8]
+    assert evals
+    for line in evals:
+        assert line["moved_bytes"]["host->device"] > 0
+        assert h2d[line["step"] + 1] < h2d[line["step"]]
     budget = json.loads((run / "config.json").read_text())["device_memory"]
     last = train_lines[-1]
     assert 0 < last["peak_bytes_by_tier"]["device"] <= budget

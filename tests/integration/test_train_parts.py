@@ -16,7 +16,7 @@ from tierwise.train import data, presets, schedule
 from tierwise.train.errors import TrainError
 from tierwise.train.metrics import MetricsLog, read_metrics, step_record
 from tierwise.train.options import TrainOptions
-from tierwise.train.plot import plot_memory
+from tierwise.train.plot import plot_memory, plot_training
 from tierwise.train.trace import StepTracer, transformer_blocks
 
 
@@ -344,4 +344,30 @@ def test_plot_writes_a_png_or_says_why_not(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     note = plot_memory(path, trace, lines, title="test")
     assert note == "memory.png skipped: matplotlib is not installed (pip install 'tierwise[plot]')"
+    assert not path.exists()
+
+
+def test_training_plot_writes_a_png_or_says_why_not(tmp_path, monkeypatch):
+    lines = [
+        {"kind": "train", "step": s, "loss": 5.0 / s, "tokens_per_s": 1000.0 + s}
+        for s in range(1, 9)
+    ] + [{"kind": "eval", "step": s, "eval_loss": 6.0 / s} for s in (4, 8)]
+    path = tmp_path / "training.png"
+    try:
+        import matplotlib.image
+    except ImportError:
+        pass
+    else:
+        assert plot_training(path, lines, title="test") is None
+        height, width, _ = matplotlib.image.imread(path).shape
+        assert width > height > 0
+        path.unlink()
+        assert plot_training(path, lines[-2:], title="test") == (
+            "training.png skipped: no training step was logged"
+        )
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    note = plot_training(path, lines, title="test")
+    assert (
+        note == "training.png skipped: matplotlib is not installed (pip install 'tierwise[plot]')"
+    )
     assert not path.exists()

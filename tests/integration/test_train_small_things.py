@@ -90,3 +90,60 @@ def test_config_without_a_size_field_warns_in_one_line(tmp_path, capsys):
         in err
     )
     assert built.hidden_size == 4096
+
+
+def _pty(rows: int, columns: int):
+    """A pseudo-terminal's two ends (file objects) with the given window size."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+    return os.fdopen(leader, "rb", buffering=0), os.fdopen(follower, "w")
+
+
+def _record(step: int) -> dict:
+    return {
+        "step": step,
+        "loss": 2.0,
+        "lr": 1e-3,
+        "tokens_per_s": 100.0,
+        "time_s": {"total": 0.01},
+        "bytes_by_tier": {"device": 1024},
+    }
+
+
+@pytest.mark.parametrize(("rows", "columns", "bar"), [(0, 0, False), (24, 80, True)])
+def test_progress_falls_back_to_plain_lines_on_a_zero_size_terminal(rows, columns, bar):
+    """Some CI and IDE consoles are 0 x 0 pseudo-terminals: tqdm drew nothing there (issue 30)."""
+    from tierwise.train.report import Console
+
+    leader, follower = _pty(rows, columns)
+    try:
+        console = Console(enabled=True, json_mode=False, stream=follower)
+        assert follower.isatty() and console.interactive is bar
+        console.start_progress(start=0, total=2)
+        for step in (1, 2):
+            console.progress(_record(step), last=step == 2)
+        console.stop_progress()
+        follower.close()  # then the leader reads everything written, and EIO at the end
+        chunks = []
+        while True:
+            try:
+                chunk = leader.read(65536)
+            except OSError:  # EIO: the other end is closed and everything was read
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        text = b"".join(chunks).decode()
+    finally:
+        follower.close()
+        leader.close()
+    if bar:
+        assert "2/2" in text  # tqdm's counter
+    else:
+        assert "step      1  loss 2.0000" in text and "step      2  loss 2.0000" in text

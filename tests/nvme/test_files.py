@@ -75,8 +75,8 @@ def test_one_file_per_kind_removed_on_close(make_tier, nvme_dir):
     )
     names = swap_files(nvme_dir)
     assert len(names) == 2
-    assert any("-r0-param_chunk@" in name for name in names)
-    assert any("-r0-optim_state@" in name for name in names)
+    assert any(re.search(r"^tierwise-\d+-[0-9a-f]{16}-\d+-r0-param_chunk@", n) for n in names)
+    assert any(re.search(r"^tierwise-\d+-[0-9a-f]{16}-\d+-r0-optim_state@", n) for n in names)
     tier.close()
     assert swap_files(nvme_dir) == []
     tier.close()  # idempotent
@@ -195,3 +195,84 @@ def test_registered_through_the_tier_hook():
 
     assert get_plugin_host().tier_classes()["nvme"] is NVMeTier
     assert NVMeTier.ADDRESSABLE is False
+
+
+# -- issue 30: stale files of a restarted container, tiers that are never closed ---------------
+def test_a_crashed_run_with_this_pid_and_host_does_not_block_a_restart(nvme_dir):
+    """A container restarted in place gets the crashed process's pid and hostname back: its
+    swap file names collided (O_EXCL: FileExistsError) and the pid looked alive. Now every name
+    is new, and a file no live process has locked is stale whatever its pid."""
+    from tierwise_nvme.swapfile import swap_file_name
+
+    crashed = [
+        nvme_dir / swap_file_name(pid=os.getpid(), instance=i, rank=0, kind=kind)
+        for i in range(3)
+        for kind in ("param_chunk", "optim_state")
+    ]
+    for path in crashed:  # written, never locked now: their process is gone
+        path.write_bytes(b"\0" * 4096)
+    tier = new_tier(nvme_dir)
+    assert not any(path.exists() for path in crashed)
+    tier.allocate(10, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk")
+    assert len(swap_files(nvme_dir)) == 1
+    tier.close()
+    assert swap_files(nvme_dir) == []
+
+
+def test_a_file_locked_by_a_live_tier_of_this_process_is_kept(nvme_dir):
+    first = new_tier(nvme_dir)
+    first.allocate(10, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk")
+    (path,) = first.paths
+    second = new_tier(nvme_dir)  # same pid, same host: the lock says it is live
+    assert path.exists()
+    second.close()
+    first.close()
+    assert not path.exists()
+
+
+def open_descriptors() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_tier_dropped_without_close_closes_its_files(nvme_dir):
+    import gc
+
+    before = open_descriptors()
+    tier = new_tier(nvme_dir)
+    tier.allocate(10, torch.float32, kind=PayloadKind.PARAM_CHUNK, what="param_chunk")
+    tier.allocate(10, torch.float32, kind=PayloadKind.OPTIM_STATE, what="optim_chunk")
+    assert len(swap_files(nvme_dir)) == 2 and open_descriptors() - before
+    del tier
+    gc.collect()
+    assert swap_files(nvme_dir) == []
+    assert open_descriptors() - before == set()
+
+
+def test_failed_setups_leave_no_descriptors_and_no_files(nvme_dir, monkeypatch):
+    """Setup fails after the NVMe tier made its files (the disk fills while allocating): the
+    failure path closes every tier, with no garbage collection needed."""
+    import tierwise
+    import tierwise_nvme.probe as probe
+    import tierwise_nvme.swapfile as swapfile
+    from helpers.models import tiny_model
+
+    monkeypatch.setattr(probe, "measure_bandwidth", lambda *args: (1e9, 1e9))  # no probe file
+    monkeypatch.setattr(swapfile, "free_bytes", lambda directory: 0)  # allocations fail
+    before = open_descriptors()
+    failures = []  # each keeps its traceback, so its frames' tiers stay alive: closed, not freed
+    for _ in range(3):
+        model = tiny_model("gpt2")
+        optimizer = torch.optim.AdamW(model.parameters())
+        with pytest.raises(Exception, match="free") as failure:
+            tierwise.setup(
+                model,
+                optimizer,
+                device="cpu",
+                param_placement="nvme",
+                optimizer_placement="nvme",
+                nvme_path=str(nvme_dir),
+            )
+        failures.append(failure)
+        assert swap_files(nvme_dir) == []
+    assert open_descriptors() - before == set()
+    assert all(f.value.__traceback__ is not None for f in failures)

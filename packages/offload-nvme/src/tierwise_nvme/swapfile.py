@@ -1,16 +1,23 @@
 """SwapFile: one preallocated file per process, tier instance, rank and kind of data.
 
-File names carry the owner's pid and host, ``tierwise-<pid>-<instance>-r<rank>-<kind>@<host>.swap``,
-so a starting run can remove the files of crashed runs on this host (pid no longer alive)
-without touching those of live runs or of other hosts sharing the directory.
+[Note: stale swap files]
+File names are ``tierwise-<pid>-<token>-<instance>-r<rank>-<kind>@<host>.swap``: the random token
+makes every name new, so a restarted process that got the same pid and hostname as a crashed one
+(a container restarted in place) never meets the old file. A live file is known by its lock: the
+process that created it holds an exclusive ``flock`` on it until it closes it, and the kernel
+drops the lock when the process dies. A starting tier deletes the files of this host that it can
+lock (no live process holds them), without touching those of live runs or of other hosts sharing
+the directory. Files from before the token have no lock: their pid decides, as it did.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import re
+import secrets
 import socket
 from pathlib import Path
 
@@ -22,7 +29,9 @@ from tierwise_nvme.options import ALIGNMENT
 
 logger = logging.getLogger("tierwise.nvme")
 
-_NAME = re.compile(r"^tierwise-(?P<pid>\d+)-\d+-r\d+-[a-z0-9_]+@(?P<host>.+)\.swap$")
+_NAME = re.compile(
+    r"^tierwise-(?P<pid>\d+)-(?:(?P<token>[0-9a-f]{16})-)?\d+-r\d+-[a-z0-9_]+@(?P<host>.+)\.swap$"
+)
 
 
 def _host() -> str:
@@ -30,7 +39,8 @@ def _host() -> str:
 
 
 def swap_file_name(*, pid: int, instance: int, rank: int, kind: str) -> str:
-    return f"tierwise-{pid}-{instance}-r{rank}-{kind}@{_host()}.swap"
+    """A name no other file had ([Note: stale swap files])."""
+    return f"tierwise-{pid}-{secrets.token_hex(8)}-{instance}-r{rank}-{kind}@{_host()}.swap"
 
 
 def pid_alive(pid: int) -> bool:
@@ -43,18 +53,48 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _lock(fd: int) -> bool:
+    """Take the exclusive lock on ``fd`` without waiting; False when another holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _unlink_if_stale(path: Path, *, locked_name: bool) -> int | None:
+    """Delete ``path`` when no live process holds it; its size, or None when it was kept."""
+    if not locked_name:  # from before the lock: the pid decides
+        match = _NAME.match(path.name)
+        if match is None or pid_alive(int(match["pid"])):
+            return None
+        size = path.stat().st_size
+        path.unlink()
+        return size
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if not _lock(fd):
+            return None  # a live process holds it
+        size = os.fstat(fd).st_size
+        path.unlink()
+        return size
+    finally:
+        os.close(fd)
+
+
 def remove_stale_files(directory: Path) -> list[Path]:
     """Delete swap files in ``directory`` left by dead processes of this host; return them."""
     removed = []
     host = _host()
     for path in directory.iterdir():
         match = _NAME.match(path.name)
-        if match is None or match["host"] != host or pid_alive(int(match["pid"])):
+        if match is None or match["host"] != host:
             continue
         try:
-            size = path.stat().st_size
-            path.unlink()
+            size = _unlink_if_stale(path, locked_name=match["token"] is not None)
         except FileNotFoundError:  # another starting process removed it first
+            continue
+        if size is None:
             continue
         logger.warning("nvme tier: removed %s (%s) left by a crashed run", path, format_bytes(size))
         removed.append(path)
@@ -79,6 +119,7 @@ class SwapFile:
         self.kind = kind
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
         self.fd = os.open(path, flags, 0o600)
+        _lock(self.fd)  # held until close: the file is live ([Note: stale swap files])
         self.allocator = ExtentAllocator()
 
     @property

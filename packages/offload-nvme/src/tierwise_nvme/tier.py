@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
 import threading
@@ -28,7 +27,6 @@ MAX_LOOKAHEAD = 4
 """Most chunks an optimizer pipeline reads ahead of the one it updates (auto lookahead)."""
 
 _instances = itertools.count()
-_open_tiers: weakref.WeakSet[NVMeTier] = weakref.WeakSet()
 
 
 def current_rank() -> int:
@@ -98,7 +96,11 @@ class NVMeTier(Tier):
         self._files: dict[str, SwapFile] = {}
         self._lock = threading.Lock()
         self._closed = False
-        _open_tiers.add(self)
+        self._release = weakref.finalize(self, _release_files, self.backend, self._files)
+        """[Note: swap files outlive no tier] A tier dropped without ``close()`` (a managed
+        model let go, a setup that failed part way) or still open at interpreter exit closes
+        its backend and descriptors and deletes its files when it is collected or at exit
+        (``weakref.finalize`` runs at most once, and not after ``close()``)."""
 
     # -- files ------------------------------------------------------------------------------
     def _file(self, payload: PayloadKind) -> SwapFile:
@@ -284,7 +286,7 @@ class NVMeTier(Tier):
         for file in self._files.values():
             self._transfers.forget(file)
             file.close()
-        _open_tiers.discard(self)
+        self._release.detach()
 
     def optimizer_pipeline(
         self, *, buffer_bytes: int, states: int = 3, lookahead: int | None = None
@@ -319,10 +321,14 @@ class NVMeTier(Tier):
         return sum(align_up(file.size) for file in self._files.values())
 
 
-@atexit.register
-def _close_open_tiers() -> None:
-    for tier in list(_open_tiers):
-        tier.close()
+def _release_files(backend: IOBackend, files: dict[str, SwapFile]) -> None:
+    """What a tier holds outside Python's memory: the backend's descriptors and threads, and
+    the swap files ([Note: swap files outlive no tier]). Holds no reference to the tier."""
+    try:
+        backend.close()
+    finally:
+        for file in files.values():
+            file.close()
 
 
 __all__ = ["MAX_LOOKAHEAD", "NVMeTier", "current_rank"]

@@ -214,16 +214,18 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
     needed = {plan.param_tier_of(g.name, c.index) for g in groups for c in g.chunks}
     needed |= {plan.optim_tier_of(g.name, c.index) for g in groups if g.trainable for c in g.chunks}
     needed |= {a for a in plan.activation_policy.values() if a == "nvme"}
-    tiers = _make_tiers(host, config, plan, needed)
-    allocated = allocate_payloads(
-        groups,
-        plan,
-        tiers,
-        fp32_alias=config.precision == "fp32",
-        optimizer_states=config.optimizer_states,
-    )
+    tiers: dict = {}
+    allocated: list = []
     grad_offload = None
-    try:
+    try:  # [Note: a failed setup closes its tiers]
+        _make_tiers(host, config, plan, needed, into=tiers)
+        allocated = allocate_payloads(
+            groups,
+            plan,
+            tiers,
+            fp32_alias=config.precision == "fp32",
+            optimizer_states=config.optimizer_states,
+        )
         pinned = pinned_swap_bytes(config, plan.activation_policy if blocks else {})
         if pinned:  # the activation swaps' page-locked buffers count in host_memory
             tiers["host"].reserve(
@@ -239,6 +241,10 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
                 "cache_blocks ≥ 1 (or 'auto')"
             )
     except BaseException:
+        # [Note: a failed setup closes its tiers]
+        # A tier may hold more than memory: the NVMe tier's swap files and their descriptors.
+        # Whatever fails after the first tier is made (another tier's constructor, an
+        # allocation, the rCache) releases the slabs and closes every tier made so far.
         if grad_offload is not None:
             grad_offload.close()
         for slab in allocated:
@@ -351,7 +357,9 @@ def _dp_world(pattern) -> tuple[Any, int, int]:
     return pg, dist.get_world_size(pg), dist.get_rank(pg)
 
 
-def _make_tiers(host, config: Config, plan, needed: set[str]) -> dict:
+def _make_tiers(host, config: Config, plan, needed: set[str], *, into: dict) -> None:
+    """Make the tiers the plan needs into ``into`` (the caller closes those made so far when
+    one fails: [Note: a failed setup closes its tiers])."""
     classes = host.tier_classes()
     device = torch.device(config.device)
     budgets = {
@@ -360,12 +368,10 @@ def _make_tiers(host, config: Config, plan, needed: set[str]) -> dict:
         else config.device_memory,
         "host": config.host_memory,
     }
-    tiers = {}
     for name in sorted(needed | {"device", "host"}):
         if name not in classes:
             raise ConfigError(
                 f"the plan puts data on the {name!r} tier, which no installed plugin provides"
                 + (": install tierwise-nvme" if name == "nvme" else "")
             )
-        tiers[name] = classes[name](device=device, budget=budgets.get(name), config=config)
-    return tiers
+        into[name] = classes[name](device=device, budget=budgets.get(name), config=config)

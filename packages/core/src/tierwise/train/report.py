@@ -7,6 +7,7 @@ stdout is not a terminal (logs, CI); ``--json``: one JSON object per line and no
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -43,6 +44,21 @@ def table(rows: Sequence[tuple[str, ...]]) -> str:
     return "\n".join(lines)
 
 
+MIN_BAR_COLUMNS = 20
+"""Narrower terminals get plain progress lines: a bar there would show nothing readable."""
+
+
+def usable_terminal(stream) -> bool:
+    """Whether ``stream`` is a terminal a progress bar can draw on: a tty that reports a width
+    (some CI and IDE consoles are pseudo-terminals of 0 x 0, where tqdm prints nothing)."""
+    try:
+        if not stream.isatty():
+            return False
+        return os.get_terminal_size(stream.fileno()).columns >= MIN_BAR_COLUMNS
+    except (AttributeError, OSError, ValueError):  # no fileno, closed, not a terminal after all
+        return False
+
+
 class Console:
     """Rank 0's voice. Every method is a no-op on other ranks."""
 
@@ -50,7 +66,7 @@ class Console:
         self.enabled = enabled
         self.json_mode = json_mode
         self.stream = stream or sys.stdout
-        self.interactive = self.stream.isatty()
+        self.interactive = usable_terminal(self.stream)
         self._bar = None
         self._log_every = 1
 

@@ -40,9 +40,9 @@ from tierwise.train.distributed import (
 )
 from tierwise.train.errors import RunFailed, TrainError
 from tierwise.train.interrupts import Agreement, StopRequest, exit_status
-from tierwise.train.metrics import MetricsLog, read_metrics, step_record
+from tierwise.train.metrics import MetricsLog, counter_delta, read_metrics, step_record
 from tierwise.train.options import RUN_IDENTITY, TrainOptions
-from tierwise.train.plot import plot_memory
+from tierwise.train.plot import plot_memory, plot_training
 from tierwise.train.report import Console, overlap_row, summary_rows, table
 from tierwise.train.sample import generate, printable
 from tierwise.train.schedule import warmup_cosine
@@ -54,6 +54,7 @@ OPTIONS_FILE = "options.json"
 CONFIG_FILE = "config.json"
 PLAN_FILE = "plan.json"
 PLOT_FILE = "memory.png"
+TRAINING_PLOT_FILE = "training.png"
 NOT_PERSISTED = ("resume", "out", "stop_after", "json")
 """Options that belong to one invocation, not to the run."""
 PLUGIN_ROLES = {
@@ -525,9 +526,15 @@ def _loop(
         if tracer:
             trace, tracer = tracer.trace, None
         if step % options.eval_interval == 0 or step == last_step:
+            before_eval = engine.stats()
             eval_loss = evaluate(model, corpus.eval_blocks, options.batch, world, device)
-            if metrics:
-                metrics.write({"kind": "eval", "step": step, "eval_loss": eval_loss})
+            if metrics:  # [Note: the step after an eval moves less]
+                moved = counter_delta(
+                    engine.stats().get("moved_bytes", {}), before_eval.get("moved_bytes", {})
+                )
+                metrics.write(
+                    {"kind": "eval", "step": step, "eval_loss": eval_loss, "moved_bytes": moved}
+                )
             console.note(
                 f"step {step}: held-out loss {eval_loss:.4f}", step=step, eval_loss=eval_loss
             )
@@ -592,13 +599,12 @@ def _finish(
     all_lines = read_metrics(run_dir / "metrics.jsonl")
     lines = [line for line in all_lines if line["kind"] == "train"]
     evals = [line["eval_loss"] for line in all_lines if line["kind"] == "eval"]
-    note = plot_memory(
-        run_dir / PLOT_FILE,
-        trace,
-        lines,
-        title=f"tierwise train: {model_name}, {n_params:,} parameters, device {world.device}",
-    )
+    title = f"tierwise train: {model_name}, {n_params:,} parameters, device {world.device}"
+    eval_lines = [line for line in all_lines if line["kind"] == "eval"]
+    note = plot_memory(run_dir / PLOT_FILE, trace, lines, title=title, eval_lines=eval_lines)
     console.note(note or f"wrote {run_dir / PLOT_FILE}")
+    note = plot_training(run_dir / TRAINING_PLOT_FILE, all_lines, title=title)
+    console.note(note or f"wrote {run_dir / TRAINING_PLOT_FILE}")
     stats = engine.stats()
     this_run = lines[-(step - first_step) :]
     steady = step_seconds[1:] or step_seconds
@@ -633,8 +639,8 @@ def _finish(
     console.block(
         "summary",
         table(rows) + "\n\n" + table(memory_rows) + f"\n\noutputs in {run_dir}/: {OPTIONS_FILE}, "
-        f"{CONFIG_FILE}, {PLAN_FILE}, metrics.jsonl, checkpoints/, {PLOT_FILE}\n"
-        + _next_command(run_dir, options, step),
+        f"{CONFIG_FILE}, {PLAN_FILE}, metrics.jsonl, checkpoints/, {PLOT_FILE}, "
+        f"{TRAINING_PLOT_FILE}\n" + _next_command(run_dir, options, step),
         steps=step,
         first_step=first_step,
         tokens_per_s=tokens_per_step / statistics.median(steady),

@@ -11,6 +11,13 @@ variant, trained alternating step by step (noise hits all alike):
                    is rolled back (the worst case: the rollback cost on every step);
   after-backward   optimizer_overlap="after-backward" with clipping above the norm (what a
                    clipped step cost before speculation).
+  host-after       optimizer states in host memory, after-backward, clipping above the norm;
+  host-in          the same, auto: CPU Adam on a worker thread during backward, speculative,
+                   with undo copies ([Note: host updates in backward]).
+For the host pair the line gives hidden_fraction = 1 - exposed_s(host-in) / exposed_s(host-after):
+the share of the after-backward optimizer time that no longer follows backward (on a CPU-only
+box the worker shares the cores with backward, so backward itself may get longer: see
+backward_s and backward_step_s).
 Per variant one JSON line with medians of the timed steps (after the warm-up steps):
 backward_step_s (backward + clip + step), iteration_s, the update modes seen, and
 ratio_vs_no_clip = backward_step_s / no-clip's (target for clip-above: ≤ 1.05).
@@ -41,6 +48,8 @@ VARIANTS = {
     "clip-over-auto": ("auto", BELOW),
     "clip-over-forced": ("in-backward", BELOW),
     "after-backward": ("after-backward", ABOVE),
+    "host-after": ("after-backward", ABOVE),
+    "host-in": ("auto", ABOVE),
 }
 
 
@@ -55,8 +64,11 @@ def make(variant: str, args, dims: dict, root: Path):
         device="cpu",
         chunk_size=args.chunk,
         param_placement="host",
-        optimizer_placement="nvme",
-        nvme_path=str(root / variant),
+        **(
+            dict(optimizer_placement="host")
+            if variant.startswith("host")
+            else dict(optimizer_placement="nvme", nvme_path=str(root / variant))
+        ),
         optimizer_overlap=overlap,
     )
 
@@ -81,6 +93,18 @@ def step(model, optimizer, data, max_norm) -> dict:
         "iteration_s": t3 - t0,
         "mode": stats["optimizer_mode"],
         "exposed_s": stats["optimizer_overlap"]["exposed_s"],
+    }
+
+
+def hidden(variant: str, times: dict) -> dict:
+    """The host pair: the share of after-backward optimizer time hidden by in-backward."""
+    if variant != "host-in" or "host-after" not in times:
+        return {}
+    after = median([t["exposed_s"] for t in times["host-after"]])
+    now = median([t["exposed_s"] for t in times["host-in"]])
+    return {
+        "host_after_exposed_s": round(after, 3),
+        "hidden_fraction": round(1 - now / after, 3) if after > 0 else None,
     }
 
 
@@ -139,6 +163,8 @@ def main() -> None:
                 speculation_hits=overlap["speculation_hits"],
                 rollbacks=overlap["rollbacks"],
                 ratio_vs_no_clip=round(backward_step / ref, 3) if ref else None,
+                host_update_s=round(overlap["host_update_s"], 3),
+                **hidden(v, times),
                 samples=len(times[v]),
                 load_avg=os.getloadavg(),
             )

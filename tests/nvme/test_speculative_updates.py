@@ -4,8 +4,6 @@ result of plain PyTorch with AdamW(fused=True); stats() says which mode each ste
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -13,13 +11,19 @@ pytest.importorskip("tierwise_nvme")
 
 import tierwise  # noqa: E402
 from helpers.models import tiny_batch, tiny_model  # noqa: E402
+from helpers.overlap import (  # noqa: E402
+    ALWAYS,
+    CLIPS,
+    NEVER,
+    STEPS,
+    assert_bitwise,
+    loop,
+    plain_pytorch,
+)
 from nvme_helpers import FailingBackend  # noqa: E402
 from tierwise_nvme import NVMeIOError  # noqa: E402
 
 PLAN = dict(device="cpu", chunk_size=5000, cache_blocks=3, param_placement="host")
-STEPS = 4
-NEVER, ALWAYS = 1e9, 1e-3
-"""max_norm far above / below every norm of these runs (the norms are about 1 to 10)."""
 
 
 def build(nvme_dir, precision="bf16", overlap="in-backward", **config):
@@ -37,33 +41,6 @@ def build(nvme_dir, precision="bf16", overlap="in-backward", **config):
     )
 
 
-def loop(model, opt, *, clips=(), accum=1, hint=None, overflow_at=(), plain=False, steps=STEPS):
-    """``clips[step]``: that step's max_norm (None: no clipping); ``hint``: "no_sync" wraps
-    every micro-batch but the last; ``overflow_at``: steps whose loss is multiplied by inf.
-    Returns losses, the update mode of each step and the norms."""
-    losses, modes, norms = [], [], []
-    for step in range(steps):
-        total = 0.0
-        for micro in range(accum):
-            quiet = hint == "no_sync" and micro < accum - 1 and not plain
-            with tierwise.no_sync(model) if quiet else contextlib.nullcontext():
-                loss = model(**tiny_batch(seed=10 * step + micro)).loss / accum
-                if step in overflow_at:
-                    loss = loss * float("inf")
-                loss.backward()
-            total += loss.item()
-        max_norm = clips[step] if step < len(clips) else None
-        if max_norm is not None:
-            clip = torch.nn.utils.clip_grad_norm_ if plain else tierwise.clip_grad_norm_
-            norms.append(float(clip(model.parameters() if plain else model, max_norm)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-        if not plain:
-            modes.append(tierwise.engine_of(model).stats()["optimizer_mode"])
-    return losses, modes, norms
-
-
 def run(nvme_dir, precision="bf16", overlap="in-backward", config=None, **schedule):
     model, opt = build(nvme_dir / overlap, precision, overlap, **(config or {}))
     engine = tierwise.engine_of(model)
@@ -74,26 +51,6 @@ def run(nvme_dir, precision="bf16", overlap="in-backward", config=None, **schedu
     finally:
         engine.close()
     return losses, modes, params, stats, norms
-
-
-def plain_pytorch(**schedule):
-    model = tiny_model("gpt2")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
-    losses, _, _ = loop(model, opt, plain=True, **schedule)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def assert_bitwise(got, want, label):
-    assert got[0] == want[0], f"{label}: losses differ"
-    for key, value in want[2].items():
-        assert torch.equal(got[2][key], value), f"{label}: {key} differs"
-
-
-CLIPS = {
-    "never": [NEVER] * STEPS,
-    "always": [ALWAYS] * STEPS,
-    "some": [NEVER, ALWAYS, NEVER, ALWAYS],
-}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])

@@ -105,7 +105,8 @@ class Config:
     each expert at ceil(f · routed pairs / experts) rows per rank and drops the rest."""
 
     optimizer_overlap: str = "auto"
-    """When optimizer states live on a storage tier (NVMe): "in-backward" updates each chunk as
+    """When optimizer states live on a storage tier (NVMe) or in host memory (with a compute
+    device other than the CPU): "in-backward" updates each chunk as
     soon as its gradients are final (LoHan), speculatively when clipping or fp16 scaling may
     change them (rolled back and redone exactly when they do); "after-backward" only prefetches
     its states during backward and updates at ``step``; "auto" updates in the last backward of

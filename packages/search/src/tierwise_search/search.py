@@ -160,14 +160,10 @@ class _Search:
             n_blocks=config.cache_blocks if isinstance(config.cache_blocks, int) else None,
         )
         self._layouts: dict[int, tuple[ChunkTable, object]] = {}
-        # core's engine updates NVMe optimizer states during backward under these conditions
-        # (OptimizerStep._update_in_backward; "auto" does so from the second step of a loop without
-        # clipping: the steady state is what the plan is for)
-        self.optimizer_in_backward = (
-            world == 1
-            and config.precision != "fp16"
-            and config.optimizer_overlap in ("auto", "in-backward")
-        )
+        # core's engine updates NVMe optimizer states during the last backward of a step, with
+        # any number of ranks, under clipping and fp16 (speculatively: core's [Note: speculative
+        # updates]); "auto" from the second step: the steady state is what the plan is for
+        self.optimizer_in_backward = config.optimizer_overlap in ("auto", "in-backward")
 
     # -- pieces ---------------------------------------------------------------------------
     def allowed(self, choice: ActivationChoice) -> int | None:

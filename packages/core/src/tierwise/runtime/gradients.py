@@ -203,17 +203,18 @@ class GradientPath:
         (``_finish_fresh_grad``): when its last gradient arrives, or at the end of backward.
         """
         optim = chunk.optim
-        empty = chunk.grad_state is GradState.EMPTY
-        if (optim.grads_kept or empty) and self._keeps_grads(chunk):
-            self._keep_grad(chunk, slot, grad)
-            return
         if self.optimizer.updated_in_backward(chunk):
             raise RuntimeError(
                 "tierwise: a gradient arrived for a chunk whose optimizer update already ran "
                 f"during backward ({self.optimizer.overlap_reason('had one backward pass')}); with "
-                "gradient accumulation or re-entrant checkpoint reuse set "
+                "gradient accumulation pass Config.accumulation_steps or use tierwise.no_sync "
+                "on all micro-batches but the last; with re-entrant checkpoint reuse set "
                 "optimizer_overlap='after-backward'"
             )
+        empty = chunk.grad_state is GradState.EMPTY
+        if (optim.grads_kept or empty) and self._keeps_grads(chunk):
+            self._keep_grad(chunk, slot, grad)
+            return
         target = self.grad_memory(chunk, start=empty)
         self._begin_delivery(chunk)
         segment = target[slot.offset : slot.offset + slot.numel]
@@ -256,6 +257,9 @@ class GradientPath:
         if not slot.got_grad:
             slot.got_grad = True
             chunk.pending -= 1
+            if chunk.pending == 0:  # final for this backward: [Note: speculative updates]
+                self._finish_fresh_grad(chunk)
+                self.optimizer.grads_final(chunk, in_no_sync=self._no_sync)
         if slot.state is not TensorState.COMPUTE:
             slot.set_state(TensorState.HOLD_AFTER_BWD)
 

@@ -31,6 +31,7 @@ from tierwise.optim.state_formats import LowBitMoments
 from tierwise.parallel.collectives import Collectives
 from tierwise.protocols import OptimizerPipeline
 from tierwise.runtime.gradients import slot_grad
+from tierwise.runtime.host_updates import HostUpdates
 from tierwise.runtime.overlap import SpeculationPolicy
 from tierwise.runtime.phases import Phases
 from tierwise.runtime.shared import ChunkIndex, Traffic
@@ -137,6 +138,9 @@ class OptimizerStep:
         self.moments = LowBitMoments(config.optimizer_states)
         """How the Adam moments are stored ([Note: low-bit optimizer states])."""
         self.pipelines = self._make_pipelines()
+        self.host_updates = HostUpdates(tiers["host"]) if "host" in tiers else None
+        """Updates of host-resident states during backward ([Note: host updates in
+        backward])."""
         self.optimizer_mode = "after-backward"
         """How storage-tier optimizer states are updated next (see Config.optimizer_overlap)."""
         self.last_update_mode = "after-backward"
@@ -151,6 +155,9 @@ class OptimizerStep:
         """Whether a backward's updates run in it ([Note: speculative updates])."""
         self._early: dict = {}
         """Chunk key -> its update that ran during this backward (``_Early``)."""
+        self._undo_room_short = False
+        """A host-resident chunk was updated after backward for want of room for its undo
+        copy ([Note: host updates in backward])."""
         self._decision: tuple[int, bool, str] | None = None
         """(backward index, speculate, why) for the running step."""
         self._clip_coef: torch.Tensor | None = None
@@ -260,6 +267,8 @@ class OptimizerStep:
         for pipeline in self.pipelines.values():
             pipeline.close()
         self.pipelines = {}
+        if self.host_updates is not None:
+            self.host_updates.close()
 
     def _filled_chunks(self) -> list[Chunk]:
         """Trainable chunks with gradients since zero_grad."""
@@ -398,6 +407,8 @@ class OptimizerStep:
         least the read of its optimizer states."""
         pipeline = self.pipelines.get(chunk.optim.tier.name) if chunk.optim else None
         if pipeline is None:
+            if self._host_resident(chunk) and self._speculation(in_no_sync)[0]:
+                self._update_on_host_worker(chunk)
             return
         speculate, _ = self._speculation(in_no_sync)
         if not speculate:
@@ -420,6 +431,36 @@ class OptimizerStep:
         # its gradients are in; step() drops every cached copy
         self._submit(pipeline, chunk, self._chunk_update(chunk, hyper, self._unscale()))
         self._count_update_traffic(chunk)
+
+    def _host_resident(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s update may run on the host worker in backward: its states are in
+        host memory, and the compute device is not the CPU (there backward and Adam would
+        share the same cores; "in-backward" forces it): [Note: host updates in backward]."""
+        optim = chunk.optim
+        if self.host_updates is None or optim is None or optim.tier.name != "host":
+            return False
+        return self.device.type != "cpu" or self.config.optimizer_overlap == "in-backward"
+
+    def _update_on_host_worker(self, chunk: Chunk) -> None:
+        """[Note: host updates in backward]: queue the chunk's update on the worker, with an
+        undo copy of its states (an update that could not be undone never runs early); no
+        room for the copy: the chunk is updated at step."""
+        if not any(slot.has_grad for slot in chunk.slots):
+            return  # [Note: unused parameters are skipped]: nothing to update
+        optim = chunk.optim
+        states = [slab.tensor for slab in (optim.master, optim.exp_avg, optim.exp_avg_sq)]
+        if not self.host_updates.reserve_undo(states):
+            self._undo_room_short = True
+            return
+        hyper = self._hyper(chunk)
+        self._early[chunk.key] = _Early(
+            hyper=hyper, has_grad=tuple(s.has_grad for s in chunk.slots)
+        )
+        self.step_undo.begin()
+        update = self._chunk_update(chunk, hyper, self._unscale())
+        self._count_update_traffic(chunk)
+        chunk.move_grads(GradState.UPDATING, _OWNER)
+        self.host_updates.submit(chunk, states, update, on_done=lambda: self._update_done(chunk))
 
     def _unscale(self) -> list | None:
         """The factors of a speculative update: 1/loss scale (fp16), no clip coefficient."""
@@ -451,6 +492,10 @@ class OptimizerStep:
         chunks = [c for c in self.index.chunks() if c.key in self._early]
         for pipeline in self.pipelines.values():
             pipeline.abandon()
+        if self.host_updates is not None:  # [Note: host updates in backward]
+            self.host_updates.wait()
+            self.host_updates.restore()
+            self.host_updates.release()
         self.step_undo.restore()
         lost = [
             c
@@ -471,6 +516,8 @@ class OptimizerStep:
             chunk.move_grads(GradState.ROLLED_BACK, _OWNER)
 
     def _step(self) -> None:
+        if self.host_updates is not None:  # the checks read states and gradients after it
+            self.host_updates.wait()
         self.step_undo.begin()
         speculated = bool(self._early)
         _, why = self._decision[1:] if self._decision else (False, "no backward ran")
@@ -502,6 +549,8 @@ class OptimizerStep:
         for pipeline in self.pipelines.values():
             pipeline.drain()
         self.step_undo.clear()  # committed: from here on a failure is not undone
+        if self.host_updates is not None:
+            self.host_updates.release()
         for chunk, hyper in in_memory:
             self._update_chunk(chunk, hyper, multiplier)
         self._end_step(speculated, rollback, why)
@@ -512,6 +561,20 @@ class OptimizerStep:
     def _end_step(self, speculated: bool, rollback: str | None, why: str) -> None:
         """Say where this step's updates ran and why; learn for the next step."""
         checked = self._clip_coef is not None or self.scaler is not None
+        host_only_cpu = (
+            not self.pipelines
+            and self.device.type == "cpu"
+            and self.config.optimizer_overlap == "auto"
+            and any(c.trainable and c.optim.tier.name == "host" for c in self.index.chunks())
+        )
+        if not speculated and host_only_cpu:
+            why = (
+                "host-resident optimizer states on a CPU-only machine: backward and Adam would "
+                "share the same cores (optimizer_overlap='in-backward' forces the overlap)"
+            )
+        if self._undo_room_short:
+            why += "; some chunks after backward: no host room for their undo copies"
+            self._undo_room_short = False
         if not speculated:
             self.last_update_mode, self.last_update_reason = "after-backward", why
         elif rollback is not None:
@@ -739,6 +802,7 @@ class OptimizerStep:
             "exposed_s": self.exposed_optimizer_s,
             "speculation_hits": self.policy.hits,
             "rollbacks": self.policy.rollbacks,
+            "host_update_s": self.host_updates.busy_s if self.host_updates else 0.0,
             "margin": self.policy.margin,
             "next": self.optimizer_mode,
         }
@@ -755,6 +819,7 @@ class OptimizerStep:
         the engine refuses to step until a load ([Note: a step that failed part way])."""
         for pipeline in self.pipelines.values():
             pipeline.abandon()
+        self._drop_host_updates()
         self._early.clear()
         self._decision = None
         if self.step_undo.active:
@@ -764,9 +829,23 @@ class OptimizerStep:
                 self.step_undo.clear()
                 self.step_failed = f"{type(err).__name__}: {err}"
 
+    def _drop_host_updates(self) -> None:
+        """Wait for the host worker's updates and put their states back (none is kept)."""
+        if self.host_updates is None:
+            return
+        try:
+            self.host_updates.wait()
+        except Exception:  # noqa: S110 - nothing of these updates is kept, failed or not
+            pass
+        self.host_updates.restore()
+        self.host_updates.release()
+
     def _undo_step(self) -> None:
         """The step failed before committing ([Note: atomic optimizer step]): put back what it
-        changed, so the engine is as before ``step`` (gradients kept: step may be retried)."""
+        changed, so the engine is as before ``step`` (gradients kept: step may be retried);
+        host-resident states updated in backward come back from their undo copies ([Note: host
+        updates in backward])."""
+        self._drop_host_updates()
         self.step_undo.restore()
         self._clip_coef = None
         self._settle_slots()

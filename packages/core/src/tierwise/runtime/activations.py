@@ -648,10 +648,12 @@ class ActivationManager:
         self.moved_bytes["act:host->device"] += stored.nbytes
 
     def _landed(self, stored: _Stored) -> None:
-        """A CUDA nvme swap-in's disk read is done (or must be now): issue its device copy."""
+        """A CUDA nvme swap-in's disk read is done (or must be now): issue its device copy
+        (engine work, untraced like the rest of a swap-in)."""
         self._waited(stored.read.wait)  # re-raises the read's error
         stored.on_disk = False
-        self._copy_to_device(stored)
+        with self.untraced():
+            self._copy_to_device(stored)
 
     def _progress_disk_reads(self) -> None:
         """Issue the device copies of CUDA nvme swap-ins whose disk reads have landed, without

@@ -7,7 +7,7 @@ the only hard-coded numbers in the search. All rates are per data-parallel rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tierwise.hardware import Hardware, HardwareError
 
@@ -98,6 +98,9 @@ def resolve_rates(hardware: Hardware) -> Rates:
             )
         return float(value)
 
+    if kind == "cpu" and not hardware.device_memory_bandwidth and hardware.h2d_bandwidth:
+        # the "device" is host RAM: its probed copy rate is the bandwidth memory-bound ops get
+        hardware = replace(hardware, device_memory_bandwidth=hardware.h2d_bandwidth)
     efficiency = pick("matmul_efficiency")
     if efficiency > 1:
         raise HardwareError(

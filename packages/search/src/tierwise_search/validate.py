@@ -32,6 +32,9 @@ class Validation:
     """{"phase", "predicted_s", "measured_s", "how"} per phase, and per link with bytes."""
     measured_steps_s: list[float]
     plan_summary: dict
+    cpu_steps_s: list[float]
+    """Process CPU seconds of each timed step (all threads): on a shared machine the load
+    stretches wall time, much less the CPU time a compute-bound step needs."""
 
     @property
     def step_ratio(self) -> float:
@@ -44,6 +47,7 @@ class Validation:
             "rows": self.rows,
             "measured_steps_s": self.measured_steps_s,
             "predicted_over_measured": self.step_ratio,
+            "cpu_steps_s": self.cpu_steps_s,
             "plan": self.plan_summary,
         }
 
@@ -89,10 +93,12 @@ def validate_plan(model, optimizer, batch: dict, *, steps: int = 3, warmup: int 
         )
     nvme_tier = engine.tiers.get("nvme")
     times: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+    cpu_steps: list[float] = []
     before = None
     for index in range(warmup + steps):
         if index == warmup:
             before = _link_bytes(engine.stats(), nvme_tier)
+        cpu_started = time.process_time()
         started = time.perf_counter()
         loss = model(**batch).loss
         forwarded = time.perf_counter()
@@ -105,6 +111,7 @@ def validate_plan(model, optimizer, batch: dict, *, steps: int = 3, warmup: int 
             times["forward"].append(forwarded - started)
             times["backward"].append(backwarded - forwarded)
             times["optimizer"].append(stepped - backwarded)
+            cpu_steps.append(time.process_time() - cpu_started)
     stats = engine.stats()
     after = _link_bytes(stats, nvme_tier)
     recomputed = (stats.get("activations") or {}).get("recomputed_blocks", 0)
@@ -180,7 +187,7 @@ def validate_plan(model, optimizer, batch: dict, *, steps: int = 3, warmup: int 
             )
         ),
     }
-    return Validation(rows, steps_s, summary)
+    return Validation(rows, steps_s, summary, cpu_steps)
 
 
 __all__ = ["LINKS", "Validation", "validate_plan"]

@@ -165,7 +165,7 @@ def test_damaged_checkpoint_is_refused_in_one_line(tmp_path, damage, message):
     train(model, opt, 1)
     path = tmp_path / "ckpt"
     tierwise.save_checkpoint(path, model, opt)
-    rank_file = path / "rank00000-of-00001.pt"
+    rank_file = path / "rank00000-of-00001.safetensors"
     if damage == "truncate":
         rank_file.write_bytes(rank_file.read_bytes()[:-100])
     elif damage == "flip":

@@ -115,19 +115,19 @@ def test_each_rank_reads_only_the_files_holding_its_shard(tmp_path):
     path = str(tmp_path / "ckpt")
     run_ranks(_save, 2, path, "zero3-host")
     assert run_ranks(_opened_files, 2, path, "zero3-host") == [
-        ["rank00000-of-00002.pt"],
-        ["rank00001-of-00002.pt"],
+        ["rank00000-of-00002.safetensors"],
+        ["rank00001-of-00002.safetensors"],
     ]
 
 
 def test_each_rank_of_a_larger_world_reads_only_the_files_holding_its_shard(tmp_path):
     """2 -> 4 ranks with the same chunks: a new rank's shard is half of an old rank's, so it
-    opens that rank's file only (and memory-maps it: the pages of its own pieces)."""
+    opens that rank's file only (and reads only the bytes of its own pieces)."""
     path = str(tmp_path / "ckpt")
     run_ranks(_save, 2, path, "zero3-host")
     assert run_ranks(_opened_files, 4, path, "zero3-host") == [
-        ["rank00000-of-00002.pt"],
-        ["rank00000-of-00002.pt"],
-        ["rank00001-of-00002.pt"],
-        ["rank00001-of-00002.pt"],
+        ["rank00000-of-00002.safetensors"],
+        ["rank00000-of-00002.safetensors"],
+        ["rank00001-of-00002.safetensors"],
+        ["rank00001-of-00002.safetensors"],
     ]

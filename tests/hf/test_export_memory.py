@@ -1,5 +1,6 @@
-"""`tierwise export` holds at most one shard plus one parameter ([Note: export memory]),
-measured as the exporting process's peak resident memory against a model several times larger."""
+"""`tierwise export` holds one parameter at a time, whatever its shard size ([Note: export
+memory]), measured as the exporting process's peak resident memory against a model many times
+larger."""
 
 import json
 import os
@@ -12,9 +13,9 @@ import torch
 import transformers
 from tierwise.train.lora import describe_model
 
-SHARD = 2 * 2**20
+SHARD = 5 * 10**9  # the default: the whole model is one shard
 ALLOWANCE = 8 * 2**20
-"""Interpreter and allocator slack next to the shard and parameter (which are counted exactly)."""
+"""Interpreter and allocator slack next to the parameter (which is counted exactly)."""
 
 EXPORT = """
 import json, sys
@@ -49,7 +50,7 @@ def _model():
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def test_export_peak_memory_is_one_shard_plus_one_parameter_not_the_model(tmp_path):
+def test_export_peak_memory_is_one_parameter_not_a_shard_nor_the_model(tmp_path):
     try:
         open("/proc/self/clear_refs", "w").write("5")
     except OSError:
@@ -75,10 +76,10 @@ def test_export_peak_memory_is_one_shard_plus_one_parameter_not_the_model(tmp_pa
     )
     assert result.returncode == 0, result.stderr
     growth = json.loads(result.stdout.strip().splitlines()[-1])["growth"]
-    shards = list((tmp_path / "out").glob("model-*-of-*.safetensors"))
-    assert model_bytes > 8 * SHARD and len(shards) > 8  # the model is many shards
-    # one shard's tensors (and safetensors' serialised copy of them), one parameter being read
-    bound = 2 * SHARD + biggest + ALLOWANCE
+    assert [f.name for f in (tmp_path / "out").glob("*.safetensors")] == ["model.safetensors"]
+    # one parameter being read, and the reader's buffer it is copied out of; the shard (here the
+    # whole model) is streamed to disk, never held
+    bound = 2 * biggest + ALLOWANCE
     assert growth < bound < model_bytes / 2, (growth, bound, model_bytes)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert sum(p.numel() * 4 for p in loaded.parameters()) == model_bytes

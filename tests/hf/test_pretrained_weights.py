@@ -79,6 +79,25 @@ def test_a_checkpoint_loads_into_chunks_on_nvme(tmp_path, family):
         nvme_path=str(nvme),
     )
     assert_matches_hf(model, hf_reference(tmp_path / "ckpt"))
+    tierwise.save_pretrained(model, tmp_path / "out", max_shard_size="20KB")
+    assert_matches_hf(model, hf_reference(tmp_path / "out"))  # streamed out of NVMe chunks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_pretrained_streams_the_chunks_into_shards_transformers_loads(tmp_path, family):
+    save_checkpoint(family, tmp_path / "in")
+    model, optimizer = load(
+        family, tmp_path / "in", param_placement="host", optimizer_placement="host"
+    )
+    model(input_ids=IDS, labels=IDS).loss.backward()  # values of its own, not the checkpoint's
+    optimizer.step()
+    model.save_pretrained(tmp_path / "out", max_shard_size="20KB")
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    reloaded, before = hf_reference(tmp_path / "out"), hf_reference(tmp_path / "in")
+    state = model.state_dict()
+    for name, value in reloaded.named_parameters():
+        assert torch.equal(state[name], value), name
+    assert not torch.equal(reloaded.lm_head.weight, before.lm_head.weight)
 
 
 def test_bf16_chunks_get_the_checkpoint_in_bf16_and_a_bf16_checkpoint_converts_up(tmp_path):
@@ -231,6 +250,10 @@ def _load_on_ranks(rank: int, world: int, folder: str) -> None:
         model, _ = load(family, path, param_placement="host", optimizer_placement="host")
         assert next(tierwise.engine_of(model).chunks()).group.sharded
         assert_matches_hf(model, hf_reference(path))
+        out = os.path.join(folder, f"{family}-out")
+        tierwise.save_pretrained(model, out, max_shard_size="20KB")  # collective, rank 0 writes
+        torch.distributed.barrier()
+        assert_matches_hf(model, hf_reference(out))
 
 
 def test_two_ranks_each_fill_their_shards_and_match_hf(tmp_path):

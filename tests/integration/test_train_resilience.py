@@ -113,7 +113,7 @@ def test_corrupt_newest_checkpoint_falls_back_with_one_line(tmp_path, capsys, st
         str(run),
     )
     assert code == 0, err
-    newest = run / "checkpoints" / "step-000004" / "rank00000-of-00001.pt"
+    newest = run / "checkpoints" / "step-000004" / "rank00000-of-00001.safetensors"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a torn write
     code, out, err = _train(tmp_path, capsys, "--resume", str(run))
     assert code == 0, err

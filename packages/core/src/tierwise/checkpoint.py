@@ -19,6 +19,7 @@ from tierwise.chunks.io import gather_chunk, read_slab, write_slab
 from tierwise.optim.state_formats import MomentFormat, moment_formats
 from tierwise.precision import QUANT_BLOCK
 from tierwise.registry import engine_of
+from tierwise.weights.safetensors_io import SafetensorsWriter
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -33,12 +34,31 @@ def full_state(
     """Every parameter (all names, tied ones too) as full fp32 tensors from the master copy;
     with ``trainable_only`` only those that train (a LoRA run's adapters, not its frozen base).
 
-    Collective: every rank calls it. Chunks are gathered over their data-parallel group, then
-    each pattern in ``patterns`` rebuilds its parameters' whole-model values over its
-    model-parallel group (``ParallelPattern.full_tensor``); chunks and slots are visited in the
-    same order on every rank.
+    Collective (see :func:`iter_full_state`). It holds the whole model in host memory: for a
+    model larger than that, write it with ``tierwise.save_pretrained`` or ``tierwise export``,
+    which stream it ([Note: streaming a model out]).
     """
     out: dict[str, torch.Tensor] = {}
+    for names, value in iter_full_state(engine, patterns, trainable_only=trainable_only):
+        for name in names:
+            out[name] = value
+    return out
+
+
+def iter_full_state(
+    engine: Engine, patterns: Sequence[ParallelPattern] = (), *, trainable_only: bool = False
+):
+    """Yield ``(names, value)`` per distinct parameter (its name then its tied aliases, its full
+    fp32 master value), one chunk at a time.
+
+    [Note: streaming a model out]
+    Collective: every rank iterates to the end. Chunks are gathered over their data-parallel
+    group, then each pattern in ``patterns`` rebuilds its parameters' whole-model values over
+    its model-parallel group (``ParallelPattern.full_tensor``); chunks and slots are visited in
+    the same order on every rank. Host memory holds one gathered chunk and one value at a time,
+    so a writer that consumes each value before the next (``tierwise.save_pretrained``) holds
+    one chunk group's worth whatever the model's size.
+    """
     aliases = {info.name: info.aliases for info in engine.profile.params}
     pattern_of = {pattern.key: pattern for pattern in patterns}
     for chunk in engine.chunks():
@@ -51,9 +71,8 @@ def full_state(
             value = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
             if pattern is not None:
                 value = pattern.full_tensor(slot.name, slot.param, value)
-            for name in (slot.name, *aliases.get(slot.name, ())):
-                out[name] = value
-    return out
+            yield (slot.name, *aliases.get(slot.name, ())), value
+        del full
 
 
 def load_full_state(
@@ -156,15 +175,16 @@ def _overlap(chunk: Chunk, slot) -> tuple[int, int]:
     return (lo - slot.offset, hi - slot.offset) if lo < hi else (0, 0)
 
 
-def rank_pieces(engine: Engine, rank: int, world: int) -> tuple[dict, dict]:
-    """This rank's pieces of every parameter by name, and their index entries.
+def rank_pieces(engine: Engine, rank: int, world: int, index: dict):
+    """Yield this rank's pieces of every parameter as ``(key, values)``, one at a time, and fill
+    ``index`` with their entries (shape, range, trainable, step).
 
     Data-parallel chunks: the part of each parameter in this rank's shard (rank 0 alone writes
     chunks that are not sharded). Model-parallel chunks: the whole-model value is rebuilt
     (collective, every rank in the same order) and this rank writes its 1/world share of it.
+    One chunk's shard is in host memory at a time.
     """
     pattern_of = {pattern.key: pattern for pattern in engine.patterns}
-    pieces, index = {}, {}
     for chunk in engine.chunks():
         pattern = pattern_of.get(chunk.group.pattern_key)
         for kind, slab in _slabs(chunk).items():
@@ -179,7 +199,7 @@ def rank_pieces(engine: Engine, rank: int, world: int) -> tuple[dict, dict]:
                     n = value.numel()
                     lo, hi = rank * n // world, (rank + 1) * n // world
                     if lo < hi:
-                        pieces[f"{slot.name}/{kind}"] = value.reshape(-1)[lo:hi].clone()
+                        yield f"{slot.name}/{kind}", value.reshape(-1)[lo:hi]
                         index[slot.name] = {"shape": list(value.shape), "lo": lo, "hi": hi}
             elif chunk.group.sharded or chunk.group.rank == 0:
                 start, _ = chunk.shard_range()
@@ -188,8 +208,9 @@ def rank_pieces(engine: Engine, rank: int, world: int) -> tuple[dict, dict]:
                     if lo < hi:
                         a = slot.offset + lo - start
                         key = f"{slot.name}/{kind}"
-                        pieces.update(_stored_piece(key, fmt, stored, shard, a, hi - lo))
+                        yield from _stored_piece(key, fmt, stored, shard, a, hi - lo).items()
                         index[slot.name] = {"shape": list(slot.shape), "lo": lo, "hi": hi}
+            del shard
         for slot in chunk.slots:
             if slot.name in index:
                 # [Note: unused parameters are skipped]: one Adam step count per parameter
@@ -199,7 +220,6 @@ def rank_pieces(engine: Engine, rank: int, world: int) -> tuple[dict, dict]:
                     else 0.0
                 )
                 index[slot.name].update(trainable=chunk.optim is not None, step=step)
-    return pieces, index
 
 
 def _moment_format(engine: Engine, kind: str) -> MomentFormat | None:
@@ -271,18 +291,35 @@ def _gather_objects(value):
 
 
 def _rank_file(rank: int, world: int) -> str:
-    return f"rank{rank:05d}-of-{world:05d}.pt"
+    return f"rank{rank:05d}-of-{world:05d}.safetensors"
 
 
 def _write_files(folder: Path, engine: Engine, rank: int, world: int, extra) -> tuple[dict, dict]:
-    """Write this rank's files; return their manifest entries and this rank's piece index."""
-    pieces, index = rank_pieces(engine, rank, world)
-    files = {_rank_file(rank, world): pieces}
+    """Write this rank's files; return their manifest entries and this rank's piece index.
+    The pieces stream into one safetensors file ([Note: reading weights without mapping
+    files]): host memory holds one chunk's shard, whatever the model's size."""
+    index: dict = {}
+    names = [  # every entry that may come: int8 moments add their scales and phase
+        f"{s.name}/{kind}{part}"
+        for c in engine.chunks()
+        for kind in _slabs(c)
+        for s in c.slots
+        for part in ("", ".scales", ".phase")
+    ]
+    writer = SafetensorsWriter(folder / _rank_file(rank, world), names)
+    try:
+        for key, values in rank_pieces(engine, rank, world, index):
+            writer.add(key, values)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    described = {writer.path.name: describe(writer.path)}
+    files = {}
     if extra is not None:
         files[f"extra-rank{rank:05d}.pt"] = extra
     if rank == 0:
         files["engine.pt"] = engine.state_dict()
-    described = {}
     for name, value in files.items():
         torch.save(value, folder / name)
         described[name] = describe(folder / name)
@@ -482,7 +519,8 @@ def rank_state(engine: Engine) -> dict:
     """This rank's pieces by parameter name, in memory (``optimizer.state_dict()``; collective
     when model-parallel patterns rebuild whole-model values)."""
     rank, world = _rank_and_world()
-    pieces, index = rank_pieces(engine, rank, world)
+    index: dict = {}
+    pieces = {key: value.clone() for key, value in rank_pieces(engine, rank, world, index)}
     return {
         "format": FORMAT_VERSION,
         "world_size": world,

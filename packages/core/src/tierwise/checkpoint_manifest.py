@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READABLE_FORMATS = (2, 3)
+"""Format 3 stores each rank's pieces as one safetensors file, written and read a piece at a time
+([Note: reading weights without mapping files]); format 2 (a torch.save dict) is still read."""
 
 
 class CheckpointError(ValueError):
@@ -66,10 +69,10 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
         manifest = json.loads(file.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"checkpoint {folder}: {MANIFEST} is unreadable ({err})") from None
-    if manifest.get("format") != FORMAT_VERSION:
+    if manifest.get("format") not in READABLE_FORMATS:
         raise CheckpointError(
             f"checkpoint {folder} has format {manifest.get('format')!r}; this tierwise reads "
-            f"format {FORMAT_VERSION}"
+            f"formats {', '.join(map(str, READABLE_FORMATS))}"
         )
     for name, entry in manifest["files"].items():
         path = folder / name

@@ -8,9 +8,10 @@ value, in the file of the rank that wrote it. Which rank wrote which piece follo
 layout it ran with (its data-parallel shard of each chunk, or a 1/world share of a
 model-parallel parameter), and the manifest's ``params`` index lists them. Reading by name and
 range therefore needs no knowledge of the writer's world size, chunk size, tiers or
-model-parallel layout. Files are opened memory-mapped, so a read touches only the pages of the
-pieces it asks for: a rank resuming on another world size reads its own share, never the whole
-model.
+model-parallel layout. A read takes only the bytes of the pieces it asks for (format 3: each
+rank's file is safetensors, read with ``os.preadv``, [Note: reading weights without mapping
+files]; format 2's torch.save files are memory-mapped): a rank resuming on another world size
+reads its own share, never the whole model.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from tierwise.checkpoint_manifest import CheckpointError, check_file, read_manifest
 from tierwise.optim.state_formats import decode_piece
+from tierwise.weights.safetensors_io import SafetensorsFile
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 """What is stored per parameter: fp32 master weights (a frozen parameter's value) and, for
@@ -47,7 +49,7 @@ class CheckpointReader:
         self.manifest = read_manifest(self.path)
         self._params: dict[str, dict[str, Any]] = self.manifest["params"]
         self._aliases: dict[str, str] = self.manifest.get("aliases", {})
-        self._files: dict[str, dict[str, torch.Tensor]] = {}
+        self._files: dict[str, SafetensorsFile | dict[str, torch.Tensor]] = {}
         self._verified: set[str] = set()
 
     # -- what is in it ------------------------------------------------------------------------
@@ -111,15 +113,20 @@ class CheckpointReader:
             a, b = max(lo, start), min(hi, end)
             if a >= b:
                 continue
-            entries = self._open(file)
+            opened = self._open(file)
             key = f"{self._aliases.get(name, name)}/{kind}"
-            piece = entries[key]
-            if piece.dtype == torch.uint8:  # int8 moments: decoded, as the run decoded them
-                phase = int(entries[f"{key}.phase"])
+            if _dtype_of(opened, key) == torch.uint8:  # int8 moments: decoded, as the run did
                 piece = decode_piece(
-                    piece, entries[f"{key}.scales"], phase, signed=kind == "exp_avg"
+                    _whole(opened, key),
+                    _whole(opened, f"{key}.scales"),
+                    int(_whole(opened, f"{key}.phase")),
+                    signed=kind == "exp_avg",
                 )
-            out[a - start : b - start] = piece[a - lo : b - lo]
+                out[a - start : b - start] = piece[a - lo : b - lo]
+            elif isinstance(opened, SafetensorsFile):  # format 3: only the bytes asked for
+                out[a - start : b - start] = opened.read(key, 0, a - lo, b - lo)
+            else:
+                out[a - start : b - start] = opened[key][a - lo : b - lo]
             covered += b - a
         if covered != end - start:
             raise CheckpointError(
@@ -147,9 +154,13 @@ class CheckpointReader:
             return None
         for file, lo, hi in self._entry(name)["pieces"]:
             if (lo, hi) == (start, end):
-                entries = self._open(file)
+                opened = self._open(file)
                 key = f"{self._aliases.get(name, name)}/{kind}"
-                return entries[key], entries[f"{key}.scales"], int(entries[f"{key}.phase"])
+                return (
+                    _whole(opened, key),
+                    _whole(opened, f"{key}.scales"),
+                    int(_whole(opened, f"{key}.phase")),
+                )
         return None
 
     def files_for(self, name: str, start: int = 0, end: int | None = None) -> set[str]:
@@ -196,9 +207,23 @@ class CheckpointReader:
     def _checked(self, file: str) -> Path:
         return check_file(self.path, file, self.manifest)
 
-    def _open(self, file: str) -> dict[str, torch.Tensor]:
+    def _open(self, file: str) -> SafetensorsFile | dict[str, torch.Tensor]:
         if file not in self._files:
             path = self.path / file if file in self._verified else self._checked(file)
-            self._files[file] = torch.load(path, mmap=True, weights_only=True)
+            if file.endswith(".safetensors"):
+                self._files[file] = SafetensorsFile(path)
+            else:
+                self._files[file] = torch.load(path, mmap=True, weights_only=True)
             self._verified.add(file)
         return self._files[file]
+
+
+def _whole(opened: SafetensorsFile | dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """Entry ``key`` of an opened checkpoint file (format 3 or 2), whole."""
+    return opened.read(key) if isinstance(opened, SafetensorsFile) else opened[key]
+
+
+def _dtype_of(opened: SafetensorsFile | dict[str, torch.Tensor], key: str) -> torch.dtype:
+    if isinstance(opened, SafetensorsFile):
+        return opened.entries[key].dtype
+    return opened[key].dtype

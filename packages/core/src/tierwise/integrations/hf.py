@@ -14,9 +14,10 @@ Everything is the Trainer users know; tierwise takes over what it must own:
 - The model is never wrapped (no DDP: tierwise shards and reduces) nor moved with ``model.to``.
 - Checkpoints (``save_strategy``) hold the usual files plus ``tierwise/`` (every rank's chunks,
   masters and Adam states); ``resume_from_checkpoint`` restores from it bitwise.
-- ``save_model`` writes a ``from_pretrained`` folder (safetensors shards ≤ 5 GB, the dtype written
-  recorded in config.json, the tokenizer); under data/expert/tensor parallelism every rank
-  gathers and rank 0 writes. A PEFT model writes its adapter files.
+- ``save_model`` writes a ``from_pretrained`` folder (safetensors shards ≤ 5 GB streamed one chunk
+  at a time, never the whole model in host memory; the dtype written recorded in config.json, the
+  tokenizer); under data/expert/tensor parallelism every rank gathers and rank 0 writes. A PEFT
+  model writes its adapter files.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 import tierwise
 from tierwise.checkpoint import full_state
 from tierwise.config import Config, ConfigError
-from tierwise.integrations.hf_save import DTYPES, MAX_SHARD_SIZE
+from tierwise.integrations.hf_save import DTYPES, MAX_SHARD_SIZE, save_pretrained
 from tierwise.pretrained import build_on_meta
 
 try:
@@ -302,7 +303,20 @@ class TierwiseTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Every rank gathers the whole model (a collective); the main process writes it."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if state_dict is None and _is_peft(self.model):  # adapters only: never the whole base
+        if state_dict is None and not _is_peft(self.model):  # [Note: streaming a model out]
+            save_pretrained(
+                self.model,
+                output_dir,
+                dtype=DTYPES[self.save_dtype],
+                max_shard_size=MAX_SHARD_SIZE,
+                is_main_process=self.args.should_save,
+            )
+            if self.args.should_save:
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(output_dir)
+                torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+            return
+        if state_dict is None:  # a PEFT model: adapters only, never the whole base
             engine = tierwise.engine_of(self.model)
             state_dict = full_state(engine, engine.patterns, trainable_only=True)
         elif state_dict is None:

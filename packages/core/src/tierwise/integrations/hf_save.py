@@ -5,20 +5,25 @@ says so in ``config.json``.
 transformers records ``model.dtype`` (the dtype of the first floating parameter) as the config's
 ``dtype``. A managed model computes in its precision (bf16 parameters) but ``state_dict()`` returns
 the fp32 master weights, so plain ``save_pretrained`` would write fp32 tensors under a config that
-says bfloat16. The wrapper installed here gathers the state dict first (a collective under data,
-expert or tensor parallelism: call it on every rank), lets transformers write it, and then records
-the dtype of the tensors actually written; unless told otherwise, only rank 0 writes. This module
-does not import transformers.
+says bfloat16. The wrapper installed here streams the masters into safetensors shards one chunk at
+a time (:func:`save_pretrained`, [Note: streaming a model out]; a collective under data, expert or
+tensor parallelism: call it on every rank), or, given a ``state_dict``, lets transformers write
+that, and then records the dtype of the tensors actually written; unless told otherwise, only
+rank 0 writes. This module does not import transformers.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import types
 from pathlib import Path
 
 import torch
+
+from tierwise.units import parse_bytes
+from tierwise.weights.safetensors_io import ShardedWriter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """Dtypes a saved or exported model can be written in."""
@@ -53,17 +58,92 @@ def written_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype | None:
     return next((v.dtype for v in state_dict.values() if v.is_floating_point()), None)
 
 
+def save_pretrained(
+    model: torch.nn.Module,
+    save_directory: str | os.PathLike,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+    is_main_process: bool | None = None,
+) -> Path:
+    """Write a tierwise-managed transformers model as a ``from_pretrained`` folder, streaming:
+    one chunk group and one tensor in host memory at a time, never the model ([Note: streaming
+    a model out]). Collective (every rank calls it); ``is_main_process`` (default: global rank
+    0) writes. ``dtype``: of the weights written (the fp32 masters by default), recorded in
+    config.json. Tied parameters are written once, under their first name (transformers ties
+    them again on load); persistent buffers are written too.
+    """
+    from tierwise.checkpoint import iter_full_state
+    from tierwise.registry import engine_of
+
+    engine = engine_of(model)
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    if is_main_process is None:
+        is_main_process = _global_rank() == 0
+    folder = Path(save_directory)
+    buffers = persistent_buffers(model)
+    names = [info.name for info in engine.profile.params] + list(buffers)
+    writer = None
+    if is_main_process:
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in [*folder.glob("model*.safetensors"), *folder.glob("model*.index.json")]:
+            stale.unlink()  # what an earlier save left would be loaded with these shards
+        writer = ShardedWriter(folder, names, max_bytes=parse_bytes(max_shard_size))
+    try:
+        for (name, *_aliases), value in iter_full_state(engine, engine.patterns):
+            if writer is not None:
+                writer.add(name, value.to(dtype) if value.is_floating_point() else value)
+            del value
+        if writer is not None:
+            for name, buffer in buffers.items():
+                writer.add(name, buffer.to(dtype) if buffer.is_floating_point() else buffer)
+            writer.close()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if is_main_process:
+        config = getattr(model, "config", None)
+        if config is not None:
+            config.architectures = [type(model).__name__]
+            config.save_pretrained(folder)
+            record_dtype(folder, dtype)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and getattr(model, "can_generate", lambda: False)():
+            generation.save_pretrained(folder)
+    return folder
+
+
+def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``state_dict`` holds, by name (without running the state-dict hooks)."""
+    out = {}
+    for prefix, module in model.named_modules():
+        skip = getattr(module, "_non_persistent_buffers_set", set())
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in skip and buffer is not None:
+                out[f"{prefix}.{name}" if prefix else name] = buffer
+    return out
+
+
 def install_save_pretrained(model: torch.nn.Module) -> None:
-    """Make ``model.save_pretrained`` write the fp32 masters and record that dtype
-    ([Note: the dtype save_pretrained records]). Does nothing for other models."""
+    """Make ``model.save_pretrained`` stream the fp32 masters into shards and record that dtype
+    ([Note: the dtype save_pretrained records], [Note: streaming a model out]); given a
+    ``state_dict``, transformers writes that. Does nothing for other models."""
     if not is_hf_pretrained(model):
         return
     original = model.save_pretrained
 
     @functools.wraps(original)
-    def save_pretrained(
+    def save_pretrained_method(
         self, save_directory, *args, state_dict=None, is_main_process=None, **kwargs
     ):
+        if state_dict is None and not args and set(kwargs) <= {"max_shard_size"}:
+            return save_pretrained(
+                self,
+                save_directory,
+                max_shard_size=kwargs.get("max_shard_size", MAX_SHARD_SIZE),
+                is_main_process=is_main_process,
+            )
         if state_dict is None:
             state_dict = self.state_dict()  # collective: every rank gathers
         if is_main_process is None:  # every rank calls (the gather above); rank 0 writes
@@ -77,7 +157,7 @@ def install_save_pretrained(model: torch.nn.Module) -> None:
             record_dtype(save_directory, dtype)
         return result
 
-    model.save_pretrained = types.MethodType(save_pretrained, model)
+    model.save_pretrained = types.MethodType(save_pretrained_method, model)
 
 
 def _global_rank() -> int:

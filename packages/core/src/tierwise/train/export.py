@@ -15,11 +15,12 @@ exists nowhere else, so its adapter export also writes that base, as a plain mod
 ``OUT_DIR/base``, which ``adapter_config.json`` names as its base model.
 
 [Note: export memory]
-Checkpoint files are read memory-mapped; pages a read touches stay in the process's resident
-memory until the file is unmapped, so after each parameter the reader is released
-(``CheckpointReader.release``). The shard writer holds one shard's tensors. Nothing else holds
-model data, so peak memory is one shard plus one parameter whatever the model size
-(tests/hf/test_export_memory.py measures it).
+Checkpoint files are read a parameter at a time (format 3 with ``os.preadv``, format 2
+memory-mapped: pages a read touches stay in the process's resident memory until the file is
+unmapped, so after each parameter the reader is released, ``CheckpointReader.release``). The
+shard writer streams each tensor to its file as it comes ([Note: reading weights without mapping
+files]). Nothing else holds model data, so peak memory is one parameter (in fp32, plus its copy
+in the dtype written) whatever the model size (tests/hf/test_export_memory.py measures it).
 """
 
 from __future__ import annotations
@@ -36,15 +37,12 @@ import torch
 from tierwise.checkpoint_manifest import CheckpointError
 from tierwise.checkpoint_reader import CheckpointReader
 from tierwise.integrations.hf_save import DTYPES, record_dtype
-from tierwise.integrations.safetensors_shards import (
-    MAX_SHARD_BYTES,
-    ShardWriter,
-    save_safetensors,
-)
+from tierwise.integrations.safetensors_shards import save_safetensors
 from tierwise.train.checkpoints import CHECKPOINTS, LATEST
 from tierwise.train.data import ByteTokenizer
 from tierwise.train.errors import TrainError
-from tierwise.train.lora import MODEL_FOLDER, PEFT_PREFIX
+from tierwise.train.lora import MODEL_FOLDER, PEFT_PREFIX, base_name
+from tierwise.weights.safetensors_io import MAX_SHARD_BYTES, ShardedWriter
 
 ADAPTER = "default"
 """The adapter name `tierwise train --lora` trains."""
@@ -58,7 +56,7 @@ def add_export_command(subparsers: argparse._SubParsersAction) -> argparse.Argum
         help="write a Hugging Face (from_pretrained) folder from a `tierwise train` run",
         description="Write a folder AutoModelForCausalLM.from_pretrained loads (or, for a LoRA "
         "run, PEFT adapter files) from the latest checkpoint of a `tierwise train` run. One "
-        "process, whatever world size the run had; memory: one output shard plus one parameter.",
+        "process, whatever world size the run had; memory: one parameter at a time.",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the --out directory of a run")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write (new or empty)")
@@ -180,15 +178,14 @@ def _write_model(
     """The (for LoRA: base, merged when ``merge``) model as a from_pretrained folder ``out``."""
     adapters = _adapters(reader) if lora is not None and merge else {}
     out.mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(out, max_bytes=max_shard_bytes)
+    written = [_out_name(name) if lora is not None else name for name in reader.names()]
+    writer = ShardedWriter(out, [n for n in written if n], max_bytes=max_shard_bytes)
     for name in reader.names():
         if lora is not None:
-            if ".lora_" in name:
+            out_name = _out_name(name)
+            if out_name is None:
                 continue
-            if not name.startswith(PEFT_PREFIX):
-                raise TrainError(f"checkpoint parameter {name} is not under {PEFT_PREFIX!r}")
             module = name.removeprefix(PEFT_PREFIX).removesuffix(".weight")
-            out_name = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
             value = reader.tensor(name)
             if module.endswith(".base_layer") and name.endswith(".weight"):
                 value = _merged(value, adapters, module.removesuffix(".base_layer"), lora)
@@ -200,6 +197,15 @@ def _write_model(
     writer.close()
     shutil.copyfile(model_folder / "config.json", out / "config.json")
     record_dtype(out, dtype)
+
+
+def _out_name(name: str) -> str | None:
+    """The plain model's name of a LoRA run's base parameter (None: an adapter)."""
+    if ".lora_" in name:
+        return None
+    if not name.startswith(PEFT_PREFIX):
+        raise TrainError(f"checkpoint parameter {name} is not under {PEFT_PREFIX!r}")
+    return base_name(name)
 
 
 def _adapters(reader: CheckpointReader) -> dict[str, torch.Tensor]:

@@ -4,8 +4,8 @@ weight sources for ``setup(weights=...)`` and streaming safetensors shards."""
 from tierwise.weights.safetensors_io import (
     READS,
     SafetensorsFile,
-    ShardPlan,
-    StreamingShardWriter,
+    SafetensorsWriter,
+    ShardedWriter,
     WeightsError,
 )
 from tierwise.weights.source import (
@@ -22,8 +22,8 @@ __all__ = [
     "DirectoryWeights",
     "ResolvedWeights",
     "SafetensorsFile",
-    "ShardPlan",
-    "StreamingShardWriter",
+    "SafetensorsWriter",
+    "ShardedWriter",
     "WeightSource",
     "WeightsError",
     "open_weights",

@@ -41,6 +41,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 """safetensors dtype codes and the torch dtypes they hold."""
 CODES = {dtype: code for code, dtype in DTYPES.items()}
+MAX_SHARD_BYTES = 5 * 10**9
+"""Largest shard written: 5 GB, as transformers reads max_shard_size="5GB"."""
 MAX_HEADER_BYTES = 100 * 2**20
 """A header larger than this is not a safetensors header (the format's own limit)."""
 
@@ -171,104 +173,120 @@ def _pread_full(fd: int, view: memoryview, offset: int, path: Path, name: str) -
         done += got
 
 
-class ShardPlan:
-    """Which shard file each tensor goes to: tensors in the order given, a new shard when the
-    next would take the current one past ``max_bytes`` (a larger tensor gets one of its own),
-    named as ``save_pretrained`` names them."""
+HEADER_PER_TENSOR = 192
+"""Header bytes reserved per tensor beyond its quoted name (dtype, a shape of up to 4
+dimensions and two byte offsets of up to 20 digits take under 150)."""
+
+
+class SafetensorsWriter:
+    """One safetensors file written a tensor at a time, holding none of them: space for the
+    header is reserved from the names that may come (an upper bound), the data is streamed
+    behind it, and the header, padded with spaces as safetensors pads it, is written last
+    ([Note: reading weights without mapping files])."""
+
+    def __init__(self, path: str | os.PathLike, names: list[str]):
+        self.path = Path(path)
+        reserve = 64 + sum(len(json.dumps(n)) + HEADER_PER_TENSOR for n in names)
+        self.reserve = reserve + (-(8 + reserve) % 8)  # data starts 8-byte aligned
+        self.header: dict[str, dict] = {}
+        self.bytes = 0
+        self._file = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self._file.seek(8 + self.reserve)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.header:
+            raise WeightsError(f"{self.path}: tensor {name} written twice")
+        data = tensor.detach().to("cpu").contiguous().view(-1)
+        nbytes = data.numel() * data.element_size()
+        if nbytes:
+            self._file.write(memoryview(data.view(torch.uint8).numpy()))
+        self.header[name] = {
+            "dtype": CODES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [self.bytes, self.bytes + nbytes],
+        }
+        self.bytes += nbytes
+
+    def close(self) -> None:
+        header = {**self.header, "__metadata__": {"format": "pt"}}
+        text = json.dumps(header, separators=(",", ":")).encode()
+        if len(text) > self.reserve:
+            self._file.close()
+            raise WeightsError(
+                f"{self.path}: header of {len(text)} bytes exceeds the {self.reserve} reserved "
+                "(a tensor not named when the file was opened)"
+            )
+        self._file.seek(0)
+        self._file.write(self.reserve.to_bytes(8, "little"))
+        self._file.write(text + b" " * (self.reserve - len(text)))
+        self._file.close()
+
+    def abort(self) -> None:
+        """Close and remove the file (a failed write leaves nothing)."""
+        if not self._file.closed:
+            self._file.close()
+        self.path.unlink(missing_ok=True)
+
+
+class ShardedWriter:
+    """safetensors shards named as ``save_pretrained`` names them, written a tensor at a time:
+    a new shard starts when the next tensor would take the current one past ``max_bytes`` (a
+    larger tensor gets a shard of its own); ``close`` names them ``prefix-0000i-of-0000n``, or
+    ``prefix.safetensors`` alone, and writes the index when there are several. ``names``: every
+    name that may be added."""
 
     def __init__(
         self,
-        entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        folder: str | os.PathLike,
+        names: list[str],
         *,
         max_bytes: int,
         prefix: str = "model",
     ):
-        shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
-        size = 0
-        for entry in entries:
-            nbytes = math.prod(entry[2]) * entry[1].itemsize
-            if shards[-1] and size + nbytes > max_bytes:
-                shards.append([])
-                size = 0
-            shards[-1].append(entry)
-            size += nbytes
-        count = len(shards)
-        if count == 1:
-            names = [f"{prefix}.safetensors"]
-        else:
-            names = [f"{prefix}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-        self.shards = list(zip(names, shards, strict=True))
-        self.prefix = prefix
-        self.total_bytes = sum(math.prod(e[2]) * e[1].itemsize for e in entries)
-
-    def write_index(self, folder: Path) -> None:
-        """``prefix.safetensors.index.json`` when there are several shards."""
-        if len(self.shards) == 1:
-            return
-        weight_map = {name: file for file, tensors in self.shards for name, _, _ in tensors}
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (folder / f"{self.prefix}.safetensors.index.json").write_text(
-            json.dumps(index, indent=2, sort_keys=True) + "\n"
-        )
-
-
-class StreamingShardWriter:
-    """Writes the shards of a :class:`ShardPlan` into ``folder``, one tensor at a time and in
-    the plan's order; holds no tensor ([Note: reading weights without mapping files])."""
-
-    def __init__(self, folder: str | os.PathLike, plan: ShardPlan):
         self.folder = Path(folder)
-        self.plan = plan
-        self._order = [(i, e) for i, (_, tensors) in enumerate(plan.shards) for e in tensors]
-        self._next = 0
-        self._file = None
-        self._shard = -1
+        self.names = list(names)
+        self.max_bytes = max_bytes
+        self.prefix = prefix
+        self._written: list[SafetensorsWriter] = []
+        self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if self._next >= len(self._order):
-            raise WeightsError(f"writing {name}: every planned tensor was written already")
-        shard, (expected, dtype, shape) = self._order[self._next]
-        if name != expected or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
-            raise WeightsError(
-                f"writing {name} {tuple(tensor.shape)} {tensor.dtype}: expected {expected} "
-                f"{tuple(shape)} {dtype} next"
+        nbytes = tensor.numel() * tensor.element_size()
+        current = self._written[-1] if self._written else None
+        if current is None or (current.header and current.bytes + nbytes > self.max_bytes):
+            if current is not None:
+                current.close()
+            part = self.folder / f"{self.prefix}-part{len(self._written) + 1:05d}.safetensors.tmp"
+            current = SafetensorsWriter(part, self.names)
+            self._written.append(current)
+        current.add(name, tensor)
+        self.total_bytes += nbytes
+
+    def close(self) -> list[Path]:
+        """Finish the last shard, name the shards and write the index; return the shard files."""
+        if not self._written:
+            self._written.append(SafetensorsWriter(self.folder / "empty.tmp", []))
+        self._written[-1].close()
+        count = len(self._written)
+        if count == 1:
+            final = [self.folder / f"{self.prefix}.safetensors"]
+        else:
+            final = [
+                self.folder / f"{self.prefix}-{i:05d}-of-{count:05d}.safetensors"
+                for i in range(1, count + 1)
+            ]
+        weight_map = {}
+        for writer, path in zip(self._written, final, strict=True):
+            os.replace(writer.path, path)
+            weight_map.update(dict.fromkeys(writer.header, path.name))
+        if count > 1:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            (self.folder / f"{self.prefix}.safetensors.index.json").write_text(
+                json.dumps(index, indent=2, sort_keys=True) + "\n"
             )
-        if shard != self._shard:
-            self._open(shard)
-        data = tensor.detach().contiguous().view(-1)
-        if data.numel():
-            self._file.write(memoryview(data.view(torch.uint8).numpy()))
-        self._next += 1
+        return final
 
-    def _open(self, shard: int) -> None:
-        self._close_file()
-        file, tensors = self.plan.shards[shard]
-        header, offset = {}, 0
-        for name, dtype, shape in tensors:
-            nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {
-                "dtype": CODES[dtype],
-                "shape": list(shape),
-                "data_offsets": [offset, offset + nbytes],
-            }
-            offset += nbytes
-        header["__metadata__"] = {"format": "pt"}
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)  # data starts 8-byte aligned, as safetensors writes it
-        self._file = open(self.folder / file, "wb")  # noqa: SIM115 - closed in _close_file
-        self._file.write(len(text).to_bytes(8, "little"))
-        self._file.write(text)
-        self._shard = shard
-
-    def _close_file(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    def close(self) -> None:
-        """Finish the last shard and write the index; every planned tensor must have come."""
-        self._close_file()
-        if self._next != len(self._order):
-            missing = self._order[self._next][1][0]
-            raise WeightsError(f"the export stopped before tensor {missing} was written")
-        self.plan.write_index(self.folder)
+    def abort(self) -> None:
+        """Remove what was written (a failed export leaves no partial shards)."""
+        for writer in self._written:
+            writer.abort()

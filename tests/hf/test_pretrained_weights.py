@@ -22,16 +22,16 @@ IDS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3))
 OPTIONS = dict(precision="fp32", device="cpu", chunk_size=4096, cache_blocks=6)
 
 
-def save_checkpoint(family: str, folder, **save) -> None:
-    model = tiny_model(family, seed=0)
+def save_checkpoint(family: str, folder, config: dict | None = None, **save) -> None:
+    model = tiny_model(family, seed=0, **(config or {}))
     model.config._attn_implementation = "eager"
     model.save_pretrained(folder, **save)
 
 
-def meta_model(family: str) -> torch.nn.Module:
+def meta_model(family: str, **config) -> torch.nn.Module:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(
-            _config(family), attn_implementation="eager"
+            _config(family, **config), attn_implementation="eager"
         )
     return model
 
@@ -42,8 +42,8 @@ def hf_reference(folder) -> torch.nn.Module:
     ).eval()
 
 
-def load(family: str, folder, **options):
-    model = meta_model(family)
+def load(family: str, folder, config: dict | None = None, **options):
+    model = meta_model(family, **(config or {}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return tierwise.setup(model, optimizer, weights=folder, **{**OPTIONS, **options})
 
@@ -260,3 +260,26 @@ def test_two_ranks_each_fill_their_shards_and_match_hf(tmp_path):
     for family in FAMILIES:
         save_checkpoint(family, tmp_path / family)
     run_ranks(_load_on_ranks, 2, str(tmp_path))
+
+
+@pytest.mark.combined
+def test_a_checkpoint_larger_than_host_memory_loads_when_the_placement_fits(tmp_path):
+    deeper = dict(num_hidden_layers=48)  # many small tensors: host needs scale with the largest
+    save_checkpoint("llama", tmp_path / "ckpt", deeper)
+    checkpoint_bytes = (tmp_path / "ckpt" / "model.safetensors").stat().st_size
+    nvme = dict(
+        param_placement="nvme",
+        optimizer_placement="nvme",
+        nvme_path=str(tmp_path / "n"),
+        chunk_size=1024,
+        cache_blocks="auto",
+    )
+    host_memory = checkpoint_bytes // 2
+    model, _ = load("llama", tmp_path / "ckpt", deeper, host_memory=host_memory, **nvme)
+    plan = tierwise.engine_of(model).plan
+    assert 0 < plan.io_buffer_bytes < host_memory  # the plan counts the load buffers
+    assert "load/save buffers (host)" in plan.table()
+    host = tierwise.engine_of(model).tiers["host"]
+    assert plan.io_buffer_bytes <= host.peak_bytes <= host_memory  # reserved while loading
+    state, expected = model.state_dict(), hf_reference(tmp_path / "ckpt").state_dict()
+    assert all(torch.equal(state[n], v) for n, v in expected.items())  # fp32 masters

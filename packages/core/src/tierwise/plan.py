@@ -91,6 +91,11 @@ class Plan(JsonDataclass):
     """Predicted training tokens per second over all ranks."""
     device_allowance: int | None = None
     """Bytes of model data the compute tier may hold (Invariant 4)."""
+    io_buffer_bytes: int | None = None
+    """Host bytes that loading pretrained weights into the chunks (``setup(weights=...)``) and
+    streaming them out (``save_pretrained``) hold beside the tiers' data, reserved on the host
+    tier while they run: the largest parameter read and converted (two fp32-sized copies),
+    the conversion pieces, one gathered chunk in fp32. Set by setup after layout."""
     groups: dict[str, dict] = field(default_factory=dict)
     """Per chunk group, filled by the engine after layout: its parallel ``pattern``, ``dp_size``
     (ranks its chunks are sharded over), ``chunks`` and the tiers of its chunks."""
@@ -156,6 +161,8 @@ class Plan(JsonDataclass):
         ]
         if self.device_allowance is not None:
             rows.append(("device allowance", format_bytes(self.device_allowance)))
+        if self.io_buffer_bytes is not None:
+            rows.append(("load/save buffers (host)", format_bytes(self.io_buffer_bytes)))
         for group in sorted(set(self.param_tiers) | set(self.optim_tiers) | set(self.groups)):
             info = self.groups.get(group, {})
             n = info.get("chunks", 0)

@@ -65,11 +65,11 @@ class ModelParallelPattern(ParallelPattern):
         """This rank's block of the whole-model value ``full`` (no communication)."""
         return self._spec(name, param).shard(full)
 
-    def local_slice(self, name: str, param: torch.nn.Parameter) -> tuple[int, int, int]:
+    def local_slice(self, name: str, param: torch.nn.Parameter) -> tuple[int, int, int, int]:
         """This rank's block along the split dimension (read alone by a weight source)."""
         spec = self._spec(name, param)
         size = param.shape[spec.dim]
-        return spec.dim, spec.rank * size, (spec.rank + 1) * size
+        return spec.dim, spec.rank * size, (spec.rank + 1) * size, size * spec.size
 
     def _spec(self, name: str, param: torch.nn.Parameter):
         spec = spec_of(param)

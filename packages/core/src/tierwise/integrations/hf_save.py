@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from tierwise.tiers.base import PayloadKind
 from tierwise.units import parse_bytes
 from tierwise.weights.safetensors_io import ShardedWriter
 
@@ -82,13 +83,23 @@ def save_pretrained(
         is_main_process = _global_rank() == 0
     folder = Path(save_directory)
     buffers = persistent_buffers(model)
-    names = [info.name for info in engine.profile.params] + list(buffers)
+    full_numel = {info.name: info.numel for info in engine.profile.params}
+    sizes = {}  # in the order iter_full_state yields them
+    for chunk in engine.chunks():
+        for slot in chunk.slots:
+            sizes[slot.name] = _whole_numel(engine, chunk, slot, full_numel) * dtype.itemsize
+    for name, buffer in buffers.items():
+        item = dtype.itemsize if buffer.is_floating_point() else buffer.element_size()
+        sizes[name] = buffer.numel() * item
+    host = engine.tiers["host"]
+    reserved = engine.plan.io_buffer_bytes or 0
+    host.reserve(reserved, kind=PayloadKind.STAGING, what="the save buffers (Plan.io_buffer_bytes)")
     writer = None
     if is_main_process:
         folder.mkdir(parents=True, exist_ok=True)
         for stale in [*folder.glob("model*.safetensors"), *folder.glob("model*.index.json")]:
             stale.unlink()  # what an earlier save left would be loaded with these shards
-        writer = ShardedWriter(folder, names, max_bytes=parse_bytes(max_shard_size))
+        writer = ShardedWriter(folder, sizes, max_bytes=parse_bytes(max_shard_size))
     try:
         for (name, *_aliases), value in iter_full_state(engine, engine.patterns):
             if writer is not None:
@@ -102,6 +113,8 @@ def save_pretrained(
         if writer is not None:
             writer.abort()
         raise
+    finally:
+        host.unreserve(reserved)
     if is_main_process:
         config = getattr(model, "config", None)
         if config is not None:
@@ -112,6 +125,17 @@ def save_pretrained(
         if generation is not None and getattr(model, "can_generate", lambda: False)():
             generation.save_pretrained(folder)
     return folder
+
+
+def _whole_numel(engine, chunk, slot, full_numel: dict[str, int]) -> int:
+    """Elements of a parameter's whole-model value (a model-parallel one is larger than its
+    slot: the profile, taken after the patterns split it, counts this rank's block)."""
+    pattern = next((p for p in engine.patterns if p.key == chunk.group.pattern_key), None)
+    block = pattern.local_slice(slot.name, slot.param) if pattern is not None else None
+    if block is None:
+        return full_numel.get(slot.name, slot.numel)
+    dim, start, stop, whole = block
+    return slot.numel // (stop - start) * whole
 
 
 def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:

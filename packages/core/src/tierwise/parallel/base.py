@@ -57,9 +57,10 @@ class ParallelPattern(ABC):
         :meth:`full_tensor`; no communication). Default: ``full``."""
         return full
 
-    def local_slice(self, name: str, param: torch.nn.Parameter) -> tuple[int, int, int] | None:
-        """This rank's block of ``param`` as ``(dim, start, stop)`` of the whole-model tensor,
-        so a weight source reads only that part (``tierwise.weights``); None: all of it.
+    def local_slice(self, name: str, param: torch.nn.Parameter) -> tuple[int, int, int, int] | None:
+        """This rank's block of ``param`` as ``(dim, start, stop, size)``: elements
+        ``start:stop`` along dimension ``dim`` of the whole-model tensor, whose size along it is
+        ``size``; a weight source reads only that part (``tierwise.weights``). None: all of it.
         Default: None (nothing is split)."""
         return None
 

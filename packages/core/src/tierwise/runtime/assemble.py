@@ -34,6 +34,7 @@ from tierwise.runtime.build import (
     collect_params,
     fill_from_weights,
     fill_payloads,
+    io_buffer_bytes,
     layout_groups,
     move_buffers,
     release_payloads,
@@ -80,7 +81,14 @@ def assemble_engine(
         raise
     dtype = compute_dtype(config.precision)
     if resolved is not None:  # [Note: loading pretrained weights]
+        reserved = 0
         try:
+            tiers["host"].reserve(
+                plan.io_buffer_bytes,
+                kind=PayloadKind.STAGING,
+                what="the pretrained-weight load buffers (Plan.io_buffer_bytes)",
+            )
+            reserved = plan.io_buffer_bytes
             resolved.bind_slices(_claimed(model, patterns))
             fill_from_weights(groups, dtype, resolved)
         except BaseException:
@@ -93,6 +101,7 @@ def assemble_engine(
             restore_model()
             raise
         finally:
+            tiers["host"].unreserve(reserved)
             resolved.close()
         _off_meta(model)
     del restore_model  # drops the originals of the parameters patterns sliced
@@ -209,6 +218,7 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
         }
         for g in groups
     }
+    plan.io_buffer_bytes = io_buffer_bytes(groups)
     blocks = _activation_blocks(model, config, host, plan)
     _check_cache_minimum(model, config, profile, plan, groups)
     needed = {plan.param_tier_of(g.name, c.index) for g in groups for c in g.chunks}

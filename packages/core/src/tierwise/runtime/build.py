@@ -393,3 +393,12 @@ def release_payloads(groups: list[ChunkGroup]) -> None:
                     seen.add(id(slab))
                     slab.tier.release(slab)
             chunk.home = chunk.optim = None
+
+
+def io_buffer_bytes(groups: list[ChunkGroup]) -> int:
+    """Host bytes loading pretrained weights and streaming them out hold at most (see
+    ``Plan.io_buffer_bytes``): the largest parameter twice in fp32 (the buffer read, its
+    conversion), two fill pieces (fp32 and the compute copy) and one gathered chunk in fp32."""
+    largest = max((s.numel for g in groups for c in g.chunks for s in c.slots), default=0)
+    chunk = max((c.capacity for g in groups for c in g.chunks), default=0)
+    return 2 * largest * 4 + min(FILL_PIECE, largest) * 8 + chunk * 4

@@ -178,8 +178,12 @@ def _write_model(
     """The (for LoRA: base, merged when ``merge``) model as a from_pretrained folder ``out``."""
     adapters = _adapters(reader) if lora is not None and merge else {}
     out.mkdir(parents=True, exist_ok=True)
-    written = [_out_name(name) if lora is not None else name for name in reader.names()]
-    writer = ShardedWriter(out, [n for n in written if n], max_bytes=max_shard_bytes)
+    sizes = {}
+    for name in reader.names():
+        out_name = _out_name(name) if lora is not None else name
+        if out_name is not None:
+            sizes[out_name] = reader.numel(name) * dtype.itemsize
+    writer = ShardedWriter(out, sizes, max_bytes=max_shard_bytes)
     for name in reader.names():
         if lora is not None:
             out_name = _out_name(name)

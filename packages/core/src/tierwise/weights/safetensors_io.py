@@ -229,43 +229,56 @@ class SafetensorsWriter:
 
 
 class ShardedWriter:
-    """safetensors shards named as ``save_pretrained`` names them, written a tensor at a time:
-    a new shard starts when the next tensor would take the current one past ``max_bytes`` (a
-    larger tensor gets a shard of its own); ``close`` names them ``prefix-0000i-of-0000n``, or
-    ``prefix.safetensors`` alone, and writes the index when there are several. ``names``: every
-    name that may be added."""
+    """safetensors shards named as ``save_pretrained`` names them, written a tensor at a time.
+    ``sizes``: the byte size of every tensor, in the order they will be added; a new shard
+    starts where the next tensor would take the current one past ``max_bytes`` (a larger
+    tensor gets a shard of its own). ``close`` names them ``prefix-0000i-of-0000n``, or
+    ``prefix.safetensors`` alone, and writes the index when there are several."""
 
     def __init__(
         self,
         folder: str | os.PathLike,
-        names: list[str],
+        sizes: dict[str, int],
         *,
         max_bytes: int,
         prefix: str = "model",
     ):
         self.folder = Path(folder)
-        self.names = list(names)
-        self.max_bytes = max_bytes
         self.prefix = prefix
+        self.shards: list[list[str]] = [[]]
+        self.shard_of: dict[str, int] = {}
+        size = 0
+        for name, nbytes in sizes.items():
+            if self.shards[-1] and size + nbytes > max_bytes:
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append(name)
+            self.shard_of[name] = len(self.shards) - 1
+            size += nbytes
         self._written: list[SafetensorsWriter] = []
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        current = self._written[-1] if self._written else None
-        if current is None or (current.header and current.bytes + nbytes > self.max_bytes):
-            if current is not None:
-                current.close()
-            part = self.folder / f"{self.prefix}-part{len(self._written) + 1:05d}.safetensors.tmp"
-            current = SafetensorsWriter(part, self.names)
-            self._written.append(current)
-        current.add(name, tensor)
-        self.total_bytes += nbytes
+        if name not in self.shard_of:
+            raise WeightsError(f"{self.folder}: tensor {name} was not announced to the writer")
+        shard = self.shard_of[name]
+        while len(self._written) <= shard:
+            if self._written:
+                self._written[-1].close()
+            index = len(self._written)
+            part = self.folder / f"{self.prefix}-part{index + 1:05d}.safetensors.tmp"
+            self._written.append(SafetensorsWriter(part, self.shards[index]))
+        if shard != len(self._written) - 1:
+            raise WeightsError(f"{self.folder}: tensor {name} added out of the announced order")
+        self._written[-1].add(name, tensor)
+        self.total_bytes += tensor.numel() * tensor.element_size()
 
     def close(self) -> list[Path]:
         """Finish the last shard, name the shards and write the index; return the shard files."""
-        if not self._written:
-            self._written.append(SafetensorsWriter(self.folder / "empty.tmp", []))
+        if len(self._written) != len(self.shards) or any(
+            n not in self._written[-1].header for n in self.shards[-1]
+        ):
+            raise WeightsError(f"{self.folder}: the writer was closed before every tensor came")
         self._written[-1].close()
         count = len(self._written)
         if count == 1:

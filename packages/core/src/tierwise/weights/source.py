@@ -249,7 +249,7 @@ class ResolvedWeights:
         self.recipes = recipes
         self.chosen = chosen  # first parameter name -> the model name whose recipe gives it
         self.buffers = buffers
-        self.slices: dict[str, tuple[int, int, int]] = {}
+        self.slices: dict[str, tuple[int, int, int]] = {}  # name -> (dim, start, stop)
         self._pending: dict[str, torch.Tensor] = {}
 
     def bind_slices(self, params) -> None:
@@ -257,7 +257,7 @@ class ResolvedWeights:
         for name, param, pattern in params:
             block = pattern.local_slice(name, param)
             if block is not None:
-                self.slices[name] = block
+                self.slices[name] = block[:3]
 
     def local_value(self, name: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
         """Elements ``lo:hi`` of this rank's (flattened) value of parameter ``name``, in the

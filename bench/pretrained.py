@@ -8,14 +8,16 @@
    optimizer states on NVMe. The child times ``tierwise.setup`` (the load: the checkpoint read
    into chunks on NVMe) against the disk's sequential O_DIRECT read bandwidth (dd, on the
    checkpoint itself after its pages were dropped from the page cache), and reports its peak RSS.
-3. ``tierwise export --merge-lora`` writes the model back as safetensors, in a child under the
-   same cap: export time and peak RSS.
+3. ``tierwise export --merge-lora --dtype bf16`` writes the model back as safetensors, in a
+   child under the same cap: export time and peak RSS.
 
 Why LoRA and not every weight: training every weight keeps an fp32 master and two Adam moments
 per parameter on NVMe, each twice (the step's atomic second region), 91 GB for this model, and
 the run's checkpoint 39 GB more; the shared disk had 79 GB free. LoRA keeps the base frozen (its
 bf16 chunks on NVMe) and fine-tunes adapters, as LoHan-style fine-tuning on one machine often
 does; the load, the train step's NVMe reads and the streaming export are the same code paths.
+For the same reason the train child deletes the bench's checkpoint once it is in the chunks, and
+the export is written in bf16 (the base trained in bf16).
 
 One JSON line per phase and a summary; every line has the machine's 1-minute load (a shared
 2-core machine). Everything written is deleted at the end.
@@ -43,7 +45,7 @@ N_HEAD = 16
 VOCAB = 8192
 SEQ = 32
 SHARD_BYTES = 2 * 10**9
-MARGIN_BYTES = 4 * 10**9
+MARGIN_BYTES = 3 * 10**9
 """Disk left free beyond what the bench writes at its peak."""
 
 
@@ -167,7 +169,7 @@ def spawn(cap: int, argv: list[str], timeout: float) -> dict:
     return result
 
 
-def child_train(args) -> None:
+def child_train(train_argv: list[str]) -> None:
     """`tierwise train` in this process, with tierwise.setup timed (the load)."""
     import tierwise
     from tierwise.cli import main
@@ -179,6 +181,8 @@ def child_train(args) -> None:
         begin = time.perf_counter()
         out = real_setup(*a, **kw)
         timing["setup_s"] = time.perf_counter() - begin
+        # the weights are in the chunks now: the bench's checkpoint goes, to fit the shared disk
+        shutil.rmtree(train_argv[train_argv.index("--from-pretrained") + 1])
         engine = tierwise.engine_of(out[0])
         timing["plan"] = {
             "io_buffer_bytes": engine.plan.io_buffer_bytes,
@@ -189,7 +193,7 @@ def child_train(args) -> None:
         return out
 
     tierwise.setup = timed_setup
-    code = main(args.train_argv)
+    code = main(train_argv)
     print(
         json.dumps(
             {
@@ -202,11 +206,11 @@ def child_train(args) -> None:
     )
 
 
-def child_export(args) -> None:
+def child_export(run: str, out: str) -> None:
     from tierwise.cli import main
 
     begin = time.perf_counter()
-    code = main(["export", args.run, args.out, "--merge-lora"])
+    code = main(["export", run, out, "--merge-lora", "--dtype", "bf16"])
     print(
         json.dumps(
             {
@@ -226,22 +230,16 @@ def parse_bytes(text: str) -> int:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:  # the rest of the command line is the child's, verbatim
+        kind, rest = sys.argv[2], sys.argv[3:]
+        return child_train(rest) if kind == "train" else child_export(*rest)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", help="a new directory on the NVMe disk (required)")
     parser.add_argument("--cap", default="4GiB")
     parser.add_argument("--factor", type=float, default=3.0)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=3600)
-    parser.add_argument("--child", choices=("train", "export"))
-    parser.add_argument("--run")
-    parser.add_argument("--out")
-    args, rest = parser.parse_known_args()
-    if args.child == "train":
-        args.train_argv = rest
-        return child_train(args)
-    if args.child == "export":
-        return child_export(args)
-
+    args = parser.parse_args()
     if not args.dir:
         parser.error("--dir is required")
     cap = parse_bytes(args.cap)
@@ -250,8 +248,9 @@ def main() -> None:
     root = Path(args.dir)
     if root.exists():
         raise SystemExit(f"{root} exists: give a new directory")
-    # peak disk: the checkpoint, the base's bf16 chunks on NVMe and the run's fp32 checkpoint
-    need = n_params * (4 + 2 + 4) + MARGIN_BYTES
+    # peak disk: the checkpoint and the base's bf16 chunks on NVMe (the child deletes the
+    # checkpoint once loaded), then those chunks and the run's fp32 checkpoint
+    need = n_params * (4 + 2) + MARGIN_BYTES
     root.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(root.parent).free
     if free < need:
@@ -314,10 +313,9 @@ def main() -> None:
             under_cap=trained.get("peak_rss_self", math.inf) < cap and trained.get("exit") == 0,
             **trained,
         )
-        shutil.rmtree(checkpoint)  # export reads the run's checkpoint, not this one
         exported = spawn(
             cap,
-            [__file__, "--child", "export", "--run", str(run), "--out", str(out)],
+            [__file__, "--child", "export", str(run), str(out)],
             args.timeout,
         )
         out_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors")) if out.exists() else 0

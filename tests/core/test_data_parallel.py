@@ -224,7 +224,7 @@ def test_checkpoint_resume_and_consolidated_state_dict(tmp_path):
     for name, p in fresh.named_parameters():
         assert torch.equal(p.detach(), state[name])
     assert (
-        len(list((tmp_path / "ckpt").glob("rank*.pt"))) == 2
+        len(list((tmp_path / "ckpt").glob("rank*.safetensors"))) == 2
     )  # other world sizes: test_resharding
 
 

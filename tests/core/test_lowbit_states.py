@@ -343,7 +343,7 @@ def test_checkpoint_stores_int8_moments_as_they_are(tmp_path):
         model, opt = _tierwise(states)
         _train(model, opt, 2)
         tierwise.save_checkpoint(tmp_path / states, model, opt)
-        sizes[states] = sum(f.stat().st_size for f in (tmp_path / states).glob("rank*.pt"))
+        sizes[states] = sum(f.stat().st_size for f in (tmp_path / states).glob("rank*.safetensors"))
     # master 4 B + moments 2 x (1 B + 4 B per 256) per element, against 12 B
     assert sizes["int8"] < 0.55 * sizes["fp32"]
 

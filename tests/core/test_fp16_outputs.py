@@ -33,8 +33,12 @@ class Heads(torch.nn.Module):
         return tuple(outputs)
 
 
-def user_loss(outputs) -> torch.Tensor:
-    """A loss of every output, each weighted differently (logits + aux, two heads, ...)."""
+def user_loss(outputs, *, inplace: bool = False) -> torch.Tensor:
+    """A loss of every output, each weighted differently (logits + aux, two heads, ...). With
+    ``inplace`` the first output (the model's own loss) is first scaled in place, as HF Trainer
+    does (``loss *= num_processes``)."""
+    if inplace:
+        outputs[0].mul_(2.0)
     return sum((i + 1) * out.float().sub(0.1 * i).pow(2).mean() for i, out in enumerate(outputs))
 
 
@@ -42,7 +46,9 @@ def batch(step: int) -> torch.Tensor:
     return torch.randn(4, 16, generator=torch.Generator().manual_seed(step)).half()
 
 
-def run_tierwise(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[float]]:
+def run_tierwise(
+    model: torch.nn.Module, *, inplace: bool = False
+) -> tuple[dict[str, torch.Tensor], list[float]]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     model, opt = tierwise.setup(
         model, opt, precision="fp16", device="cpu", param_placement="host", cache_blocks=2
@@ -51,14 +57,16 @@ def run_tierwise(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[
     scales = []
     for step in range(STEPS):
         scales.append(engine.loss_scale)
-        user_loss(model(batch(step))).backward()
+        user_loss(model(batch(step)), inplace=inplace).backward()
         opt.step()
         opt.zero_grad()
     assert engine.stats()["skipped_steps"] == 0
     return {k: v.float() for k, v in model.state_dict().items()}, scales
 
 
-def run_grad_scaler_recipe(model: torch.nn.Module, scales: list[float]) -> dict[str, torch.Tensor]:
+def run_grad_scaler_recipe(
+    model: torch.nn.Module, scales: list[float], *, inplace: bool = False
+) -> dict[str, torch.Tensor]:
     master = model
     opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     half = copy.deepcopy(master).half()
@@ -67,7 +75,7 @@ def run_grad_scaler_recipe(model: torch.nn.Module, scales: list[float]) -> dict[
             for h, m in zip(half.parameters(), master.parameters(), strict=True):
                 h.copy_(m)
                 h.grad = None
-        (user_loss(half(batch(step))) * scale).backward()
+        (user_loss(half(batch(step)), inplace=inplace) * scale).backward()
         for h, m in zip(half.parameters(), master.parameters(), strict=True):
             m.grad = h.grad.float() / scale
         opt.step()
@@ -81,13 +89,15 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 
 @pytest.mark.parametrize(
-    ("heads", "inner_loss"), [(1, False), (2, False), (3, False), (2, True)], ids=str
+    ("heads", "inner_loss", "inplace"),
+    [(1, False, False), (2, False, False), (3, False, False), (2, True, False), (2, True, True)],
+    ids=str,
 )
-def test_fp16_scales_the_gradient_of_every_output(heads, inner_loss):
+def test_fp16_scales_the_gradient_of_every_output(heads, inner_loss, inplace):
     torch.manual_seed(0)
     start = Heads(heads, inner_loss=inner_loss)
-    got, scales = run_tierwise(copy.deepcopy(start))
-    expected = run_grad_scaler_recipe(copy.deepcopy(start), scales)
+    got, scales = run_tierwise(copy.deepcopy(start), inplace=inplace)
+    expected = run_grad_scaler_recipe(copy.deepcopy(start), scales, inplace=inplace)
     moved = max_rel_diff({k: v.detach() for k, v in start.state_dict().items()}, expected)
     assert moved > 1e-2  # the run trained: a wrongly scaled head would be far off
     assert max_rel_diff(got, expected) <= 1e-6

@@ -75,14 +75,17 @@ def _scaled_outputs(output: Any, scale: Callable[[torch.Tensor], torch.Tensor]) 
     of each output instead: only gradients from outside the model reach a view, each is scaled
     once, and gradients inside the model never pass through one. The scale is a power of two,
     so scaling there or at the loss (GradScaler) gives the same bits.
+    A one-element output (a loss) is returned as a copy instead of a view: callers modify losses
+    in place (HF Trainer's ``loss *= num_processes``), and an in-place op on a view rebases its
+    history past the view's node, dropping the hook; a copy keeps it, at no cost for a scalar.
     """
     leaves, spec = tree_flatten(output)
     changed = False
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            view = leaf.view_as(leaf)
-            view.register_hook(scale)
-            leaves[i] = view
+            alias = leaf.clone() if leaf.numel() == 1 else leaf.view_as(leaf)
+            alias.register_hook(scale)
+            leaves[i] = alias
             changed = True
     return tree_unflatten(leaves, spec) if changed else None
 

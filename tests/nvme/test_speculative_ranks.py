@@ -17,7 +17,7 @@ CLIPS = [1e9, 1e9, 1e-3, 1e9]
 """max_norm per step: far above the norms (kept), far below (rolled back)."""
 
 
-def _train(rank, world, nvme_dir, overlap):
+def _train(rank, world, nvme_dir, overlap, placement):
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     model, opt = tierwise.setup(
@@ -27,7 +27,7 @@ def _train(rank, world, nvme_dir, overlap):
         device="cpu",
         chunk_size=4096,
         param_placement="host",
-        optimizer_placement="nvme",
+        optimizer_placement=placement,
         nvme_path=f"{nvme_dir}/{overlap}-{rank}",
         optimizer_overlap=overlap,
     )
@@ -46,15 +46,18 @@ def _train(rank, world, nvme_dir, overlap):
     return losses, modes, state
 
 
-def _both(rank, world, nvme_dir):
-    return _train(rank, world, nvme_dir, "after-backward"), _train(
-        rank, world, nvme_dir, "in-backward"
+def _both(rank, world, nvme_dir, placement):
+    return _train(rank, world, nvme_dir, "after-backward", placement), _train(
+        rank, world, nvme_dir, "in-backward", placement
     )
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_speculate_and_roll_back_exactly(nvme_dir):
-    for rank, (want, got) in enumerate(run_ranks(_both, 2, str(nvme_dir), timeout=400)):
+@pytest.mark.parametrize("placement", ["nvme", "host"])
+def test_two_ranks_speculate_and_roll_back_exactly(nvme_dir, placement):
+    # host: states in host memory, updated on the worker ([Note: host updates in backward])
+    runs = run_ranks(_both, 2, str(nvme_dir), placement, timeout=400)
+    for rank, (want, got) in enumerate(runs):
         assert got[0] == want[0], f"rank {rank}: losses differ"
         for key, value in want[2].items():
             assert torch.equal(got[2][key], value), f"rank {rank}: {key} differs"

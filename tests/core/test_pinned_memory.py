@@ -1,7 +1,7 @@
 """Page-locked host memory is budgeted and counted (issue 28, defect 5): the activation swaps'
 pinned buffers are one Config field (``pinned_memory``) reserved in the host tier, and host slabs
-on CUDA are registered for exactly their pages instead of taken from PyTorch's power-of-two
-pinned allocator ([Note: page-locked slabs]). CPU runs use a stand-in for the CUDA runtime that
+on CUDA are slices of one registered arena counted whole ([Note: one pinned arena]) instead of
+blocks of PyTorch's power-of-two pinned allocator ([Note: page-locked slabs]). CPU runs use a stand-in for the CUDA runtime that
 records the registrations (pinning switched off: nothing is really locked)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from tierwise.config import Config, ConfigError
 from tierwise.runtime.host_buffers import PINNED_POOL_BYTES, pinned_swap_bytes
-from tierwise.tiers import HostTier, PayloadKind
-from tierwise.tiers.memory import PAGE
+from tierwise.tiers import HostTier, PayloadKind, TierBudgetError
+from tierwise.tiers.arena import PAGE, SLAB_ALIGNMENT
 
 
 class FakeCudart:
@@ -40,18 +40,72 @@ def cudart(monkeypatch):
     return fake
 
 
-def test_host_slabs_on_cuda_are_registered_for_exactly_their_pages(cudart):
+def _registered_bytes(cudart) -> int:
+    return sum(cudart.registered.values())
+
+
+def _slabs_are_disjoint_and_inside_the_registrations(slabs, cudart) -> None:
+    spans = sorted((s.tensor.data_ptr(), s.tensor.data_ptr() + s.nbytes) for s in slabs)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+    for start, end in spans:
+        assert any(a <= start and end <= a + n for a, n in cudart.registered.items())
+
+
+def test_host_slabs_on_cuda_are_slices_of_one_registered_arena(cudart):
+    """[Note: one pinned arena]: setup announces its slabs (check_capacity); the tier registers
+    one extent for all of them, counted whole; freed room is reused without a registration."""
     tier = HostTier(device=torch.device("cuda"), budget=None, config=Config(device="cpu"))
     assert tier.pin
-    numel = 5000  # 20000 bytes: 5 pages; a power-of-two allocator would lock 32 KiB
-    slab = tier.allocate(numel, torch.float32, kind=PayloadKind.MASTER, what="master 0")
-    assert tier.used_bytes == slab.nbytes == numel * 4
-    assert list(cudart.registered.values()) == [-(-slab.nbytes // PAGE) * PAGE]
-    (address,) = cudart.registered
-    assert slab.tensor.data_ptr() == address and slab.tensor.shape == (numel,)
-    slab.tensor.copy_(torch.arange(numel, dtype=torch.float32))  # usable memory
-    tier.release(slab)
-    assert cudart.calls == ["register", "unregister"] and tier.used_bytes == 0
+    sizes = [
+        (5000, torch.float32),
+        (777, torch.bfloat16),
+        (3, torch.float32),
+        (1 << 16, torch.bfloat16),
+    ]
+    nbytes = [n * dtype.itemsize for n, dtype in sizes]
+    tier.check_capacity(nbytes)
+    slabs = [tier.allocate(n, dtype, kind=PayloadKind.MASTER) for n, dtype in sizes]
+    assert cudart.calls == ["register"]
+    expected = -(-sum(-(-b // SLAB_ALIGNMENT) * SLAB_ALIGNMENT for b in nbytes) // PAGE) * PAGE
+    assert tier.used_bytes == _registered_bytes(cudart) == expected
+    assert expected < sum(nbytes) + len(nbytes) * SLAB_ALIGNMENT + PAGE  # no power-of-two rounding
+    _slabs_are_disjoint_and_inside_the_registrations(slabs, cudart)
+    for slab in slabs:  # usable memory, each slab its own
+        assert slab.tensor.shape == (slab.numel,) and slab.tensor.data_ptr() % SLAB_ALIGNMENT == 0
+        slab.tensor.fill_(slab.numel)
+    assert all(bool((s.tensor == s.numel).all()) for s in slabs)
+    tier.release(slabs[1])
+    tier.release(slabs[0])  # neighbours merge: room for one slab as large as both
+    again = tier.allocate(5000 * 4 + 777 * 2, torch.uint8, kind=PayloadKind.PARAM_CHUNK)
+    assert cudart.calls == ["register"] and tier.used_bytes == expected
+    _slabs_are_disjoint_and_inside_the_registrations([again, *slabs[2:]], cudart)
+    tier.close()
+    assert cudart.calls == ["register", "unregister"] and cudart.registered == {}
+
+
+def test_an_arena_that_is_full_grows_by_one_extent_within_the_budget(cudart):
+    """Without check_capacity (or past it) the arena registers one more extent at least as large
+    as itself, capped by the budget; over the budget it refuses and registers nothing."""
+    budget = 40 * PAGE
+    tier = HostTier(device=torch.device("cuda"), budget=budget, config=Config(device="cpu"))
+    first = tier.allocate(3 * PAGE, torch.uint8, kind=PayloadKind.MASTER)
+    assert tier.used_bytes == _registered_bytes(cudart) == 3 * PAGE
+    second = tier.allocate(PAGE, torch.uint8, kind=PayloadKind.MASTER)
+    assert cudart.calls == ["register", "register"]
+    assert tier.used_bytes == _registered_bytes(cudart) == 6 * PAGE  # doubled
+    third = tier.allocate(30 * PAGE, torch.uint8, kind=PayloadKind.MASTER)
+    assert tier.used_bytes == _registered_bytes(cudart) == 36 * PAGE
+    with pytest.raises(TierBudgetError, match="host tier"):
+        tier.allocate(5 * PAGE, torch.uint8, kind=PayloadKind.MASTER)
+    assert len(cudart.calls) == 3 and tier.used_bytes == _registered_bytes(cudart) == 36 * PAGE
+    fourth = tier.allocate(2 * PAGE, torch.uint8, kind=PayloadKind.MASTER)  # the 2nd extent's rest
+    assert len(cudart.calls) == 3
+    _slabs_are_disjoint_and_inside_the_registrations([first, second, third, fourth], cudart)
+    last = tier.allocate(4 * PAGE, torch.uint8, kind=PayloadKind.MASTER)  # exactly the rest
+    assert tier.used_bytes == _registered_bytes(cudart) == budget
+    _slabs_are_disjoint_and_inside_the_registrations([first, second, third, fourth, last], cudart)
+    tier.close()
+    assert cudart.registered == {}
 
 
 def test_host_slabs_without_cuda_are_plain_memory(cudart):

@@ -143,7 +143,7 @@ def test_host_gradient_shards_are_filled_without_a_wait_per_parameter(device, mo
 @pytest.mark.parametrize("device", ONLY_CUDA)
 def test_pinned_memory_is_one_budget_counted_in_host_memory(device):
     """Defect 5: the activation swaps' pinned buffers are Config.pinned_memory, reserved in the
-    host tier; host slabs are page-locked by registration (is_pinned) at their exact size."""
+    host tier; host slabs are slices of one registered arena (is_pinned), counted whole."""
     model = tiny_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = tierwise.setup(
@@ -162,6 +162,9 @@ def test_pinned_memory_is_one_budget_counted_in_host_memory(device):
     assert engine.activations.pool.capacity == 64 << 20
     assert host.used_bytes >= slabs + (64 << 20)
     assert all(c.home.tensor.is_pinned() for c in engine.chunks() if c.home.tier is host)
+    # [Note: one pinned arena]: every host slab of setup sits in one registered extent
+    assert host.arena.registrations == 1
+    assert host.used_bytes == host.arena.registered_bytes + (64 << 20)
     train(model, opt, 2)
     engine.close()
 

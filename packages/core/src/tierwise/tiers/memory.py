@@ -4,20 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tierwise.tiers.arena import PAGE, SLAB_ALIGNMENT, PinnedArena, round_up
 from tierwise.tiers.base import DONE, IOHandle, PayloadKind, Slab, Tier
-
-PAGE = 4096
-"""Bytes: host slabs registered with CUDA start on a page and cover whole pages."""
-
-
-def _check_cuda(call: str, status) -> None:
-    code = int(getattr(status, "value", status))
-    if code != 0:
-        raise RuntimeError(
-            f"tierwise: {call} failed with CUDA error {code} while page-locking a host slab "
-            "([Note: page-locked slabs]); the machine may limit locked memory (ulimit -l), or "
-            "lower host_memory"
-        )
 
 
 class MemoryTier(Tier):
@@ -48,12 +36,8 @@ class MemoryTier(Tier):
     def _empty(self, slab: Slab) -> torch.Tensor:
         return torch.empty(slab.numel, dtype=slab.dtype, device=self.storage_device)
 
-    def _free(self, slab: Slab) -> None:
-        """The slab's memory is no longer used (its tensor is dropped next)."""
-
     def release(self, slab: Slab) -> None:
         if slab.tensor is not None:
-            self._free(slab)
             self.used_bytes -= slab.nbytes
             slab.tensor = None
 
@@ -124,27 +108,56 @@ class HostTier(MemoryTier):
     def pin(self) -> bool:
         return self.device.type == "cuda"
 
-    def _empty(self, slab: Slab) -> torch.Tensor:
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.arena = PinnedArena() if self.pin else None
+
+    def check_capacity(self, slab_bytes: list[int]) -> None:
+        """On CUDA: the arena is sized for the slabs setup is about to allocate, once
+        ([Note: one pinned arena])."""
+        if self.arena is not None and self.arena.registrations == 0:
+            nbytes = sum(round_up(max(n, 1), SLAB_ALIGNMENT) for n in slab_bytes)
+            if nbytes:
+                self._grow(round_up(nbytes, PAGE))
+
+    def allocate(
+        self, numel: int, dtype: torch.dtype, *, kind: PayloadKind, what: str = ""
+    ) -> Slab:
         """[Note: page-locked slabs]
         On CUDA a host slab is page-locked so its copies overlap compute. It is not taken from
         PyTorch's pinned allocator (``pin_memory=True``), which rounds every block up to a power
         of two and keeps freed blocks for later pinned allocations: ``host_memory`` would count
-        up to half of what is really locked. The slab is ordinary page-aligned memory registered
-        with the driver (``cudaHostRegister``) for exactly its pages, counted at its size, and
-        unregistered when released."""
-        if not self.pin:
-            return super()._empty(slab)
-        pages = -(-slab.nbytes // PAGE) * PAGE
-        raw = torch.empty(pages + PAGE, dtype=torch.uint8)
-        skip = -raw.data_ptr() % PAGE
-        region = raw[skip : skip + pages]
-        _check_cuda(
-            "cudaHostRegister", torch.cuda.cudart().cudaHostRegister(region.data_ptr(), pages, 0)
-        )
-        slab.extra["registered"] = region.data_ptr()
-        return region[: slab.nbytes].view(slab.dtype)
+        up to half of what is really locked. Slabs are slices of the tier's one registered
+        arena, and the arena is counted whole ([Note: one pinned arena])."""
+        if self.arena is None:
+            return super().allocate(numel, dtype, kind=kind, what=what)
+        slab = Slab(self, numel, dtype, what or kind.value, kind=kind)
+        nbytes = round_up(max(slab.nbytes, 1), SLAB_ALIGNMENT)
+        place = self.arena.take(nbytes)
+        if place is None:
+            room = None if self.budget is None else self.budget - self.used_bytes
+            self._grow(self.arena.extent_bytes(nbytes, room=room), what=slab.what)
+            place = self.arena.take(nbytes)
+        slab.extra["arena"] = (*place, nbytes)
+        slab.tensor = self.arena.view(*place, slab.nbytes).view(dtype)
+        return slab
 
-    def _free(self, slab: Slab) -> None:
-        address = slab.extra.pop("registered", None)
-        if address is not None:
-            _check_cuda("cudaHostUnregister", torch.cuda.cudart().cudaHostUnregister(address))
+    def _grow(self, nbytes: int, what: str = "the pinned arena") -> None:
+        self._account(nbytes, what)  # counted whole, when locked
+        try:
+            self.arena.grow(nbytes)
+        except BaseException:
+            self.used_bytes -= nbytes
+            raise
+
+    def release(self, slab: Slab) -> None:
+        place = slab.extra.pop("arena", None)
+        if place is None:
+            return super().release(slab)
+        if slab.tensor is not None:
+            self.arena.give(*place)  # its room stays locked and counted
+            slab.tensor = None
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()

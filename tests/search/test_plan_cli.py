@@ -106,3 +106,14 @@ def test_plan_command_prints_each_blocks_activation_choice(run_plan, config_json
             line for line in out.splitlines() if line.split()[:1] == [f"model.layers.{index}"]
         )
         assert row.split()[-1] in ("host", "recompute")
+
+
+def test_plan_reports_the_host_buffers_of_loading_and_saving_weights(capsys):
+    """Issue 26: the plan's host figures include the load and save buffers."""
+    import json
+
+    from tierwise.cli import main
+
+    assert main(["plan", "--model", "llama", "--size", "tiny", "--device", "cpu", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["io_buffer_bytes"] >= plan["chunk_size"] * 4  # one gathered chunk in fp32

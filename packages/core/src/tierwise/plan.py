@@ -49,6 +49,27 @@ class PlanError(ValueError):
         return max(0, self.need - self.limit)
 
 
+LOAD_PIECE = 1 << 22
+"""Elements converted and written at a time when filling chunks from pretrained weights
+([Note: loading pretrained weights])."""
+
+
+def io_buffer_bytes(largest_numel: int, chunk_numel: int) -> int:
+    """``Plan.io_buffer_bytes`` for a model whose largest parameter has ``largest_numel``
+    elements and whose largest chunk ``chunk_numel``: that parameter twice in fp32 (the buffer
+    read, its conversion), two load pieces (fp32 and the compute copy) and one gathered chunk
+    in fp32."""
+    return 2 * largest_numel * 4 + min(LOAD_PIECE, largest_numel) * 8 + chunk_numel * 4
+
+
+def fill_io_buffer_bytes(plan: Plan, profile) -> None:
+    """Set ``plan.io_buffer_bytes`` from ``profile`` when the planner left it unset (an estimate:
+    setup sets the exact figure after layout)."""
+    if plan.io_buffer_bytes is None:
+        largest = max((p.numel for p in profile.params), default=0)
+        plan.io_buffer_bytes = io_buffer_bytes(largest, max(plan.chunk_size, largest))
+
+
 @dataclass(kw_only=True)
 class Plan(JsonDataclass):
     """A training plan. Chunk groups are named by ``ChunkGroup.name``; per-chunk tier lists are

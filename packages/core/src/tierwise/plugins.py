@@ -119,6 +119,9 @@ class PluginHost:
         plan = self.pm.hook.tierwise_make_plan(profile=profile, hardware=hardware, config=config)
         if plan is None:  # core's planner always answers; None means it was disabled
             raise PluginError("no planner answered tierwise_make_plan")
+        from tierwise.plan import fill_io_buffer_bytes
+
+        fill_io_buffer_bytes(plan, profile)
         return plan
 
     def probe_hardware(self, *, config: Config) -> dict[str, Any]:

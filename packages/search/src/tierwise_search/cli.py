@@ -8,7 +8,7 @@ import sys
 
 from tierwise.config import Config, ConfigError
 from tierwise.hardware import HardwareError
-from tierwise.plan import PlanError
+from tierwise.plan import PlanError, fill_io_buffer_bytes
 from tierwise.units import parse_bytes
 
 
@@ -222,6 +222,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"tierwise plan: {err}", file=sys.stderr)
         return 2
     plan.reasons += target.notes
+    fill_io_buffer_bytes(plan, profile)  # the host buffers loading and saving weights take
     if args.json:
         print(
             json.dumps(

@@ -23,7 +23,8 @@ from tierwise.chunks import (
 )
 from tierwise.optim.state_formats import moment_formats, moment_kind
 from tierwise.parallel import ParallelPattern
-from tierwise.plan import Plan
+from tierwise.plan import LOAD_PIECE, Plan
+from tierwise.plan import io_buffer_bytes as plan_io_buffer_bytes
 from tierwise.precision import STATE_BYTES
 from tierwise.profile import ParamInfo, Profile
 from tierwise.tiers.base import PayloadKind
@@ -323,7 +324,7 @@ def _write_param(chunk: Chunk, slot: ParamSlot, values: torch.Tensor, dtype: tor
         chunk.home.tier.write(chunk.home, part.to(dtype), offset=lo - start).wait()
 
 
-FILL_PIECE = 1 << 22
+FILL_PIECE = LOAD_PIECE
 """Elements converted and written at a time when filling chunks from pretrained weights
 ([Note: loading pretrained weights]): 16 MiB of fp32 plus its copy in the chunk's precision."""
 
@@ -401,4 +402,4 @@ def io_buffer_bytes(groups: list[ChunkGroup]) -> int:
     conversion), two fill pieces (fp32 and the compute copy) and one gathered chunk in fp32."""
     largest = max((s.numel for g in groups for c in g.chunks for s in c.slots), default=0)
     chunk = max((c.capacity for g in groups for c in g.chunks), default=0)
-    return 2 * largest * 4 + min(FILL_PIECE, largest) * 8 + chunk * 4
+    return plan_io_buffer_bytes(largest, chunk)

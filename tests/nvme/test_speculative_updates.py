@@ -164,3 +164,42 @@ def test_eio_during_a_speculative_write_applies_nothing_of_the_step(nvme_dir, mo
     assert first[0] + rest == want[0]
     for key, value in want[2].items():
         assert torch.equal(params[key], value), f"{key} differs from the run that never failed"
+
+
+@pytest.mark.parametrize("placement", ["nvme", "host"])
+def test_a_step_skipped_after_in_backward_updates_applies_none_of_them(nvme_dir, placement):
+    """backward, then zero_grad without step (a skipped step): the updates that ran in that
+    backward are undone, and training goes on like a run without that backward."""
+
+    def train(skip: bool):
+        model = tiny_model("gpt2")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        model, opt = tierwise.setup(
+            model,
+            opt,
+            precision="bf16",
+            optimizer_placement=placement,
+            nvme_path=str(nvme_dir / f"skip-{skip}"),
+            optimizer_overlap="in-backward",
+            **PLAN,
+        )
+        losses = []
+        try:
+            for step in range(3):
+                if skip and step == 1:
+                    model(**tiny_batch(seed=99)).loss.backward()  # updates run in it
+                    opt.zero_grad()  # and the step is skipped
+                loss = model(**tiny_batch(seed=step)).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            return losses, {k: v.clone() for k, v in model.state_dict().items()}
+        finally:
+            tierwise.engine_of(model).close()
+
+    want_losses, want = train(skip=False)
+    got_losses, got = train(skip=True)
+    assert got_losses == want_losses
+    for key, value in want.items():
+        assert torch.equal(got[key], value), f"{key} differs"

@@ -270,7 +270,11 @@ class Engine:
             self._relayout(order)
 
     def zero_grad(self) -> None:
+        """Drop the gradients; updates that already ran in this step's backward are undone
+        with them (the step was skipped: nothing of it may be committed later)."""
         self.backward_failed = None
+        if self.optimizer.has_uncommitted_updates:  # [Note: speculative updates]
+            self.optimizer.drop_uncommitted_updates()
         self.gradients.zero_grad()
 
     def adopt_layout(self, order: list[str] | None, *, warmed_up: bool) -> None:

@@ -813,6 +813,11 @@ class OptimizerStep:
             return f"optimizer_overlap='auto' and the previous step {previous_step}"
         return f"optimizer_overlap={self.config.optimizer_overlap!r}"
 
+    @property
+    def has_uncommitted_updates(self) -> bool:
+        """Updates ran in this backward and no step has committed them yet."""
+        return bool(self._early)
+
     def drop_uncommitted_updates(self) -> None:
         """A backward was given up after some of its in-backward updates ran: commit none of
         them and put back what they changed ([Note: atomic optimizer step]); if that fails,

@@ -109,6 +109,8 @@ def nvme_run(args, states: str, directory: Path) -> list[dict]:
     try:
         for step in range(args.steps):
             before = dict(nvme.moved_by_kind)
+            pipeline = engine.pipelines.get("nvme")  # remade by the re-layout after step 1
+            timings = dict(pipeline.timings) if pipeline else {}
             t = timed_step(model, optimizer, data)
             moved = {k: v - before.get(k, 0) for k, v in nvme.moved_by_kind.items()}
             moved = {k: v for k, v in sorted(moved.items()) if v}
@@ -124,6 +126,15 @@ def nvme_run(args, states: str, directory: Path) -> list[dict]:
                         k: round(v / params, 3) for k, v in moved.items()
                     },
                     "over_min_traffic": round(per_param / min_bytes_per_param(states), 3),
+                    "forward_s": round(t["forward_s"], 3),
+                    "backward_s": round(t["backward_s"], 3),
+                    "optimizer_step_s": round(t["optimizer_step_s"], 3),
+                    # the NVMe pipeline's worker: waiting for reads, updating (int8: decoding
+                    # and encoding too), waiting for writes
+                    "pipeline_s": {
+                        k: round(v - timings.get(k, 0.0), 3)
+                        for k, v in (pipeline.timings if pipeline else {}).items()
+                    },
                 }
             )
         disk = nvme.file_bytes()

@@ -46,8 +46,8 @@ import torch
 from tierwise.precision import QUANT_BLOCK, check_state_precision, moment_stored_bytes
 from tierwise.tiers.base import PayloadKind
 
-QUANT_PIECE = 1 << 20
-"""Elements quantized in one pass (bounds the int32 temporaries of the code lookup)."""
+QUANT_PIECE = 1 << 18
+"""Elements quantized in one pass (the size of each thread's reused scratch tensors)."""
 
 _STORED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 
@@ -132,6 +132,25 @@ def _on_device(signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
     )
 
 
+_WORKSPACE = threading.local()
+
+
+def _workspace(numel: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """This thread's scratch tensors for quantizing QUANT_PIECE elements, reused: fresh
+    temporaries of a piece's size fault their pages in on every call (see [Note: updates in
+    pieces]), which cost more than the arithmetic."""
+    held = getattr(_WORKSPACE, "tensors", None)
+    if held is None or held[0].device != device or held[0].numel() < numel:
+        held = (
+            torch.empty(numel, dtype=torch.float32, device=device),  # scaled values
+            torch.empty(numel, dtype=torch.int32, device=device),  # bucket of each
+            torch.empty(numel, dtype=torch.float32, device=device),  # threshold in the bucket
+            torch.empty(numel, dtype=torch.bool, device=device),  # rounds up
+        )
+        _WORKSPACE.tensors = held
+    return tuple(t[:numel] for t in held)
+
+
 # index_select rather than indexing with a tensor: the same gather at a fraction of the cost
 # on a CPU (no broadcasting or bounds logic per element), as the [Note: int8 code lookup] wants
 def quantize_blocks(
@@ -144,13 +163,17 @@ def quantize_blocks(
     _, base, inside = _on_device(signed, values.device)
     for lo in range(0, values.numel(), QUANT_PIECE):
         hi = min(lo + QUANT_PIECE, values.numel())
+        scaled, bucket, threshold, up = _workspace(hi - lo, values.device)
         blocks = values[lo:hi].view(-1, QUANT_BLOCK)
         scale = blocks.abs().amax(-1).clip(1e-12)
-        scaled = (blocks / scale.view(-1, 1)).view(-1)
-        bucket = scaled.view(torch.int32).bitwise_right_shift(16).bitwise_and_(0xFFFF)
+        torch.div(blocks, scale.view(-1, 1), out=scaled.view(-1, QUANT_BLOCK))
+        torch.bitwise_right_shift(scaled.view(torch.int32), 16, out=bucket)
+        bucket.bitwise_and_(0xFFFF)
         out = codes[lo:hi]
         torch.index_select(base, 0, bucket, out=out)
-        out.add_(scaled >= torch.index_select(inside, 0, bucket))
+        torch.index_select(inside, 0, bucket, out=threshold)
+        torch.ge(scaled, threshold, out=up)
+        out.add_(up)
         scales[lo // QUANT_BLOCK : hi // QUANT_BLOCK].copy_(scale)
 
 

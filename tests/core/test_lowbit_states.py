@@ -447,3 +447,32 @@ def test_int8_data_parallel_matches_one_process(tmp_path):
                 values[slot.offset : slot.offset + slot.numel] = reader.read(slot.name, kind)
             expected = fmt.decoded(fmt.encoded(values), chunk.shard_size)
             assert torch.equal(fmt.decoded(slab.tensor, chunk.shard_size), expected)
+
+
+@pytest.mark.parametrize("optimizer_states", ["bf16", "int8"])
+def test_speculative_host_updates_with_lowbit_states_are_exact(optimizer_states):
+    """[Note: speculative updates] with low-bit moments in host memory: in-backward updates,
+    kept or rolled back (clipping on some steps), give bitwise the after-backward result (the
+    undo copy holds the stored bytes)."""
+    from helpers.overlap import CLIPS, assert_bitwise, loop
+
+    def run(overlap):
+        model = tiny_model("gpt2")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        model, opt = tierwise.setup(
+            model,
+            opt,
+            precision="bf16",
+            device="cpu",
+            chunk_size=5000,
+            param_placement="host",
+            optimizer_placement="host",
+            optimizer_overlap=overlap,
+            optimizer_states=optimizer_states,
+        )
+        losses, modes, _ = loop(model, opt, clips=CLIPS["some"])
+        return losses, modes, {k: v.clone() for k, v in model.state_dict().items()}
+
+    want, got = run("after-backward"), run("in-backward")
+    assert_bitwise(got, want, optimizer_states)
+    assert got[1] == ["speculative-kept", "rolled-back", "speculative-kept", "rolled-back"]

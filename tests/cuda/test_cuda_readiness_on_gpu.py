@@ -112,7 +112,7 @@ def test_host_gradient_shards_are_filled_without_a_wait_per_parameter(device, mo
     original_land = GradientPath._land_copies
 
     def land(self, chunk):
-        if chunk.key in self._copies_in_flight:
+        if self.host_copies.in_flight(chunk.key):
             waits.append(chunk.key)
         return original_land(self, chunk)
 
@@ -137,6 +137,66 @@ def test_host_gradient_shards_are_filled_without_a_wait_per_parameter(device, mo
     assert blocking == [], "a gradient was copied to its host shard with a blocking copy"
     assert 0 < len(waits) == len(set(waits)) <= len(trainable)
     opt.step()
+    engine.close()
+
+
+@pytest.mark.parametrize("device", ONLY_CUDA)
+def test_accumulated_gradients_reach_host_shards_without_a_blocking_copy(device, monkeypatch):
+    """Defect 4, accumulation: a second micro-batch's gradients are copied to the host without
+    blocking and added once their chunk lands ([Note: one host wait per chunk]); the shards hold
+    plain PyTorch's accumulated gradients bitwise (fp32, the same CUDA kernels, IEEE adds)."""
+    from tierwise.runtime.gradients import slot_grad
+
+    blocking: list[tuple] = []
+    original_copy, original_to = torch.Tensor.copy_, torch.Tensor.to
+
+    def copy_(self, src, non_blocking=False):
+        if self.device.type == "cpu" and src.device.type == "cuda" and not non_blocking:
+            blocking.append(tuple(src.shape))
+        return original_copy(self, src, non_blocking)
+
+    def to(self, *args, **kwargs):
+        out = original_to(self, *args, **kwargs)
+        if self.device.type == "cuda" and out.device.type == "cpu":
+            blocking.append(tuple(self.shape))
+        return out
+
+    torch.manual_seed(0)
+    plain = tiny_model("gpt2").to(device)
+    model = tiny_model("gpt2")
+    model.load_state_dict({k: v.cpu() for k, v in plain.state_dict().items()})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device=device,
+        param_placement="device",
+        optimizer_placement="host",
+        chunk_size=5000,
+        accumulation_steps=2,
+        optimizer_overlap="after-backward",  # the shards are read after backward here
+    )
+    engine = tierwise.engine_of(model)
+    batches = [{k: v.to(device) for k, v in tiny_batch(seed=s).items()} for s in (1, 2)]
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    for batch in batches:
+        model(**batch).loss.backward()
+    monkeypatch.undo()
+    assert blocking == [], "a gradient reached its host shard through a blocking copy"
+    assert engine.gradients.host_copies.waits > 0
+    for batch in batches:
+        plain(**batch).loss.backward()
+    reference = dict(plain.named_parameters())
+    for chunk in engine.chunks():
+        if chunk.trainable:
+            shard = engine.gradients.grad_shard(chunk)
+            assert shard.device.type == "cpu"
+            for slot in chunk.slots:
+                got = slot_grad(chunk, shard, slot)
+                want = reference[slot.name].grad.reshape(-1).cpu()
+                assert torch.equal(got, want), slot.name
     engine.close()
 
 

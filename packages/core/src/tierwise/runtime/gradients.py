@@ -18,6 +18,8 @@ import torch.distributed as dist
 from tierwise.chunks import Chunk, ParamSlot, TensorState
 from tierwise.chunks.grad_state import GradOwner, GradState
 from tierwise.parallel.collectives import Collectives
+from tierwise.runtime.host_grad_copies import HostGradCopies
+from tierwise.runtime.host_grad_copies import applies as host_copy_applies
 from tierwise.runtime.phases import Phases
 from tierwise.runtime.reduce import StreamingReducer
 from tierwise.runtime.shared import ChunkIndex, Traffic
@@ -91,9 +93,9 @@ class GradientPath:
         self.world_group = world_group
         self.multi_rank = index.multi_rank
         self._no_sync = False
-        self._copies_in_flight: dict = {}
-        """Chunk key -> device of the gradient copies into its pinned host shard not yet
-        landed ([Note: one host wait per chunk])."""
+        self.host_copies = HostGradCopies(tiers.get("host"), scratch_bytes=self._chunk_grad_bytes)
+        """Gradient copies into pinned host shards in flight ([Note: one host wait per
+        chunk])."""
         self._staging_free: list[torch.Tensor] = []
         self.staging_slabs: list = []
         """The device slabs of the staging pool (released after a re-layout)."""
@@ -220,7 +222,10 @@ class GradientPath:
         segment = target[slot.offset : slot.offset + slot.numel]
         if chunk.grad_state is GradState.FILLING and not slot.got_grad:
             self._copy_grad(chunk, segment, grad.reshape(-1))
-        else:
+        elif not (
+            self._copies_to_host(chunk, segment, grad)
+            and self.host_copies.add(chunk.key, segment, grad)
+        ):
             self._land_copies(chunk)  # the host add reads what they write
             segment.add_(grad.reshape(-1).to(target.device))
         tier = "host" if optim.grad_buffer is not None else optim.grad.tier.name
@@ -304,35 +309,31 @@ class GradientPath:
         elif state in (GradState.HELD, GradState.REDUCED):
             chunk.move_grads(GradState.ACCUMULATING, _OWNER)
 
-    def _copy_grad(self, chunk: Chunk, segment: torch.Tensor, grad: torch.Tensor) -> None:
-        """Copy a parameter's first gradient into its slot of the gradient shard.
+    def _copies_to_host(self, chunk: Chunk, segment: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` goes into ``chunk``'s pinned host shard without blocking ([Note: one
+        host wait per chunk]). A shard kept on a storage tier is copied as before (its host
+        buffer may be written out while filling)."""
+        return not self.offloads(chunk) and host_copy_applies(segment, grad)
 
-        [Note: one host wait per chunk]
-        A gradient on an accelerator going into a pinned host shard is copied without
-        blocking, on the stream that produced it (autograd's gradient may be freed after the
-        hook returns: the caching allocator reuses its memory only for work queued after the
-        copy on that stream). The chunk's copies land together: one event, waited for once,
-        before host code reads the shard (its last gradient, the end of backward, an
-        accumulation into it) instead of one blocking copy per parameter. A shard kept on a
-        storage tier is copied as before (its host buffer may be written out while filling).
-        """
-        device = grad.device
-        if (
-            device.type not in ("cpu", "meta")
-            and segment.device.type == "cpu"
-            and not self.offloads(chunk)
-            and segment.is_pinned()
-        ):
-            segment.copy_(grad, non_blocking=True)
-            self._copies_in_flight[chunk.key] = device
+    def _copy_grad(self, chunk: Chunk, segment: torch.Tensor, grad: torch.Tensor) -> None:
+        """Copy a parameter's first gradient into its slot of the gradient shard: [Note: one
+        host wait per chunk]."""
+        if self._copies_to_host(chunk, segment, grad):
+            self.host_copies.copy(chunk.key, segment, grad)
         else:
             segment.copy_(grad)
 
     def _land_copies(self, chunk: Chunk) -> None:
-        """Wait for ``chunk``'s gradient copies in flight: [Note: one host wait per chunk]."""
-        device = self._copies_in_flight.pop(chunk.key, None)
-        if device is not None:
-            torch.accelerator.current_stream(device).record_event().synchronize()
+        """Wait for ``chunk``'s gradient copies in flight and run its pending adds: [Note:
+        one host wait per chunk]."""
+        self.host_copies.land(chunk.key)
+
+    def _chunk_grad_bytes(self) -> int:
+        """Bytes of the largest trainable chunk's gradients."""
+        return max(
+            (c.capacity * c.group.dtype.itemsize for c in self.index.chunks() if c.trainable),
+            default=0,
+        )
 
     def _finish_fresh_grad(self, chunk: Chunk) -> None:
         """Single process: this backward's gradients of ``chunk`` are all in (REDUCED); zero
@@ -478,8 +479,7 @@ class GradientPath:
     def abandon_backward(self) -> None:
         """A backward stopped on an error: drop its staged gradients and reset the flags
         ([Note: an abandoned backward]; ``zero_grad`` drops the shards)."""
-        for chunk in self.index.chunks():
-            self._land_copies(chunk)  # no copy may still write into a shard being dropped
+        self.host_copies.drop()  # no copy may still write into a shard being dropped
         for chunk in self.index.chunks():
             if chunk.staging is not None:
                 self.give_back_staging(chunk)
@@ -530,5 +530,6 @@ class GradientPath:
         for slab in self.staging_slabs:
             slab.tier.release(slab)
         self.staging_slabs, self._staging_free = [], []
+        self.host_copies.release()
         if self.reducer is not None:
             self.reducer.order = None

@@ -117,3 +117,31 @@ def test_plan_reports_the_host_buffers_of_loading_and_saving_weights(capsys):
     assert main(["plan", "--model", "llama", "--size", "tiny", "--device", "cpu", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)["plan"]
     assert plan["io_buffer_bytes"] >= plan["chunk_size"] * 4  # one gathered chunk in fp32
+
+
+def test_plan_with_int8_optimizer_states_counts_fewer_bytes(run_plan, config_json):
+    """``tierwise plan --optimizer-states int8`` (issue 31): the totals count the stored moments
+    (master 4 + ~2.03 bytes per trainable parameter instead of 12) and the plan's device
+    allowance shrinks when the optimizer states live on the device."""
+    results = {}
+    for states in ("fp32", "int8"):
+        code, out, err = run_plan(
+            "--model",
+            str(config_json),
+            "--seq",
+            "16",
+            "--device",
+            "cpu",
+            "--device-memory",
+            "1GiB",
+            "--optimizer-states",
+            states,
+            "--json",
+        )
+        assert code == 0, err
+        results[states] = json.loads(out)
+    n = results["fp32"]["n_params"]  # every parameter trains
+    saved = results["fp32"]["model_bytes"] - results["int8"]["model_bytes"]
+    assert saved == n * 8 - int(n * 2 * (1 + 4 / 256))
+    fp32, int8 = (Plan.from_dict(results[s]["plan"]) for s in ("fp32", "int8"))
+    assert int8.device_allowance < fp32.device_allowance

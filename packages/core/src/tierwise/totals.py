@@ -31,6 +31,7 @@ def model_data_bytes(
 def totals(
     profile: Profile,
     precision: str,
+    optimizer_states: str = "fp32",
     *,
     tflops: float | None = None,
     tokens_per_s: float | None = None,
@@ -41,17 +42,22 @@ def totals(
     trainable = sum(p.numel for p in profile.params if p.requires_grad)
     return {
         "n_params": profile.total_numel,
-        "model_bytes": model_data_bytes(profile.total_numel, trainable, precision)[-1][1],
+        "model_bytes": model_data_bytes(
+            profile.total_numel, trainable, precision, optimizer_states
+        )[-1][1],
         "peak_activation_bytes": profile.peak_activation_bytes,
         "predicted_tflops": tflops,
         "predicted_tokens_per_s": tokens_per_s,
     }
 
 
-def plan_totals(profile: Profile, plan: Plan, precision: str) -> dict[str, Any]:
+def plan_totals(
+    profile: Profile, plan: Plan, precision: str, optimizer_states: str = "fp32"
+) -> dict[str, Any]:
     return totals(
         profile,
         precision,
+        optimizer_states,
         tflops=plan.predicted_tflops,
         tokens_per_s=plan.predicted_tokens_per_s,
     )

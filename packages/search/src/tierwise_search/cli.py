@@ -58,6 +58,12 @@ def add_plan_command(subparsers) -> None:
         "--device", default=None, help="device to probe without --hardware (default cuda)"
     )
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument(
+        "--optimizer-states",
+        default="fp32",
+        choices=("fp32", "bf16", "int8"),
+        help="how the Adam moments are stored (Config.optimizer_states; default fp32)",
+    )
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     parser.add_argument(
         "--activation-offload", default="none", choices=("none", "host", "nvme", "auto")
@@ -141,6 +147,7 @@ def plan_config(args, device_type: str, **overrides) -> Config:
         activation_offload=args.activation_offload,
         param_placement=getattr(args, "param_placement", "auto"),
         optimizer_placement=getattr(args, "optimizer_placement", "auto"),
+        optimizer_states=getattr(args, "optimizer_states", "fp32"),
         **overrides,
     )
 
@@ -226,7 +233,11 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(
             json.dumps(
-                {**plan_totals(profile, plan, args.precision), "plan": plan.to_dict()}, indent=1
+                {
+                    **plan_totals(profile, plan, args.precision, args.optimizer_states),
+                    "plan": plan.to_dict(),
+                },
+                indent=1,
             )
         )
     else:

@@ -270,3 +270,95 @@ def test_the_source_checks_see_what_they_refuse():
         "line 3: engine._steps",
         "line 4: x.engine._relayout_checked",
     ]
+
+
+COLLECTIVES_LAYER = CORE / "parallel" / "collectives.py"
+"""The one module that calls torch.distributed collectives ([Note: collectives on the group's
+device])."""
+_COLLECTIVE_NAMES = {
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "all_gather_coalesced",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "irecv",
+    "isend",
+    "monitored_barrier",
+    "recv",
+    "recv_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "send_object_list",
+}
+
+
+def _direct_collectives(tree: ast.AST) -> list[str]:
+    """Uses of a torch.distributed collective: ``dist.x`` / ``torch.distributed.x`` (under any
+    alias of torch.distributed) and ``from torch.distributed import x``."""
+    aliases = {"torch.distributed"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname or a.name for a in node.names if a.name == "torch.distributed"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            found += [
+                f"line {node.lineno}: from torch.distributed import {a.name}"
+                for a in node.names
+                if a.name in _COLLECTIVE_NAMES
+            ]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in _COLLECTIVE_NAMES:
+            if ast.unparse(node.value) in aliases:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return sorted(found)
+
+
+def test_only_the_collectives_layer_calls_torch_distributed_collectives():
+    # every collective goes through tierwise.parallel.collectives, which puts its tensors on the
+    # group's device: [Note: collectives on the group's device]
+    found = {}
+    for path in SOURCES:
+        if path == COLLECTIVES_LAYER:
+            continue
+        calls = _direct_collectives(ast.parse(path.read_text()))
+        if calls:
+            found[str(path.relative_to(REPO))] = calls
+    assert not found, found
+    assert _direct_collectives(ast.parse(COLLECTIVES_LAYER.read_text()))  # it sees the layer's
+
+
+def test_the_collective_check_sees_what_it_refuses():
+    tree = ast.parse(
+        "import torch.distributed as dist\n"
+        "import torch.distributed\n"
+        "from torch import distributed as d2\n"
+        "from torch.distributed import all_reduce, get_rank\n"
+        "def f(x, g):\n"
+        "    dist.all_reduce(x)\n"
+        "    torch.distributed.barrier()\n"
+        "    d2.broadcast_object_list([x], src=0)\n"
+        "    return dist.get_rank(), dist.ReduceOp.MAX, g.all_reduce(x)\n"
+    )
+    assert _direct_collectives(tree) == [
+        "line 4: from torch.distributed import all_reduce",
+        "line 6: dist.all_reduce",
+        "line 7: torch.distributed.barrier",
+        "line 8: d2.broadcast_object_list",
+    ]

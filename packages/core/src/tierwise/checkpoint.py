@@ -65,7 +65,7 @@ def iter_full_state(
         if trainable_only and not chunk.trainable:  # the same chunks on every rank
             continue
         source = chunk.optim.master if chunk.optim is not None else chunk.home
-        full = gather_chunk(chunk, read_slab(source).float())
+        full = gather_chunk(chunk, read_slab(source).float(), engine.collectives.outside_steps())
         pattern = pattern_of.get(chunk.group.pattern_key)
         for slot in chunk.slots:
             value = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
@@ -85,7 +85,7 @@ def load_full_state(
     for chunk in engine.chunks():
         start, end = chunk.shard_range()
         source = chunk.optim.master if chunk.optim is not None else chunk.home
-        full = gather_chunk(chunk, read_slab(source).float())
+        full = gather_chunk(chunk, read_slab(source).float(), engine.collectives.outside_steps())
         pattern = pattern_of.get(chunk.group.pattern_key)
         for slot in chunk.slots:
             if slot.name not in state:
@@ -192,7 +192,7 @@ def rank_pieces(engine: Engine, rank: int, world: int, index: dict):
             fmt = _moment_format(engine, kind)
             shard = stored.float() if fmt is None else fmt.decoded(stored, chunk.shard_size)
             if _splits(pattern):  # whole-model values: low-bit moments are saved decoded
-                full = gather_chunk(chunk, shard)
+                full = gather_chunk(chunk, shard, engine.collectives.outside_steps())
                 for slot in chunk.slots:
                     local = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
                     value = pattern.full_tensor(slot.name, slot.param, local)
@@ -280,14 +280,6 @@ def _restored_int8(
         scales[blocks] = piece_scales
         filled[blocks] = True
     return torch.cat([codes, scales.view(torch.uint8)])
-
-
-def _gather_objects(value):
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, value)
-        return out
-    return [value]
 
 
 def _rank_file(rank: int, world: int) -> str:
@@ -387,8 +379,10 @@ def save_checkpoint(
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
-    gathered = _gather_objects(_write_files(tmp, engine, rank, world, extra))
+    engine.collectives.outside_steps().barrier()
+    gathered = engine.collectives.outside_steps().all_gather_object(
+        _write_files(tmp, engine, rank, world, extra)
+    )
     if rank == 0:
         write_manifest(tmp, _manifest(engine, world, gathered))
         old = target.with_name(target.name + ".old")
@@ -398,7 +392,7 @@ def save_checkpoint(
         tmp.rename(target)
         _fsync_dir(target.parent)
         shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    engine.collectives.outside_steps().barrier()
     return target
 
 
@@ -574,8 +568,3 @@ def _rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()

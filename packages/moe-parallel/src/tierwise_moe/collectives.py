@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from tierwise.parallel.collectives import Collectives
+
+_COLLECTIVES = Collectives()
+"""Activations are on the compute device; on NCCL that is the current CUDA device, which the
+layer uses ([Note: collectives on the group's device])."""
 
 
 class _AllToAll(torch.autograd.Function):
@@ -31,7 +36,7 @@ class _AllToAll(torch.autograd.Function):
 
 def _all_to_all(rows, out_splits, in_splits, group):
     out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+    _COLLECTIVES.all_to_all(out, rows, out_splits, in_splits, group)
     return out
 
 
@@ -53,7 +58,7 @@ def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> to
     if group is None:
         return counts
     out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    _COLLECTIVES.all_to_all(out, counts, None, None, group)
     return out
 
 
@@ -68,7 +73,7 @@ class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
+        _COLLECTIVES.all_reduce(grad, ctx.group)
         return grad, None
 
 
@@ -78,7 +83,7 @@ class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         out = x.clone()
-        dist.all_reduce(out, group=group)
+        _COLLECTIVES.all_reduce(out, group)
         return out
 
     @staticmethod

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from tierwise.parallel.collectives import Collectives
 from tierwise.registry import managed
 
 SPEC_ATTR = "tierwise_shard"
@@ -55,9 +56,9 @@ class ShardSpec:
         """The full tensor from every rank's block (collective over ``group``)."""
         if self.group is None:
             return shard.clone()
-        blocks = [torch.empty_like(shard) for _ in range(self.size)]
-        dist.all_gather(blocks, shard.contiguous(), group=self.group)
-        return torch.cat(blocks, dim=self.dim)
+        # ``shard`` may be a host copy (a checkpoint's values): the layer moves it to the
+        # group's device and back ([Note: collectives on the group's device])
+        return torch.cat(Collectives().all_gather_blocks(shard, self.group), dim=self.dim)
 
 
 def shard_param_(param: torch.nn.Parameter, spec: ShardSpec) -> None:

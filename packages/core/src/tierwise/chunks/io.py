@@ -10,10 +10,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tierwise.parallel.collectives import all_gather_into
-
 if TYPE_CHECKING:
     from tierwise.chunks.chunk import Chunk
+    from tierwise.parallel.collectives import Collectives
     from tierwise.tiers.base import Slab
 
 
@@ -31,12 +30,14 @@ def write_slab(slab: Slab, values: torch.Tensor) -> None:
     slab.tier.write(slab, values.to(slab.dtype)).wait()
 
 
-def gather_chunk(chunk: Chunk, shard: torch.Tensor) -> torch.Tensor:
+def gather_chunk(chunk: Chunk, shard: torch.Tensor, collectives: Collectives) -> torch.Tensor:
     """The whole chunk's values from this rank's ``shard`` (all-gathered over the chunk's group
-    when sharded, every rank calling in the same order; ``shard`` itself when not)."""
+    when sharded, every rank calling in the same order; ``shard`` itself when not). On
+    ``shard``'s device (a slab read to the host stays there: the layer moves it for the
+    collective, [Note: collectives on the group's device])."""
     group = chunk.group
     if not group.sharded:
         return shard
     full = torch.empty(chunk.capacity, dtype=shard.dtype, device=shard.device)
-    all_gather_into(full, shard.contiguous(), group=group.process_group)
+    collectives.all_gather(full, shard, group.process_group)
     return full

@@ -1,44 +1,219 @@
-"""torch.distributed collectives that count the bytes they move (engine.stats()["comm_bytes"])."""
+"""The one collectives layer: every torch.distributed collective tierwise issues goes through here.
+
+[Note: collectives on the group's device]
+NCCL takes only tensors on the rank's CUDA device ("No backend type associated with device type
+cpu" otherwise), gloo takes CPU tensors. Call sites do not decide where a tensor handed to a
+collective lives: they pass what they have (a CPU scalar for the clip norm, flags, a slab read
+to the host, a staging buffer on the device) and this layer puts it on the group's device
+(:meth:`Collectives.device_of`: the rank's CUDA device for an NCCL group, the CPU otherwise),
+runs the collective there and copies an in-place result back where the caller's tensor lives.
+Tensors already on the group's device are used as they are (the staging buffers and rCache
+blocks of a CUDA run: no copy). Object collectives run with the group's device current, as
+NCCL's object collectives require. No other module calls a ``torch.distributed`` collective
+(``tests/core/test_architecture.py`` checks it), so a run on NCCL is right by construction, and
+a test that swaps :data:`BACKEND` for a recording fake of an NCCL-style group sees every tensor
+a step hands over (``tests/core/test_collectives_device.py``).
+"""
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 
 # torch 2.13 renamed the tensor collectives; keep torch>=2.4 working with the old names
-all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-"""``all_gather_into(out, shard, group=..., async_op=...)``: uncounted tensor all-gather."""
-reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-"""``reduce_scatter_into(out, full, op=..., group=..., async_op=...)``: uncounted."""
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class TorchDistributed:
+    """What the layer calls in torch.distributed: the backend of a group, the device its
+    collectives take, and the collectives themselves (tensors already on that device)."""
+
+    def device(self, group, compute: torch.device | None) -> torch.device:
+        """The device ``group``'s collectives take tensors on: for NCCL the rank's CUDA device
+        (``compute`` when it is a CUDA device, else the current one), for gloo the CPU."""
+        if "nccl" in str(dist.get_backend(group)):
+            if compute is not None and compute.type == "cuda":
+                return compute if compute.index is not None else torch.device("cuda", 0)
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def move(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return tensor.to(device)
+
+    def empty_like(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return torch.empty_like(tensor, device=device)
+
+    def device_context(self, device: torch.device):
+        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+    def all_gather_into(self, out, shard, group, async_op):
+        return _all_gather_into(out, shard, group=group, async_op=async_op)
+
+    def reduce_scatter_into(self, out, full, op, group, async_op):
+        return _reduce_scatter_into(out, full, op=op, group=group, async_op=async_op)
+
+    def all_reduce(self, tensor, op, group, async_op):
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    def all_gather_list(self, blocks, tensor, group):
+        dist.all_gather(blocks, tensor, group=group)
+
+    def all_to_all_single(self, out, tensor, out_splits, in_splits, group):
+        dist.all_to_all_single(out, tensor, out_splits, in_splits, group=group)
+
+    def all_gather_object(self, out, value, group):
+        dist.all_gather_object(out, value, group=group)
+
+    def broadcast_object_list(self, box, src, group):
+        dist.broadcast_object_list(box, src=src, group=group)
+
+    def barrier(self, group):
+        dist.barrier(group=group)
+
+
+BACKEND = TorchDistributed()
+"""The torch.distributed calls the layer makes (a test may swap in a recording fake)."""
+
+
+class _CopyBack:
+    """An async collective whose result is copied back to the caller's tensor when waited on."""
+
+    def __init__(self, work, target: torch.Tensor, result: torch.Tensor):
+        self.work, self.target, self.result = work, target, result
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> None:
+        self.work.wait()
+        if not self.done:
+            self.target.copy_(self.result)
+            self.done = True
+
+
+def world_size(group=None) -> int:
+    """Ranks in ``group`` (1 when torch.distributed is not initialised)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
 
 
 class Collectives:
-    """Thin wrapper: each call does one torch.distributed collective and counts its payload.
+    """Each call does one collective on the group's device ([Note: collectives on the group's
+    device]) and counts its payload (``engine.stats()["comm_bytes"]``).
 
     Bytes are counted as the size of the full (gathered / pre-reduction) chunk per call, and
     twice that for all-reduce: the convention of Elixir's Table 1.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else None
+        """The rank's compute device (an NCCL group's collectives run there when it is CUDA)."""
         self.bytes: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
+
+    def outside_steps(self) -> Collectives:
+        """Collectives on the same devices whose bytes are not counted with the training
+        steps' (checkpoints, the re-layout after warm-up): ``comm_bytes`` stays per step."""
+        return Collectives(self.device)
+
+    def device_of(self, group) -> torch.device:
+        """The device ``group``'s collectives take tensors on."""
+        return BACKEND.device(group, self.device)
 
     def _count(self, name: str, tensor: torch.Tensor) -> None:
         self.bytes[name] += tensor.numel() * tensor.element_size()
         self.calls[name] += 1
 
+    @staticmethod
+    def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        tensor = tensor.contiguous()
+        return tensor if tensor.device == device else BACKEND.move(tensor, device)
+
+    @staticmethod
+    def _result(work, target: torch.Tensor, result: torch.Tensor, async_op: bool):
+        if result is target:
+            return work
+        if async_op:
+            return _CopyBack(work, target, result)
+        target.copy_(result)
+        return None
+
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
+        """``out`` = every rank's ``shard`` in rank order."""
         self._count("all_gather", out)
-        return all_gather_into(out, shard, group=group, async_op=async_op)
+        device = self.device_of(group)
+        result = self._on(out, device)
+        work = BACKEND.all_gather_into(result, self._on(shard, device), group, async_op)
+        return self._result(work, out, result, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group, async_op: bool = False):
+        """``out`` = this rank's block of the sum of every rank's ``full``."""
         self._count("reduce_scatter", full)
-        return reduce_scatter_into(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        device = self.device_of(group)
+        result = self._on(out, device)
+        work = BACKEND.reduce_scatter_into(
+            result, self._on(full, device), dist.ReduceOp.SUM, group, async_op
+        )
+        return self._result(work, out, result, async_op)
 
     def all_reduce(self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """``tensor`` = the reduction of every rank's ``tensor`` (in place)."""
         # a ring all-reduce moves the payload twice (reduce-scatter + all-gather): Table 1
         self._count("all_reduce", tensor)
         self.bytes["all_reduce"] += tensor.numel() * tensor.element_size()
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        result = self._on(tensor, self.device_of(group))
+        work = BACKEND.all_reduce(result, op, group, async_op)
+        return self._result(work, tensor, result, async_op)
+
+    def all_gather_blocks(self, tensor: torch.Tensor, group) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape everywhere), in rank order, on ``tensor``'s
+        device."""
+        device = self.device_of(group)
+        local = self._on(tensor, device)
+        blocks = [BACKEND.empty_like(local, device) for _ in range(world_size(group))]
+        self._count("all_gather", local)
+        BACKEND.all_gather_list(blocks, local, group)
+        return [b.to(tensor.device) for b in blocks]
+
+    def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, out_splits, in_splits, group):
+        """Rows of ``tensor`` to ranks (``in_splits[r]`` to rank r) into ``out``."""
+        self._count("all_to_all", tensor)
+        device = self.device_of(group)
+        result = self._on(out, device)
+        BACKEND.all_to_all_single(result, self._on(tensor, device), out_splits, in_splits, group)
+        self._result(None, out, result, False)
+
+    def all_gather_object(self, value, group=None) -> list:
+        """Every rank's picklable ``value``, in rank order (``[value]`` on one process)."""
+        world = world_size(group)
+        if world == 1:
+            return [value]
+        out = [None] * world
+        self.calls["all_gather_object"] += 1
+        with BACKEND.device_context(self.device_of(group)):
+            BACKEND.all_gather_object(out, value, group)
+        return out
+
+    def broadcast_object(self, value, group=None, group_src: int = 0):
+        """Rank ``group_src`` of ``group``'s picklable ``value``, on every rank."""
+        if world_size(group) == 1:
+            return value
+        box = [value]
+        self.calls["broadcast_object"] += 1
+        src = dist.get_global_rank(group, group_src) if group is not None else group_src
+        with BACKEND.device_context(self.device_of(group)):
+            BACKEND.broadcast_object_list(box, src, group)
+        return box[0]
+
+    def barrier(self, group=None) -> None:
+        """Wait until every rank of ``group`` got here."""
+        if world_size(group) == 1:
+            return
+        with BACKEND.device_context(self.device_of(group)):
+            BACKEND.barrier(group)

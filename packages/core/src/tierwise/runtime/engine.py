@@ -86,7 +86,7 @@ class Engine:
         """What setup probed (re-layout reads the host memory from it)."""
         self.dtype = compute_dtype(config.precision)
         self.device = torch.device(config.device)
-        self.collectives = Collectives()
+        self.collectives = Collectives(self.device)  # [Note: collectives on the group's device]
         self.scaler = DynamicLossScaler() if config.precision == "fp16" else None
         self.index = ChunkIndex(groups, modules)
         self.traffic = Traffic()
@@ -263,10 +263,7 @@ class Engine:
             self._relayout_checked = True  # after the first step: [Note: re-layout after warm-up]
             order = list(self.access.first_use)
             if self.multi_rank:  # every rank packs alike: rank 0's order
-                box = [order]
-                src = dist.get_global_rank(self.world_group, 0)
-                dist.broadcast_object_list(box, src=src, group=self.world_group)
-                order = box[0]
+                order = self.collectives.broadcast_object(order, self.world_group)
             self._relayout(order)
 
     def zero_grad(self) -> None:

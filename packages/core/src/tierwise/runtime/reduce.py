@@ -73,11 +73,7 @@ class StreamingReducer:
             for chunk in chunks:
                 self._launch(chunk)
             self._collect(block=True)
-            box = [self._completed_order]
-            dist.broadcast_object_list(
-                box, src=dist.get_global_rank(self.group, 0), group=self.group
-            )
-            self.order = box[0]
+            self.order = self.collectives.broadcast_object(self._completed_order, self.group)
         else:
             self._launch_ready(chunks_by_key)
             self._collect(block=True)

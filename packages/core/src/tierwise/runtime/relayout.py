@@ -49,6 +49,7 @@ from tierwise.precision import OPTIM_STATES
 from tierwise.tiers.base import PayloadKind
 
 if TYPE_CHECKING:
+    from tierwise.parallel.collectives import Collectives
     from tierwise.runtime.engine import Engine
     from tierwise.tiers.base import Slab
 
@@ -155,7 +156,7 @@ def _agreed_refusals(refusals: list[bool], engine: Engine) -> list[bool]:
     if not engine.multi_rank or not refusals:
         return refusals
     flags = torch.tensor(refusals, dtype=torch.int32)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=engine.world_group)
+    engine.collectives.outside_steps().all_reduce(flags, engine.world_group, op=dist.ReduceOp.MAX)
     return [bool(f) for f in flags.tolist()]
 
 
@@ -305,7 +306,14 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> dict[
         if kind == "grad" and not grads_filled:
             values = None  # nothing to keep: the next backward overwrites them
         else:
-            values = _gather_kind(group, chunks, kind, where, _moment_format(engine, kind))
+            values = _gather_kind(
+                group,
+                chunks,
+                kind,
+                where,
+                _moment_format(engine, kind),
+                engine.collectives.outside_steps(),
+            )
         for chunk in group.chunks:
             slab = _slab(chunk, kind)
             slab.tier.release(slab)
@@ -345,7 +353,12 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> dict[
 
 
 def _gather_kind(
-    group: ChunkGroup, chunks: list[Chunk], kind: str, where: dict, fmt: MomentFormat | None
+    group: ChunkGroup,
+    chunks: list[Chunk],
+    kind: str,
+    where: dict,
+    fmt: MomentFormat | None,
+    collectives: Collectives,
 ) -> list[torch.Tensor]:
     """This rank's shard of every new chunk, for one kind, filled from the old chunks (Adam
     moments stored in low precision are decoded: the new chunks' blocks are other blocks)."""
@@ -355,7 +368,7 @@ def _gather_kind(
         shard = read_slab(_slab(old, kind))
         if fmt is not None:
             shard = fmt.decoded(shard, old.shard_size)
-        full = gather_chunk(old, shard)
+        full = gather_chunk(old, shard, collectives)
         for slot in old.slots:
             new_chunk, new_slot = where[slot.name]
             start, end = new_chunk.shard_range()

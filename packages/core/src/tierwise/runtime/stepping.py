@@ -28,7 +28,7 @@ from tierwise.optim import (
     adam_update_tensors,
 )
 from tierwise.optim.state_formats import LowBitMoments
-from tierwise.parallel.collectives import Collectives
+from tierwise.parallel.collectives import Collectives, world_size
 from tierwise.protocols import OptimizerPipeline
 from tierwise.runtime.gradients import slot_grad
 from tierwise.runtime.host_updates import HostUpdates
@@ -321,9 +321,10 @@ class OptimizerStep:
         return all(bool(torch.isfinite(grad).all()) for grad in grads)
 
     def _all_reduce_scalar(self, value: torch.Tensor, op) -> torch.Tensor:
-        if self.world_group is not None or (dist.is_available() and dist.is_initialized()):
-            if dist.is_initialized() and dist.get_world_size(self.world_group) > 1:
-                self.collectives.all_reduce(value, self.world_group, op=op)
+        """``value`` reduced over the ranks, where it was ([Note: collectives on the group's
+        device] puts it on the group's device for the collective)."""
+        if world_size(self.world_group) > 1:
+            self.collectives.all_reduce(value, self.world_group, op=op)
         return value
 
     def _total_norm(self) -> torch.Tensor:

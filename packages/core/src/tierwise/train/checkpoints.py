@@ -101,7 +101,7 @@ def latest(run_dir: Path, world: World | None = None) -> tuple[Path, str | None]
     if world is None or world.is_main:
         choice = _choose(folder, run_dir)
     if world is not None and world.size > 1:
-        torch.distributed.broadcast_object_list(choice, src=0)
+        choice = world.collectives.broadcast_object(choice)
     if isinstance(choice[0], TrainError):
         raise choice[0]
     return Path(choice[0]), choice[1]

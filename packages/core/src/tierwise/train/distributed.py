@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tierwise.parallel.collectives import Collectives
 from tierwise.parallel.timeouts import collective_timeout
 
 
@@ -26,6 +27,12 @@ class World:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def collectives(self) -> Collectives:
+        """Collectives over the world on its backend's device ([Note: collectives on the
+        group's device])."""
+        return Collectives(self.device)
 
 
 def launched_by_torchrun() -> bool:
@@ -49,15 +56,15 @@ def init_world(device: str) -> World:
 
 def barrier(world: World) -> None:
     if world.size > 1:
-        dist.barrier()
+        world.collectives.barrier()
 
 
 def mean_over_ranks(value: float, world: World) -> float:
     """The mean of ``value`` over all ranks (the value itself on one rank)."""
     if world.size == 1:
         return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=world.device)
-    dist.all_reduce(tensor)
+    tensor = torch.tensor([value], dtype=torch.float64)
+    world.collectives.all_reduce(tensor, None)
     return float(tensor.item()) / world.size
 
 

@@ -74,7 +74,9 @@ class Agreement:
         if self.world.size == 1:
             return stop.signum, due
         flags = torch.tensor([stop.signum or 0, int(due and self.world.is_main)], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        # a CPU tensor: the layer puts it on the group's device ([Note: collectives on the
+        # group's device]); on NCCL a CPU tensor handed to all_reduce raises
+        self.world.collectives.all_reduce(flags, None, op=dist.ReduceOp.MAX)
         return (int(flags[0]) or None), bool(flags[1])
 
 

@@ -750,9 +750,7 @@ def _same_on_all_ranks(run_dir: Path, world: World) -> Path:
     """Rank 0's run directory name (a default name holds the time, which ranks may disagree on)."""
     if world.size == 1:
         return run_dir
-    names = [str(run_dir)]
-    torch.distributed.broadcast_object_list(names, src=0)
-    return Path(names[0])
+    return Path(world.collectives.broadcast_object(str(run_dir)))
 
 
 def _write_json(path: Path, value: Any) -> None:

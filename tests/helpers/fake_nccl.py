@@ -29,6 +29,9 @@ class RecordingNCCL(collectives.TorchDistributed):
         self.phase = "setup"
         self.calls: list[tuple[str, str]] = []
         """(phase, collective) of every call, in launch order."""
+        self.sequence: list[tuple[str, tuple[int, ...]]] = []
+        """(collective, element counts of its tensors) of every call, in launch order: what
+        ranks must agree on ([Note: one collective order])."""
         self.misplaced: list[tuple[str, str, str]] = []
         """(phase, collective, what): tensors not on the group's device, devices not current."""
 
@@ -66,12 +69,14 @@ class RecordingNCCL(collectives.TorchDistributed):
 
     def _record(self, name: str, *tensors: torch.Tensor) -> None:
         self.calls.append((self.phase, name))
+        self.sequence.append((name, tuple(t.numel() for t in tensors)))
         for i, tensor in enumerate(tensors):
             if self._on_device.get(id(tensor)) is not tensor:
                 self.misplaced.append((self.phase, name, f"tensor {i} on {tensor.device}"))
 
     def _record_object(self, name: str) -> None:
         self.calls.append((self.phase, name))
+        self.sequence.append((name, ()))
         if self._current != FAKE_DEVICE:
             self.misplaced.append((self.phase, name, f"current device {self._current}"))
 

@@ -19,6 +19,11 @@ from tierwise.precision import PARAM_BYTES, optim_stored_bytes
 from tierwise.profile import Profile, activation_blocks
 from tierwise.units import format_bytes, format_gib
 
+REDUCTION_BLOCKS = 2
+"""Device blocks (of the largest chunk) that gradients in flight between ranks hold, whatever
+the model's size and the world size: one being reduced while the next fills ([Note: bounded
+gradient blocks] in tierwise.runtime.reduce)."""
+
 AUTO_CHUNKS = 16
 """'auto' chunk size aims at about this many chunks (never below the largest parameter)."""
 
@@ -147,8 +152,8 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
         for cap, t, _, shards in caps
         if t
     )
-    # see [Note: gradient path]: trainable chunks reduced across ranks go through staging
-    staging_blocks = sum(1 for _, t, dp, _ in caps if t and dp > 1)
+    # gradients in flight between ranks: a fixed pool, [Note: bounded gradient blocks]
+    staging_blocks = REDUCTION_BLOCKS if any(t and dp > 1 for _, t, dp, _ in caps) else 0
     min_blocks = _min_blocks(profile, layout, config)
 
     reasons = []

@@ -115,15 +115,14 @@ class Chunk:
     compute_refs: int = 0
     """How many parameters of this chunk are in COMPUTE (resident while > 0)."""
     staging: torch.Tensor | None = None
-    """Full-chunk gradient buffer on the device while this backward fills it."""
-    staging_borrowed: bool = False
-    """``staging`` is autograd's gradient tensor itself (a parameter filling the chunk)."""
+    """Full-chunk gradient buffer (a device block or a host buffer) while this backward fills
+    it, until its reduction is launched ([Note: bounded gradient blocks])."""
     pending: int = 0
     """Trainable parameters whose gradient this backward has not delivered yet."""
     grad_state: GradState = GradState.EMPTY
     """Where its gradients are in their lifecycle: [Note: gradient lifecycle]."""
     local_grad: torch.Tensor | None = None
-    """Full-chunk gradients accumulated locally under no_sync (not yet reduced)."""
+    """Full-chunk gradients accumulated locally under no_sync (not yet reduced; host memory)."""
 
     @property
     def key(self) -> tuple[str, int]:

@@ -35,6 +35,7 @@ class ModuleAccess:
         module_names: dict[torch.nn.Module, str],
         scaler: DynamicLossScaler | None,
         records_order: Callable[[], bool],
+        on_backward_module: Callable[[], None] | None = None,
     ) -> None:
         self.index = index
         self.residency = residency
@@ -44,6 +45,9 @@ class ModuleAccess:
         self.scaler = scaler
         """fp16's loss scaler (its scale multiplies the loss's gradient)."""
         self._records_order = records_order
+        self.on_backward_module = on_backward_module
+        """Called when a module's backward starts, before its chunks are fetched: a sync point
+        of the gradient reductions ([Note: one collective order])."""
         """Whether this warm-up step records the order (the first warm-up only)."""
         self.first_use: dict[str, None] = {}
         """Parameter names in the order the warm-up forward first used them."""
@@ -125,6 +129,8 @@ class ModuleAccess:
         if module not in phases.backward_pins:
             phases.backward_pins.add(module)
             self._mark("backward", module)
+            if self.on_backward_module is not None:  # before its gathers: [Note: one
+                self.on_backward_module()  # collective order]
             self._acquire(module)
 
     def post_backward(self, module: torch.nn.Module) -> None:

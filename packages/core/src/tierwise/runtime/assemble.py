@@ -21,7 +21,6 @@ from tierwise.hardware import Hardware
 from tierwise.hf_compat import enable_hf_checkpointing, hf_checkpointing_enabled
 from tierwise.integrations.hf_save import install_save_pretrained
 from tierwise.parallel.base import snapshot_model
-from tierwise.parallel.timeouts import collective_timeout
 from tierwise.planner import may_recompute, profile_min_blocks
 from tierwise.plugins import PluginHost
 from tierwise.precision import compute_dtype
@@ -127,12 +126,6 @@ def assemble_engine(
         ]
         if own:
             modules[module] = own
-    reduction_group = None
-    if world is not None and dist.get_world_size(world) > 1 and world == dist.group.WORLD:
-        # a second communicator for gradient reductions: [Note: streaming reduction]
-        reduction_group = dist.new_group(
-            backend=dist.get_backend(world), timeout=collective_timeout()
-        )
     engine = Engine(
         model=model,
         config=config,
@@ -149,7 +142,6 @@ def assemble_engine(
         patterns=patterns,
         hardware=hardware,
         memory_tracer=host.memory_tracer,
-        reduction_group=reduction_group,
         activation_blocks=blocks,
     )
     if not blocks and plan.activation_checkpointing:

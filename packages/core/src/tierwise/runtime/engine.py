@@ -21,6 +21,7 @@ from tierwise.config import Config
 from tierwise.optim import DynamicLossScaler
 from tierwise.parallel.collectives import Collectives
 from tierwise.plan import Plan
+from tierwise.planner import REDUCTION_BLOCKS
 from tierwise.precision import compute_dtype
 from tierwise.protocols import MemoryTracer
 from tierwise.runtime.access import ModuleAccess
@@ -64,7 +65,6 @@ class Engine:
         patterns: list[ParallelPattern] = (),
         hardware: Hardware | None = None,
         memory_tracer: Callable[..., MemoryTracer | None] | None = None,
-        reduction_group: dist.ProcessGroup | None = None,
         activation_blocks: dict | None = None,
         grad_offload: GradientOffload | None = None,
     ):
@@ -120,6 +120,7 @@ class Engine:
             module_names={m: n for n, m in model.named_modules()},
             scaler=self.scaler,
             records_order=lambda: not self._relayout_checked,
+            on_backward_module=lambda: self.gradients.sync_point(),
         )
         self.optimizer = OptimizerStep(
             index=self.index,
@@ -147,7 +148,7 @@ class Engine:
             optimizer=self.optimizer,
             traffic=self.traffic,
             world_group=world_group,
-            reduction_group=reduction_group,
+            reduction_blocks=REDUCTION_BLOCKS,
             grad_offload=grad_offload,
         )
         self.backward_failed: str | None = None
@@ -197,7 +198,7 @@ class Engine:
     estimated_peak_activation_bytes = property(
         lambda self: self.tracing.estimated_peak_activation_bytes
     )
-    _staging_slabs = property(lambda self: self.gradients.staging_slabs)
+    _staging_slabs = property(lambda self: self.gradients.reducer.slabs)
 
     def chunks(self):
         return self.index.chunks()

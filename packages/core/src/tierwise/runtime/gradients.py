@@ -1,7 +1,7 @@
 """The gradient path: capture, staging, reduction across ranks, gradient shards.
 
 A component of :class:`tierwise.runtime.engine.Engine` ([Note: shared runtime state]): it owns
-the staging pool, the ``no_sync`` state and the streaming reducer, and the chunks' gradient
+the ``no_sync`` state and the gradient reducer, and the chunks' gradient
 lifecycle up to REDUCED ([Note: gradient lifecycle]) with the per-backward counters (``pending``,
 the slots' ``got_grad``, ``has_grad`` and ``kept_grad``); it hands finished chunks to the
 optimizer step (``grads_final``). See [Note: gradient path].
@@ -21,9 +21,9 @@ from tierwise.parallel.collectives import Collectives
 from tierwise.runtime.host_grad_copies import HostGradCopies
 from tierwise.runtime.host_grad_copies import applies as host_copy_applies
 from tierwise.runtime.phases import Phases
-from tierwise.runtime.reduce import StreamingReducer
+from tierwise.runtime.reduce import GradientReducer
 from tierwise.runtime.shared import ChunkIndex, Traffic
-from tierwise.tiers.base import PayloadKind, Tier
+from tierwise.tiers.base import Tier
 
 if TYPE_CHECKING:
     from tierwise.runtime.grad_offload import GradientOffload
@@ -78,7 +78,7 @@ class GradientPath:
         optimizer: OptimizerStep,
         traffic: Traffic,
         world_group: dist.ProcessGroup | None,
-        reduction_group: dist.ProcessGroup | None = None,
+        reduction_blocks: int = 2,
         grad_offload: GradientOffload | None = None,
     ) -> None:
         self.index = index
@@ -96,19 +96,18 @@ class GradientPath:
         self.host_copies = HostGradCopies(tiers.get("host"), scratch_bytes=self._chunk_grad_bytes)
         """Gradient copies into pinned host shards in flight ([Note: one host wait per
         chunk])."""
-        self._staging_free: list[torch.Tensor] = []
-        self.staging_slabs: list = []
-        """The device slabs of the staging pool (released after a re-layout)."""
-        self.reducer: StreamingReducer | None = None
-        """Streams reductions of chunks sharded over ``world_group`` ([Note: streaming
-        reduction]); made when setup gives a second communicator for them."""
-        if reduction_group is not None:
-            self.reducer = StreamingReducer(
-                group=reduction_group,
-                collectives=collectives,
-                accumulate=self.reduced,
-                release=self.give_back_staging,
-            )
+        self.reducer = GradientReducer(
+            collectives=collectives,
+            device_tier=tiers["device"],
+            dtype=dtype,
+            blocks=reduction_blocks,
+            world_group=world_group,
+            prepare=self._prepare_reduction,
+            accumulate=self._reduced,
+        )
+        """Reduces the chunks of data-parallel groups ([Note: one collective order], [Note:
+        bounded gradient blocks])."""
+        self.reducer.set_chunks(self._reduced_chunks())
 
     def on_grad(self, param: torch.nn.Parameter) -> None:
         """post-accumulate-grad hook: move the gradient into the chunk's staging buffer."""
@@ -121,77 +120,69 @@ class GradientPath:
         if chunk.group.world == 1:
             self._add_to_grad_shard(chunk, slot, grad)
             return
-        landed = chunk.grad_state is GradState.REDUCED  # in this backward: HELD after it
-        if self._streams(chunk) and (landed or self.reducer.holds(chunk)):
-            raise RuntimeError(
-                f"tierwise: parameter {slot.name} received a second gradient after its chunk was "
-                "handed to the gradient reduction in this backward (a parameter reused across "
-                "re-entrant checkpoint segments); with several ranks use non-re-entrant "
-                "checkpointing (use_reentrant=False)"
-            )
-        if landed:  # late delivery after the chunk was reduced: reduce it on its own
-            self._late_grad(chunk, slot, grad)
+        if self._no_sync:  # accumulate locally, on the host: [Note: bounded gradient blocks]
+            self._begin_delivery(chunk)
+            if chunk.local_grad is None:
+                chunk.local_grad = torch.zeros(chunk.capacity, dtype=self.dtype)
+            segment = chunk.local_grad[slot.offset : slot.offset + slot.numel]
+            segment.add_(grad.reshape(-1).to(segment.device))
+            self._hold_after_backward(slot)
             return
-        self._begin_delivery(chunk)
-        if chunk.staging is None and self._can_borrow(chunk, grad):
-            # the gradient fills the whole chunk (an embedding): reduce it where autograd put it
-            # instead of copying it into a staging buffer (which would hold it twice)
-            chunk.staging, chunk.staging_borrowed = grad.reshape(-1), True
-        elif chunk.staging is None:
-            chunk.staging = self._take_staging(chunk)
-        segment = chunk.staging[slot.offset : slot.offset + slot.numel]
-        if slot.got_grad:  # a second delivery in one backward (re-entrant checkpoint reuse)
-            segment.add_(grad.reshape(-1))
+        if self.reducer.launched(chunk):  # [Note: one collective order]
+            if slot.got_grad:
+                raise RuntimeError(
+                    f"tierwise: parameter {slot.name} received a second gradient after its chunk "
+                    "was handed to the gradient reduction in this backward (a parameter reused "
+                    "across re-entrant checkpoint segments); with several ranks use non-re-entrant "
+                    "checkpointing (use_reentrant=False)"
+                )
+            target = self.reducer.late_buffer(chunk)  # a late gradient
         else:
-            if not chunk.staging_borrowed:  # a borrowed staging buffer is this gradient
-                segment.copy_(grad.reshape(-1))
+            self._begin_delivery(chunk)
+            if chunk.staging is None:
+                self.reducer.staging_for(chunk)
+            target = chunk.staging
+        segment = target[slot.offset : slot.offset + slot.numel]
+        if slot.got_grad:  # a second delivery in one backward (re-entrant checkpoint reuse)
+            segment.add_(grad.reshape(-1).to(segment.device))
+        else:
+            segment.copy_(grad.reshape(-1))
             slot.got_grad = True
             chunk.pending -= 1
-            if chunk.pending == 0 and self._streams(chunk):
-                self._hand_to_reducer(chunk)
+            if chunk.pending == 0:
+                self.reducer.completed(chunk)
+        self._hold_after_backward(slot)
+
+    @staticmethod
+    def _hold_after_backward(slot: ParamSlot) -> None:
         if slot.state is not TensorState.COMPUTE:
             slot.set_state(TensorState.HOLD_AFTER_BWD)
 
-    def _take_staging(self, chunk: Chunk) -> torch.Tensor:
-        """A device buffer of at least ``chunk.capacity`` elements: the smallest free one that
-        fits, else a new one of exactly that size (an oversize chunk, e.g. an embedding, must
-        not make every staging buffer as large as itself)."""
-        fitting = [i for i, b in enumerate(self._staging_free) if b.numel() >= chunk.capacity]
-        if fitting:
-            best = self._staging_free.pop(min(fitting, key=lambda i: self._staging_free[i].numel()))
-            storage = best.untyped_storage()
-            if storage.nbytes() == 0:  # given back at the end of the last backward
-                storage.resize_(best.numel() * best.element_size())
-            return best[: chunk.capacity]
-        slab = self.tiers["device"].allocate(
-            chunk.capacity, self.dtype, kind=PayloadKind.STAGING, what="gradient staging buffer"
-        )
-        self.staging_slabs.append(slab)
-        return slab.tensor
+    def _reduced_chunks(self) -> list[Chunk]:
+        """Trainable chunks of data-parallel groups, in layout order (the same on every rank)."""
+        return [c for c in self.index.chunks() if c.trainable and c.group.world > 1]
 
-    def _release_staging_memory(self) -> None:
-        """End of backward: the free staging buffers give their memory back until the next
-        backward needs them (they stay counted in the device tier's budget), as gradient
-        shards do between steps: [Note: gradient memory between steps]."""
-        for buffer in self._staging_free:
-            buffer.untyped_storage().resize_(0)
+    def sync_point(self) -> None:
+        """A module's backward starts: [Note: one collective order]."""
+        if self.multi_rank and not self._no_sync:
+            self.reducer.sync_point(self.index.by_key)
 
-    def _can_borrow(self, chunk: Chunk, grad: torch.Tensor) -> bool:
-        return (
-            len(chunk.slots) == 1
-            and chunk.slots[0].numel == chunk.capacity
-            and grad.is_contiguous()
-            and grad.dtype == self.dtype
-            and grad.device == self.tiers["device"].device  # [Note: normalised device]
-        )
+    def _prepare_reduction(self, chunk: Chunk) -> None:
+        """Before ``chunk``'s reduction: zeros where no gradient arrived, plus what ``no_sync``
+        accumulated ([Note: gradient lifecycle]: a chunk with no gradient yet starts filling)."""
+        self._begin_delivery(chunk)
+        self._zero_unwritten(chunk, chunk.staging)
+        if chunk.local_grad is not None:  # micro-batches accumulated under no_sync
+            chunk.staging.add_(chunk.local_grad.to(chunk.staging.device))
+            chunk.local_grad = None
 
-    def give_back_staging(self, chunk: Chunk) -> None:
-        if chunk.staging_borrowed:  # autograd's own gradient tensor: just drop it
-            chunk.staging, chunk.staging_borrowed = None, False
-            return
-        base = chunk.staging._base if chunk.staging._base is not None else chunk.staging
-        self._staging_free.append(base)
-        chunk.staging = None
+    def _reduced(self, chunk: Chunk, shard: torch.Tensor) -> None:
+        """A reduction of ``chunk`` landed: add its shard of averaged gradients. A second one
+        in the same backward (late gradients: [Note: one collective order]) adds to the first."""
+        if chunk.grad_state is GradState.REDUCED:
+            chunk.move_grads(GradState.ACCUMULATING, _OWNER)
+        self._accumulate_grad_shard(chunk, shard)
+        chunk.move_grads(GradState.REDUCED, _OWNER)
 
     def _add_to_grad_shard(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Single process: accumulate straight into the gradient shard (no staging needed).
@@ -353,28 +344,6 @@ class GradientPath:
             return  # finished already, or nothing delivered in this backward
         chunk.move_grads(GradState.REDUCED, _OWNER)
 
-    def _streams(self, chunk: Chunk) -> bool:
-        """Whether this chunk's reduction goes through the streaming reducer."""
-        return (
-            self.reducer is not None
-            and not self._no_sync
-            and chunk.group.process_group is self.world_group
-        )
-
-    def _hand_to_reducer(self, chunk: Chunk, *, at_end: bool = False) -> None:
-        self._zero_unwritten(chunk, chunk.staging)
-        if chunk.local_grad is not None:  # micro-batches accumulated under no_sync
-            chunk.staging.add_(chunk.local_grad)
-            chunk.local_grad = None
-        if not at_end:
-            self.reducer.chunk_complete(chunk, self.index.by_key)
-
-    def reduced(self, chunk: Chunk, shard: torch.Tensor) -> None:
-        """The streaming reducer finished ``chunk``: its shard of averaged gradients."""
-        self._accumulate_grad_shard(chunk, shard)
-        chunk.move_grads(GradState.REDUCED, _OWNER)
-        self.optimizer.grads_final(chunk)
-
     @staticmethod
     def _zero_unwritten(chunk: Chunk, full: torch.Tensor) -> None:
         """Zero the slots of ``full`` whose gradient did not arrive, and the padding."""
@@ -384,50 +353,6 @@ class GradientPath:
                 full[slot.offset : slot.offset + slot.numel].zero_()
             used_end = max(used_end, slot.offset + slot.numel)
         full[used_end:].zero_()
-
-    def _late_grad(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
-        """A gradient arriving after its chunk was finished (a parameter reused across
-        re-entrant checkpoint segments): reduce a chunk-sized buffer holding only it."""
-        chunk.move_grads(GradState.ACCUMULATING, _OWNER)
-        chunk.staging = self._take_staging(chunk)
-        saved = [(s, s.got_grad) for s in chunk.slots]
-        for other in chunk.slots:
-            other.got_grad = other is slot
-        chunk.staging[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
-        self._finish_chunk_grads(chunk)
-        for other, got in saved:
-            other.got_grad = got
-
-    def _finish_chunk_grads(self, chunk: Chunk) -> None:
-        """Zero-fill missing gradients, reduce across ranks, accumulate into the grad shard."""
-        self._zero_unwritten(chunk, chunk.staging)
-        full = chunk.staging
-        if self._no_sync:
-            if chunk.local_grad is None:
-                chunk.local_grad = full.clone()
-            else:
-                chunk.local_grad.add_(full)
-            self.give_back_staging(chunk)
-            return  # FILLING/ACCUMULATING until the end of backward: [Note: gradient lifecycle]
-        if chunk.local_grad is not None:
-            full = chunk.local_grad.add_(full)
-        group = chunk.group
-        if group.world > 1:
-            full.div_(group.world)
-            if group.sharded:  # [Note: reduce-scatter in place]
-                start, end = chunk.shard_range()
-                shard = full[start:end]
-                self.collectives.reduce_scatter(shard, full, group.process_group)
-            else:
-                self.collectives.all_reduce(full, group.process_group)
-                shard = full
-        else:
-            shard = full
-        self._accumulate_grad_shard(chunk, shard)
-        chunk.local_grad = None
-        self.give_back_staging(chunk)
-        chunk.move_grads(GradState.REDUCED, _OWNER)
-        self.optimizer.grads_final(chunk)
 
     def _accumulate_grad_shard(self, chunk: Chunk, shard: torch.Tensor) -> None:
         optim = chunk.optim
@@ -458,39 +383,25 @@ class GradientPath:
 
     def end_backward(self) -> None:
         """Autograd finished a backward: finalise every chunk's gradients (zeros where none
-        arrived), finish the streamed reductions, and reset the gradient flags."""
+        arrived), finish the reductions ([Note: one collective order]), hand the chunks to
+        the optimizer step, and reset the gradient flags."""
         for chunk in self.index.chunks():
             if chunk.trainable and chunk.group.world == 1:
                 self._finish_fresh_grad(chunk)  # [Note: first gradient is a copy]
-            elif chunk.trainable and not self._finished(chunk):
-                if chunk.staging is None:  # got no gradient at all: finalised as zero
-                    chunk.staging = self._take_staging(chunk)
-                self._begin_delivery(chunk)
-                if self._streams(chunk):
-                    self._hand_to_reducer(chunk, at_end=True)
-                else:
-                    self._finish_chunk_grads(chunk)
-        if self.reducer is not None and not self._no_sync:
-            streamed = [c for c in self.index.chunks() if c.trainable and self._streams(c)]
-            self.reducer.finish(streamed, self.index.by_key)
-        self._release_staging_memory()
+        if self.multi_rank and not self._no_sync:
+            self.reducer.finish(self.index.by_key)
+            for chunk in self._reduced_chunks():
+                self.optimizer.grads_final(chunk)
+        self.reducer.release_memory()
         self._reset_flags()
 
     def abandon_backward(self) -> None:
         """A backward stopped on an error: drop its staged gradients and reset the flags
         ([Note: an abandoned backward]; ``zero_grad`` drops the shards)."""
         self.host_copies.drop()  # no copy may still write into a shard being dropped
-        for chunk in self.index.chunks():
-            if chunk.staging is not None:
-                self.give_back_staging(chunk)
+        self.reducer.abandon(list(self.index.chunks()))
         self._reset_flags()
-        self._release_staging_memory()
-
-    def _finished(self, chunk: Chunk) -> bool:
-        """Whether this backward's gradients of ``chunk`` were reduced or handed over."""
-        if chunk.grad_state is GradState.REDUCED:
-            return True
-        return self.reducer is not None and self.reducer.holds(chunk)
+        self.reducer.release_memory()
 
     def _reset_flags(self) -> None:
         """The backward is over: per-backward counters restart, and each chunk's gradients
@@ -526,10 +437,6 @@ class GradientPath:
                 self._store_kept_grads(chunk)
 
     def renew_staging(self) -> None:
-        """After chunks were re-packed: a new staging pool and reduction order."""
-        for slab in self.staging_slabs:
-            slab.tier.release(slab)
-        self.staging_slabs, self._staging_free = [], []
+        """After chunks were re-packed: a new block pool and reduction order."""
+        self.reducer.renew(self._reduced_chunks())
         self.host_copies.release()
-        if self.reducer is not None:
-            self.reducer.order = None

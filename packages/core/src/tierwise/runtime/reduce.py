@@ -1,17 +1,51 @@
-"""Streaming gradient reduction across data-parallel ranks in an order every rank agrees on.
+"""Gradient reductions across data-parallel ranks: one agreed order, a bounded number of device
+blocks, launched at points every rank reaches alike.
 
-[Note: streaming reduction]
-Chunks complete their gradients in backward in an order that can differ between ranks (an expert
-routed on one rank only; a branch taken on one rank). Collectives on one process group must be
-issued in the same order everywhere, and the engine's parameter all-gathers share the chunk's
-group. So reductions go to a *separate* process group (a clone of the data-parallel group,
-created once at setup) and are launched asynchronously, in one agreed order: the order in which
-rank 0's chunks completed during the warm-up step (broadcast to all ranks at its end). A chunk
-that completes before its turn waits in its staging buffer; launches never block, so a rank
-waiting for its peer's launch keeps computing (and gathering) meanwhile. Finished reductions are
-accumulated into the gradient shards as they complete; the end of backward zero-fills what got no
-gradient, launches the rest in order and waits for all. During warm-up every chunk is reduced at
-the end of backward, in chunk order.
+[Note: one collective order]
+Collectives on a communicator must be issued in the same order on every rank (NCCL hangs, or
+pairs the wrong calls, when they are not), and the parameter all-gathers and the gradient
+reductions share each chunk's group: there is no second communicator. Gradients complete in
+an order that can differ between ranks (an expert routed on one rank only, a branch taken on
+one rank), so a reduction is never launched *because* its chunk completed. The rule:
+
+- The *reduction order* is the reverse of the chunks' layout order (chunks are packed in first
+  use order, so backward completes them roughly in reverse), known before the first backward
+  and identical on every rank by construction: no rank's trace decides it.
+- Reductions are launched only at *sync points*: the start of each module's backward (before
+  that module's all-gathers, ``ModuleAccess.pre_backward``) and the end of backward. Ranks
+  that shard chunks run the same modules (all-gathers already require it), so the k-th sync
+  point is the same moment of the collective sequence on every rank; ranks whose chunks are
+  only replicated issue no all-gather in backward, so there the sequence is the reductions
+  alone.
+- Each chunk has a *due* sync point, the same on every rank: the first sync point after the
+  chunk completed on the slowest rank in the last backward (the end of backward in the first
+  one, and after a re-layout). At sync point k a rank launches, in the reduction order, every
+  chunk due by k: whatever its buffer holds, even if not every gradient arrived here yet.
+  The rest launch at the end of backward, in order.
+- A gradient that arrives after its chunk was launched is *late*: it goes to a host buffer.
+  At the end of backward one small all-reduce (MAX, on the world group) agrees on which chunks
+  had a late gradient on some rank and on when each chunk completed on the slowest rank (the
+  next backward's due points); flagged chunks are reduced once more, in order, from the late
+  buffers (zeros on ranks without one). Reduction is linear, so the two reductions sum to the
+  one they replace (rounding aside; a static model has no late gradient, so its reductions are
+  exactly those of DDP's sum).
+- A chunk's gradients are final only after that agreement: ``grads_final`` is called for every
+  chunk at the end of backward.
+
+The launch sequence is therefore a function of the sync points and the due points alone,
+identical on every rank (``tests/core/test_reduction_order.py`` records it under different
+routes and branches).
+
+[Note: bounded gradient blocks]
+Gradients in flight hold at most ``blocks`` device buffers of the largest chunk (the planner's
+``REDUCTION_BLOCKS``), whatever the model's size and the world size, the first backward
+included. A chunk's first gradient takes a free block, or, when none is free, a host buffer
+(a chunk that completes early, or many chunks accumulating at once, wait on the host). A
+chunk reduced from a host buffer is copied into a block first; when every block is taken the
+oldest reduction in flight is waited for, and when none is in flight a block of a chunk still
+waiting is spilled to the host. The reduced shard is added into the gradient shard and the
+block goes back to the pool. Host buffers are kept for reuse: their number is at most the
+number of chunks waiting at once (every trainable chunk in the first backward).
 """
 
 from __future__ import annotations
@@ -24,92 +58,300 @@ import torch.distributed as dist
 
 from tierwise.chunks import Chunk
 from tierwise.parallel.collectives import Collectives
+from tierwise.tiers.base import PayloadKind, Tier
+
+END = 2**62
+"""The due point "end of backward"."""
 
 
-class StreamingReducer:
-    """Launches reduce-scatters (or all-reduces) of completed chunks in the agreed order."""
+class GradientReducer:
+    """Holds the multi-rank gradients of a backward and reduces them: [Note: one collective
+    order], [Note: bounded gradient blocks]. ``chunk.staging`` is the buffer a chunk's
+    gradients of this backward are written into (a device block or a host buffer)."""
 
     def __init__(
         self,
         *,
-        group: dist.ProcessGroup,
         collectives: Collectives,
+        device_tier: Tier,
+        dtype: torch.dtype,
+        blocks: int,
+        world_group: dist.ProcessGroup | None,
+        prepare: Callable[[Chunk], None],
         accumulate: Callable[[Chunk, torch.Tensor], None],
-        release: Callable[[Chunk], None],
-    ):
-        self.group = group
+    ) -> None:
+        if blocks < 1:
+            raise ValueError(f"GradientReducer needs at least one device block, got {blocks}")
         self.collectives = collectives
+        self.device_tier = device_tier
+        self.dtype = dtype
+        self.blocks = blocks
+        self.world_group = world_group
+        self._prepare = prepare
+        """Called on a chunk's staging before its reduction: zero what did not arrive, add
+        what ``no_sync`` accumulated."""
         self._accumulate = accumulate
-        self._release = release
-        self.order: list[Hashable] | None = None
-        self._completed_order: list[Hashable] = []
-        self._ready: set[Hashable] = set()
+        self.order: list[Hashable] = []
+        """The reduction order (chunk keys), the same on every rank."""
+        self.due: dict[Hashable, int] = {}
+        """Per chunk: the sync point its reduction is launched at (``END``: end of backward)."""
+        self._schedule: list[Hashable] = []
         self._next = 0
-        self._inflight: deque[tuple[Chunk, object, torch.Tensor]] = deque()
+        self.sync = 0
+        """Sync points passed in this backward."""
+        self.launches: list[tuple[str, Hashable]] = []
+        """("reduce" | "late", key) of this backward so far, in launch order."""
+        self.last_launches: list[tuple[str, Hashable]] = []
+        """``launches`` of the last finished backward (tests compare them across ranks)."""
+        self._launched: set[Hashable] = set()
+        self._completed: dict[Hashable, int] = {}
+        self._late: dict[Hashable, torch.Tensor] = {}
+        self._on_host: set[Hashable] = set()
+        """Chunks whose staging is a host buffer."""
+        self._holding: dict[Hashable, Chunk] = {}
+        """Chunks not launched yet whose staging is a device block."""
+        self._inflight: deque[tuple[Chunk, object, torch.Tensor, torch.Tensor]] = deque()
+        self._free_blocks: list[torch.Tensor] = []
+        self.slabs: list = []
+        """The device slabs of the pool (at most ``blocks``)."""
+        self._block_numel = 0
+        self._host_free: list[torch.Tensor] = []
+        self._taken = 0
+        self.peak_blocks = 0
+        """Most device blocks taken at once (at most ``blocks``)."""
 
-    @property
-    def streaming(self) -> bool:
-        return self.order is not None
+    # ------------------------------------------------------------------ order and schedule
+    def set_chunks(self, chunks: list[Chunk]) -> None:
+        """The chunks reduced across ranks, in layout order (the same on every rank): the
+        reduction order is its reverse, every chunk due at the end of the next backward."""
+        self.order = [c.key for c in reversed(chunks)]
+        self.due = dict.fromkeys(self.order, END)
+        self._block_numel = max((c.capacity for c in chunks), default=0)
+        self._build_schedule()
 
-    def holds(self, chunk: Chunk) -> bool:
-        """Whether ``chunk`` was handed over in this backward (in flight or landed)."""
-        return chunk.key in self._ready
+    def _build_schedule(self) -> None:
+        position = {key: i for i, key in enumerate(self.order)}
+        self._schedule = sorted(self.order, key=lambda k: (self.due[k], position[k]))
+        self._next = 0
 
-    def chunk_complete(self, chunk: Chunk, chunks_by_key: dict) -> None:
-        """A chunk's staging buffer holds all its gradients for this backward."""
-        self._completed_order.append(chunk.key)
-        self._ready.add(chunk.key)
-        if self.streaming:
-            self._launch_ready(chunks_by_key)
-            self._collect(block=False)
+    def launched(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s reduction was launched in this backward."""
+        return chunk.key in self._launched
 
-    def finish(self, chunks: list[Chunk], chunks_by_key: dict) -> None:
-        """End of backward: every chunk here is complete; launch the rest in order, wait."""
-        for chunk in chunks:
-            if chunk.key not in self._ready:
-                self._completed_order.append(chunk.key)
-                self._ready.add(chunk.key)
-        if self.order is None:  # warm-up: agree on rank 0's completion order from now on
-            for chunk in chunks:
-                self._launch(chunk)
-            self._collect(block=True)
-            self.order = self.collectives.broadcast_object(self._completed_order, self.group)
+    # ------------------------------------------------------------------ buffers
+    def _take_block(self) -> torch.Tensor:
+        if not self._free_blocks:
+            slab = self.device_tier.allocate(
+                self._block_numel,
+                self.dtype,
+                kind=PayloadKind.STAGING,
+                what="gradient reduction block",
+            )
+            self.slabs.append(slab)
+            self._free_blocks.append(slab.tensor)
+        block = self._free_blocks.pop()
+        storage = block.untyped_storage()
+        if storage.nbytes() == 0:  # given back at the end of the last backward
+            storage.resize_(block.numel() * block.element_size())
+        self._taken += 1
+        self.peak_blocks = max(self.peak_blocks, self._taken)
+        return block
+
+    def _block_free(self) -> bool:
+        return bool(self._free_blocks) or len(self.slabs) < self.blocks
+
+    def _give_block(self, block: torch.Tensor) -> None:
+        self._taken -= 1
+        self._free_blocks.append(_base(block))
+
+    def _host_buffer(self, numel: int) -> torch.Tensor:
+        for i, buffer in enumerate(self._host_free):
+            if buffer.numel() >= numel:
+                return self._host_free.pop(i)[:numel]
+        pin = self.device_tier.device.type == "cuda"
+        size = max(numel, self._block_numel)
+        return torch.empty(size, dtype=self.dtype, pin_memory=pin)[:numel]
+
+    def _give_host(self, buffer: torch.Tensor) -> None:
+        self._host_free.append(_base(buffer))
+
+    def staging_for(self, chunk: Chunk) -> None:
+        """Give ``chunk`` a buffer for its first gradient of this backward: a free device
+        block, else a host buffer ([Note: bounded gradient blocks])."""
+        self._collect(wait=False)
+        if self._block_free():
+            chunk.staging = self._take_block()[: chunk.capacity]
+            self._holding[chunk.key] = chunk
         else:
-            self._launch_ready(chunks_by_key)
-            self._collect(block=True)
-        self._completed_order = []
-        self._ready.clear()
-        self._next = 0
+            chunk.staging = self._host_buffer(chunk.capacity)
+            self._on_host.add(chunk.key)
 
-    def _launch_ready(self, chunks_by_key: dict) -> None:
-        while self._next < len(self.order) and self.order[self._next] in self._ready:
-            self._launch(chunks_by_key[self.order[self._next]])
+    def late_buffer(self, chunk: Chunk) -> torch.Tensor:
+        """The host buffer of gradients that arrive after ``chunk`` was launched (zeros where
+        none arrived): [Note: one collective order]."""
+        if chunk.key not in self._late:
+            self._late[chunk.key] = self._host_buffer(chunk.capacity).zero_()
+        return self._late[chunk.key]
+
+    def completed(self, chunk: Chunk) -> None:
+        """Every gradient of ``chunk`` arrived on this rank."""
+        self._completed.setdefault(chunk.key, self.sync)
+
+    def _device_block(self, exclude: Hashable) -> torch.Tensor:
+        """A device block for a reduction: wait for the oldest one in flight, or spill a
+        waiting chunk's block to the host, when every block is taken ([Note: bounded gradient
+        blocks])."""
+        self._collect(wait=False)
+        while not self._block_free():
+            if self._inflight:
+                self._collect(wait=True, one=True)
+            else:
+                self._spill_one(exclude)
+        return self._take_block()
+
+    def _spill_one(self, exclude: Hashable) -> None:
+        key = next((k for k in self._holding if k != exclude), None)
+        if key is None:
+            raise RuntimeError("tierwise bug: every gradient block is taken and none can spill")
+        chunk = self._holding.pop(key)
+        host = self._host_buffer(chunk.capacity)
+        host.copy_(chunk.staging)
+        self._give_block(chunk.staging)
+        chunk.staging = host
+        self._on_host.add(key)
+
+    # ------------------------------------------------------------------ launches
+    def sync_point(self, chunks_by_key: dict) -> None:
+        """A module's backward starts: launch what is due ([Note: one collective order])."""
+        self.sync += 1
+        schedule = self._schedule
+        while self._next < len(schedule) and self.due[schedule[self._next]] <= self.sync:
+            self._launch(chunks_by_key[schedule[self._next]])
             self._next += 1
+        self._collect(wait=False)
 
     def _launch(self, chunk: Chunk) -> None:
+        key = chunk.key
+        if chunk.staging is None:  # nothing arrived here yet: zeros
+            chunk.staging = self._device_block(key)[: chunk.capacity]
+            self._holding[key] = chunk
+        self._prepare(chunk)
         full = chunk.staging
-        world = chunk.group.world
-        full.div_(world)  # average first, as DDP does
-        if chunk.group.sharded:
+        if key in self._on_host:
+            self._on_host.discard(key)
+            full = self._device_block(key)[: chunk.capacity]
+            full.copy_(chunk.staging)
+            self._give_host(chunk.staging)
+        else:
+            del self._holding[key]
+        chunk.staging = None
+        self._launched.add(key)
+        self.launches.append(("reduce", key))
+        self._reduce(chunk, full)
+
+    def _reduce(self, chunk: Chunk, full: torch.Tensor) -> None:
+        group = chunk.group
+        full.div_(group.world)  # average first, as DDP does
+        if group.sharded:
             # [Note: reduce-scatter in place]
-            # The rank's reduced shard is written over its own slice of the staging buffer (NCCL
+            # The rank's reduced shard is written over its own slice of the block (NCCL
             # reduce-scatters in place when the output is that slice): no device memory outside
-            # the device tier's staging buffers, which it counts (Invariant 4). The shard is used
-            # before the staging buffer goes back to the pool.
+            # the device tier's blocks, which it counts (Invariant 4). The shard is used
+            # before the block goes back to the pool.
             start, end = chunk.shard_range()
             out = full[start:end]
-            work = self.collectives.reduce_scatter(out, full, self.group, async_op=True)
+            work = self.collectives.reduce_scatter(out, full, group.process_group, async_op=True)
         else:
             out = full
-            work = self.collectives.all_reduce(full, self.group, async_op=True)
-        self._inflight.append((chunk, work, out))
+            work = self.collectives.all_reduce(full, group.process_group, async_op=True)
+        self._inflight.append((chunk, work, out, full))
 
-    def _collect(self, *, block: bool) -> None:
+    def _collect(self, *, wait: bool, one: bool = False) -> None:
         while self._inflight:
-            chunk, work, out = self._inflight[0]
-            if not block and not work.is_completed():
+            chunk, work, out, full = self._inflight[0]
+            if not wait and not work.is_completed():
                 return
             work.wait()
             self._inflight.popleft()
             self._accumulate(chunk, out)
-            self._release(chunk)
+            self._give_block(full)
+            if one:
+                return
+
+    # ------------------------------------------------------------------ end of backward
+    def finish(self, chunks_by_key: dict) -> list[Hashable]:
+        """End of backward: launch what is left in order, agree on late gradients and on the
+        next due points, reduce the late parts, wait for everything ([Note: one collective
+        order]). Returns the keys in reduction order: their gradients are final now."""
+        for key in self._schedule[self._next :]:
+            self._launch(chunks_by_key[key])
+        self._next = len(self._schedule)
+        n = len(self.order)
+        facts = torch.zeros(2 * n, dtype=torch.int64)
+        for i, key in enumerate(self.order):
+            facts[i] = self._completed.get(key, END - 1)
+            facts[n + i] = key in self._late
+        if n and self.world_group is not None:
+            self.collectives.all_reduce(facts, self.world_group, op=dist.ReduceOp.MAX)
+        for i, key in enumerate(self.order):
+            if facts[n + i]:
+                chunk = chunks_by_key[key]
+                block = self._device_block(key)[: chunk.capacity]
+                late = self._late.pop(key, None)
+                if late is None:
+                    block.zero_()
+                else:
+                    block.copy_(late)
+                    self._give_host(late)
+                self.launches.append(("late", key))
+                self._reduce(chunk, block)
+        self._collect(wait=True)
+        for i, key in enumerate(self.order):  # the slowest rank completed it after sync facts[i]
+            self.due[key] = int(facts[i]) + 1
+        self.last_launches, self.launches = self.launches, []
+        self._reset()
+        return list(self.order)
+
+    def _reset(self) -> None:
+        self._build_schedule()
+        self.sync = 0
+        self._launched.clear()
+        self._completed.clear()
+
+    def abandon(self, chunks: list[Chunk]) -> None:
+        """A backward stopped on an error: wait for what is in flight, drop every buffer."""
+        for _chunk, work, _out, full in self._inflight:
+            work.wait()
+            self._give_block(full)
+        self._inflight.clear()
+        for chunk in chunks:
+            if chunk.staging is not None:
+                if chunk.key in self._on_host:
+                    self._give_host(chunk.staging)
+                else:
+                    self._give_block(chunk.staging)
+                chunk.staging = None
+        for late in self._late.values():
+            self._give_host(late)
+        self._late.clear()
+        self._on_host.clear()
+        self._holding.clear()
+        self.launches = []
+        self._reset()
+
+    def release_memory(self) -> None:
+        """Between backwards the free blocks give their memory back (they stay counted in the
+        device tier's budget): [Note: gradient memory between steps]."""
+        for block in self._free_blocks:
+            block.untyped_storage().resize_(0)
+
+    def renew(self, chunks: list[Chunk]) -> None:
+        """Chunks were re-packed: release the pool, a new order, every chunk due at the end."""
+        for slab in self.slabs:
+            slab.tier.release(slab)
+        self.slabs, self._free_blocks, self._taken, self._host_free = [], [], 0, []
+        self.set_chunks(chunks)
+
+
+def _base(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._base if tensor._base is not None else tensor

@@ -239,8 +239,9 @@ def test_nvme_binding_error_names_nvme_and_the_remedies(run_plan, tmp_path):
         r"[\d.]+ \S+ short; free space on the NVMe disk",
         first,
     ), first
-    assert remedies[0].strip() == "what would make it fit:"
-    assert remedies[1:] and all(re.match(r"\s+--gpus \d+: ", r) for r in remedies[1:])
+    # the NVMe disk is the node's: more GPUs on it share its space, so they are no remedy, and
+    # only remedies that would fit are named ([Note: shared per node])
+    assert not any("--gpus" in r for r in remedies), remedies
 
 
 def test_a_plan_says_when_it_assumed_the_nvme_space():

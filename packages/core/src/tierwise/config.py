@@ -66,7 +66,8 @@ class Config:
     """Byte budget for model data on the compute device (int or "8GiB"); None = what it has."""
 
     host_memory: int | str | None = None
-    """Byte budget for model data in host RAM (int or "64GiB"); None = what the machine has."""
+    """Byte budget for model data in host RAM (int or "64GiB"); None = what the machine has.
+    The node's: its ranks share it (each plans with its share)."""
 
     pinned_memory: int | str | None = None
     """Bytes of page-locked host memory (int or "1GiB") for the activation swaps' host buffers on

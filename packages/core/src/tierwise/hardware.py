@@ -45,9 +45,26 @@ class Hardware(JsonDataclass):
     nvme_free: int | None = None
     """Free bytes on the file system holding nvme_path."""
     interconnect_bandwidth: float | None = None
-    """Collective bandwidth between data-parallel ranks, bytes/s."""
+    """Collective bandwidth between data-parallel ranks inside one node (NVLink on SXM
+    boards), bytes/s per rank."""
+    network_bandwidth: float | None = None
+    """Collective bandwidth between nodes, bytes/s per rank (the node's network adapters
+    over its GPUs); used when the ranks span several nodes."""
     world_size: int = 1
     """Number of data-parallel ranks."""
+    gpus_per_node: int | None = None
+    """Ranks on one node (None: min(world_size, 8)). A node's ranks share its host memory,
+    host CPU (Adam) and NVMe bandwidth and capacity; each GPU has its own PCIe link."""
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks sharing one node's host memory, CPU and NVMe."""
+        per_node = self.gpus_per_node or min(self.world_size, 8)
+        return max(1, min(per_node, self.world_size))
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.world_size // self.ranks_per_node)
 
 
 class HardwareError(ValueError):

@@ -60,7 +60,9 @@ def basic_probe(config: Config) -> dict[str, Any]:
     elif device.type == "cpu":
         facts["device_memory"] = facts["host_memory"]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        facts["world_size"] = torch.distributed.get_world_size()
+        facts["world_size"] = world = torch.distributed.get_world_size()
+        # torchrun's ranks on this node share its host memory, CPU and NVMe
+        facts["gpus_per_node"] = int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8)))
     return facts
 
 

@@ -29,6 +29,7 @@ def target_hardware(
     spec: str | None,
     device: str | None,
     gpus: int,
+    gpus_per_node: int | None = None,
     device_memory: int | None = None,
     nvme_path: str | None = None,
     precision: str = "bf16",
@@ -37,11 +38,17 @@ def target_hardware(
     ``device`` (default cuda) when it is present; raise HardwareError otherwise.
 
     ``device_memory`` (bytes) replaces the device capacity; ``gpus`` is the number of
-    data-parallel ranks. With ``nvme_path``, a measurement cached by ``tierwise probe
+    data-parallel ranks, ``gpus_per_node`` how many share one node (default min(gpus, 8)). With ``nvme_path``, a measurement cached by ``tierwise probe
     --nvme-path`` for that directory wins over preset or assumed NVMe bandwidths.
     """
     if gpus < 1:
         raise HardwareError(f"--gpus {gpus}: give at least 1")
+    per_node = min(gpus, 8) if gpus_per_node is None else gpus_per_node
+    if per_node < 1 or gpus % per_node:
+        raise HardwareError(
+            f"--gpus-per-node {per_node}: give a count of at least 1 that divides --gpus {gpus} "
+            "(the nodes hold equally many ranks)"
+        )
     notes = []
     if spec:
         facts = hardware_facts(spec)
@@ -66,6 +73,7 @@ def target_hardware(
         facts["device_type"] = wanted.split(":")[0]
         notes.append(f"hardware: probed this machine's {wanted}")
     facts["world_size"] = gpus
+    facts["gpus_per_node"] = per_node
     if device_memory is not None:
         facts["device_memory"] = device_memory
     if nvme_path:

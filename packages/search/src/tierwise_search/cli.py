@@ -42,6 +42,12 @@ def add_plan_command(subparsers) -> None:
     )
     parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="ranks on one node, sharing its host memory, CPU and NVMe (default min(--gpus, 8))",
+    )
+    parser.add_argument(
         "--device-memory",
         default=None,
         help="device capacity, e.g. 40GiB (default: the "
@@ -50,8 +56,8 @@ def add_plan_command(subparsers) -> None:
     parser.add_argument(
         "--host-memory",
         default=None,
-        help="host budget, e.g. 64GiB (default: this machine's "
-        "when probing, unlimited with --hardware)",
+        help="host budget of one node, shared by its ranks, e.g. 64GiB (default: this "
+        "machine's when probing, unlimited with --hardware)",
     )
     parser.add_argument("--nvme", default=None, metavar="PATH", help="directory for the NVMe tier")
     parser.add_argument(
@@ -212,6 +218,7 @@ def run_plan(args: argparse.Namespace) -> int:
             spec=args.hardware,
             device=args.device,
             gpus=args.gpus,
+            gpus_per_node=args.gpus_per_node,
             device_memory=capacity,
             nvme_path=args.nvme,
             precision=args.precision,
@@ -244,7 +251,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(
             f"model {args.model} {args.size if args.model in _families() else ''} · "
             f"{profile.total_numel:,} parameters · batch {args.batch} x seq {args.seq} · "
-            f"{args.gpus} rank(s) · profile {profile.source}"
+            f"{args.gpus} rank(s) on {target.hardware.nodes} node(s) · profile {profile.source}"
         )
         print(plan.table())
     return 0

@@ -29,6 +29,8 @@ FALLBACKS: dict[str, dict[str, float]] = {
         "nvme_read_bandwidth": 1 * GB,
         "nvme_write_bandwidth": 0.5 * GB,
         "interconnect_bandwidth": 5 * GB,
+        # one 100 Gb/s adapter per node shared by 8 GPUs, 80 % of its rate
+        "network_bandwidth": 1.25 * GB,
     },
     "cpu": {
         "h2d_bandwidth": 2 * GB,  # the "device" is host RAM: a single-threaded memcpy
@@ -41,6 +43,7 @@ FALLBACKS: dict[str, dict[str, float]] = {
         "nvme_read_bandwidth": 0.5 * GB,
         "nvme_write_bandwidth": 0.25 * GB,
         "interconnect_bandwidth": 1 * GB,
+        "network_bandwidth": 1 * GB,
     },
 }
 
@@ -54,13 +57,13 @@ class Rates:
     d2h: float
     """Device -> host bytes/s."""
     nvme_read: float
-    """NVMe -> host bytes/s."""
+    """NVMe -> host bytes/s available to one rank (the node's disks shared by its ranks)."""
     nvme_write: float
-    """Host -> NVMe bytes/s."""
+    """Host -> NVMe bytes/s available to one rank."""
     device_adam: float
     """Device optimizer elements/s."""
     host_adam: float
-    """Host optimizer elements/s."""
+    """Host optimizer elements/s available to one rank (the node's CPU shared by its ranks)."""
     flops: float
     """Device FLOP/s in the compute precision."""
     matmul_efficiency: float
@@ -68,7 +71,8 @@ class Rates:
     memory_bandwidth: float
     """Bytes/s memory-bound ops reach on the device."""
     interconnect: float
-    """Collective bytes/s between ranks."""
+    """Collective bytes/s per rank: NVLink inside one node, the slower of it and the network
+    when the ranks span several nodes (a ring crosses the network)."""
     overlap: bool
     """Transfers overlap compute (CUDA side streams); on CPU they share the cores."""
     device_is_host: bool
@@ -76,6 +80,8 @@ class Rates:
     cores, and an NVMe read lands in device memory directly."""
     world_size: int
     """Data-parallel ranks."""
+    ranks_per_node: int = 1
+    """Ranks sharing one node's host memory, CPU and NVMe."""
     fallbacks: dict[str, str] = field(default_factory=dict)
     """Hardware field -> reason line, for figures that were not probed."""
 
@@ -84,6 +90,14 @@ class Rates:
         return ComputeRates(self.flops, self.matmul_efficiency, self.memory_bandwidth)
 
 
+# [Note: shared per node]
+# A plan is made for one rank, but a node's ranks share what is not per GPU: its host memory
+# and NVMe space (``_Search`` gives each rank 1/ranks_per_node of them), its host CPU (each
+# rank's host Adam velocity is the node's over ranks_per_node) and its NVMe bandwidth (likewise).
+# PCIe is per GPU (h2d/d2h unchanged). Collectives run over NVLink inside one node and over the
+# network between nodes: a ring that crosses nodes goes at the slower of the two. So ranks on
+# one node never add CPU, memory or disk the node does not have, and a refusal that binds on
+# host memory or NVMe never names more GPUs on the same node as a remedy.
 def resolve_rates(hardware: Hardware) -> Rates:
     kind = "cuda" if hardware.device_type == "cuda" else "cpu"
     table = FALLBACKS[kind]
@@ -107,20 +121,26 @@ def resolve_rates(hardware: Hardware) -> Rates:
             f"matmul_efficiency {efficiency:g} is above 1: give the fraction of device_flops "
             "that training matmuls reach (e.g. 0.52)"
         )
+    # a node's host CPU and NVMe are shared by its ranks; PCIe is per GPU: [Note: shared per node]
+    per_node = hardware.ranks_per_node
+    interconnect = pick("interconnect_bandwidth")
+    if hardware.nodes > 1:
+        interconnect = min(interconnect, pick("network_bandwidth"))
     return Rates(
         h2d=pick("h2d_bandwidth"),
         d2h=pick("d2h_bandwidth"),
-        nvme_read=pick("nvme_read_bandwidth"),
-        nvme_write=pick("nvme_write_bandwidth"),
+        nvme_read=pick("nvme_read_bandwidth") / per_node,
+        nvme_write=pick("nvme_write_bandwidth") / per_node,
         device_adam=pick("device_adam_velocity"),
-        host_adam=pick("host_adam_velocity"),
+        host_adam=pick("host_adam_velocity") / per_node,
         flops=pick("device_flops"),
         matmul_efficiency=efficiency,
         memory_bandwidth=pick("device_memory_bandwidth"),
-        interconnect=pick("interconnect_bandwidth"),
+        interconnect=interconnect,
         overlap=kind == "cuda",
         device_is_host=kind == "cpu",
         world_size=max(1, int(hardware.world_size or 1)),
+        ranks_per_node=per_node,
         fallbacks=fallbacks,
     )
 

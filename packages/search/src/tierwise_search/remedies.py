@@ -71,7 +71,8 @@ class _Planner:
         from tierwise_search.search import search_plan
 
         changed = argparse.Namespace(**{**vars(self.args), **changes})
-        target = replace(self.hardware, world_size=changed.gpus)
+        per_node = getattr(self.args, "gpus_per_node", None) or min(changed.gpus, 8)
+        target = replace(self.hardware, world_size=changed.gpus, gpus_per_node=per_node)
         config = plan_config(changed, target.device_type)
         key = (changed.batch, changed.checkpointing)
         if key not in self._profiles:
@@ -102,6 +103,8 @@ def remedies(args: argparse.Namespace, hardware: Hardware, error: PlanError) -> 
         result = planner.plan(changes)
         fits |= isinstance(result, Plan)
         gpus_fit |= "gpus" in changes and isinstance(result, Plan)
+        if "gpus" in changes and not isinstance(result, Plan):
+            continue  # only a GPU count that would fit is a remedy
         lines.append(f"{flag}: {_outcome(result)}")
     if not fits:  # combine: add the first remedy for whatever binds now, while one is left
         flags, changes, result = [], {}, error

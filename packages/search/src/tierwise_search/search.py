@@ -19,7 +19,7 @@ import numpy as np
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError
-from tierwise.planner import may_recompute, profile_min_blocks
+from tierwise.planner import REDUCTION_BLOCKS, may_recompute, profile_min_blocks
 from tierwise.precision import param_bytes
 from tierwise.profile import Profile
 from tierwise.units import format_bytes, format_gib
@@ -116,10 +116,10 @@ def _capacity_for(allowed: int, profile: Profile, activation_bytes: int, config:
 
 
 GRADIENT_STAGING = ("engine", "streaming")
-"""How multi-rank gradients reach their shards: "engine" = core's current path (a full-chunk
-device staging buffer per trainable chunk until the end of backward, see core's [Note: gradient
-path]); "streaming" = reduce-scatter each chunk as soon as its gradients are complete (Elixir,
-PatrickStar), two staging buffers."""
+"""How multi-rank gradients reach their shards: "engine" = core's path, a fixed pool of
+``REDUCTION_BLOCKS`` device blocks whatever the model and world size (core's [Note: bounded
+gradient blocks]); "streaming" = reduce-scatter each chunk as soon as its gradients are complete
+(Elixir, PatrickStar), two staging buffers."""
 
 
 class _Search:
@@ -137,9 +137,16 @@ class _Search:
         self.shard = world if (config.shard and world > 1) else 1
         self.times = layer_times(profile, self.rates.compute)
         self.reasons.append(self.times.source)
-        self.host_capacity = (
-            config.host_memory if config.host_memory is not None else hardware.host_memory
-        )
+        # [Note: shared per node]: host memory and NVMe space are the node's, split by its ranks
+        per_node = self.rates.ranks_per_node
+        node_host = config.host_memory if config.host_memory is not None else hardware.host_memory
+        self.host_capacity = None if node_host is None else node_host // per_node
+        self.nvme_capacity = None if hardware.nvme_free is None else hardware.nvme_free // per_node
+        if per_node > 1:
+            self.reasons.append(
+                f"{per_node} ranks per node share its host memory, host CPU (Adam) and NVMe: "
+                "each rank plans with 1/" + f"{per_node} of them; PCIe is per GPU"
+            )
         if config.device_memory is not None:
             self.reasons.append(
                 f"device_memory {format_bytes(config.device_memory)} is the model-data budget "
@@ -190,7 +197,7 @@ class _Search:
         return Budgets(
             device=allowed if allowed is not None else 0,
             host=self.host_capacity,
-            nvme=self.hardware.nvme_free if self.config.nvme_path else None,
+            nvme=self.nvme_capacity if self.config.nvme_path else None,
             nvme_allowed=self.config.nvme_path is not None,
         )
 
@@ -201,7 +208,7 @@ class _Search:
         if self.rates.world_size == 1:
             staging = 0
         elif self.gradient_staging == "engine":
-            staging = int(table.trainable.sum())
+            staging = REDUCTION_BLOCKS
         else:
             staging = 2
         traffic = replace(
@@ -401,8 +408,11 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
         f"{cache_blocks} rCache blocks, {n_device}/{table.n_chunks} chunks on the device, "
         f"{format_bytes(moved)} fetched into the rCache per step; params {_counts(all_params)}; "
         f"optimizer {_counts(all_optims)}",
-        f"model data: device {format_bytes(memory.device)}, host {format_bytes(memory.host)}, "
-        f"nvme {format_bytes(memory.nvme)}",
+        f"model data per rank: device {format_bytes(memory.device)}, host "
+        f"{format_bytes(memory.host)}, nvme {format_bytes(memory.nvme)}; per node "
+        f"({search.rates.ranks_per_node} ranks): device {format_bytes(memory.device * search.rates.ranks_per_node)}, "
+        f"host {format_bytes(memory.host * search.rates.ranks_per_node)}, nvme "
+        f"{format_bytes(memory.nvme * search.rates.ranks_per_node)}",
         f"activations: {best.choice.name}; {_counts(list(best.policy.values())) or 'no blocks profiled'}",
     ]
     reasons += block_reasons(search.profile, search.times.layers, best.choice, best.policy)

@@ -1,0 +1,115 @@
+"""`tierwise train` across two "nodes" on this machine: two torchrun agents (--nnodes 2,
+--node-rank 0 and 1, one process each) meet on 127.0.0.1, train and save; the run resumes on one
+process of one node."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from tierwise.checkpoint_reader import CheckpointReader
+from tierwise.cli import main
+from tierwise.train.metrics import train_losses
+
+pytestmark = pytest.mark.multiprocess
+TINY = ["--model", "llama", "--size", "tiny", "--batch", "4", "--seq", "64", "--sample-tokens", "0"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_train_save_and_resume_on_one(tmp_path, capsys):
+    port, run = _free_port(), tmp_path / "run"
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "-m",
+                "tierwise.cli",
+                "train",
+                *TINY,
+                "--steps",
+                "6",
+                "--stop-after",
+                "3",
+                "--out",
+                str(run),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [agent.communicate(timeout=600) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    for agent, (_, err) in zip(agents, outputs, strict=True):
+        assert agent.returncode == 0, err[-4000:]
+    # rank 0 (node 0) reports; node 1's rank prints nothing of the run
+    assert "step" in outputs[0][0] and outputs[1][0].strip() == ""
+    saved = CheckpointReader(run / "checkpoints" / "step-000003")
+    assert saved.world_size == 2
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        code = main(["train", "--resume", str(run)])
+    finally:
+        os.chdir(cwd)
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "resumed" in out and "at step 3" in out
+    assert sorted(train_losses(run / "metrics.jsonl")) == [1, 2, 3, 4, 5, 6]
+    assert CheckpointReader(run / "checkpoints" / "step-000006").world_size == 1
+
+
+def test_an_error_every_rank_hits_prints_once(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "tierwise.cli",
+            "train",
+            "--resume",
+            str(tmp_path / "no-such-run"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode != 0
+    assert done.stderr.count("tierwise train: error:") == 1, done.stderr[-3000:]

@@ -1,0 +1,63 @@
+"""Plans for whole nodes ([Note: shared per node]): a node's ranks share its host memory, CPU
+and NVMe; PCIe is per GPU; collectives cross the network between nodes; gradients in flight
+take a fixed number of device blocks whatever the world size ([Note: bounded gradient blocks])."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("tierwise_search")
+
+from search_helpers import gpu_hardware, make_profile  # noqa: E402
+from tierwise import Config, PlanError  # noqa: E402
+from tierwise.cli import main  # noqa: E402
+from tierwise.planner import REDUCTION_BLOCKS, default_plan  # noqa: E402
+from tierwise_search.rates import resolve_rates  # noqa: E402
+from tierwise_search.search import search_plan  # noqa: E402
+
+
+def test_a_nodes_cpu_and_nvme_are_shared_and_pcie_is_per_gpu():
+    one = resolve_rates(gpu_hardware(world_size=1))
+    node = resolve_rates(gpu_hardware(world_size=8))  # gpus_per_node: min(8, 8)
+    assert node.ranks_per_node == 8
+    assert node.host_adam == one.host_adam / 8
+    assert (node.nvme_read, node.nvme_write) == (one.nvme_read / 8, one.nvme_write / 8)
+    assert (node.h2d, node.d2h) == (one.h2d, one.d2h)
+    assert node.interconnect == one.interconnect  # NVLink inside the node
+    two_nodes = resolve_rates(gpu_hardware(world_size=16, network_bandwidth=25e9))
+    assert two_nodes.ranks_per_node == 8
+    assert two_nodes.interconnect == 25e9  # the ring crosses the network
+    spread = resolve_rates(gpu_hardware(world_size=8, gpus_per_node=2))
+    assert spread.host_adam == one.host_adam / 2
+
+
+def test_each_rank_plans_with_its_share_of_the_node_and_prints_both():
+    profile = make_profile([[4096] * 4 for _ in range(4)])
+    config = Config(device="cuda", device_memory=400_000, host_memory=800_000)
+    # 800 kB of host memory holds one rank's share alone (one rank per node) ...
+    search_plan(profile, gpu_hardware(world_size=4, gpus_per_node=1), config)
+    # ... but not four ranks' shares on one node
+    with pytest.raises(PlanError, match="host memory binds"):
+        search_plan(profile, gpu_hardware(world_size=4), config)
+    config = Config(device="cuda", device_memory=400_000, host_memory=4_000_000)
+    plan = search_plan(profile, gpu_hardware(world_size=4), config)
+    line = next(r for r in plan.reasons if r.startswith("model data per rank"))
+    assert "per node (4 ranks)" in line
+    assert any("4 ranks per node share its host memory" in r for r in plan.reasons)
+
+
+@pytest.mark.parametrize("world", [2, 8, 64])
+def test_gradient_blocks_do_not_grow_with_ranks_or_chunks(world):
+    profile = make_profile([[4096] * 4 for _ in range(8)])  # 32 trainable chunks of 4096
+    config = Config(device="cuda", chunk_size=4096, param_placement="host")
+    one_rank = default_plan(profile=profile, hardware=gpu_hardware(world_size=1), config=config)
+    ranks = default_plan(profile=profile, hardware=gpu_hardware(world_size=world), config=config)
+    block = 4096 * 2  # bf16
+    assert ranks.device_allowance - one_rank.device_allowance <= REDUCTION_BLOCKS * block
+
+
+def test_gpus_per_node_must_divide_the_gpus(capsys):
+    code = main(["plan", "--model", "gpt2", "--hardware", "a100-40gb", "--gpus", "6",
+                 "--gpus-per-node", "4"])  # fmt: skip
+    assert code == 2
+    assert "--gpus-per-node 4" in capsys.readouterr().err

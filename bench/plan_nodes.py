@@ -75,7 +75,8 @@ def main() -> None:
                     "grad_blocks_gib": round(grad_blocks / 2**30, 3),
                     "sharded_model_data_per_rank_gib": round(model_data / gpus / 2**30, 3),
                     "bound_gib": round((model_data / gpus + rcache + grad_blocks) / 2**30, 3),
-                    "within_bound": plan.device_allowance <= model_data / gpus + rcache + grad_blocks,
+                    "within_bound": plan.device_allowance
+                    <= model_data / gpus + rcache + grad_blocks,
                     "memory": host_line,
                     "predicted_tokens_per_s": round(tokens, 1),
                     "vs_linear": round(tokens / (base * gpus), 3),

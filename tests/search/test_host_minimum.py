@@ -95,3 +95,40 @@ def test_engine_trains_at_the_stated_host_minimum_and_not_below(
     placed = {t for tiers in engine.plan.optim_tiers.values() for t in tiers}
     assert ("nvme" in placed) == use_nvme
     engine.close()
+
+
+def test_host_budget_counts_the_load_and_save_buffers():
+    """Plan.io_buffer_bytes sit on the host beside the model data while weights load or save
+    (setup and save_pretrained reserve them there): a host budget holding the model data but not
+    the buffers is refused, naming them; one holding both is accepted and the plan carries the
+    figure it counted."""
+    from tierwise.plan import io_buffer_bytes
+    from tierwise_search.activations import activation_choices
+    from tierwise_search.placement import Budgets, Forced, minimum_placement
+    from tierwise_search.search import _Search
+
+    profile = make_profile([[700, 2300, 4096, 4096, 300] for _ in range(8)], head=6000)
+    hardware = gpu_hardware()
+
+    def config(host_memory):
+        return Config(device="cpu", device_memory=100_000, host_memory=host_memory, chunk_size=8192)
+
+    # the smallest plan's model data, from the cost model with an unlimited host
+    search = _Search(profile, hardware, config(None), "engine")
+    choice = activation_choices(
+        profile, search.times.layers, offload="off", checkpointing=False, nvme=False
+    )[0]
+    model = search.model(8192, choice)
+    unlimited = Budgets(device=100_000, host=None, nvme=None, nvme_allowed=False)
+    data = model.memory(minimum_placement(model, unlimited, Forced())).host
+    table = model.setting.table
+    io = io_buffer_bytes(6000, max(int(table.capacity.max()), 6000))  # largest param: the head
+    assert search.io_bytes(table) == io > 0
+
+    with pytest.raises(PlanError, match="load/save buffers") as info:
+        search_plan(profile, hardware, config(data))  # the model data fits, the buffers do not
+    assert stated_host_minimum(info.value) == data + io
+    with pytest.raises(PlanError, match="load/save buffers"):
+        search_plan(profile, hardware, config(data + io - 1))
+    plan = search_plan(profile, hardware, config(data + io))
+    assert plan.io_buffer_bytes == io

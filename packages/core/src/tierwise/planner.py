@@ -14,7 +14,7 @@ from tierwise.cache_minimum import min_cache_blocks, recompute_blocks
 from tierwise.chunks import first_use_order, pack
 from tierwise.config import Config
 from tierwise.hardware import Hardware
-from tierwise.plan import Plan, PlanError
+from tierwise.plan import Plan, PlanError, io_buffer_bytes
 from tierwise.precision import PARAM_BYTES, optim_stored_bytes
 from tierwise.profile import Profile, activation_blocks
 from tierwise.units import format_bytes, format_gib
@@ -249,6 +249,15 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
         f"{cache_blocks} rCache blocks of {chunk_size:,} elements (at most {min_blocks} "
         f"chunks are in use at once; prefetch {config.prefetch})"
     )
+    largest = max(p.numel for p in profile.params)
+    io_bytes = io_buffer_bytes(largest, max(cap for cap, *_ in caps))
+    host_data = 0  # the payloads setup puts in the host tier for these tiers
+    if param_tier == "host":
+        aliased = config.precision == "fp32" and optim_tier == "host"
+        host_data += frozen_param_bytes if aliased else param_bytes
+    if optim_tier == "host":
+        host_data += optim_bytes
+    _check_host(config, host_data, io_bytes, param_tier, optim_tier)
     return Plan(
         chunk_size=chunk_size,
         cache_blocks=cache_blocks,
@@ -259,8 +268,30 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
         activation_checkpointing=config.activation_checkpointing,
         activation_policy=activation_policy,
         device_allowance=need,
+        io_buffer_bytes=io_bytes,
         planner="core",
         reasons=reasons,
+    )
+
+
+def _check_host(
+    config: Config, host_data: int, io_bytes: int, param_tier: str, optim_tier: str
+) -> None:
+    """Refuse a plan whose host model data and load/save buffers (``Plan.io_buffer_bytes``,
+    reserved on the host tier beside the model data while weights load or save) exceed
+    ``host_memory``: an accepted plan also loads and saves within it."""
+    if config.host_memory is None or host_data + io_bytes <= config.host_memory:
+        return
+    need = host_data + io_bytes
+    raise PlanError(
+        f"host memory binds: this plan (params on {param_tier}, optimizer on {optim_tier}) "
+        f"needs {format_gib(need)} of host memory ({format_gib(host_data)} of model data + "
+        f"{format_gib(io_bytes)} of load/save buffers for weights), host_memory is "
+        f"{format_gib(config.host_memory)}: {format_gib(need - config.host_memory)} short; "
+        "raise host_memory, or set nvme_path and place model data on NVMe",
+        tier="host",
+        need=need,
+        limit=config.host_memory,
     )
 
 

@@ -39,6 +39,14 @@ class Budgets:
     nvme: int | None
     """Free NVMe bytes (None: unknown, unlimited)."""
     nvme_allowed: bool
+    io_bytes: int = 0
+    """Host bytes the load/save buffers take beside the model data (``Plan.io_buffer_bytes``:
+    setup reserves them on the host tier while loading weights, ``save_pretrained`` while
+    saving), so an accepted plan also loads and saves within ``host``."""
+
+    def host_need(self, memory: Memory) -> int:
+        """Host bytes a placement needs: its model data and the load/save buffers."""
+        return memory.host + self.io_bytes
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,7 @@ class PlacementError(ValueError):
 
 
 def _fits_host(memory: Memory, budgets: Budgets) -> bool:
-    if budgets.host is not None and memory.host > budgets.host:
+    if budgets.host is not None and budgets.host_need(memory) > budgets.host:
         return False
     return budgets.nvme is None or memory.nvme <= budgets.nvme
 
@@ -99,8 +107,9 @@ def minimum_placement(model: CostModel, budgets: Budgets, forced: Forced) -> Pla
         if _fits_host(memory, budgets):
             return candidate
         over = []
-        if budgets.host is not None and memory.host > budgets.host:
-            over.append((memory.host - budgets.host, "host", memory.host, budgets.host))
+        host_need = budgets.host_need(memory)
+        if budgets.host is not None and host_need > budgets.host:
+            over.append((host_need - budgets.host, "host", host_need, budgets.host))
         if budgets.nvme is not None and memory.nvme > budgets.nvme:
             over.append((memory.nvme - budgets.nvme, "nvme", memory.nvme, budgets.nvme))
         tried.append(max(over))
@@ -110,6 +119,11 @@ def minimum_placement(model: CostModel, budgets: Budgets, forced: Forced) -> Pla
     host_only_need = tried[0][2]
     _, tier, need, limit = min(tried[1:] if budgets.nvme_allowed else tried)
     short = f"{format_gib(need - limit)} short"
+    buffers = (
+        f" (incl. {format_gib(budgets.io_bytes)} of load/save buffers for weights)"
+        if budgets.io_bytes and tier == "host"
+        else ""
+    )
     if tier == "nvme":
         message = (
             f"NVMe space binds: the smallest plan needs {format_gib(need)} of model data on NVMe, "
@@ -125,13 +139,14 @@ def minimum_placement(model: CostModel, budgets: Budgets, forced: Forced) -> Pla
     elif budgets.nvme_allowed:
         message = (
             f"host memory binds: even with model data on NVMe the smallest plan needs "
-            f"{format_gib(need)} of host memory, host_memory is {format_gib(limit)}: {short}; "
+            f"{format_gib(need)} of host memory{buffers}, host_memory is {format_gib(limit)}: "
+            f"{short}; "
             "raise host_memory"
         )
     else:
         message = (
             f"host memory binds: the smallest plan needs {format_gib(need)} of model data in "
-            f"host memory, host_memory is {format_gib(limit)}: {short}; raise host_memory or "
+            f"host memory{buffers}, host_memory is {format_gib(limit)}: {short}; raise host_memory or "
             "set nvme_path to keep model data on NVMe"
         )
     raise PlacementError(message, tier=tier, need=need, limit=limit)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from tierwise.config import Config
 from tierwise.hardware import Hardware
-from tierwise.plan import Plan, PlanError
+from tierwise.plan import Plan, PlanError, io_buffer_bytes
 from tierwise.planner import REDUCTION_BLOCKS, may_recompute, profile_min_blocks
 from tierwise.precision import param_bytes
 from tierwise.profile import Profile
@@ -193,12 +193,19 @@ class _Search:
         chunk_of = {n: c for n, c in table.chunk_of_param.items() if cached is None or cached[c]}
         return profile_min_blocks(self.profile, chunk_of, recompute=may_recompute(self.config))
 
-    def budgets(self, allowed: int | None) -> Budgets:
+    def io_bytes(self, table: ChunkTable) -> int:
+        """``Plan.io_buffer_bytes`` at this layout, as setup computes it after layout (the
+        largest parameter, the largest chunk)."""
+        largest = largest_param(self.profile)
+        return io_buffer_bytes(largest, max(int(table.capacity.max(initial=0)), largest))
+
+    def budgets(self, allowed: int | None, table: ChunkTable) -> Budgets:
         return Budgets(
             device=allowed if allowed is not None else 0,
             host=self.host_capacity,
             nvme=self.nvme_capacity if self.config.nvme_path else None,
             nvme_allowed=self.config.nvme_path is not None,
+            io_bytes=self.io_bytes(table),
         )
 
     def model(self, chunk_size: int, choice: ActivationChoice) -> CostModel:
@@ -241,10 +248,10 @@ class _Search:
             candidates = [self.config.chunk_size]
         else:
             candidates = chunk_size_candidates(self.profile, self.rates.world_size)
-        budgets = self.budgets(allowed)
         scores, least, too_few, host_errors = [], None, [], []
         for size in candidates:
             model = self.model(size, choice)
+            budgets = self.budgets(allowed, model.setting.table)
             try:
                 start = minimum_placement(model, budgets, self.forced)
             except PlacementError as err:  # the host budget cannot hold this size's minimum
@@ -279,7 +286,7 @@ class _Search:
 
     def place(self, size: int, choice: ActivationChoice, allowed: int | None) -> tuple[Step, dict]:
         model = self.model(size, choice)
-        budgets = self.budgets(allowed)
+        budgets = self.budgets(allowed, model.setting.table)
         start = minimum_placement(model, budgets, self.forced)
         if allowed is None:
             budgets = replace(budgets, device=model.memory(start).device)
@@ -412,7 +419,8 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
         f"{format_bytes(memory.host)}, nvme {format_bytes(memory.nvme)}; per node "
         f"({search.rates.ranks_per_node} ranks): device {format_bytes(memory.device * search.rates.ranks_per_node)}, "
         f"host {format_bytes(memory.host * search.rates.ranks_per_node)}, nvme "
-        f"{format_bytes(memory.nvme * search.rates.ranks_per_node)}",
+        f"{format_bytes(memory.nvme * search.rates.ranks_per_node)}; host also holds "
+        f"{format_bytes(search.io_bytes(table))} of load/save buffers while weights load or save",
         f"activations: {best.choice.name}; {_counts(list(best.policy.values())) or 'no blocks profiled'}",
     ]
     reasons += block_reasons(search.profile, search.times.layers, best.choice, best.policy)
@@ -476,6 +484,7 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
             tokens * search.rates.world_size / total_s if tokens and total_s > 0 else None
         ),
         device_allowance=int(memory.device),
+        io_buffer_bytes=search.io_bytes(table),
         planner="search",
         reasons=reasons,
         alternatives=alternatives,

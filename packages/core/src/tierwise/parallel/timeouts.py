@@ -4,7 +4,7 @@
 When one rank raises (in backward, say), the others are left waiting in a collective that rank
 will never join. torch's default process-group timeout is 30 minutes (gloo) or longer (NCCL
 without async error handling), so a failed run would sit there burning its allocation. Every
-process group tierwise creates (the streaming reducer's communicator, the model-parallel
+process group tierwise creates (the model-parallel and expert-data-parallel
 groups, the one ``tierwise train`` creates under torchrun) uses this timeout instead: a rank
 stuck waiting for a failed peer raises after it and exits. Under torchrun the elastic agent
 also terminates the surviving workers once one has failed, well within this bound; the

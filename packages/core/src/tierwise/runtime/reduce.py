@@ -44,8 +44,9 @@ included. A chunk's first gradient takes a free block, or, when none is free, a 
 chunk reduced from a host buffer is copied into a block first; when every block is taken the
 oldest reduction in flight is waited for, and when none is in flight a block of a chunk still
 waiting is spilled to the host. The reduced shard is added into the gradient shard and the
-block goes back to the pool. Host buffers are kept for reuse: their number is at most the
-number of chunks waiting at once (every trainable chunk in the first backward).
+block goes back to the pool. Host buffers live while chunks wait in them (at most every
+trainable chunk, in the first backward); at the end of backward all but ``blocks`` of them are
+freed.
 """
 
 from __future__ import annotations
@@ -344,6 +345,9 @@ class GradientReducer:
         device tier's budget): [Note: gradient memory between steps]."""
         for block in self._free_blocks:
             block.untyped_storage().resize_(0)
+        # host buffers of chunks that waited are freed too, but for a few kept for the next
+        # backward: between steps they hold nothing ([Note: bounded gradient blocks])
+        del self._host_free[self.blocks :]
 
     def renew(self, chunks: list[Chunk]) -> None:
         """Chunks were re-packed: release the pool, a new order, every chunk due at the end."""

@@ -263,7 +263,10 @@ def test_two_ranks_each_fill_their_shards_and_match_hf(tmp_path):
 
 
 @pytest.mark.combined
-def test_a_checkpoint_larger_than_host_memory_loads_when_the_placement_fits(tmp_path):
+def test_a_checkpoint_larger_than_host_memory_loads_when_the_placement_fits(tmp_path, monkeypatch):
+    # the NVMe tier's read buffers count in host memory ([Note: storage tiers' host buffers]):
+    # 4 KiB blocks fit this sub-MiB budget (one default 4 MiB block would not)
+    monkeypatch.setenv("TIERWISE_NVME_BLOCK_SIZE", "4KiB")
     deeper = dict(num_hidden_layers=48)  # many small tensors: host needs scale with the largest
     save_checkpoint("llama", tmp_path / "ckpt", deeper)
     checkpoint_bytes = (tmp_path / "ckpt" / "model.safetensors").stat().st_size

@@ -93,7 +93,7 @@ def small_disk(tmp_path):
 def test_train_blames_the_nvme_disk_when_its_free_space_binds(tmp_path, small_disk):
     done = run_cli(
         "train", "--host-memory", "4MiB", "--nvme-path", str(small_disk), "--out", "run",
-        cwd=tmp_path,
+        cwd=tmp_path, env={"TIERWISE_NVME_BLOCK_SIZE": "4KiB"},  # read buffers fit 4 MiB
     )  # fmt: skip
     line = assert_one_line_error(done, "train", "NVMe space binds", "free space on the NVMe disk")
     assert "disk the free space is 1.00 MiB" in line and "raise host_memory to" in line

@@ -67,3 +67,11 @@ class FailingBackend:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def nvme_pool_bytes(engine) -> int:
+    """Host bytes of the NVMe tier's own pools as built: its staged-read pool and its optimizer
+    pipeline's pool ([Note: storage tiers' host buffers])."""
+    tier = engine.tiers["nvme"]
+    pools = [tier.staging] + [p.pool for p in engine.optimizer.pipelines.values()]
+    return sum(pool.count * pool.buffer_bytes for pool in pools)

@@ -155,7 +155,10 @@ def test_table_shows_predicted_tflops_and_tokens(run_plan, config_json):
 
 
 # -- errors ---------------------------------------------------------------------------------
-def test_host_binding_error_names_the_tier_and_the_remedies(run_plan, config_json):
+def test_host_binding_error_names_the_tier_and_the_remedies(run_plan, config_json, monkeypatch):
+    # the NVMe tier's read buffers count in host memory ([Note: storage tiers' host buffers]):
+    # 4 KiB blocks let --nvme fit this 300 KiB budget (the default 4 MiB block would not)
+    monkeypatch.setenv("TIERWISE_NVME_BLOCK_SIZE", "4KiB")
     code, _, err = run_plan(
         "--model",
         str(config_json),
@@ -183,8 +186,10 @@ def test_host_binding_error_names_the_tier_and_the_remedies(run_plan, config_jso
     )
 
 
-def test_nvme_space_binding_is_blamed_on_nvme():
+def test_nvme_space_binding_is_blamed_on_nvme(monkeypatch):
     from tierwise_search.cost import state_copies
+
+    monkeypatch.setenv("TIERWISE_NVME_BLOCK_SIZE", "4KiB")  # read buffers fit the host budget
 
     profile = make_profile([[4096] * 4 for _ in range(4)])
     config = Config(device="cpu", device_memory=200_000, host_memory=300_000, nvme_path="/tmp")
@@ -200,7 +205,8 @@ def test_nvme_space_binding_is_blamed_on_nvme():
 # combined: the NVMe need counts the nvme plugin's two regions per optimizer-state slab
 # ([Note: atomic optimizer step]); without the plugin the search counts one and the host binds first
 @pytest.mark.combined
-def test_nvme_binding_error_names_nvme_and_the_remedies(run_plan, tmp_path):
+def test_nvme_binding_error_names_nvme_and_the_remedies(run_plan, tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERWISE_NVME_BLOCK_SIZE", "4KiB")  # read buffers fit the host budget
     config = tmp_path / "config.json"  # a llama of 2.4 MiB of model data (bf16 + fp32 Adam)
     config.write_text(
         json.dumps(

@@ -45,6 +45,13 @@ def host_bytes(config: Config, host_memory: int | None = None) -> int | None:
     return min(known) if known else None
 
 
+def read_pool_count(*, block_size: int, queue_depth: int, host: int | None) -> int:
+    """Buffers of an NVMe tier's staged-read pool (see ``StagingPool.for_reads``)."""
+    wanted = queue_depth + 2
+    count = wanted if host is None else min(wanted, int(host * HOST_FRACTION) // block_size)
+    return max(1, count)
+
+
 class StagingPool:
     """``count`` buffers of ``buffer_bytes`` each, allocated on first use and then reused."""
 
@@ -94,12 +101,11 @@ class StagingPool:
         the host memory (Config.host_memory or what is available), and at least one buffer.
         A chunk's size does not matter: staged reads stream through the pool block by block.
         """
-        wanted = queue_depth + 2
-        host = host_bytes(config, host_memory)
-        count = wanted if host is None else min(wanted, int(host * HOST_FRACTION) // block_size)
         return cls(
             buffer_bytes=block_size,
-            count=max(1, count),
+            count=read_pool_count(
+                block_size=block_size, queue_depth=queue_depth, host=host_bytes(config, host_memory)
+            ),
             pin=torch.device(config.device).type == "cuda",
         )
 
@@ -156,4 +162,4 @@ class StagingPool:
         return self.allocated * self.buffer_bytes
 
 
-__all__ = ["HOST_FRACTION", "StagingPool", "host_bytes"]
+__all__ = ["HOST_FRACTION", "StagingPool", "host_bytes", "read_pool_count"]

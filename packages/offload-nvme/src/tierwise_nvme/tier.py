@@ -16,7 +16,7 @@ from tierwise_nvme.backends import IOBackend, open_backend
 from tierwise_nvme.options import NVMeOptions
 from tierwise_nvme.preflight import check_directory, check_space
 from tierwise_nvme.staged_read import StagedReads
-from tierwise_nvme.staging import HOST_FRACTION, StagingPool, host_bytes
+from tierwise_nvme.staging import HOST_FRACTION, StagingPool, host_bytes, read_pool_count
 from tierwise_nvme.swapfile import SwapFile, align_up, remove_stale_files, swap_file_name
 from tierwise_nvme.transfer import Transfers
 
@@ -300,13 +300,9 @@ class NVMeTier(Tier):
         from tierwise_nvme.optimizer_pipeline import OptimizerPipeline
 
         if lookahead is None:
-            queue_bytes = self.options.queue_depth * self.options.block_size
-            lookahead = min(MAX_LOOKAHEAD, max(1, -(-queue_bytes // (states * buffer_bytes))))
-            host = host_bytes(self.config)
-            while host is not None and lookahead > 1:
-                if states * (lookahead + 2) * buffer_bytes <= host * HOST_FRACTION:
-                    break
-                lookahead -= 1
+            lookahead = pipeline_lookahead(
+                self.options, buffer_bytes, states=states, host=host_bytes(self.config)
+            )
         pool = StagingPool(
             buffer_bytes=buffer_bytes,
             count=states * (lookahead + 2),
@@ -316,9 +312,53 @@ class NVMeTier(Tier):
         self._pipelines.add(pipeline)
         return pipeline
 
+    def host_buffer_bytes(self, *, optimizer_buffer_bytes: int = 0) -> int:
+        """[Note: storage tiers' host buffers] The staged-read pool, and with
+        ``optimizer_buffer_bytes`` the pool of the optimizer pipeline the engine makes
+        (``optimizer_pipeline`` with an automatic lookahead): both hold at most this."""
+        return self.staging.count * self.staging.buffer_bytes + planned_pipeline_bytes(
+            self.options, self.config, optimizer_buffer_bytes
+        )
+
+    @classmethod
+    def planned_host_buffer_bytes(cls, config: Config, *, optimizer_buffer_bytes: int = 0) -> int:
+        """``host_buffer_bytes`` of a tier made with ``config`` and the environment's options
+        (for planners, before any tier exists)."""
+        options = NVMeOptions.from_env()
+        reads = read_pool_count(
+            block_size=options.block_size, queue_depth=options.queue_depth, host=host_bytes(config)
+        )
+        return reads * options.block_size + planned_pipeline_bytes(
+            options, config, optimizer_buffer_bytes
+        )
+
     def file_bytes(self) -> int:
         """Bytes preallocated on disk by this tier (all kinds)."""
         return sum(align_up(file.size) for file in self._files.values())
+
+
+def pipeline_lookahead(
+    options: NVMeOptions, buffer_bytes: int, *, states: int, host: int | None
+) -> int:
+    """Chunks an optimizer pipeline reads ahead: enough to keep the disk's queue full
+    (``queue_depth * block_size`` bytes of reads), at most MAX_LOOKAHEAD, fewer where its pool
+    would exceed HOST_FRACTION of the host memory (``host``; None: unknown)."""
+    queue_bytes = options.queue_depth * options.block_size
+    lookahead = min(MAX_LOOKAHEAD, max(1, -(-queue_bytes // (states * buffer_bytes))))
+    while host is not None and lookahead > 1:
+        if states * (lookahead + 2) * buffer_bytes <= host * HOST_FRACTION:
+            break
+        lookahead -= 1
+    return lookahead
+
+
+def planned_pipeline_bytes(options: NVMeOptions, config: Config, buffer_bytes: int) -> int:
+    """Bytes of the pool of the optimizer pipeline (Adam's 3 states) over buffers of
+    ``buffer_bytes``; 0 for none."""
+    if buffer_bytes <= 0:
+        return 0
+    lookahead = pipeline_lookahead(options, buffer_bytes, states=3, host=host_bytes(config))
+    return 3 * (lookahead + 2) * buffer_bytes
 
 
 def _release_files(backend: IOBackend, files: dict[str, SwapFile]) -> None:
@@ -331,4 +371,10 @@ def _release_files(backend: IOBackend, files: dict[str, SwapFile]) -> None:
             file.close()
 
 
-__all__ = ["MAX_LOOKAHEAD", "NVMeTier", "current_rank"]
+__all__ = [
+    "MAX_LOOKAHEAD",
+    "NVMeTier",
+    "current_rank",
+    "pipeline_lookahead",
+    "planned_pipeline_bytes",
+]

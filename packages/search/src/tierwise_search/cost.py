@@ -72,7 +72,8 @@ DEVICE, HOST, NVME = 0, 1, 2
 TIERS = ("device", "host", "nvme")
 PIPELINE_BUFFERS = 9
 """fp32 staging buffers of the largest shard that the NVMe optimizer pipeline holds in host
-memory: 3 states x (1 read ahead + 1 updating + 1 writing), tierwise-nvme's defaults."""
+memory at least: 3 states x (1 read ahead + 1 updating + 1 writing). The plan counts what the
+NVMe tier says it holds (``storage_host_bytes``), at least this."""
 
 
 @cache
@@ -82,6 +83,16 @@ def state_copies(tier: str) -> int:
     from tierwise.plugins import get_plugin_host
 
     return getattr(get_plugin_host().tier_classes().get(tier), "STATE_COPIES", 1)
+
+
+def storage_host_bytes(tier: str, config, optimizer_buffer_bytes: int = 0) -> int:
+    """Host bytes the ``tier`` plugin's own buffers hold at most (its
+    ``planned_host_buffer_bytes``: core's [Note: storage tiers' host buffers], which setup
+    reserves in the host tier); 0 if it has none."""
+    from tierwise.plugins import get_plugin_host
+
+    planned = getattr(get_plugin_host().tier_classes().get(tier), "planned_host_buffer_bytes", None)
+    return 0 if planned is None else planned(config, optimizer_buffer_bytes=optimizer_buffer_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +139,10 @@ class Setting:
     optimizer_states: str = "fp32"
     """How the Adam moments are stored (Config.optimizer_states): memory counts each chunk's
     stored bytes (int8 pads shards to whole 256-element blocks), traffic ``optim_bytes``."""
+    nvme_io_host_bytes: int = 0
+    """Host bytes of the NVMe tier's own read buffers, wherever it holds anything."""
+    nvme_pipeline_host_bytes: int = 0
+    """Host bytes of the NVMe optimizer pipeline's pool, when it holds optimizer states."""
 
     @property
     def optim_bytes(self) -> float:
@@ -249,8 +264,13 @@ class CostModel:
         if s.uses_rcache(p).any():
             totals[DEVICE] += placement.n_blocks * block
         totals[DEVICE] += s.staging_blocks * block
+        # [Note: storage tiers' host buffers]: what setup reserves in the host tier
         if (train & (o == NVME)).any():
-            totals[HOST] += PIPELINE_BUFFERS * 4 * int(shard.max(initial=0))
+            totals[HOST] += max(
+                s.nvme_pipeline_host_bytes, PIPELINE_BUFFERS * 4 * int(shard.max(initial=0))
+            )
+        if (p == NVME).any() or (train & (o == NVME)).any() or s.activations.nvme_write > 0:
+            totals[HOST] += s.nvme_io_host_bytes
         totals[HOST] += s.activations.host_bytes
         return Memory(*totals)
 
@@ -421,6 +441,7 @@ __all__ = [
     "NVME",
     "OPTIM_BYTES",
     "PIPELINE_BUFFERS",
+    "storage_host_bytes",
     "TIERS",
     "ActivationTraffic",
     "CostModel",

@@ -118,6 +118,10 @@ def minimum_placement(model: CostModel, budgets: Budgets, forced: Forced) -> Pla
     # what keeping everything in host memory would need as the other remedy.
     host_only_need = tried[0][2]
     _, tier, need, limit = min(tried[1:] if budgets.nvme_allowed else tried)
+    if tier == "host" and tried[0][1] == "host" and host_only_need < need:
+        # the NVMe tier's own host buffers ([Note: storage tiers' host buffers]) can make
+        # keeping everything in host memory the smallest plan: state that one
+        _, tier, need, limit = tried[0]
     short = f"{format_gib(need - limit)} short"
     buffers = (
         f" (incl. {format_gib(budgets.io_bytes)} of load/save buffers for weights)"
@@ -138,7 +142,7 @@ def minimum_placement(model: CostModel, budgets: Budgets, forced: Forced) -> Pla
         )
     elif budgets.nvme_allowed:
         message = (
-            f"host memory binds: even with model data on NVMe the smallest plan needs "
+            f"host memory binds: with or without model data on NVMe the smallest plan needs "
             f"{format_gib(need)} of host memory{buffers}, host_memory is {format_gib(limit)}: "
             f"{short}; "
             "raise host_memory"

@@ -32,7 +32,14 @@ from tierwise_search.activations import (
     traffic_for,
 )
 from tierwise_search.compute import BACKWARD_OVER_FORWARD, layer_times
-from tierwise_search.cost import TIERS, ActivationTraffic, CostModel, Prediction, Setting
+from tierwise_search.cost import (
+    TIERS,
+    ActivationTraffic,
+    CostModel,
+    Prediction,
+    Setting,
+    storage_host_bytes,
+)
 from tierwise_search.layout import ChunkTable, build_chunks, build_trace, largest_param
 from tierwise_search.placement import (
     Budgets,
@@ -222,6 +229,11 @@ class _Search:
             traffic_for(self.profile, self.times.layers, (), choice.leaving, None),
             host_bytes=choice.host_reserve,
         )
+        io_bytes = pipeline_bytes = 0
+        if self.config.nvme_path:  # [Note: storage tiers' host buffers]
+            shard_bytes = 4 * int(-(-table.capacity.max(initial=0) // self.shard))
+            io_bytes = storage_host_bytes("nvme", self.config)
+            pipeline_bytes = storage_host_bytes("nvme", self.config, shard_bytes) - io_bytes
         return CostModel(
             Setting(
                 table=table,
@@ -238,6 +250,8 @@ class _Search:
                 optimizer_in_backward=self.optimizer_in_backward,
                 activations=traffic,
                 optimizer_states=self.config.optimizer_states,
+                nvme_io_host_bytes=io_bytes,
+                nvme_pipeline_host_bytes=pipeline_bytes,
             )
         )
 

@@ -233,6 +233,7 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
             tiers["host"].reserve(
                 pinned, kind=PayloadKind.STAGING, what="pinned activation buffers (pinned_memory)"
             )
+        reserve_storage_buffers(groups, plan, tiers)
         grad_offload = gradient_offload_for(groups, tiers, dtype)
         cached = [c for g in groups for c in g.chunks if not c.computes_in_home]
         block_numel = max((c.capacity for c in cached), default=0)
@@ -357,6 +358,31 @@ def _dp_world(pattern) -> tuple[Any, int, int]:
     if pg is None or not dist.is_initialized():
         return None, 1, 0
     return pg, dist.get_world_size(pg), dist.get_rank(pg)
+
+
+def reserve_storage_buffers(groups: list, plan, tiers: dict) -> None:
+    """[Note: storage tiers' host buffers]
+    A storage tier moves data through host buffers of its own (the NVMe tier's staged-read
+    pool and its optimizer pipeline's pool). They are host memory like any slab, so setup
+    reserves what each tier says they hold at most in the host tier, for the engine's life:
+    ``host_memory`` counts them, and a budget without room for them fails here with the host
+    tier's error, before the model is changed. The optimizer pipeline's buffers are fp32 copies
+    of the largest shard (``OptimizerStep._make_pipelines``)."""
+    shard = max((c.shard_size for g in groups for c in g.chunks), default=0)
+    for name, tier in sorted(tiers.items()):
+        if tier.ADDRESSABLE:
+            continue
+        holds_states = any(
+            plan.optim_tier_of(g.name, c.index) == name
+            for g in groups
+            if g.trainable
+            for c in g.chunks
+        )
+        nbytes = tier.host_buffer_bytes(optimizer_buffer_bytes=shard * 4 if holds_states else 0)
+        if nbytes:
+            tiers["host"].reserve(
+                nbytes, kind=PayloadKind.STAGING, what=f"the {name} tier's staging buffers"
+            )
 
 
 def _make_tiers(host, config: Config, plan, needed: set[str], *, into: dict) -> None:

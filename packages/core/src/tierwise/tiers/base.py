@@ -136,6 +136,13 @@ class Tier(ABC):
         (a missing system library, say); None when nothing is missing."""
         return None
 
+    def host_buffer_bytes(self, *, optimizer_buffer_bytes: int = 0) -> int:
+        """Host memory this tier's own transfer buffers hold at most (a storage tier's staging
+        pools; with ``optimizer_buffer_bytes`` > 0, also the pool of the optimizer pipeline over
+        buffers of that size). Setup reserves it in the host tier, so ``host_memory`` counts
+        it ([Note: storage tiers' host buffers]). Default: 0."""
+        return 0
+
     def check_capacity(self, slab_bytes: list[int]) -> None:  # noqa: B027 - optional hook
         """Raise (one line) before setup allocates slabs of these sizes here when the medium
         cannot hold them; budgets are checked by ``allocate`` itself. Default: nothing."""

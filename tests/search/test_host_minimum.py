@@ -18,6 +18,15 @@ def stated_host_minimum(error: PlanError) -> int:
     return error.need
 
 
+@pytest.fixture(autouse=True)
+def one_read_buffer(monkeypatch):
+    """With tierwise-nvme installed its read buffers count in host memory ([Note: storage
+    tiers' host buffers]): below 2 MiB of host memory a 256 KiB block makes them one buffer
+    whatever the budget (so the stated minimum does not move with it), and one small enough
+    that NVMe stays the smaller plan for these tiny models (a 4 MiB block would not)."""
+    monkeypatch.setenv("TIERWISE_NVME_BLOCK_SIZE", "256KiB")
+
+
 @pytest.mark.parametrize("nvme", [None, "/tmp"])
 def test_stated_host_minimum_does_not_depend_on_the_budget(nvme):
     profile = make_profile([[700, 2300, 4096, 4096, 300] for _ in range(8)], head=6000)
@@ -53,17 +62,13 @@ def mlp(seed: int = 0) -> torch.nn.Module:
 @pytest.mark.parametrize("optimizer_states", ["fp32", "int8"])  # int8: padded stored sizes
 @pytest.mark.parametrize("use_nvme", [False, True])
 def test_engine_trains_at_the_stated_host_minimum_and_not_below(
-    use_nvme, optimizer_states, tmp_path, monkeypatch
+    use_nvme, optimizer_states, tmp_path
 ):
     pytest.importorskip("tierwise_profiler")
     import tierwise
 
     if use_nvme:
         pytest.importorskip("tierwise_nvme")
-        # the NVMe tier's staged-read buffers count in host memory ([Note: storage tiers' host
-        # buffers]); at the default 4 MiB block they outweigh this whole model, and keeping it
-        # in host memory would be the smallest plan: 256 KiB blocks keep NVMe the smaller one
-        monkeypatch.setenv("TIERWISE_NVME_BLOCK_SIZE", "256KiB")
     batch = torch.randn(4, 128)
     options = dict(
         device="cpu",

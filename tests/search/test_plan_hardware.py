@@ -155,10 +155,7 @@ def test_table_shows_predicted_tflops_and_tokens(run_plan, config_json):
 
 
 # -- errors ---------------------------------------------------------------------------------
-def test_host_binding_error_names_the_tier_and_the_remedies(run_plan, config_json, monkeypatch):
-    # the NVMe tier's read buffers count in host memory ([Note: storage tiers' host buffers]):
-    # 4 KiB blocks let --nvme fit this 300 KiB budget (the default 4 MiB block would not)
-    monkeypatch.setenv("TIERWISE_NVME_BLOCK_SIZE", "4KiB")
+def test_host_binding_error_names_the_tier_and_the_remedies(run_plan, config_json):
     code, _, err = run_plan(
         "--model",
         str(config_json),
@@ -186,10 +183,8 @@ def test_host_binding_error_names_the_tier_and_the_remedies(run_plan, config_jso
     )
 
 
-def test_nvme_space_binding_is_blamed_on_nvme(monkeypatch):
+def test_nvme_space_binding_is_blamed_on_nvme():
     from tierwise_search.cost import state_copies
-
-    monkeypatch.setenv("TIERWISE_NVME_BLOCK_SIZE", "4KiB")  # read buffers fit the host budget
 
     profile = make_profile([[4096] * 4 for _ in range(4)])
     config = Config(device="cpu", device_memory=200_000, host_memory=300_000, nvme_path="/tmp")
@@ -205,8 +200,7 @@ def test_nvme_space_binding_is_blamed_on_nvme(monkeypatch):
 # combined: the NVMe need counts the nvme plugin's two regions per optimizer-state slab
 # ([Note: atomic optimizer step]); without the plugin the search counts one and the host binds first
 @pytest.mark.combined
-def test_nvme_binding_error_names_nvme_and_the_remedies(run_plan, tmp_path, monkeypatch):
-    monkeypatch.setenv("TIERWISE_NVME_BLOCK_SIZE", "4KiB")  # read buffers fit the host budget
+def test_nvme_binding_error_names_nvme_and_the_remedies(run_plan, tmp_path):
     config = tmp_path / "config.json"  # a llama of 2.4 MiB of model data (bf16 + fp32 Adam)
     config.write_text(
         json.dumps(
@@ -254,8 +248,9 @@ def test_nvme_binding_error_names_nvme_and_the_remedies(run_plan, tmp_path, monk
 def test_a_plan_says_when_it_assumed_the_nvme_space():
     profile = make_profile([[4096] * 4 for _ in range(4)])
     # host memory for half the parameters (gradients need none on the host with the optimizer
-    # on NVMe: [Note: active gradient offloading])
-    config = Config(device="cpu", device_memory=200_000, host_memory=250_000, nvme_path="/nvme")
+    # on NVMe: [Note: active gradient offloading]) and, with tierwise-nvme installed, its read
+    # buffers ([Note: storage tiers' host buffers])
+    config = Config(device="cpu", device_memory=200_000, host_memory=280_000, nvme_path="/nvme")
     unknown = search_plan(profile, gpu_hardware(), config)  # a preset: no nvme_free
     assert "nvme" in {t for group in unknown.param_tiers.values() for t in group}
     assert any(r.startswith("NVMe space unknown") for r in unknown.reasons)

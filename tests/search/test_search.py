@@ -37,10 +37,19 @@ def test_hand_case_chunk_size_and_rcache():
     assert plan.optim_tiers == {"data/g0/train": ["host", "host"]}
     assert plan.device_allowance == 2 * 2 * K * 2
     moved = 4 * K * 2  # bytes in (each chunk once) and gradients out (each chunk once)
-    expected = max(moved / hardware.h2d_bandwidth, moved / hardware.d2h_bandwidth)
-    expected += 4 * K / hardware.host_adam_velocity
+    phase = max(moved / hardware.h2d_bandwidth, moved / hardware.d2h_bandwidth)
+    # host Adam on the worker in backward ([Note: speculation pricing]): [c,d]'s gradients are
+    # final halfway through backward (the whole phase: no compute), then both chunks' Adam
+    expected = phase / 2 + 4 * K / hardware.host_adam_velocity
     assert plan.predicted_step_s["total"] == pytest.approx(expected, rel=1e-12)
     assert plan.predicted_step_s["compute"] == 0
+    after = search_plan(
+        hand_profile(),
+        hardware,
+        Config(device="cpu", device_memory=8 * K + 100, optimizer_overlap="after-backward"),
+    )
+    after_expected = phase + 4 * K / hardware.host_adam_velocity  # Adam once backward ends
+    assert after.predicted_step_s["total"] == pytest.approx(after_expected, rel=1e-12)
 
 
 def test_hand_case_everything_fits_on_the_device():

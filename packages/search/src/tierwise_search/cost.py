@@ -33,6 +33,8 @@ on NVMe need no host staging (the engine reads a chunk straight into its rCache 
   device overlap on CUDA (ZeRO-Offload), and add on CPU (the same cores do both).
   Chunks with optimizer states on NVMe go through the NVMe optimizer pipeline, see
   [Note: optimizer pipeline timing].
+With ``accumulation_steps`` k the step runs k forward/backward phases, each moving what one
+does, and only the last one hosts in-backward updates ([Note: speculation pricing]).
 total = forward/backward + optimizer. ``sum`` (all components added) is kept as a tie-breaker:
 when a change does not move the binding term it still prefers less traffic.
 
@@ -53,6 +55,24 @@ after its read and before its write, so it adds to the queue's end. The step end
 compute path and the queue are done. A model with one big chunk (its gradients
 complete when backward ends) therefore overlaps nothing, and many chunks hide their I/O under
 backward except for the last one's.
+
+[Note: speculation pricing] What core's engine does around in-backward updates ([Note:
+speculative updates]), priced as it does it:
+- a redo must be possible (clipping seen, fp16): every NVMe-optimizer chunk's gradient shard is
+  written to disk beside its update (L_c bytes per element on the chunk's pipeline write, ~8% of
+  a bf16 step's NVMe bytes);
+- accumulation: the updates run in the last of the k backward passes, so the queue's arrivals
+  move by the k - 1 earlier phases and only the last phase hides optimizer work;
+- rollbacks: with probability ``rollback_rate`` the step is redone after backward: the update
+  time of the after-backward path (``optimizer_phase`` of the same placement priced after
+  backward), its gradients read back from disk (the host buffers let go of them once written),
+  added to the step as ``seconds["rollback"]`` (the expectation: rate x redo);
+- host-resident states (``host_in_backward``, CUDA): a chunk's Adam runs on one worker thread
+  when its gradients are final, after an undo copy of its stored states reserved in the host
+  tier; in hand-over order each chunk whose copy fits the room the model data leaves in
+  ``host_budget`` goes early, the others update after backward (``host_early``: no room at all
+  means the plan updates them all after backward). The worker is a queue like the NVMe one
+  (service: the chunk's Adam; the copy's memcpy is not priced: no host-memory rate is probed).
 """
 
 from __future__ import annotations
@@ -143,6 +163,22 @@ class Setting:
     """Host bytes of the NVMe tier's own read buffers, wherever it holds anything."""
     nvme_pipeline_host_bytes: int = 0
     """Host bytes of the NVMe optimizer pipeline's pool, when it holds optimizer states."""
+    keep_grads_for_redo: bool = False
+    """In-backward NVMe updates may be rolled back (clipping seen, or fp16): core's engine then
+    writes each offloaded gradient shard to its NVMe region beside the update, so that a redo
+    can read it back ([Note: speculation pricing])."""
+    accumulation_steps: int = 1
+    """Backward passes per optimizer step (Config.accumulation_steps): in-backward updates run
+    in the last one only ([Note: speculation pricing])."""
+    rollback_rate: float = 0.0
+    """Expected share of steps whose speculative updates are rolled back and redone after
+    backward ([Note: speculation pricing])."""
+    host_in_backward: bool = False
+    """Host-resident optimizer states update on a worker thread during backward when their
+    undo copies fit (core's [Note: host updates in backward]; priced on CUDA only)."""
+    host_budget: int | None = None
+    """Host bytes per rank (None: unlimited): what the model data leaves is the room for the
+    undo copies of host-resident states."""
 
     @property
     def optim_bytes(self) -> float:
@@ -320,6 +356,8 @@ class CostModel:
         h2d_opt = shard_bytes[offload_grad & (p == DEVICE)].sum()
         d2h_opt = shard_bytes[train & (o == DEVICE) & (p != DEVICE)].sum()
         nvme_write_opt += shard_bytes[train & (p == NVME)].sum()
+        if s.optimizer_in_backward and s.keep_grads_for_redo:  # [Note: speculation pricing]
+            nvme_write_opt += shard_bytes[optim_nvme].sum()
         if not s.optimizer_in_backward and optim_nvme.any():
             # gradient shards the host buffers cannot hold go to disk in backward and come back
             # for the update ([Note: active gradient offloading])
@@ -352,20 +390,39 @@ class CostModel:
         else:
             phase_fb = max(compute + sum(links), nvme_fb)
         host_in_place = host_opt - host_opt_pipe
+        k = s.accumulation_steps
+        lead = (k - 1) * phase_fb  # the earlier micro-batches: nothing updates in them
+        early = self.host_early(placement)  # [Note: speculation pricing] (CUDA only)
         if r.device_is_host:  # one set of cores: updates (the pipeline's too) and copies add
-            stolen, queue_end = self._pipeline_cpu(placement, phase_fb, compute)
-            fb_end = phase_fb + stolen
+            stolen, queue_end = self._pipeline_cpu(placement, phase_fb, compute, lead)
+            fb_end = lead + phase_fb + stolen
             end = max(fb_end + host_opt - stolen + t["h2d_opt"], queue_end)
         else:
-            queue_end = self._pipeline_cuda(placement, phase_fb, compute)
-            fb_end = phase_fb
-            end = max(phase_fb + max(host_in_place, t["h2d_opt"]), queue_end)
+            queue_end = self._pipeline_cuda(placement, phase_fb, compute, lead)
+            fb_end = lead + phase_fb
+            host_late = host_in_place - elems[early].sum() / r.host_adam
+            host_end = max(fb_end, self._host_queue(placement, early, phase_fb, lead)) + host_late
+            end = max(host_end, fb_end + t["h2d_opt"], queue_end)
         total = end + device_opt + t["d2h_opt"]
+        rollback = 0.0
+        speculative = optim_nvme.any() or early.any()
+        if s.rollback_rate > 0 and s.optimizer_in_backward and speculative:
+            rollback = s.rollback_rate * self._redo_seconds(placement)
+            total += rollback
+        for key in ("h2d_fb", "d2h_fb", "nvme_read_fb", "nvme_write_fb", "comm"):
+            t[key] *= k
+        h2d_fb, d2h_fb, nvme_read_fb, nvme_write_fb, comm = (
+            k * h2d_fb,
+            k * d2h_fb,
+            k * nvme_read_fb,
+            k * nvme_write_fb,
+            k * comm,
+        )
         seconds = {
-            "forward": s.forward_s,
-            "backward": s.backward_s,
-            "recompute": act.recompute_s,
-            "compute": compute,
+            "forward": k * s.forward_s,
+            "backward": k * s.backward_s,
+            "recompute": k * act.recompute_s,
+            "compute": k * compute,
             "h2d": t["h2d_fb"] + t["h2d_opt"],
             "d2h": t["d2h_fb"] + t["d2h_opt"],
             "nvme_read": t["nvme_read_fb"] + t["nvme_read_opt"],
@@ -376,6 +433,8 @@ class CostModel:
             "optimizer_phase": total - fb_end,
             "total": total,
         }
+        if rollback:
+            seconds["rollback"] = rollback
         moved = {
             "h2d": h2d_fb + h2d_opt,
             "d2h": d2h_fb + d2h_opt,
@@ -389,6 +448,59 @@ class CostModel:
             {k: float(v) for k, v in moved.items()},
         )
 
+    def host_early(self, placement: Placement) -> np.ndarray:
+        """Chunks whose host-resident states update in backward: their undo copies fit the
+        room, taken in hand-over order as core's engine reserves them ([Note: speculation
+        pricing])."""
+        s = self.setting
+        host = s.table.trainable & (placement.optim_tier == HOST)
+        early = np.zeros(s.table.n_chunks, bool)
+        if not (s.host_in_backward and s.optimizer_in_backward) or s.rates.device_is_host:
+            return early
+        room = None if s.host_budget is None else s.host_budget - self.memory(placement).host
+        used = 0
+        for k in np.argsort(s.trace.grads_final_at(), kind="stable"):
+            if not host[k]:
+                continue
+            copy = optim_stored_bytes(int(s.shard_sizes[k]), s.optimizer_states)
+            if room is None or used + copy <= room:
+                used += copy
+                early[k] = True
+        return early
+
+    def _host_queue(self, placement: Placement, early: np.ndarray, phase_fb: float, lead: float):
+        """When the host worker finishes the early updates, from the start of the step."""
+        s = self.setting
+        if not early.any():
+            return 0.0
+        compute = s.forward_s + s.backward_s + s.activations.recompute_s
+        forward_share = s.forward_s / compute if compute > 0 else 0.0
+        ready = forward_share + (1 - forward_share) * s.trace.grads_final_at()[early]
+        adam = s.shard_sizes[early].astype(np.float64) / s.rates.host_adam
+        order = np.argsort(ready, kind="stable")
+        return self._queue(lead + ready[order] * phase_fb, adam[order])
+
+    def _redo_seconds(self, placement: Placement) -> float:
+        """A rolled-back step's redo: the after-backward update time of ``placement``, its
+        gradients read back from disk ([Note: speculation pricing])."""
+        s = self.setting
+        after = replace(
+            s,
+            optimizer_in_backward=False,
+            host_in_backward=False,
+            keep_grads_for_redo=False,
+            rollback_rate=0.0,
+            accumulation_steps=1,
+        )
+        prediction = CostModel(after).predict(placement)
+        # the after-backward path keeps what the host gradient buffers hold; a redo finds the
+        # gradients on disk
+        optim_nvme = s.table.trainable & (placement.optim_tier == NVME)
+        shard_bytes = s.shard_sizes[optim_nvme].astype(np.float64) * s.param_bytes
+        held = grad_offload_buffers(int(optim_nvme.sum())) * s.shard_sizes.max() * s.param_bytes
+        read_back = min(float(shard_bytes.sum()), float(held)) / s.rates.nvme_read
+        return prediction.seconds["optimizer_phase"] + read_back
+
     def _pipeline_jobs(self, placement: Placement, phase_fb: float, compute: float):
         """Per chunk with NVMe optimizer states: read, write and Adam seconds, and when it is
         handed over as a share of the forward/backward phase (1.0: when backward ends)."""
@@ -399,6 +511,8 @@ class CostModel:
         read = elems * s.optim_bytes / r.nvme_read
         # the new parameter values go home too; those of NVMe-resident parameters to the disk
         write = elems * (s.optim_bytes + s.param_bytes * (p[pipe] == NVME)) / r.nvme_write
+        if s.optimizer_in_backward and s.keep_grads_for_redo:  # [Note: speculation pricing]
+            write += elems * s.param_bytes / r.nvme_write
         adam = elems / r.host_adam
         if s.optimizer_in_backward:
             forward_share = s.forward_s / compute if compute > 0 else 0.0
@@ -415,24 +529,30 @@ class CostModel:
             finish = max(when, finish) + seconds
         return finish
 
-    def _pipeline_cuda(self, placement: Placement, phase_fb: float, compute: float) -> float:
+    def _pipeline_cuda(
+        self, placement: Placement, phase_fb: float, compute: float, lead: float = 0.0
+    ) -> float:
         """When the NVMe optimizer pipeline finishes, seconds from the start of the step (0
-        without NVMe optimizer states); see [Note: optimizer pipeline timing]."""
+        without NVMe optimizer states); see [Note: optimizer pipeline timing]. ``lead``: the
+        earlier micro-batches' phases ([Note: speculation pricing])."""
         read, write, adam, ready = self._pipeline_jobs(placement, phase_fb, compute)
         if not read.size:
             return 0.0
-        return self._queue(ready * phase_fb, np.maximum(np.maximum(read, write), adam))
+        return self._queue(lead + ready * phase_fb, np.maximum(np.maximum(read, write), adam))
 
-    def _pipeline_cpu(self, placement: Placement, phase_fb: float, compute: float):
+    def _pipeline_cpu(
+        self, placement: Placement, phase_fb: float, compute: float, lead: float = 0.0
+    ):
         """(Adam seconds the pipeline takes from the compute cores during backward, when the
-        pipeline finishes), see [Note: optimizer pipeline timing]."""
+        pipeline finishes), see [Note: optimizer pipeline timing] (``lead`` as in
+        ``_pipeline_cuda``)."""
         read, write, adam, ready = self._pipeline_jobs(placement, phase_fb, compute)
         if not read.size:
             return 0.0, 0.0
         during = ready < 1.0
         stolen = float(adam[during].sum())
         fb_end = phase_fb + stolen
-        return stolen, self._queue(ready * fb_end, read + write) + float(adam[-1])
+        return stolen, self._queue(lead + ready * fb_end, read + write) + float(adam[-1])
 
 
 __all__ = [

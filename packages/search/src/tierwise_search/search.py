@@ -20,7 +20,7 @@ from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError, io_buffer_bytes
 from tierwise.planner import REDUCTION_BLOCKS, may_recompute, profile_min_blocks
-from tierwise.precision import param_bytes
+from tierwise.precision import optim_stored_bytes, param_bytes
 from tierwise.profile import Profile
 from tierwise.units import format_bytes, format_gib
 
@@ -130,13 +130,25 @@ gradient blocks]); "streaming" = reduce-scatter each chunk as soon as its gradie
 
 
 class _Search:
-    def __init__(self, profile: Profile, hardware: Hardware, config: Config, gradient_staging: str):
+    def __init__(
+        self,
+        profile: Profile,
+        hardware: Hardware,
+        config: Config,
+        gradient_staging: str,
+        *,
+        clipping: bool = False,
+        rollback_rate: float = 0.0,
+    ):
         if gradient_staging not in GRADIENT_STAGING:
             raise ValueError(
                 f"gradient_staging {gradient_staging!r}: choose one of {GRADIENT_STAGING}"
             )
         self.profile, self.hardware, self.config = profile, hardware, config
         self.gradient_staging = gradient_staging
+        if not 0.0 <= rollback_rate <= 1.0:
+            raise ValueError(f"rollback_rate {rollback_rate!r}: give a share of steps in [0, 1]")
+        self.clipping, self.rollback_rate = clipping, rollback_rate
         self.reasons: list[str] = []
         self.rates: Rates = resolve_rates(hardware)
         self.param_bytes = param_bytes(config.precision)
@@ -252,6 +264,16 @@ class _Search:
                 optimizer_states=self.config.optimizer_states,
                 nvme_io_host_bytes=io_bytes,
                 nvme_pipeline_host_bytes=pipeline_bytes,
+                # [Note: speculation pricing]: what the engine adds around in-backward updates
+                keep_grads_for_redo=(
+                    self.clipping or self.rollback_rate > 0 or self.config.precision == "fp16"
+                ),
+                accumulation_steps=self.config.accumulation_steps or 1,
+                rollback_rate=self.rollback_rate,
+                # core's engine: host states in backward when the compute device is not the
+                # CPU, or forced ([Note: host updates in backward])
+                host_in_backward=self.optimizer_in_backward,
+                host_budget=self.host_capacity,
             )
         )
 
@@ -374,10 +396,26 @@ def _counts(tiers: list[str]) -> str:
 
 
 def search_plan(
-    profile: Profile, hardware: Hardware, config: Config, *, gradient_staging: str = "engine"
+    profile: Profile,
+    hardware: Hardware,
+    config: Config,
+    *,
+    gradient_staging: str = "engine",
+    clipping: bool = False,
+    rollback_rate: float = 0.0,
 ) -> Plan:
-    """The plan the search predicts fastest (see the module docstring)."""
-    search = _Search(profile, hardware, config, gradient_staging)
+    """The plan the search predicts fastest (see the module docstring). ``clipping``: the run
+    clips gradients (in-backward NVMe updates then keep their gradients on disk for a redo);
+    ``rollback_rate``: the expected share of steps whose speculative updates are rolled back
+    (core's ``SpeculationPolicy`` keeps it low; [Note: speculation pricing])."""
+    search = _Search(
+        profile,
+        hardware,
+        config,
+        gradient_staging,
+        clipping=clipping,
+        rollback_rate=rollback_rate,
+    )
     choices = activation_choices(
         profile,
         search.times.layers,
@@ -397,6 +435,28 @@ def search_plan(
     outcomes.sort(key=lambda o: o.prediction.total)
     best = outcomes[0]
     return _to_plan(search, best, outcomes[1:])
+
+
+def _host_update_reasons(search: _Search, best: Outcome) -> list[str]:
+    """Where host-resident optimizer updates run, and why ([Note: speculation pricing])."""
+    model = search.model(best.table.chunk_size, best.choice)
+    placement = best.step.placement
+    s = model.setting
+    host = s.table.trainable & (placement.optim_tier == TIERS.index("host"))
+    if not (host.any() and s.host_in_backward and not s.rates.device_is_host):
+        return []
+    early = model.host_early(placement)
+    copies = sum(optim_stored_bytes(int(n), s.optimizer_states) for n in s.shard_sizes[early])
+    if early.all() or early[host].all():
+        return [
+            f"host optimizer updates: all {int(host.sum())} chunks in backward (undo copies "
+            f"{format_bytes(copies)} fit in host memory)"
+        ]
+    return [
+        f"host optimizer updates: {int(early.sum())} of {int(host.sum())} chunks in backward, "
+        "the others after backward: host_memory has no room for their undo copies (undo "
+        f"copies held: {format_bytes(copies)})"
+    ]
 
 
 def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
@@ -437,6 +497,7 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
         f"{format_bytes(search.io_bytes(table))} of load/save buffers while weights load or save",
         f"activations: {best.choice.name}; {_counts(list(best.policy.values())) or 'no blocks profiled'}",
     ]
+    reasons += _host_update_reasons(search, best)
     reasons += block_reasons(search.profile, search.times.layers, best.choice, best.policy)
     used = {
         "h2d_bandwidth",

@@ -145,3 +145,31 @@ def test_plan_with_int8_optimizer_states_counts_fewer_bytes(run_plan, config_jso
     assert saved == n * 8 - int(n * 2 * (1 + 4 / 256))
     fp32, int8 = (Plan.from_dict(results[s]["plan"]) for s in ("fp32", "int8"))
     assert int8.device_allowance < fp32.device_allowance
+
+
+def test_plan_prices_clipping_rollbacks_and_accumulation(run_plan, config_json, tmp_path):
+    """--clip adds the gradient writes a redo needs (NVMe optimizer states), --rollback-rate the
+    expected redo, --grad-accum one forward/backward per micro-batch ([Note: speculation
+    pricing])."""
+
+    def plan(*extra):
+        code, out, err = run_plan(
+            *("--model", str(config_json), "--seq", "16", "--device", "cpu"),
+            *("--device-memory", "1GiB", "--nvme", str(tmp_path), "--optimizer-placement", "nvme"),
+            *(*extra, "--json"),
+        )
+        assert code == 0, err
+        return Plan.from_dict(json.loads(out)["plan"])
+
+    plain, clipped = plan(), plan("--clip")
+    grads = clipped.predicted_bytes["nvme_write"] - plain.predicted_bytes["nvme_write"]
+    assert grads > 0 and clipped.predicted_bytes["nvme_read"] == plain.predicted_bytes["nvme_read"]
+    rolled = plan("--clip", "--rollback-rate", "0.5")
+    assert rolled.predicted_step_s["rollback"] > 0
+    assert rolled.predicted_step_s["total"] > clipped.predicted_step_s["total"]
+    accumulated = plan("--grad-accum", "2")
+    assert accumulated.predicted_step_s["compute"] == pytest.approx(
+        2 * plain.predicted_step_s["compute"], rel=1e-12
+    )
+    code, _, err = run_plan("--model", str(config_json), "--validate", "--clip")
+    assert code == 2 and "drop --clip" in err

@@ -72,6 +72,26 @@ def add_plan_command(subparsers) -> None:
     )
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     parser.add_argument(
+        "--clip",
+        action="store_true",
+        help="the run clips gradients: price the gradient writes in-backward NVMe updates keep "
+        "for a redo (README, 'Optimizer overlap')",
+    )
+    parser.add_argument(
+        "--rollback-rate",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="expected share of steps whose in-backward updates roll back (default 0)",
+    )
+    parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=None,
+        metavar="K",
+        help="backward passes per step (Config.accumulation_steps; default 1)",
+    )
+    parser.add_argument(
         "--activation-offload", default="none", choices=("none", "host", "nvme", "auto")
     )
     for kind in ("param", "optimizer"):
@@ -154,6 +174,7 @@ def plan_config(args, device_type: str, **overrides) -> Config:
         param_placement=getattr(args, "param_placement", "auto"),
         optimizer_placement=getattr(args, "optimizer_placement", "auto"),
         optimizer_states=getattr(args, "optimizer_states", "fp32"),
+        accumulation_steps=getattr(args, "grad_accum", None),
         **overrides,
     )
 
@@ -210,6 +231,11 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.seq < 1 or args.batch < 1:
             raise ValueError(f"--seq {args.seq} --batch {args.batch}: both must be ≥ 1")
         if args.validate:
+            if args.clip or args.rollback_rate or args.grad_accum not in (None, 1):
+                raise ValueError(
+                    "--validate measures steps of one backward without clipping: drop --clip, "
+                    "--rollback-rate and --grad-accum to validate"
+                )
             return run_validation(args)
         capacity = (
             parse_bytes(args.device_memory, what="--device-memory") if args.device_memory else None
@@ -226,7 +252,13 @@ def run_plan(args: argparse.Namespace) -> int:
         config = plan_config(args, target.hardware.device_type)
         profile = plan_profile(args, config)
         try:
-            plan = search_plan(profile, target.hardware, config)
+            plan = search_plan(
+                profile,
+                target.hardware,
+                config,
+                clipping=args.clip,
+                rollback_rate=args.rollback_rate,
+            )
         except PlanError as err:
             print(f"tierwise plan: {err}", file=sys.stderr)
             for line in remedies(args, target.hardware, err):

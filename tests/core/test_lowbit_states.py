@@ -422,7 +422,14 @@ def test_int8_data_parallel_matches_one_process(tmp_path):
     from helpers.multiproc import run_ranks
 
     ranks = run_ranks(_dp_int8, 2, tmp_path / "ckpt")
-    one_losses, one_state = _dp_int8(0, 1)
+    # the ranks compute on one thread (helpers.multiproc); so does the reference, since a
+    # matmul's reduction order (and so its last bit) depends on the thread count
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one_losses, one_state = _dp_int8(0, 1)
+    finally:
+        torch.set_num_threads(threads)
     global_losses = [(a + b) / 2 for a, b in zip(ranks[0][0], ranks[1][0], strict=True)]
     assert global_losses == one_losses
     for name, value in one_state.items():

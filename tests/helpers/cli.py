@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,32 @@ def run_cli(
     return subprocess.run(
         command, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=600, check=False
     )
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a torchrun rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_command(port: int, *launcher_args: str, train_args: list[str]) -> list[str]:
+    """``torchrun LAUNCHER_ARGS --master-addr 127.0.0.1 --master-port PORT -m tierwise.cli train
+    TRAIN_ARGS``, as a list for subprocess."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launcher_args,
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "-m",
+        "tierwise.cli",
+        "train",
+        *train_args,
+    ]
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -5,11 +5,10 @@ process of one node."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 
 import pytest
+from helpers.cli import free_port, torchrun_command
 from tierwise.checkpoint_reader import CheckpointReader
 from tierwise.cli import main
 from tierwise.train.metrics import train_losses
@@ -18,41 +17,15 @@ pytestmark = pytest.mark.multiprocess
 TINY = ["--model", "llama", "--size", "tiny", "--batch", "4", "--seq", "64", "--sample-tokens", "0"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_nodes_train_save_and_resume_on_one(tmp_path, capsys):
-    port, run = _free_port(), tmp_path / "run"
+    port, run = free_port(), tmp_path / "run"
     agents = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(node),
-                "--nproc-per-node",
-                "1",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(port),
-                "-m",
-                "tierwise.cli",
-                "train",
-                *TINY,
-                "--steps",
-                "6",
-                "--stop-after",
-                "3",
-                "--out",
-                str(run),
-            ],
+            torchrun_command(
+                port,
+                *("--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1"),
+                train_args=[*TINY, "--steps", "6", "--stop-after", "3", "--out", str(run)],
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -173,36 +173,16 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step():
 
 @pytest.mark.multiprocess
 def test_a_two_process_run_resumes_on_one_process(tmp_path, capsys):
-    import socket
-
+    from helpers.cli import free_port, torchrun_command
     from tierwise.checkpoint_reader import CheckpointReader
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     run = tmp_path / "run"
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(port),
-            "-m",
-            "tierwise.cli",
-            "train",
-            *TINY,
-            "--steps",
-            "6",
-            "--stop-after",
-            "3",
-            "--out",
-            str(run),
-        ],
+        torchrun_command(
+            free_port(),
+            *("--nproc-per-node", "2"),
+            train_args=[*TINY, "--steps", "6", "--stop-after", "3", "--out", str(run)],
+        ),
         capture_output=True,
         text=True,
         cwd=tmp_path,

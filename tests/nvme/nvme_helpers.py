@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,9 @@ def swap_files(directory: Path) -> list[str]:
 class FailingBackend:
     """Passes requests to ``inner`` except the ``fail_at``-th (1-based) or the first one
     ``fail_if(request)`` accepts, which fails with ``code`` without touching the disk, as a
-    failing drive would report it."""
+    failing drive would report it. Requests may arrive from several I/O threads at once (a
+    staged read submits its next piece from the thread that finished the last), so the count
+    and the choice are made under a lock."""
 
     def __init__(self, inner, *, fail_at: int | None, code: int = errno.EIO) -> None:
         self.inner = inner
@@ -51,14 +54,18 @@ class FailingBackend:
         self.submitted = 0
         self.failed = None
         self.fail_if = None
+        self._lock = threading.Lock()
 
     def submit(self, request) -> None:
         from tierwise_nvme.errors import io_error
 
-        self.submitted += 1
-        matches = self.fail_if is not None and self.failed is None and self.fail_if(request)
-        if self.submitted == self.fail_at or matches:
-            self.failed = request
+        with self._lock:
+            self.submitted += 1
+            matches = self.fail_if is not None and self.failed is None and self.fail_if(request)
+            fails = self.submitted == self.fail_at or matches
+            if fails:
+                self.failed = request
+        if fails:
             request.on_done(
                 io_error(request.op, request.path, request.offset, len(request.buffer), self.code)
             )

@@ -36,6 +36,7 @@ class ModuleAccess:
         scaler: DynamicLossScaler | None,
         records_order: Callable[[], bool],
         on_backward_module: Callable[[], None] | None = None,
+        on_forward_module: Callable[[torch.nn.Module], None] | None = None,
     ) -> None:
         self.index = index
         self.residency = residency
@@ -48,6 +49,10 @@ class ModuleAccess:
         self.on_backward_module = on_backward_module
         """Called when a module's backward starts, before its chunks are fetched: a sync point
         of the gradient reductions ([Note: one collective order])."""
+        self.on_forward_module = on_forward_module
+        """Called when a module's forward starts in a forward with autograd on (not a
+        re-forward in backward): [Note: due points predicted from the forward]."""
+        self._forward_grad = False
         """Whether this warm-up step records the order (the first warm-up only)."""
         self.first_use: dict[str, None] = {}
         """Parameter names in the order the warm-up forward first used them."""
@@ -56,6 +61,7 @@ class ModuleAccess:
         profiler's ``forward_order``/``backward_order`` predict them."""
 
     def begin_forward(self) -> None:
+        self._forward_grad = torch.is_grad_enabled()
         self.phases.begin_forward()
         self.tracing.finish_if_ended()
         trace = self.residency.trace
@@ -110,6 +116,8 @@ class ModuleAccess:
         self._acquire(module)
         if in_backward:  # a checkpoint re-forward
             self.phases.reforward_pins.append(module)
+        elif self._forward_grad and self.on_forward_module is not None:
+            self.on_forward_module(module)
 
     def post_forward(self, module: torch.nn.Module) -> None:
         phases = self.phases

@@ -121,6 +121,7 @@ class Engine:
             scaler=self.scaler,
             records_order=lambda: not self._relayout_checked,
             on_backward_module=lambda: self.gradients.sync_point(),
+            on_forward_module=lambda module: self.gradients.forward_module(module),
         )
         self.optimizer = OptimizerStep(
             index=self.index,

@@ -21,7 +21,7 @@ from tierwise.parallel.collectives import Collectives
 from tierwise.runtime.host_grad_copies import HostGradCopies
 from tierwise.runtime.host_grad_copies import applies as host_copy_applies
 from tierwise.runtime.phases import Phases
-from tierwise.runtime.reduce import GradientReducer
+from tierwise.runtime.reduce import GradientReducer, predict_due
 from tierwise.runtime.shared import ChunkIndex, Traffic
 from tierwise.tiers.base import Tier
 
@@ -104,10 +104,28 @@ class GradientPath:
             world_group=world_group,
             prepare=self._prepare_reduction,
             accumulate=self._reduced,
+            predict=self._predicted_due,
         )
         """Reduces the chunks of data-parallel groups ([Note: one collective order], [Note:
         bounded gradient blocks])."""
+        self._forward_calls: list[tuple[torch.nn.Module, set]] = []
+        """The forward's module calls and the reduced chunks each touched, while the reducer
+        predicts due points ([Note: due points predicted from the forward])."""
         self.reducer.set_chunks(self._reduced_chunks())
+
+    def forward_module(self, module: torch.nn.Module) -> None:
+        """A hooked module's forward starts: recorded for the due-point prediction ([Note: due
+        points predicted from the forward])."""
+        if not self.multi_rank or not self.reducer.predicting:
+            return
+        calls = self._forward_calls
+        if len(calls) > 16 * max(len(self.index.modules), 1):
+            del calls[: len(calls) // 2]  # forwards no backward followed: keep the recent ones
+        slot_chunk = self.index.slot_chunk
+        calls.append((module, {slot_chunk[id(s.param)].key for s in self.index.modules[module]}))
+
+    def _predicted_due(self, keys: list) -> dict:
+        return predict_due(self._forward_calls, keys)
 
     def on_grad(self, param: torch.nn.Parameter) -> None:
         """post-accumulate-grad hook: move the gradient into the chunk's staging buffer."""
@@ -394,6 +412,7 @@ class GradientPath:
                 self.optimizer.grads_final(chunk)
         self.reducer.release_memory()
         self._reset_flags()
+        self._forward_calls.clear()
 
     def abandon_backward(self) -> None:
         """A backward stopped on an error: drop its staged gradients and reset the flags
@@ -402,6 +421,7 @@ class GradientPath:
         self.reducer.abandon(list(self.index.chunks()))
         self._reset_flags()
         self.reducer.release_memory()
+        self._forward_calls.clear()
 
     def _reset_flags(self) -> None:
         """The backward is over: per-backward counters restart, and each chunk's gradients

@@ -18,10 +18,15 @@ one rank), so a reduction is never launched *because* its chunk completed. The r
   only replicated issue no all-gather in backward, so there the sequence is the reductions
   alone.
 - Each chunk has a *due* sync point, the same on every rank: the first sync point after the
-  chunk completed on the slowest rank in the last backward (the end of backward in the first
-  one, and after a re-layout). At sync point k a rank launches, in the reduction order, every
-  chunk due by k: whatever its buffer holds, even if not every gradient arrived here yet.
-  The rest launch at the end of backward, in order.
+  chunk completed on the slowest rank in the last backward. At sync point k a rank launches,
+  in the reduction order, every chunk due by k: whatever its buffer holds, even if not every
+  gradient arrived here yet. The rest launch at the end of backward, in order.
+- With no last backward to learn from (the first one, and the first after a re-layout), the
+  due points are *predicted* from this step's forward ([Note: due points predicted from the
+  forward]) and agreed (MAX, on the world group) at the first sync point, before anything is
+  launched; a rank whose backward reaches no sync point agrees at the end of backward, before
+  its launches, so the agreement is the same collective at the same place of every rank's
+  sequence.
 - A gradient that arrives after its chunk was launched is *late*: it goes to a host buffer.
   At the end of backward one small all-reduce (MAX, on the world group) agrees on which chunks
   had a late gradient on some rank and on when each chunk completed on the slowest rank (the
@@ -31,6 +36,21 @@ one rank), so a reduction is never launched *because* its chunk completed. The r
   exactly those of DDP's sum).
 - A chunk's gradients are final only after that agreement: ``grads_final`` is called for every
   chunk at the end of backward.
+
+[Note: due points predicted from the forward]
+Without due points every chunk would wait for the end of the first backward, each in a host
+buffer of its own: one whole unsharded gradient per rank in host memory, the step that must not
+need more memory than the others. So the forward that precedes the backward is recorded (the
+hooked modules in call order, outside backward; ``GradientPath.forward_module``) and the sync
+points are predicted from it: backward starts each module once, in the reverse order of its
+last forward call, so module m's backward start is sync point 1 + #{modules called last after
+m's last call}. A chunk completes once the backward of the *first* forward call touching it is
+done, that is after every module whose last call came at or after that first call has started
+its backward: it is due at the sync point after those, ``1 + #{m : last(m) >= first(chunk)}``
+(``predict_due``). A module that never starts a backward (frozen, no gradient reaches it) only
+makes predictions later (the chunk waits, as before); a chunk predicted too early takes the late
+path, which stays exact. A static model's prediction is exact: its first backward reduces as
+every later one does (``tests/core/test_reduction_order.py``).
 
 The launch sequence is therefore a function of the sync points and the due points alone,
 identical on every rank (``tests/core/test_reduction_order.py`` records it under different
@@ -51,6 +71,7 @@ freed.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Hashable
 
@@ -80,6 +101,7 @@ class GradientReducer:
         world_group: dist.ProcessGroup | None,
         prepare: Callable[[Chunk], None],
         accumulate: Callable[[Chunk, torch.Tensor], None],
+        predict: Callable[[list[Hashable]], dict[Hashable, int]] | None = None,
     ) -> None:
         if blocks < 1:
             raise ValueError(f"GradientReducer needs at least one device block, got {blocks}")
@@ -92,6 +114,12 @@ class GradientReducer:
         """Called on a chunk's staging before its reduction: zero what did not arrive, add
         what ``no_sync`` accumulated."""
         self._accumulate = accumulate
+        self._predict = predict
+        """This rank's predicted due points, from the forward: [Note: due points predicted
+        from the forward]."""
+        self._predicted = False
+        """Whether this backward's due points come from a last backward or an agreed
+        prediction (False: predict them at the first sync point)."""
         self.order: list[Hashable] = []
         """The reduction order (chunk keys), the same on every rank."""
         self.due: dict[Hashable, int] = {}
@@ -120,6 +148,9 @@ class GradientReducer:
         self._taken = 0
         self.peak_blocks = 0
         """Most device blocks taken at once (at most ``blocks``)."""
+        self.peak_on_host = 0
+        """Most chunks waiting in host buffers at once in the last finished backward."""
+        self._peak_on_host = 0
 
     # ------------------------------------------------------------------ order and schedule
     def set_chunks(self, chunks: list[Chunk]) -> None:
@@ -127,13 +158,33 @@ class GradientReducer:
         reduction order is its reverse, every chunk due at the end of the next backward."""
         self.order = [c.key for c in reversed(chunks)]
         self.due = dict.fromkeys(self.order, END)
+        self._predicted = self._predict is None
         self._block_numel = max((c.capacity for c in chunks), default=0)
+        self._build_schedule()
+
+    def _agree_on_predicted_due(self) -> None:
+        """The first backward without a last one to learn from: every rank predicts the due
+        points from its forward, and the latest prediction of each chunk is taken ([Note: due
+        points predicted from the forward])."""
+        self._predicted = True
+        if not self.order:
+            return
+        mine = self._predict(self.order)
+        due = torch.tensor([mine.get(key, END) for key in self.order], dtype=torch.int64)
+        if self.world_group is not None:
+            self.collectives.all_reduce(due, self.world_group, op=dist.ReduceOp.MAX)
+        self.due = {key: int(d) for key, d in zip(self.order, due.tolist(), strict=True)}
         self._build_schedule()
 
     def _build_schedule(self) -> None:
         position = {key: i for i, key in enumerate(self.order)}
         self._schedule = sorted(self.order, key=lambda k: (self.due[k], position[k]))
         self._next = 0
+
+    @property
+    def predicting(self) -> bool:
+        """Whether the next backward's due points are to be predicted from its forward."""
+        return not self._predicted
 
     def launched(self, chunk: Chunk) -> bool:
         """Whether ``chunk``'s reduction was launched in this backward."""
@@ -186,6 +237,7 @@ class GradientReducer:
         else:
             chunk.staging = self._host_buffer(chunk.capacity)
             self._on_host.add(chunk.key)
+            self._peak_on_host = max(self._peak_on_host, len(self._on_host))
 
     def late_buffer(self, chunk: Chunk) -> torch.Tensor:
         """The host buffer of gradients that arrive after ``chunk`` was launched (zeros where
@@ -225,6 +277,8 @@ class GradientReducer:
     def sync_point(self, chunks_by_key: dict) -> None:
         """A module's backward starts: launch what is due ([Note: one collective order])."""
         self.sync += 1
+        if not self._predicted:
+            self._agree_on_predicted_due()
         schedule = self._schedule
         while self._next < len(schedule) and self.due[schedule[self._next]] <= self.sync:
             self._launch(chunks_by_key[schedule[self._next]])
@@ -284,6 +338,8 @@ class GradientReducer:
         """End of backward: launch what is left in order, agree on late gradients and on the
         next due points, reduce the late parts, wait for everything ([Note: one collective
         order]). Returns the keys in reduction order: their gradients are final now."""
+        if not self._predicted:  # no sync point in this backward: agree here, as others did
+            self._agree_on_predicted_due()
         for key in self._schedule[self._next :]:
             self._launch(chunks_by_key[key])
         self._next = len(self._schedule)
@@ -310,6 +366,7 @@ class GradientReducer:
         for i, key in enumerate(self.order):  # the slowest rank completed it after sync facts[i]
             self.due[key] = int(facts[i]) + 1
         self.last_launches, self.launches = self.launches, []
+        self.peak_on_host, self._peak_on_host = self._peak_on_host, 0
         self._reset()
         return list(self.order)
 
@@ -338,6 +395,7 @@ class GradientReducer:
         self._on_host.clear()
         self._holding.clear()
         self.launches = []
+        self._peak_on_host = 0
         self._reset()
 
     def release_memory(self) -> None:
@@ -350,7 +408,8 @@ class GradientReducer:
         del self._host_free[self.blocks :]
 
     def renew(self, chunks: list[Chunk]) -> None:
-        """Chunks were re-packed: release the pool, a new order, every chunk due at the end."""
+        """Chunks were re-packed: release the pool, a new order, due points predicted anew
+        ([Note: due points predicted from the forward])."""
         for slab in self.slabs:
             slab.tier.release(slab)
         self.slabs, self._free_blocks, self._taken, self._host_free = [], [], 0, []
@@ -359,3 +418,17 @@ class GradientReducer:
 
 def _base(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._base if tensor._base is not None else tensor
+
+
+def predict_due(calls: list[tuple[object, set]], keys: list[Hashable]) -> dict[Hashable, int]:
+    """The due sync point of each chunk in ``keys`` that the forward ``calls`` (module, chunk
+    keys it touched), in call order, used: [Note: due points predicted from the forward]. A
+    chunk no call used gets none (it waits for the end of backward)."""
+    last: dict[object, int] = {}
+    first: dict[Hashable, int] = {}
+    for position, (module, touched) in enumerate(calls):
+        last[module] = position
+        for key in touched:
+            first.setdefault(key, position)
+    lasts = sorted(last.values())
+    return {key: 1 + len(lasts) - bisect_left(lasts, first[key]) for key in keys if key in first}

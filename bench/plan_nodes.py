@@ -7,7 +7,12 @@ at 8 GPUs (sharded model data / N + rCache + gradient blocks), host memory per r
 predicted tokens/s and its ratio to linear scaling of the 1-GPU plan (``speedup / N``; within a
 node it should stay at most 1.1: the node's CPU, host memory and NVMe are shared).
 
-    python bench/plan_nodes.py [--gpus 1,2,8,16,64]
+``--optimizer-placement auto,host`` prints the GPU counts once per placement: "auto" lets the
+search place the optimizer states (with N GPUs it has N times the HBM, and every chunk whose
+states fit there leaves the node's shared CPU Adam: a real superlinear gain), "host" keeps them
+in host memory at every N, the like-for-like control of the per-node sharing.
+
+    python bench/plan_nodes.py [--gpus 1,2,8,16,64] [--optimizer-placement auto,host]
 """
 
 from __future__ import annotations
@@ -25,7 +30,14 @@ def main() -> None:
     parser.add_argument("--size", default="66b")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--hardware", default="h100-80gb-sxm")
+    parser.add_argument("--optimizer-placement", default="auto")
     args = parser.parse_args()
+    for placement in args.optimizer_placement.split(","):
+        _placement_lines(args, placement)
+
+
+def _placement_lines(args: argparse.Namespace, placement: str) -> None:
+    import dataclasses
 
     from tierwise.planner import REDUCTION_BLOCKS
     from tierwise.precision import OPTIM_BYTES, param_bytes
@@ -49,6 +61,8 @@ def main() -> None:
     for gpus in (int(g) for g in args.gpus.split(",")):
         target = target_hardware(spec=args.hardware, device=None, gpus=gpus)
         config = plan_config(cli, target.hardware.device_type)
+        if placement != "auto":
+            config = dataclasses.replace(config, optimizer_placement=placement)
         profile = plan_profile(cli, config)
         plan = search_plan(profile, target.hardware, config)
         lc = param_bytes(config.precision)
@@ -68,6 +82,10 @@ def main() -> None:
                     "seq": args.seq,
                     "hardware": args.hardware,
                     "gpus": gpus,
+                    "optimizer_placement": placement,
+                    "optimizer_chunks": next(
+                        (r.split("; ")[-1] for r in plan.reasons if "optimizer " in r), ""
+                    ),
                     "gpus_per_node": per_node,
                     "nodes": target.hardware.nodes,
                     "device_allowance_gib": round(plan.device_allowance / 2**30, 3),

@@ -106,3 +106,55 @@ def test_every_collective_of_a_step_gets_tensors_on_the_groups_device(tmp_path):
         assert losses == real[0]
         for name, value in real[1].items():
             assert torch.equal(state[name], value), name
+
+
+def _rank_order(rank, world, shard, fake):
+    fake = RecordingNCCL() if fake else None
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    with fake.installed() if fake is not None else _Nothing():
+        model, opt = tierwise.setup(
+            model,
+            opt,
+            precision="fp32",
+            device="cpu",
+            chunk_size=4096,
+            param_placement="host",
+            optimizer_placement="host",
+            shard=shard,
+            reduce_order="rank",
+        )
+        for step in range(2):
+            if fake is not None:
+                fake.phase = f"backward {step}"
+            loss = model(**tiny_batch(seed=100 * step + rank)).loss
+            loss.backward()
+            if fake is not None:
+                fake.phase = f"step {step}"
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return losses, state, (fake.calls, fake.misplaced) if fake is not None else None
+
+
+def _rank_order_both(rank, world):
+    return {
+        shard: (_rank_order(rank, world, shard, False), _rank_order(rank, world, shard, True))
+        for shard in (True, False)
+    }
+
+
+def test_reductions_in_rank_order_get_tensors_on_the_groups_device():
+    """[Note: reduction in rank order]: its all-to-alls (async for sharded chunks, one waited
+    for at launch and one async for replicated ones) take the block and the receive block on
+    the group's device, and the fake's moves change nothing."""
+    for result in run_ranks(_rank_order_both, 2):
+        for shard, (real, (losses, state, (calls, misplaced))) in result.items():
+            assert misplaced == [], shard
+            backward = {op for phase, op in calls if phase.startswith("backward")}
+            assert "all_to_all" in backward and "reduce_scatter" not in backward, backward
+            assert losses == real[0], shard
+            for name, value in real[1].items():
+                assert torch.equal(state[name], value), (shard, name)

@@ -49,6 +49,8 @@ def test_bad_config_value_names_the_fix():
         tierwise.setup(model, torch.optim.AdamW(model.parameters()), precision="fp8")
     with pytest.raises(tierwise.ConfigError, match="unknown Config field"):
         tierwise.setup(model, torch.optim.AdamW(model.parameters()), chunksize=5)
+    with pytest.raises(tierwise.ConfigError, match="reduce_order='ring'.*fast, rank"):
+        tierwise.setup(model, torch.optim.AdamW(model.parameters()), reduce_order="ring")
 
 
 def test_parameter_already_managed():

@@ -6,9 +6,11 @@ train a model whose full gradient is several times one rank's device budget, wit
 import pytest
 import tierwise
 import torch
+from helpers.ddp_order import rank_order_hook
 from helpers.fake_nccl import RecordingNCCL
 from helpers.models import tiny_batch, tiny_model
 from helpers.multiproc import run_ranks
+from tierwise.planner import reduction_blocks
 
 pytestmark = pytest.mark.multiprocess
 STEPS = 6
@@ -38,7 +40,7 @@ def _inputs(rank, step):
     return torch.randn(8, 32, generator=gen), (step + rank) % 2 == 1, (step * (rank + 1)) % 3 == 0
 
 
-def _branches(rank, world):
+def _branches(rank, world, reduce_order):
     ref = Branches()
     ddp = torch.nn.parallel.DistributedDataParallel(ref, find_unused_parameters=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
@@ -55,7 +57,13 @@ def _branches(rank, world):
     fake = RecordingNCCL()
     with fake.installed():
         model, opt = tierwise.setup(
-            model, opt, precision="fp32", device="cpu", chunk_size=1056, shard=False
+            model,
+            opt,
+            precision="fp32",
+            device="cpu",
+            chunk_size=1056,
+            shard=False,
+            reduce_order=reduce_order,
         )
         reducer = tierwise.engine_of(model).gradients.reducer
         completions, launches, sequences, losses = [], [], [], []
@@ -84,8 +92,13 @@ def _branches(rank, world):
     )
 
 
-def test_ranks_completing_in_different_orders_launch_the_same_sequence_and_match_ddp():
-    ranks = run_ranks(_branches, 2)
+@pytest.mark.parametrize("reduce_order", ["fast", "rank"])
+def test_ranks_completing_in_different_orders_launch_the_same_sequence_and_match_ddp(
+    reduce_order,
+):
+    """Late gradients go through the same reduction, in rank order too ([Note: reduction in
+    rank order])."""
+    ranks = run_ranks(_branches, 2, reduce_order)
     zero, one = ranks
     # the ranks really completed their chunks in different orders
     assert any(a != b for a, b in zip(zero["completions"], one["completions"], strict=True))
@@ -131,7 +144,7 @@ def test_sharded_ranks_with_different_routes_issue_identical_sequences():
     assert zero == one
 
 
-def _budget_run(rank, world, budget):
+def _budget_run(rank, world, budget, **config):
     model = tiny_model("gpt2", n_layer=8)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     model, opt = tierwise.setup(
@@ -139,10 +152,10 @@ def _budget_run(rank, world, budget):
         opt,
         precision="fp32",
         device="cpu",
-        chunk_size=4096,
         device_memory=budget,
         param_placement="host",
         optimizer_placement="host",
+        **{"chunk_size": 4096, **config},
     )
     engine = tierwise.engine_of(model)
     losses, late = [], 0
@@ -163,9 +176,11 @@ def _budget_run(rank, world, budget):
     )
 
 
-def _ddp_run(rank, world):
+def _ddp_run(rank, world, hook=None):
     model = tiny_model("gpt2", n_layer=8)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     losses = []
     for step in range(4):
@@ -209,3 +224,34 @@ def test_four_ranks_train_a_gradient_three_times_the_device_budget():
                 mine[key] = value[key] = 0
             diff = float((mine - value).abs().max())
             assert diff <= 1e-2 * 1e-2, (name, diff)
+
+
+def _rank_order(rank, world, budget):
+    return _ddp_run(rank, world, hook=rank_order_hook), {
+        "sharded, chunks of 4096": _budget_run(rank, world, budget, reduce_order="rank"),
+        "sharded, chunks of 8192": _budget_run(
+            rank, world, budget, reduce_order="rank", chunk_size=8192
+        ),
+        "replicated, chunks of 4096": _budget_run(
+            rank, world, budget, reduce_order="rank", shard=False
+        ),
+    }
+
+
+def test_four_ranks_reducing_in_rank_order_train_bitwise_equal_to_ddp_whatever_the_plan():
+    """[Note: reduction in rank order]: the same model and budget as above, reduced with
+    ``reduce_order="rank"``, equals DDP whose communication hook sums every rank's bucket in
+    rank order, bitwise, at two chunk sizes and with replicated chunks: the result does not
+    depend on the plan. The receive block stays within the device budget and the planner's
+    block count."""
+    full_grad = sum(p.numel() for p in tiny_model("gpt2", n_layer=8).parameters()) * 4
+    budget = full_grad // 3
+    blocks = reduction_blocks(tierwise.Config(device="cpu", reduce_order="rank"))
+    for ddp, runs in run_ranks(_rank_order, 4, budget, timeout=600):
+        for plan, ours in runs.items():
+            assert ours["peak"] <= budget, (plan, ours["peak"], budget)
+            assert ours["blocks"] <= blocks, (plan, ours["blocks"])
+            assert ours["losses"] == ddp["losses"], (plan, ours["losses"], ddp["losses"])
+            for name, value in ddp["state"].items():
+                mine = ours["state"][name.removeprefix("module.")]
+                assert torch.equal(mine, value), (plan, name, float((mine - value).abs().max()))

@@ -96,9 +96,9 @@ class RecordingNCCL(collectives.TorchDistributed):
         self._record("all_gather_list", tensor, *blocks)
         return super().all_gather_list(blocks, tensor, group)
 
-    def all_to_all_single(self, out, tensor, out_splits, in_splits, group):
+    def all_to_all_single(self, out, tensor, out_splits, in_splits, group, async_op=False):
         self._record("all_to_all", out, tensor)
-        return super().all_to_all_single(out, tensor, out_splits, in_splits, group)
+        return super().all_to_all_single(out, tensor, out_splits, in_splits, group, async_op)
 
     def all_gather_object(self, out, value, group):
         self._record_object("all_gather_object")

@@ -173,3 +173,21 @@ def test_plan_prices_clipping_rollbacks_and_accumulation(run_plan, config_json, 
     )
     code, _, err = run_plan("--model", str(config_json), "--validate", "--clip")
     assert code == 2 and "drop --clip" in err
+
+
+def test_plan_with_rank_order_reduction_counts_its_receive_block(run_plan, config_json):
+    """``tierwise plan --reduce-order rank --gpus 4`` plans the one more device block a
+    reduction in rank order holds ([Note: reduction in rank order])."""
+    plans = {}
+    for order in ("fast", "rank"):
+        code, out, err = run_plan(
+            *("--model", str(config_json), "--seq", "16", "--device", "cpu", "--gpus", "4"),
+            *("--device-memory", "1GiB", "--param-placement", "host"),
+            *("--reduce-order", order, "--json"),
+        )
+        assert code == 0, err
+        plans[order] = Plan.from_dict(json.loads(out)["plan"])
+    fast, rank = plans["fast"], plans["rank"]
+    assert rank.chunk_size == fast.chunk_size and rank.cache_blocks == fast.cache_blocks
+    block = rank.chunk_size * 2  # bf16
+    assert rank.device_allowance - fast.device_allowance == block

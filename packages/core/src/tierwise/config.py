@@ -14,6 +14,7 @@ from tierwise.precision import PRECISIONS, STATE_PRECISIONS
 from tierwise.units import parse_bytes
 
 PLACEMENTS = ("auto", "device", "host", "nvme")
+REDUCE_ORDERS = ("fast", "rank")
 ACTIVATION_OFFLOADS = ("none", "host", "nvme", "auto")
 
 
@@ -97,6 +98,17 @@ class Config:
 
     shard: bool = True
     """Shard chunks across data-parallel ranks (ZeRO). False keeps full replicas (DDP-like)."""
+
+    reduce_order: str = "fast"
+    """How gradients are summed across data-parallel ranks. "fast" (default): the backend's
+    reduce-scatter / all-reduce of each chunk, whose summation order over 3 or more ranks
+    depends on an element's position in the buffer and the buffer's size (so results change,
+    in the last bits, with the chunk size the plan picked). "rank": every element is summed in
+    rank order, ((g0 + g1) + g2) + g3, on every rank, whatever the chunk size, the plan or the
+    device budget: results do not depend on the plan, and equal DDP's with a communication hook
+    doing the same sum. It exchanges each chunk with one all-to-all and holds one more device
+    block of the largest chunk while a reduction is in flight ([Note: reduction in rank
+    order] in tierwise.runtime.reduce)."""
 
     parallel: dict[str, int] | None = None
     """Model-parallel sizes by pattern name, e.g. {"expert": 2} or {"tensor": 2}."""
@@ -202,6 +214,8 @@ class Config:
             fail("prefetch", "give a number of chunks ≥ 0")
         if self.activation_offload not in ACTIVATION_OFFLOADS:
             fail("activation_offload", f"choose one of {', '.join(ACTIVATION_OFFLOADS)}")
+        if self.reduce_order not in REDUCE_ORDERS:
+            fail("reduce_order", f"choose one of {', '.join(REDUCE_ORDERS)}")
         if self.parallel is not None:
             if not isinstance(self.parallel, dict) or not all(
                 isinstance(k, str) and isinstance(v, int) and v >= 1

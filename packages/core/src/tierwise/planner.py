@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from tierwise.cache_minimum import min_cache_blocks, recompute_blocks
-from tierwise.chunks import first_use_order, pack
+from tierwise.chunks import first_use_order, pack, sharded_capacity
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError, io_buffer_bytes
@@ -23,6 +23,21 @@ REDUCTION_BLOCKS = 2
 """Device blocks (of the largest chunk) that gradients in flight between ranks hold, whatever
 the model's size and the world size: one being reduced while the next fills ([Note: bounded
 gradient blocks] in tierwise.runtime.reduce)."""
+
+
+def reduction_blocks(config: Config) -> int:
+    """Device blocks that gradients in flight between ranks hold at their worst moment: the
+    pool of ``REDUCTION_BLOCKS``, plus, with ``reduce_order="rank"``, the receive block
+    ([Note: reduction in rank order] in tierwise.runtime.reduce)."""
+    return REDUCTION_BLOCKS + (config.reduce_order == "rank")
+
+
+def receive_block_numel(chunks: list[tuple[int, int]]) -> int:
+    """Elements of the receive block of a reduction in rank order, for the reduced chunks given
+    as (capacity, world size): the largest capacity rounded up to a multiple of its world size
+    (as a sharded chunk's capacity is), so that every rank's pieces fit."""
+    return max((sharded_capacity(cap, world, True)[0] for cap, world in chunks), default=0)
+
 
 AUTO_CHUNKS = 16
 """'auto' chunk size aims at about this many chunks (never below the largest parameter)."""
@@ -152,14 +167,19 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
         for cap, t, _, shards in caps
         if t
     )
-    # gradients in flight between ranks: a fixed pool, [Note: bounded gradient blocks]
-    staging_blocks = REDUCTION_BLOCKS if any(t and dp > 1 for _, t, dp, _ in caps) else 0
+    # gradients in flight between ranks: a fixed pool, [Note: bounded gradient blocks], and
+    # the receive block of a reduction in rank order, [Note: reduction in rank order]
+    reduced = [(cap, dp) for cap, t, dp, _ in caps if t and dp > 1]
+    staging_blocks = reduction_blocks(config) if reduced else 0
+    staging_bytes = REDUCTION_BLOCKS * block_bytes if reduced else 0
+    if reduced and config.reduce_order == "rank":
+        staging_bytes += receive_block_numel(reduced) * lc
     min_blocks = _min_blocks(profile, layout, config)
 
     reasons = []
 
     def device_need(param_tier: str, optim_tier: str, blocks: int) -> int:
-        need = (blocks + staging_blocks) * block_bytes
+        need = blocks * block_bytes + staging_bytes
         if param_tier == "device":
             # fp32 with params and optimizer together: a trainable chunk's home is its master
             aliased = config.precision == "fp32" and optim_tier == "device"

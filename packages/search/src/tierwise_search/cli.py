@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from tierwise.config import Config, ConfigError
+from tierwise.config import REDUCE_ORDERS, Config, ConfigError
 from tierwise.hardware import HardwareError
 from tierwise.plan import PlanError, fill_io_buffer_bytes
 from tierwise.units import parse_bytes
@@ -69,6 +69,13 @@ def add_plan_command(subparsers) -> None:
         default="fp32",
         choices=("fp32", "bf16", "int8"),
         help="how the Adam moments are stored (Config.optimizer_states; default fp32)",
+    )
+    parser.add_argument(
+        "--reduce-order",
+        default="fast",
+        choices=REDUCE_ORDERS,
+        help="how gradients are summed across ranks (Config.reduce_order; default fast): "
+        "rank counts one more device block with --gpus > 1",
     )
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     parser.add_argument(
@@ -174,6 +181,7 @@ def plan_config(args, device_type: str, **overrides) -> Config:
         param_placement=getattr(args, "param_placement", "auto"),
         optimizer_placement=getattr(args, "optimizer_placement", "auto"),
         optimizer_states=getattr(args, "optimizer_states", "fp32"),
+        reduce_order=getattr(args, "reduce_order", "fast"),
         accumulation_steps=getattr(args, "grad_accum", None),
         **overrides,
     )

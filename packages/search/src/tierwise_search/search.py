@@ -19,7 +19,7 @@ import numpy as np
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError, io_buffer_bytes
-from tierwise.planner import REDUCTION_BLOCKS, may_recompute, profile_min_blocks
+from tierwise.planner import may_recompute, profile_min_blocks, reduction_blocks
 from tierwise.precision import optim_stored_bytes, param_bytes
 from tierwise.profile import Profile
 from tierwise.units import format_bytes, format_gib
@@ -125,8 +125,9 @@ def _capacity_for(allowed: int, profile: Profile, activation_bytes: int, config:
 GRADIENT_STAGING = ("engine", "streaming")
 """How multi-rank gradients reach their shards: "engine" = core's path, a fixed pool of
 ``REDUCTION_BLOCKS`` device blocks whatever the model and world size (core's [Note: bounded
-gradient blocks]); "streaming" = reduce-scatter each chunk as soon as its gradients are complete
-(Elixir, PatrickStar), two staging buffers."""
+gradient blocks]), one more with ``reduce_order="rank"`` ([Note: reduction in rank order]);
+"streaming" = reduce-scatter each chunk as soon as its gradients are complete (Elixir,
+PatrickStar), two staging buffers."""
 
 
 class _Search:
@@ -234,7 +235,7 @@ class _Search:
         if self.rates.world_size == 1:
             staging = 0
         elif self.gradient_staging == "engine":
-            staging = REDUCTION_BLOCKS
+            staging = reduction_blocks(self.config)  # + the receive block of reduce_order="rank"
         else:
             staging = 2
         traffic = replace(

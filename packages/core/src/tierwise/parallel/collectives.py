@@ -62,8 +62,10 @@ class TorchDistributed:
     def all_gather_list(self, blocks, tensor, group):
         dist.all_gather(blocks, tensor, group=group)
 
-    def all_to_all_single(self, out, tensor, out_splits, in_splits, group):
-        dist.all_to_all_single(out, tensor, out_splits, in_splits, group=group)
+    def all_to_all_single(self, out, tensor, out_splits, in_splits, group, async_op=False):
+        return dist.all_to_all_single(
+            out, tensor, out_splits, in_splits, group=group, async_op=async_op
+        )
 
     def all_gather_object(self, out, value, group):
         dist.all_gather_object(out, value, group=group)
@@ -181,13 +183,24 @@ class Collectives:
         BACKEND.all_gather_list(blocks, local, group)
         return [b.to(tensor.device) for b in blocks]
 
-    def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, out_splits, in_splits, group):
-        """Rows of ``tensor`` to ranks (``in_splits[r]`` to rank r) into ``out``."""
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        tensor: torch.Tensor,
+        out_splits,
+        in_splits,
+        group,
+        async_op: bool = False,
+    ):
+        """Rows of ``tensor`` to ranks (``in_splits[r]`` to rank r) into ``out`` (``None``
+        splits: equal parts)."""
         self._count("all_to_all", tensor)
         device = self.device_of(group)
         result = self._on(out, device)
-        BACKEND.all_to_all_single(result, self._on(tensor, device), out_splits, in_splits, group)
-        self._result(None, out, result, False)
+        work = BACKEND.all_to_all_single(
+            result, self._on(tensor, device), out_splits, in_splits, group, async_op
+        )
+        return self._result(work, out, result, async_op)
 
     def all_gather_object(self, value, group=None) -> list:
         """Every rank's picklable ``value``, in rank order (``[value]`` on one process)."""

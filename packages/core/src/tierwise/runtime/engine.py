@@ -150,6 +150,7 @@ class Engine:
             traffic=self.traffic,
             world_group=world_group,
             reduction_blocks=REDUCTION_BLOCKS,
+            reduce_order=config.reduce_order,
             grad_offload=grad_offload,
         )
         self.backward_failed: str | None = None

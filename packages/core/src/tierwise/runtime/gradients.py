@@ -79,6 +79,7 @@ class GradientPath:
         traffic: Traffic,
         world_group: dist.ProcessGroup | None,
         reduction_blocks: int = 2,
+        reduce_order: str = "fast",
         grad_offload: GradientOffload | None = None,
     ) -> None:
         self.index = index
@@ -105,6 +106,7 @@ class GradientPath:
             prepare=self._prepare_reduction,
             accumulate=self._reduced,
             predict=self._predicted_due,
+            reduce_order=reduce_order,
         )
         """Reduces the chunks of data-parallel groups ([Note: one collective order], [Note:
         bounded gradient blocks])."""

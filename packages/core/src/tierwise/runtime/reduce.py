@@ -67,6 +67,35 @@ waiting is spilled to the host. The reduced shard is added into the gradient sha
 block goes back to the pool. Host buffers live while chunks wait in them (at most every
 trainable chunk, in the first backward); at the end of backward all but ``blocks`` of them are
 freed.
+
+[Note: reduction in rank order]
+The backend's reduce-scatter and all-reduce (gloo's ring, NCCL's ring or tree) sum the ranks'
+values in an order that depends on where an element sits in the buffer and on the buffer's
+size, so with 3 or more ranks a chunk's sums change in the last bits with the chunk size, and
+DDP (whose buckets are not our chunks) differs from itself when only its bucket size changes
+(``bench/ddp_order.py``). ``reduce_order="rank"`` (``Config.reduce_order``) sums every element
+in rank order, ((g0 + g1) + g2) + g3, on every rank, whatever the chunk size, plan or bucket:
+
+- The block (already divided by the world size, as DDP divides first) goes out with one
+  all-to-all: piece r of this rank's block to rank r, into a *receive block*. Piece r of every
+  rank is then in the receive block, in rank order, and is summed in that order (piece 0 plus
+  piece 1, plus piece 2, ...).
+- Sharded chunk: the pieces are the shards; the sum is the rank's reduced shard, written over
+  its slice of the block when the all-to-all is waited for (the reduction is async, as the
+  reduce-scatter is; the sum is local arithmetic, no collective, so waiting for it early or
+  late does not change the collective sequence: [Note: one collective order]).
+- Replicated chunk: the pieces are ceil(capacity / world) elements (the last ones shorter or
+  empty); the exchange is waited for at launch, the summed piece is copied to every slot of the
+  receive block and a second all-to-all (async) sends it to every rank, into the block: the
+  whole chunk, summed in rank order, on every rank.
+- The receive block is one device block of the largest reduced chunk (rounded up to a multiple
+  of the world size, as a sharded chunk's capacity is), allocated from the device tier like the
+  reduction blocks and counted in ``peak_blocks``; a reduction in rank order waits for the one
+  before it to hand the receive block back. The planners count it (``planner.reduction_blocks``,
+  ``planner.receive_block_numel``), so setup's, the planners' and the runtime's worst case are
+  the same number: ``REDUCTION_BLOCKS`` + 1 blocks.
+Late gradients go through the same ``_reduce``. Linear as before: the sum of a chunk's two
+reductions (regular and late) is still rank-ordered per reduction, not over both.
 """
 
 from __future__ import annotations
@@ -80,6 +109,7 @@ import torch.distributed as dist
 
 from tierwise.chunks import Chunk
 from tierwise.parallel.collectives import Collectives
+from tierwise.planner import receive_block_numel
 from tierwise.tiers.base import PayloadKind, Tier
 
 END = 2**62
@@ -102,9 +132,13 @@ class GradientReducer:
         prepare: Callable[[Chunk], None],
         accumulate: Callable[[Chunk, torch.Tensor], None],
         predict: Callable[[list[Hashable]], dict[Hashable, int]] | None = None,
+        reduce_order: str = "fast",
     ) -> None:
         if blocks < 1:
             raise ValueError(f"GradientReducer needs at least one device block, got {blocks}")
+        self.reduce_order = reduce_order
+        """"fast" (the backend's sum) or "rank" ([Note: reduction in rank order])."""
+        self._receive = ReceiveBlock(device_tier, dtype)
         self.collectives = collectives
         self.device_tier = device_tier
         self.dtype = dtype
@@ -147,7 +181,8 @@ class GradientReducer:
         self._host_free: list[torch.Tensor] = []
         self._taken = 0
         self.peak_blocks = 0
-        """Most device blocks taken at once (at most ``blocks``)."""
+        """Most device blocks taken at once (at most ``blocks``, and the receive block in rank
+        order: ``planner.reduction_blocks``)."""
         self.peak_on_host = 0
         """Most chunks waiting in host buffers at once in the last finished backward."""
         self._peak_on_host = 0
@@ -160,6 +195,7 @@ class GradientReducer:
         self.due = dict.fromkeys(self.order, END)
         self._predicted = self._predict is None
         self._block_numel = max((c.capacity for c in chunks), default=0)
+        self._receive.numel = receive_block_numel([(c.capacity, c.group.world) for c in chunks])
         self._build_schedule()
 
     def _agree_on_predicted_due(self) -> None:
@@ -307,6 +343,9 @@ class GradientReducer:
     def _reduce(self, chunk: Chunk, full: torch.Tensor) -> None:
         group = chunk.group
         full.div_(group.world)  # average first, as DDP does
+        if self.reduce_order == "rank" and group.world > 1:
+            self._inflight.append(self._reduce_in_rank_order(chunk, full))
+            return
         if group.sharded:
             # [Note: reduce-scatter in place]
             # The rank's reduced shard is written over its own slice of the block (NCCL
@@ -320,6 +359,45 @@ class GradientReducer:
             out = full
             work = self.collectives.all_reduce(full, group.process_group, async_op=True)
         self._inflight.append((chunk, work, out, full))
+
+    def _reduce_in_rank_order(self, chunk: Chunk, full: torch.Tensor) -> tuple:
+        """Launch ``full``'s reduction with every element summed in rank order: [Note:
+        reduction in rank order]. Returns the in-flight entry (chunk, work, out, full)."""
+        while self._receive.busy:  # one receive block: wait for the reduction holding it
+            self._collect(wait=True, one=True)
+        group = chunk.group
+        world, process_group = group.world, group.process_group
+        receive = self._take_receive()
+        if group.sharded:
+            start, end = chunk.shard_range()
+            pieces = receive[: full.numel()]
+            work = self.collectives.all_to_all(
+                pieces, full, None, None, process_group, async_op=True
+            )
+            out = full[start:end]
+            summed = _RankOrderSum(work, pieces.view(world, -1), out, self._give_receive)
+            return chunk, summed, out, full
+        piece = -(-full.numel() // world)
+        lengths = [max(0, min(piece, full.numel() - r * piece)) for r in range(world)]
+        mine = lengths[group.rank]
+        pieces = receive[: world * mine]
+        self.collectives.all_to_all(pieces, full, [mine] * world, lengths, process_group)
+        rows = pieces.view(world, mine)
+        _sum_rows(rows)
+        rows[1:].copy_(rows[:1].expand(world - 1, mine))
+        work = self.collectives.all_to_all(
+            full, pieces, lengths, [mine] * world, process_group, async_op=True
+        )
+        return chunk, _RankOrderSum(work, None, None, self._give_receive), full, full
+
+    def _take_receive(self) -> torch.Tensor:
+        self._taken += 1
+        self.peak_blocks = max(self.peak_blocks, self._taken)
+        return self._receive.take()
+
+    def _give_receive(self) -> None:
+        self._taken -= 1
+        self._receive.give()
 
     def _collect(self, *, wait: bool, one: bool = False) -> None:
         while self._inflight:
@@ -403,6 +481,7 @@ class GradientReducer:
         device tier's budget): [Note: gradient memory between steps]."""
         for block in self._free_blocks:
             block.untyped_storage().resize_(0)
+        self._receive.release_memory()
         # host buffers of chunks that waited are freed too, but for a few kept for the next
         # backward: between steps they hold nothing ([Note: bounded gradient blocks])
         del self._host_free[self.blocks :]
@@ -412,8 +491,73 @@ class GradientReducer:
         ([Note: due points predicted from the forward])."""
         for slab in self.slabs:
             slab.tier.release(slab)
+        self._receive.release()
         self.slabs, self._free_blocks, self._taken, self._host_free = [], [], 0, []
         self.set_chunks(chunks)
+
+
+class ReceiveBlock:
+    """The one device block a reduction in rank order receives every rank's pieces into
+    ([Note: reduction in rank order]): allocated from the device tier on first use, its memory
+    given back between backwards like the reduction blocks'."""
+
+    def __init__(self, device_tier: Tier, dtype: torch.dtype) -> None:
+        self.device_tier, self.dtype = device_tier, dtype
+        self.numel = 0
+        self.slab = None
+        self.busy = False
+        """Held by a reduction in flight."""
+
+    def take(self) -> torch.Tensor:
+        if self.slab is None:
+            self.slab = self.device_tier.allocate(
+                self.numel, self.dtype, kind=PayloadKind.STAGING, what="rank-order receive block"
+            )
+        tensor = self.slab.tensor
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0:  # given back at the end of the last backward
+            storage.resize_(tensor.numel() * tensor.element_size())
+        self.busy = True
+        return tensor
+
+    def give(self) -> None:
+        self.busy = False
+
+    def release_memory(self) -> None:
+        if self.slab is not None and not self.busy:
+            self.slab.tensor.untyped_storage().resize_(0)
+
+    def release(self) -> None:
+        if self.slab is not None:
+            self.slab.tier.release(self.slab)
+        self.slab, self.busy = None, False
+
+
+class _RankOrderSum:
+    """A reduction in rank order in flight: waiting for it sums the received pieces in rank
+    order into ``out`` (sharded chunks) and hands the receive block back."""
+
+    def __init__(self, work, rows: torch.Tensor | None, out: torch.Tensor | None, done) -> None:
+        self.work, self.rows, self.out, self.done = work, rows, out, done
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> None:
+        if self.done is None:
+            return
+        self.work.wait()
+        if self.rows is not None:
+            _sum_rows(self.rows)
+            self.out.copy_(self.rows[0])
+        self.done, done = None, self.done
+        done()
+
+
+def _sum_rows(rows: torch.Tensor) -> None:
+    """``rows[0]`` = ((rows[0] + rows[1]) + rows[2]) + ...: one element's sum in rank order."""
+    for r in range(1, rows.shape[0]):
+        rows[0].add_(rows[r])
 
 
 def _base(tensor: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import typing
 
-from tierwise.config import Config
+from tierwise.config import REDUCE_ORDERS, Config
 from tierwise.precision import STATE_PRECISIONS
 from tierwise.train.options import TrainOptions, field_docs
 
@@ -141,6 +141,8 @@ def _add_option(
         group.add_argument(flag, choices=("none", "host", "nvme", "auto"), **common)
     elif name == "optimizer_states":
         group.add_argument(flag, choices=STATE_PRECISIONS, **common)
+    elif name == "reduce_order":
+        group.add_argument(flag, choices=REDUCE_ORDERS, **common)
     elif name == "data":
         group.add_argument(flag, nargs="+", action="extend", metavar="PATH", **common)
     else:

@@ -12,8 +12,8 @@ batch) at 4 gloo ranks with:
   of a third of the full fp32 gradient (tests/core/test_reduction_order.py's setting).
 
 Prints one JSON line: the largest absolute parameter difference after ``--steps`` steps for
-each pair that matters (0.0 = bitwise equal) and whether the losses were equal, with the
-machine.
+each pair that matters (0.0 = bitwise equal), whether the losses were equal, and each
+system's median step time on rank 0, with the machine.
 
     python bench/ddp_order.py [--steps 4] [--ranks 4]
 """
@@ -24,7 +24,9 @@ import argparse
 import io
 import os
 import socket
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -91,14 +93,17 @@ def _train(system: str, rank: int, steps: int):
             reduce_order="fast" if system.endswith("fast") else "rank",
         )
         model = wrapped
-    losses = []
+    losses, times = [], []
     for step in range(steps):
+        start = time.perf_counter()
         loss = wrapped(**_batch(rank, step)).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
+        times.append(time.perf_counter() - start)
         losses.append(loss.item())
-    return losses, {k.removeprefix("module."): v.clone() for k, v in model.state_dict().items()}
+    state = {k.removeprefix("module."): v.clone() for k, v in model.state_dict().items()}
+    return losses, state, statistics.median(times[1:] or times)
 
 
 def _worker(rank, world, port, systems, steps, queue):
@@ -162,6 +167,9 @@ def main() -> None:
         backend="gloo",
         max_abs_param_diff=diffs,
         losses_equal=losses_equal,
+        # rank 0's median step after the first; the 4 ranks share this machine's cores, so
+        # only ratios within one run mean anything
+        step_s={system: round(results[system][2], 4) for system in systems},
     )
 
 

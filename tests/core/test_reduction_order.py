@@ -232,8 +232,9 @@ def _rank_order(rank, world, budget):
         "sharded, chunks of 8192": _budget_run(
             rank, world, budget, reduce_order="rank", chunk_size=8192
         ),
-        "replicated, chunks of 4096": _budget_run(
-            rank, world, budget, reduce_order="rank", shard=False
+        # 4099 elements: a replicated chunk's pieces are uneven (1025, 1025, 1025, 1024)
+        "replicated, chunks of 4099": _budget_run(
+            rank, world, budget, reduce_order="rank", shard=False, chunk_size=4099
         ),
     }
 
@@ -241,8 +242,8 @@ def _rank_order(rank, world, budget):
 def test_four_ranks_reducing_in_rank_order_train_bitwise_equal_to_ddp_whatever_the_plan():
     """[Note: reduction in rank order]: the same model and budget as above, reduced with
     ``reduce_order="rank"``, equals DDP whose communication hook sums every rank's bucket in
-    rank order, bitwise, at two chunk sizes and with replicated chunks: the result does not
-    depend on the plan. The receive block stays within the device budget and the planner's
+    rank order, bitwise, at two chunk sizes and with replicated chunks of a size the world does
+    not divide: the result does not depend on the plan. The receive block stays within the device budget and the planner's
     block count."""
     full_grad = sum(p.numel() for p in tiny_model("gpt2", n_layer=8).parameters()) * 4
     budget = full_grad // 3

@@ -152,6 +152,9 @@ class Setting:
     master copy)."""
     staging_blocks: int = 0
     """Full-chunk gradient staging buffers on the device (multi-rank gradient path)."""
+    receive_block_numel: int = 0
+    """Elements of the receive block a reduction in rank order holds on the device (core's
+    [Note: reduction in rank order]); 0: none."""
     optimizer_in_backward: bool = False
     """NVMe optimizer states are updated as each chunk's gradients complete in backward (see
     [Note: optimizer pipeline timing]); False: all of them after backward."""
@@ -299,7 +302,7 @@ class CostModel:
         block = s.block_numel * s.param_bytes
         if s.uses_rcache(p).any():
             totals[DEVICE] += placement.n_blocks * block
-        totals[DEVICE] += s.staging_blocks * block
+        totals[DEVICE] += s.staging_blocks * block + s.receive_block_numel * s.param_bytes
         # [Note: storage tiers' host buffers]: what setup reserves in the host tier
         if (train & (o == NVME)).any():
             totals[HOST] += max(

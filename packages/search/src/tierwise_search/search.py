@@ -19,7 +19,12 @@ import numpy as np
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError, io_buffer_bytes
-from tierwise.planner import may_recompute, profile_min_blocks, reduction_blocks
+from tierwise.planner import (
+    REDUCTION_BLOCKS,
+    may_recompute,
+    profile_min_blocks,
+    receive_block_numel,
+)
 from tierwise.precision import optim_stored_bytes, param_bytes
 from tierwise.profile import Profile
 from tierwise.units import format_bytes, format_gib
@@ -232,10 +237,14 @@ class _Search:
         """The cost model at one chunk size, every leaving layer recomputed (the swap/recompute
         split comes after placement: it frees the same device memory either way)."""
         table, trace = self.layout(chunk_size)
-        if self.rates.world_size == 1:
+        world = self.rates.world_size
+        receive = 0
+        if world == 1:
             staging = 0
         elif self.gradient_staging == "engine":
-            staging = reduction_blocks(self.config)  # + the receive block of reduce_order="rank"
+            staging = REDUCTION_BLOCKS
+            if self.config.reduce_order == "rank":  # [Note: reduction in rank order]
+                receive = receive_block_numel([(int(table.capacity.max(initial=0)), world)])
         else:
             staging = 2
         traffic = replace(
@@ -260,6 +269,7 @@ class _Search:
                 min_blocks=self.min_blocks(table),
                 fp32_alias=self.config.precision == "fp32",
                 staging_blocks=staging,
+                receive_block_numel=receive,
                 optimizer_in_backward=self.optimizer_in_backward,
                 activations=traffic,
                 optimizer_states=self.config.optimizer_states,

@@ -56,18 +56,20 @@ def test_gradient_blocks_do_not_grow_with_ranks_or_chunks(world):
     assert ranks.device_allowance - one_rank.device_allowance <= REDUCTION_BLOCKS * block
 
 
+@pytest.mark.parametrize("chunk_size", [4096, 4099])
 @pytest.mark.parametrize("world", [1, 4])
-def test_both_planners_count_the_receive_block_of_a_reduction_in_rank_order(world):
+def test_both_planners_count_the_receive_block_of_a_reduction_in_rank_order(world, chunk_size):
     """[Note: reduction in rank order]: one more device block of the largest chunk with
     ``reduce_order="rank"`` and several ranks (the runtime's ``peak_blocks`` stays within
-    ``reduction_blocks``: tests/core/test_reduction_order.py), none on one rank."""
+    ``reduction_blocks``: tests/core/test_reduction_order.py), none on one rank. Blocks are
+    the chunks setup builds: 4099 elements sharded over 4 ranks are 4100."""
     profile = make_profile([[4096] * 4 for _ in range(8)])
     hardware = gpu_hardware(world_size=world)
     allowances = {}
     for order in ("fast", "rank"):
         config = Config(
             device="cuda",
-            chunk_size=4096,
+            chunk_size=chunk_size,
             cache_blocks=4,
             param_placement="host",
             optimizer_placement="host",
@@ -77,8 +79,9 @@ def test_both_planners_count_the_receive_block_of_a_reduction_in_rank_order(worl
         search = search_plan(profile, hardware, config)
         assert core.device_allowance == search.device_allowance
         allowances[order] = core.device_allowance
-    block = 4096 * 2  # bf16
+    block = -(-chunk_size // world) * world * 2  # bf16
     assert allowances["rank"] - allowances["fast"] == (block if world > 1 else 0)
+    assert allowances["fast"] % block == 0  # cache and reduction blocks, nothing else on it
 
 
 def test_gpus_per_node_must_divide_the_gpus(capsys):

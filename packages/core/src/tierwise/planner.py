@@ -157,7 +157,9 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
         for group, chunks in layout.items()
         for cap, trainable, _ in chunks
     ]
-    block_bytes = max(cap for cap, *_ in caps) * lc
+    # a block holds the largest chunk as setup builds it: sharded capacities rounded up to a
+    # multiple of the ranks they are sharded over (chunks.sharded_capacity)
+    block_bytes = max(sharded_capacity(cap, shards, shards > 1)[0] for cap, *_, shards in caps) * lc
     n_chunks = len(caps)
     n_sharded = sum(1 for *_, shards in caps if shards > 1)
     param_bytes = sum(-(-cap // shards) for cap, _, _, shards in caps) * lc

@@ -106,9 +106,9 @@ class Config:
     in the last bits, with the chunk size the plan picked). "rank": every element is summed in
     rank order, ((g0 + g1) + g2) + g3, on every rank, whatever the chunk size, the plan or the
     device budget: results do not depend on the plan, and equal DDP's with a communication hook
-    doing the same sum. It exchanges each chunk with one all-to-all and holds one more device
-    block of the largest chunk while a reduction is in flight ([Note: reduction in rank
-    order] in tierwise.runtime.reduce)."""
+    doing the same sum. It exchanges each chunk with an all-to-all (two with ``shard=False``)
+    and holds one more device block of the largest chunk while a reduction is in flight
+    ([Note: reduction in rank order] in tierwise.runtime.reduce)."""
 
     parallel: dict[str, int] | None = None
     """Model-parallel sizes by pattern name, e.g. {"expert": 2} or {"tensor": 2}."""

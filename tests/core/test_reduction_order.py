@@ -40,13 +40,20 @@ def _inputs(rank, step):
     return torch.randn(8, 32, generator=gen), (step + rank) % 2 == 1, (step * (rank + 1)) % 3 == 0
 
 
-def _branches(rank, world, reduce_order):
+def _uneven_inputs(rank, step):
+    """``d`` runs on one rank and not the other in most steps: that rank has one more sync
+    point, so a chunk due at it is launched there and at the end of backward on the other."""
+    x, swapped, _ = _inputs(rank, step)
+    return x, swapped, (step + rank) % 3 == 0
+
+
+def _branches(rank, world, reduce_order="fast", inputs=_inputs, settings=None):
     ref = Branches()
     ddp = torch.nn.parallel.DistributedDataParallel(ref, find_unused_parameters=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     ref_losses = []
     for step in range(STEPS):
-        loss = ddp(*_inputs(rank, step))
+        loss = ddp(*inputs(rank, step))
         loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -64,15 +71,29 @@ def _branches(rank, world, reduce_order):
             chunk_size=1056,
             shard=False,
             reduce_order=reduce_order,
+            **(settings or {}),
         )
-        reducer = tierwise.engine_of(model).gradients.reducer
-        completions, launches, sequences, losses = [], [], [], []
-        record = reducer.completed
+        engine = tierwise.engine_of(model)
+        reducer = engine.gradients.reducer
+        completions, launches, sequences, losses, syncs, dues, finals, modes = (
+            [] for _ in range(8)
+        )
+        record, sync_point = reducer.completed, reducer.sync_point
         for step in range(STEPS):
-            done = []
-            reducer.completed = lambda chunk, done=done: (done.append(chunk.key), record(chunk))
+            done, count = [], [0]
+
+            def completed(chunk, done=done):
+                done.append(chunk.key)
+                record(chunk)
+
+            def counted_sync_point(by_key, count=count):
+                count[0] += 1
+                sync_point(by_key)
+
+            reducer.completed, reducer.sync_point = completed, counted_sync_point
+            dues.append(dict(reducer.due))
             start = len(fake.sequence)
-            loss = model(*_inputs(rank, step))
+            loss = model(*inputs(rank, step))
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -80,6 +101,9 @@ def _branches(rank, world, reduce_order):
             completions.append(done)
             launches.append(reducer.last_launches)
             sequences.append(fake.sequence[start:])
+            syncs.append(count[0])
+            finals.append(reducer.last_finalised)
+            modes.append(engine.optimizer.last_update_mode)
     state = {n: p.detach().clone() for n, p in model.state_dict().items()}
     return dict(
         ref_losses=ref_losses,
@@ -89,7 +113,26 @@ def _branches(rank, world, reduce_order):
         completions=completions,
         launches=launches,
         sequences=sequences,
+        syncs=syncs,
+        dues=dues,
+        finals=finals,
+        modes=modes,
     )
+
+
+def _same_launches_and_ddp(ranks):
+    zero, one = ranks
+    for step in range(STEPS):
+        assert zero["launches"][step] == one["launches"][step], step
+        assert zero["sequences"][step] == one["sequences"][step], step
+    # a late gradient (after its chunk was launched) was reduced once more in some step
+    assert any(kind == "late" for step in zero["launches"] for kind, _ in step)
+    for result in ranks:
+        for a, b in zip(result["losses"], result["ref_losses"], strict=True):
+            assert abs(a - b) <= 1e-6 * abs(b), (result["losses"], result["ref_losses"])
+        for name, value in result["ref_state"].items():
+            rel = (result["state"][name] - value).abs().max() / value.abs().max()
+            assert rel <= 1e-5, (name, float(rel))
 
 
 @pytest.mark.parametrize("reduce_order", ["fast", "rank"])
@@ -102,17 +145,35 @@ def test_ranks_completing_in_different_orders_launch_the_same_sequence_and_match
     zero, one = ranks
     # the ranks really completed their chunks in different orders
     assert any(a != b for a, b in zip(zero["completions"], one["completions"], strict=True))
+    _same_launches_and_ddp(ranks)
+
+
+def test_only_chunks_every_rank_had_complete_at_launch_are_final_before_backward_ends():
+    """Updates run in backward ([Note: speculative updates]); a chunk is final when its
+    reduction lands only if no rank launched it incomplete ([Note: one collective order])."""
+    settings = dict(optimizer_placement="host", optimizer_overlap="in-backward")
+    ranks = run_ranks(_branches, 2, "fast", _uneven_inputs, settings)
+    zero, one = ranks
+    # some step had a chunk due at a sync point only one rank reached: its flags are issued
+    # at that point on one rank and at the end of backward on the other
+    assert any(
+        min(zero["syncs"][step], one["syncs"][step])
+        < due
+        <= max(zero["syncs"][step], one["syncs"][step])
+        for step in range(STEPS)
+        for due in zero["dues"][step].values()
+    )
     for step in range(STEPS):
-        assert zero["launches"][step] == one["launches"][step], step
-        assert zero["sequences"][step] == one["sequences"][step], step
-    # a late gradient (after its chunk was launched) was reduced once more in some step
-    assert any(kind == "late" for step in zero["launches"] for kind, _ in step)
-    for result in ranks:
-        for a, b in zip(result["losses"], result["ref_losses"], strict=True):
-            assert abs(a - b) <= 1e-6 * abs(b), (result["losses"], result["ref_losses"])
-        for name, value in result["ref_state"].items():
-            rel = (result["state"][name] - value).abs().max() / value.abs().max()
-            assert rel <= 1e-5, (name, float(rel))
+        late = {key for kind, key in zero["launches"][step] if kind == "late"}
+        completed_everywhere = set(zero["completions"][step]) & set(one["completions"][step])
+        for result in ranks:
+            final = set(result["finals"][step])
+            assert not final & late, step  # a chunk with a late gradient is final at the end
+            assert final <= completed_everywhere, step  # e.g. not d where one rank skipped it
+        assert zero["finals"][step] == one["finals"][step], step
+    assert any(zero["finals"][1:])
+    assert all(mode == "in-backward" for result in ranks for mode in result["modes"])
+    _same_launches_and_ddp(ranks)
 
 
 def _routes(rank, world):

@@ -21,7 +21,10 @@ keeps one ``TrainingState`` per module. Each transition has one owner and is che
 The gradient path (``GradientPath``) owns every transition up to REDUCED and HELD, and back to
 EMPTY; the optimizer step (``OptimizerStep``) owns those from REDUCED/HELD on: the update,
 speculation, rollback and commit. Several ranks: a chunk handed to the streaming reducer stays
-FILLING/ACCUMULATING until its reduction lands (the reducer knows which chunks it holds).
+FILLING/ACCUMULATING until its reduction lands (the reducer knows which chunks it holds); it is
+REDUCED then, and its update may start during backward (REDUCED -> UPDATING) once the ranks
+agreed that none of them was missing a gradient of it at launch, else at the end of backward
+([Note: one collective order]).
 
 What stays beside the state is data, not lifecycle: the buffers that hold a chunk's gradients
 (its shard, ``OptimSlabs.grad_buffer``, ``staging``, ``local_grad``, the slots' ``kept_grad``

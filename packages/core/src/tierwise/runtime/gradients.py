@@ -36,11 +36,11 @@ _OWNER = GradOwner.GRADIENT_PATH
 # Single process: the gradient is added straight into its slot of the chunk's gradient shard
 # (next to the optimizer states; zeroed on the first gradient after zero_grad, so the sum is
 # exactly PyTorch's accumulation). Several ranks: it is copied into the chunk's *staging* buffer
-# (a full-chunk device buffer from a pool); at the end of backward, in a fixed chunk order
+# (a device block from a bounded pool, or a host buffer); at sync points, in a fixed chunk order
 # (ranks may complete chunks in different orders, e.g. an expert routed on one rank only, and
-# collectives must match), each staging buffer is reduced across the chunk's data-parallel group
-# (reduce-scatter when sharded, all-reduce when replicated) and accumulated into the gradient
-# shard. Under ``no_sync`` the unreduced full-chunk gradients accumulate locally instead.
+# collectives must match: [Note: one collective order]), each staging buffer is reduced across
+# the chunk's data-parallel group (reduce-scatter when sharded, all-reduce when replicated) and
+# accumulated into the gradient shard. Under ``no_sync`` the unreduced full-chunk gradients accumulate locally instead.
 # Parameters that got no gradient are finalised as zeros.
 #
 # [Note: gradients without copies]
@@ -105,6 +105,7 @@ class GradientPath:
             world_group=world_group,
             prepare=self._prepare_reduction,
             accumulate=self._reduced,
+            final=self.optimizer.grads_final,
             predict=self._predicted_due,
             reduce_order=reduce_order,
         )
@@ -140,6 +141,8 @@ class GradientPath:
         if chunk.group.world == 1:
             self._add_to_grad_shard(chunk, slot, grad)
             return
+        if not self.reducer.launched(chunk):  # a later backward than the update's
+            self._refuse_after_update(chunk)
         if self._no_sync:  # accumulate locally, on the host: [Note: bounded gradient blocks]
             self._begin_delivery(chunk)
             if chunk.local_grad is None:
@@ -216,14 +219,7 @@ class GradientPath:
         (``_finish_fresh_grad``): when its last gradient arrives, or at the end of backward.
         """
         optim = chunk.optim
-        if self.optimizer.updated_in_backward(chunk):
-            raise RuntimeError(
-                "tierwise: a gradient arrived for a chunk whose optimizer update already ran "
-                f"during backward ({self.optimizer.overlap_reason('had one backward pass')}); with "
-                "gradient accumulation pass Config.accumulation_steps or use tierwise.no_sync "
-                "on all micro-batches but the last; with re-entrant checkpoint reuse set "
-                "optimizer_overlap='after-backward'"
-            )
+        self._refuse_after_update(chunk)
         empty = chunk.grad_state is GradState.EMPTY
         if (optim.grads_kept or empty) and self._keeps_grads(chunk):
             self._keep_grad(chunk, slot, grad)
@@ -250,6 +246,17 @@ class GradientPath:
                 self.optimizer.grads_final(chunk, in_no_sync=self._no_sync)
         if slot.state is not TensorState.COMPUTE:
             slot.set_state(TensorState.HOLD_AFTER_BWD)
+
+    def _refuse_after_update(self, chunk: Chunk) -> None:
+        """A gradient for a chunk whose update already ran in a backward of this step."""
+        if self.optimizer.updated_in_backward(chunk):
+            raise RuntimeError(
+                "tierwise: a gradient arrived for a chunk whose optimizer update already ran "
+                f"during backward ({self.optimizer.overlap_reason('had one backward pass')}); with "
+                "gradient accumulation pass Config.accumulation_steps or use tierwise.no_sync "
+                "on all micro-batches but the last; with re-entrant checkpoint reuse set "
+                "optimizer_overlap='after-backward'"
+            )
 
     def _keeps_grads(self, chunk: Chunk) -> bool:
         """Whether this chunk's gradients stay autograd's tensors: [Note: gradients without
@@ -409,9 +416,10 @@ class GradientPath:
             if chunk.trainable and chunk.group.world == 1:
                 self._finish_fresh_grad(chunk)  # [Note: first gradient is a copy]
         if self.multi_rank and not self._no_sync:
-            self.reducer.finish(self.index.by_key)
-            for chunk in self._reduced_chunks():
-                self.optimizer.grads_final(chunk)
+            # chunks no rank launched incomplete were final when they landed: [Note: one
+            # collective order]
+            for key in self.reducer.finish(self.index.by_key):
+                self.optimizer.grads_final(self.index.by_key[key])
         self.reducer.release_memory()
         self._reset_flags()
         self._forward_calls.clear()

@@ -34,8 +34,20 @@ one rank), so a reduction is never launched *because* its chunk completed. The r
   buffers (zeros on ranks without one). Reduction is linear, so the two reductions sum to the
   one they replace (rounding aside; a static model has no late gradient, so its reductions are
   exactly those of DDP's sum).
-- A chunk's gradients are final only after that agreement: ``grads_final`` is called for every
-  chunk at the end of backward.
+- A late gradient for a chunk is only possible when, on some rank, the chunk was launched while
+  still incomplete there (``pending > 0``: a slot without its gradient yet, or one that gets
+  none in this backward). A chunk complete at launch on every rank gets no further gradient
+  in this backward (a second delivery to a slot after launch is refused), so its reduced shard
+  is final the moment it lands. So after the reductions of each due point's chunks, one small
+  async all-reduce (MAX, on the world group) of their flags (1: incomplete on this rank at
+  launch) agrees on it; when a chunk's reduction and its flags have both landed and no rank
+  flagged it, it is final then (``final``: its optimizer update may start during backward:
+  [Note: speculative updates]). The other chunks are final at the end of backward, after the
+  agreement on late gradients. The flags go per *due point*, not per sync point a rank
+  reaches: a rank with fewer sync points (a branch it did not take) launches the chunks of
+  the due points it did not reach at the end of backward, and issues their flags there, one
+  all-reduce per due point as the others did. The chunks due at the end of backward need no
+  flags (nothing arrives after it).
 
 [Note: due points predicted from the forward]
 Without due points every chunk would wait for the end of the first backward, each in a host
@@ -52,9 +64,8 @@ makes predictions later (the chunk waits, as before); a chunk predicted too earl
 path, which stays exact. A static model's prediction is exact: its first backward reduces as
 every later one does (``tests/core/test_reduction_order.py``).
 
-The launch sequence is therefore a function of the sync points and the due points alone,
-identical on every rank (``tests/core/test_reduction_order.py`` records it under different
-routes and branches).
+The launch sequence is therefore a function of the agreed due points alone, identical on every rank
+(``tests/core/test_reduction_order.py`` records it under different routes and branches).
 
 [Note: bounded gradient blocks]
 Gradients in flight hold at most ``blocks`` device buffers of the largest chunk (the planner's
@@ -131,6 +142,7 @@ class GradientReducer:
         world_group: dist.ProcessGroup | None,
         prepare: Callable[[Chunk], None],
         accumulate: Callable[[Chunk, torch.Tensor], None],
+        final: Callable[[Chunk], None],
         predict: Callable[[list[Hashable]], dict[Hashable, int]] | None = None,
         reduce_order: str = "fast",
     ) -> None:
@@ -154,6 +166,10 @@ class GradientReducer:
         self._predicted = False
         """Whether this backward's due points come from a last backward or an agreed
         prediction (False: predict them at the first sync point)."""
+        self._final = final
+        """Called when a chunk's reduced gradients are final because no rank was missing a
+        gradient of it at launch: as soon as its reduction and flags land, during backward
+        (or in ``finish`` for chunks launched there): [Note: one collective order]."""
         self.order: list[Hashable] = []
         """The reduction order (chunk keys), the same on every rank."""
         self.due: dict[Hashable, int] = {}
@@ -174,6 +190,14 @@ class GradientReducer:
         self._holding: dict[Hashable, Chunk] = {}
         """Chunks not launched yet whose staging is a device block."""
         self._inflight: deque[tuple[Chunk, object, torch.Tensor, torch.Tensor]] = deque()
+        self._agreeing: deque[tuple[list[Chunk], object, torch.Tensor]] = deque()
+        """Flag all-reduces in flight: one due point's chunks, the work, their flags (1: some
+        rank launched the chunk incomplete)."""
+        self.finalised: list[Hashable] = []
+        """Chunks made final by their flags' agreement in this backward (``final``), in order:
+        during backward, or in ``finish`` for those whose flags landed there."""
+        self.last_finalised: list[Hashable] = []
+        """``finalised`` of the last finished backward."""
         self._free_blocks: list[torch.Tensor] = []
         self.slabs: list = []
         """The device slabs of the pool (at most ``blocks``)."""
@@ -315,11 +339,33 @@ class GradientReducer:
         self.sync += 1
         if not self._predicted:
             self._agree_on_predicted_due()
-        schedule = self._schedule
-        while self._next < len(schedule) and self.due[schedule[self._next]] <= self.sync:
-            self._launch(chunks_by_key[schedule[self._next]])
-            self._next += 1
+        self._launch_due(self.sync, chunks_by_key)
         self._collect(wait=False)
+
+    def _launch_due(self, limit: int, chunks_by_key: dict) -> None:
+        """Launch, in schedule order, every chunk due by ``limit``; after each due point's
+        chunks, agree on whether every rank had them complete ([Note: one collective
+        order])."""
+        schedule = self._schedule
+        while self._next < len(schedule) and self.due[schedule[self._next]] <= limit:
+            due = self.due[schedule[self._next]]
+            launched = []
+            while self._next < len(schedule) and self.due[schedule[self._next]] == due:
+                chunk = chunks_by_key[schedule[self._next]]
+                launched.append((chunk, chunk.pending > 0))
+                self._launch(chunk)
+                self._next += 1
+            if due != END and self.world_group is not None:
+                self._agree_complete(launched)
+
+    def _agree_complete(self, launched: list[tuple[Chunk, bool]]) -> None:
+        """One async MAX all-reduce of one due point's flags, 1 for a chunk incomplete here
+        at its launch ([Note: one collective order])."""
+        flags = torch.tensor([incomplete for _, incomplete in launched], dtype=torch.int64)
+        work = self.collectives.all_reduce(
+            flags, self.world_group, op=dist.ReduceOp.MAX, async_op=True
+        )
+        self._agreeing.append(([chunk for chunk, _ in launched], work, flags))
 
     def _launch(self, chunk: Chunk) -> None:
         key = chunk.key
@@ -400,27 +446,46 @@ class GradientReducer:
         self._receive.give()
 
     def _collect(self, *, wait: bool, one: bool = False) -> None:
+        """Add the reductions that landed (``wait``: all of them; ``one``: the oldest) into the
+        gradient shards, then finalise the chunks agreed complete."""
         while self._inflight:
             chunk, work, out, full = self._inflight[0]
             if not wait and not work.is_completed():
-                return
+                break
             work.wait()
             self._inflight.popleft()
             self._accumulate(chunk, out)
             self._give_block(full)
             if one:
+                break
+        self._settle(wait=wait and not one)
+
+    def _settle(self, *, wait: bool) -> None:
+        """Chunks whose reduction and flags have landed, flagged by no rank, are final now
+        ([Note: one collective order])."""
+        while self._agreeing:
+            chunks, work, flags = self._agreeing[0]
+            keys = {chunk.key for chunk in chunks}
+            if any(entry[0].key in keys for entry in self._inflight):
+                return  # a reduction of this due point still in flight
+            if not wait and not work.is_completed():
                 return
+            work.wait()
+            self._agreeing.popleft()
+            for chunk, flag in zip(chunks, flags.tolist(), strict=True):
+                if flag == 0:
+                    self.finalised.append(chunk.key)
+                    self._final(chunk)
 
     # ------------------------------------------------------------------ end of backward
     def finish(self, chunks_by_key: dict) -> list[Hashable]:
         """End of backward: launch what is left in order, agree on late gradients and on the
         next due points, reduce the late parts, wait for everything ([Note: one collective
-        order]). Returns the keys in reduction order: their gradients are final now."""
+        order]). Returns the keys, in reduction order, of the chunks whose gradients are final
+        now and were not finalised before (``final``)."""
         if not self._predicted:  # no sync point in this backward: agree here, as others did
             self._agree_on_predicted_due()
-        for key in self._schedule[self._next :]:
-            self._launch(chunks_by_key[key])
-        self._next = len(self._schedule)
+        self._launch_due(END, chunks_by_key)
         n = len(self.order)
         facts = torch.zeros(2 * n, dtype=torch.int64)
         for i, key in enumerate(self.order):
@@ -445,14 +510,17 @@ class GradientReducer:
             self.due[key] = int(facts[i]) + 1
         self.last_launches, self.launches = self.launches, []
         self.peak_on_host, self._peak_on_host = self._peak_on_host, 0
+        early = set(self.finalised)
+        self.last_finalised = self.finalised
         self._reset()
-        return list(self.order)
+        return [key for key in self.order if key not in early]
 
     def _reset(self) -> None:
         self._build_schedule()
         self.sync = 0
         self._launched.clear()
         self._completed.clear()
+        self.finalised = []
 
     def abandon(self, chunks: list[Chunk]) -> None:
         """A backward stopped on an error: wait for what is in flight, drop every buffer."""
@@ -460,6 +528,9 @@ class GradientReducer:
             work.wait()
             self._give_block(full)
         self._inflight.clear()
+        for _chunks, work, _flags in self._agreeing:
+            work.wait()
+        self._agreeing.clear()
         for chunk in chunks:
             if chunk.staging is not None:
                 if chunk.key in self._on_host:

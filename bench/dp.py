@@ -2,11 +2,17 @@
 (parameters and optimizer states on the host, sharded) train the same GPT-2 on the same data at
 2 and 4 ranks. One JSON line per (ranks, system): median step time after warm-up and each rank's
 peak RSS, with tierwise's ratio to FSDP2 (the issue's target: at most 1.0x at 4 ranks).
+``tierwise-in-backward`` is tierwise with ``optimizer_overlap="in-backward"``: each chunk's CPU
+Adam runs on a worker as soon as its reduction lands ([Note: one collective order]); its line adds
+the share of chunk updates that started during backward, the optimizer time left after backward
+(``exposed_s``, median) and its step time against tierwise's (on a CPU-only machine the worker
+shares the cores with backward, so the step time says little; the share is the point).
 
 Each system runs in its own set of processes, one after another; the ranks share this machine's
 cores, so absolute times are noise and only the ratios within one run mean anything.
 
     python bench/dp.py [--ranks 2,4] [--steps 6] [--layers 4] [--embd 256]
+        [--systems ddp,fsdp2,tierwise,tierwise-in-backward]
 """
 
 from __future__ import annotations
@@ -50,7 +56,9 @@ def _train(model, opt, args, rank, step_fn=None):
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - start)
-    return times
+        if step_fn is not None:
+            step_fn(step)
+    return times, {}
 
 
 def _run(system, args):
@@ -83,8 +91,30 @@ def _run(system, args):
         device="cpu",
         param_placement="host",
         optimizer_placement="host",
+        optimizer_overlap="in-backward" if system == "tierwise-in-backward" else "auto",
     )
-    return _train(model, opt, args, rank)
+    if system == "tierwise":
+        return _train(model, opt, args, rank)
+    engine = tierwise.engine_of(model)
+    host_updates = engine.optimizer.host_updates
+    submit, started, exposed = host_updates.submit, [], []
+
+    def counted_submit(chunk, *rest, **kwargs):  # when each chunk's update starts
+        started.append(engine.phases.in_backward)
+        return submit(chunk, *rest, **kwargs)
+
+    def after_step(step):
+        if step >= args.warmup:
+            exposed.append(engine.stats()["optimizer_overlap"]["exposed_s"])
+        else:
+            started.clear()
+
+    host_updates.submit = counted_submit
+    times, _ = _train(model, opt, args, rank, step_fn=after_step)
+    return times, {
+        "updates_in_backward": f"{sum(started)}/{len(started)}",
+        "exposed_s": round(statistics.median(exposed), 4),
+    }
 
 
 def _worker(rank, world, port, system, args, queue):
@@ -92,11 +122,11 @@ def _worker(rank, world, port, system, args, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        times = _run(system, args)
+        times, extra = _run(system, args)
         peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        queue.put((rank, statistics.median(times[args.warmup :]), peak_mib, None))
+        queue.put((rank, statistics.median(times[args.warmup :]), peak_mib, extra, None))
     except Exception as err:  # report, never hang the parent
-        queue.put((rank, None, None, f"{type(err).__name__}: {err}"))
+        queue.put((rank, None, None, None, f"{type(err).__name__}: {err}"))
     finally:
         dist.destroy_process_group()
 
@@ -123,9 +153,13 @@ def measure(system, world, args):
     errors = [e for *_, e in results if e]
     if errors:
         return {"error": errors[0]}
+    extra = {}
+    for key in results[0][3]:
+        extra[f"{key}_per_rank"] = [r[3][key] for r in results]
     return {
         "step_s": round(max(r[1] for r in results), 4),  # the slowest rank sets the pace
         "peak_rss_mib_per_rank": [round(r[2], 1) for r in results],
+        **extra,
     }
 
 
@@ -168,6 +202,9 @@ def main():
             fsdp = rows.get("fsdp2", {}).get("step_s")
             if system == "tierwise" and fsdp and "step_s" in rows[system]:
                 row["vs_fsdp2"] = round(rows[system]["step_s"] / fsdp, 3)
+            ours = rows.get("tierwise", {}).get("step_s")
+            if system == "tierwise-in-backward" and ours and "step_s" in rows[system]:
+                row["vs_tierwise"] = round(rows[system]["step_s"] / ours, 3)
             print(json.dumps(row), flush=True)
 
 

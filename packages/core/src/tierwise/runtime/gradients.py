@@ -410,8 +410,8 @@ class GradientPath:
 
     def end_backward(self) -> None:
         """Autograd finished a backward: finalise every chunk's gradients (zeros where none
-        arrived), finish the reductions ([Note: one collective order]), hand the chunks to
-        the optimizer step, and reset the gradient flags."""
+        arrived), finish the reductions ([Note: one collective order]), hand the chunks not
+        handed over yet to the optimizer step, and reset the gradient flags."""
         for chunk in self.index.chunks():
             if chunk.trainable and chunk.group.world == 1:
                 self._finish_fresh_grad(chunk)  # [Note: first gradient is a copy]

@@ -185,3 +185,34 @@ def test_updates_start_when_reductions_land_and_match_after_backward_and_ddp(kin
             mine = after["state"][name.removeprefix("module.")]
             rel = (mine - value).abs().max() / value.abs().max()
             assert rel <= 1e-5, (rank, name, float(rel))
+
+
+def _accumulate_without_hint(rank, world):
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        chunk_size=4096,
+        optimizer_placement="host",
+        optimizer_overlap="in-backward",
+    )
+    engine = tierwise.engine_of(model)
+    try:
+        model(**tiny_batch(seed=rank)).loss.backward()  # its updates run: one backward a step
+        with pytest.raises(RuntimeError) as caught:
+            model(**tiny_batch(seed=10 + rank)).loss.backward()
+        opt.zero_grad()  # the step is dropped: nothing of it is applied
+    finally:
+        engine.close()
+    return str(caught.value)
+
+
+def test_a_second_backward_after_in_backward_updates_is_refused_on_every_rank():
+    # one process refuses this too (tests/nvme/test_optimizer_overlap.py); several ranks reach
+    # the same refusal instead of an illegal gradient state transition
+    for message in run_ranks(_accumulate_without_hint, 2):
+        assert "a gradient arrived for a chunk whose optimizer update already ran" in message
+        assert "Config.accumulation_steps" in message

@@ -23,6 +23,8 @@ MODES = ["in-backward", "speculative-kept", "speculative-kept", "rolled-back", "
 SETTINGS = {
     "sharded": dict(shard=True, cache_blocks=2, param_placement="host"),
     "replicated": dict(shard=False, param_placement="device"),
+    # [Note: reduction in rank order]: all-to-alls and a local sum instead of a reduce-scatter
+    "rank-order": dict(shard=True, cache_blocks=2, param_placement="host", reduce_order="rank"),
 }
 
 
@@ -48,6 +50,10 @@ class LandsAtOnce(collectives.TorchDistributed):
 
     def all_reduce(self, tensor, op, group, async_op):
         return _landed(super().all_reduce(tensor, op, group, async_op))
+
+    def all_to_all_single(self, out, tensor, out_splits, in_splits, group, async_op=False):
+        work = super().all_to_all_single(out, tensor, out_splits, in_splits, group, async_op)
+        return _landed(work)
 
 
 def _landed(work):

@@ -12,7 +12,7 @@ Each system runs in its own set of processes, one after another; the ranks share
 cores, so absolute times are noise and only the ratios within one run mean anything.
 
     python bench/dp.py [--ranks 2,4] [--steps 6] [--layers 4] [--embd 256]
-        [--systems ddp,fsdp2,tierwise,tierwise-in-backward]
+        [--systems ddp,fsdp2,tierwise,tierwise-in-backward] [--chunk-size auto]
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def _run(system, args):
         device="cpu",
         param_placement="host",
         optimizer_placement="host",
+        chunk_size=args.chunk_size if args.chunk_size == "auto" else int(args.chunk_size),
         optimizer_overlap="in-backward" if system == "tierwise-in-backward" else "auto",
     )
     if system == "tierwise":
@@ -173,6 +174,9 @@ def main():
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--systems", default="ddp,fsdp2,tierwise")
+    parser.add_argument(
+        "--chunk-size", default="auto", help="tierwise's chunk size (elements, or auto)"
+    )
     args = parser.parse_args()
     params = sum(p.numel() for p in _model(args).parameters())
     for world in (int(r) for r in args.ranks.split(",")):
@@ -186,6 +190,7 @@ def main():
                 "params": params,
                 "seq": args.seq,
                 "batch_per_rank": args.batch,
+                **({"chunk_size": args.chunk_size} if system.startswith("tierwise") else {}),
                 **rows[system],
                 **(
                     {

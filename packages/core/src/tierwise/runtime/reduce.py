@@ -449,29 +449,35 @@ class GradientReducer:
         """Add the reductions that landed (``wait``: all of them; ``one``: the oldest) into the
         gradient shards, then finalise the chunks agreed complete."""
         while self._inflight:
-            chunk, work, out, full = self._inflight[0]
-            if not wait and not work.is_completed():
+            if not wait and not self._inflight[0][1].is_completed():
                 break
-            work.wait()
-            self._inflight.popleft()
-            self._accumulate(chunk, out)
-            self._give_block(full)
+            self._land_oldest()
             if one:
                 break
         self._settle(wait=wait and not one)
 
+    def _land_oldest(self) -> None:
+        chunk, work, out, full = self._inflight[0]
+        work.wait()
+        self._inflight.popleft()
+        self._accumulate(chunk, out)
+        self._give_block(full)
+
     def _settle(self, *, wait: bool) -> None:
-        """Chunks whose reduction and flags have landed, flagged by no rank, are final now
-        ([Note: one collective order])."""
+        """Chunks whose flags have landed, flagged by no rank, are final once their reductions
+        have landed too ([Note: one collective order]). Every rank issued a due point's
+        reductions before its flags, so once the flags are in those reductions can all
+        complete: they are waited for then (gloo's reduce-scatter work never reports itself
+        completed until waited for)."""
         while self._agreeing:
             chunks, work, flags = self._agreeing[0]
-            keys = {chunk.key for chunk in chunks}
-            if any(entry[0].key in keys for entry in self._inflight):
-                return  # a reduction of this due point still in flight
             if not wait and not work.is_completed():
                 return
             work.wait()
             self._agreeing.popleft()
+            keys = {chunk.key for chunk in chunks}
+            while any(entry[0].key in keys for entry in self._inflight):
+                self._land_oldest()
             for chunk, flag in zip(chunks, flags.tolist(), strict=True):
                 if flag == 0:
                     self.finalised.append(chunk.key)

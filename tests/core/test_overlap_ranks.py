@@ -226,3 +226,51 @@ def test_a_second_backward_after_in_backward_updates_is_refused_on_every_rank():
     for message in run_ranks(_accumulate_without_hint, 2):
         assert "a gradient arrived for a chunk whose optimizer update already ran" in message
         assert "Config.accumulation_steps" in message
+
+
+def _accumulating(rank, world, overlap):
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        chunk_size=4096,
+        optimizer_placement="host",
+        optimizer_overlap=overlap,
+        accumulation_steps=2,
+        **SETTINGS["sharded"],
+    )
+    engine = tierwise.engine_of(model)
+    started = []  # the backward of the step (0, 1; 2 once the last one ended) of each update
+    submit = engine.optimizer.host_updates.submit
+
+    def recording_submit(chunk, *args, **kwargs):
+        started.append(engine.phases.backwards_this_step)
+        return submit(chunk, *args, **kwargs)
+
+    engine.optimizer.host_updates.submit = recording_submit
+    modes = []
+    for step in range(3):
+        for micro in range(2):
+            (model(**tiny_batch(seed=100 * step + 10 * micro + rank)).loss / 2).backward()
+        tierwise.clip_grad_norm_(model, NEVER)
+        opt.step()
+        opt.zero_grad()
+        modes.append(engine.optimizer.last_update_mode)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.close()
+    return state, modes, started
+
+
+def _accumulating_both(rank, world):
+    return _accumulating(rank, world, "after-backward"), _accumulating(rank, world, "in-backward")
+
+
+def test_accumulation_updates_early_only_in_the_last_backward():
+    for want, got in run_ranks(_accumulating_both, 2):
+        assert got[1] == ["speculative-kept"] * 3 and want[1] == ["after-backward"] * 3
+        assert got[2] and all(backward >= 1 for backward in got[2])  # never in the first one
+        for key, value in want[0].items():
+            assert torch.equal(got[0][key], value), key

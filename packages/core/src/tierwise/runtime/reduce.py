@@ -75,9 +75,10 @@ included. A chunk's first gradient takes a free block, or, when none is free, a 
 chunk reduced from a host buffer is copied into a block first; when every block is taken the
 oldest reduction in flight is waited for, and when none is in flight a block of a chunk still
 waiting is spilled to the host. The reduced shard is added into the gradient shard and the
-block goes back to the pool. Host buffers live while chunks wait in them (at most every
-trainable chunk, in the first backward); at the end of backward all but ``blocks`` of them are
-freed.
+block goes back to the pool. Host buffers live while chunks wait in them (a chunk whose
+gradients start while both blocks are taken; as many in the first backward as in later ones,
+[Note: due points predicted from the forward]); at the end of backward all but ``blocks`` of
+them are freed.
 
 [Note: reduction in rank order]
 The backend's reduce-scatter and all-reduce (gloo's ring, NCCL's ring or tree) sum the ranks'

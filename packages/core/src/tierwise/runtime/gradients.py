@@ -40,7 +40,8 @@ _OWNER = GradOwner.GRADIENT_PATH
 # (ranks may complete chunks in different orders, e.g. an expert routed on one rank only, and
 # collectives must match: [Note: one collective order]), each staging buffer is reduced across
 # the chunk's data-parallel group (reduce-scatter when sharded, all-reduce when replicated) and
-# accumulated into the gradient shard. Under ``no_sync`` the unreduced full-chunk gradients accumulate locally instead.
+# accumulated into the gradient shard. Under ``no_sync`` the unreduced full-chunk gradients
+# accumulate locally instead.
 # Parameters that got no gradient are finalised as zeros.
 #
 # [Note: gradients without copies]

@@ -2,7 +2,8 @@
 no-clip step, and what a rollback costs.
 
 A GPT-2 style model (bf16, parameters on host) with its optimizer states on NVMe, one engine per
-variant, trained alternating step by step (noise hits all alike):
+variant, trained alternating step by step, the order rotating each step (noise, and the disk's write-back
+of the step before, hit all alike):
   no-clip          optimizer_overlap="auto", no clip_grad_norm_ (in-backward from step 2);
   clip-above       auto, clip_grad_norm_(max_norm far above the norm): speculative, kept;
   clip-over-auto   auto, max_norm far below the norm every step: the first speculation is rolled
@@ -135,7 +136,11 @@ def main() -> None:
         times = {v: [] for v in variants}
         for s in range(args.warmup + args.steps):
             data = batch(args.batch, args.seq, VOCAB, s)
-            for v, (model, optimizer) in runs.items():
+            # the order rotates every step: a variant's step pays for what the step before it
+            # left the disk to write back, so a fixed order favours every variant but the first
+            turn = variants[s % len(variants) :] + variants[: s % len(variants)]
+            for v in turn:
+                model, optimizer = runs[v]
                 result = step(model, optimizer, data, VARIANTS[v][1])
                 if s >= args.warmup:
                     times[v].append(result)

@@ -133,10 +133,10 @@ def main() -> None:
     runs = {}
     times = {v: [] for v in variants}
     try:
-        # [Note: engine creation order] Of several engines in one process the one made first
-        # runs its steps slower (1.3-1.6x, same settings, on this machine; cause not found), so
-        # the variants run twice, made in one order and then in the reverse one, and each
-        # variant's median is over both halves.
+        # [Note: engine creation order] Of two engines in one process, one can run its steps
+        # 1.3-1.6x slower than the other with the same settings, depending on the order they
+        # were made (on this machine; cause not found), so the variants run twice, made in one
+        # order and then in the reverse one, and each variant's median is over both halves.
         first = {}
         for creation in (variants, variants[::-1]):
             _close(runs)

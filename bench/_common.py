@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
 import time
 
 import torch
+import torch.multiprocessing as mp
 
 
 def machine() -> dict:
@@ -84,3 +86,26 @@ def timed_step(model, optimizer, data, *, require_finite: bool = False) -> dict:
         "backward_step_s": t3 - t1,
         "iteration_s": t3 - t0,
     }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_ranks(worker, world: int, *args) -> list[tuple]:
+    """Run ``worker(rank, world, port, *args, queue)`` in ``world`` spawned processes (a free
+    port on 127.0.0.1 for their process group) and return what each put on ``queue``, sorted:
+    a tuple starting with its rank and ending with an error message or None. Waits at most
+    30 minutes for each report."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    reports = sorted(queue.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+    return reports

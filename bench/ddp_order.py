@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import socket
 import statistics
 import sys
 import time
@@ -31,12 +30,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from _common import emit  # noqa: E402
+from _common import emit, spawn_ranks  # noqa: E402
 from helpers.models import tiny_batch, tiny_model  # noqa: E402
 
 SYSTEMS = (
@@ -121,12 +119,6 @@ def _worker(rank, world, port, systems, steps, queue):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=4)
@@ -134,18 +126,7 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     args = parser.parse_args()
     systems = args.systems.split(",")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, args.ranks, port, systems, args.steps, queue))
-        for r in range(args.ranks)
-    ]
-    for p in procs:
-        p.start()
-    reports = sorted(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
+    reports = spawn_ranks(_worker, args.ranks, systems, args.steps)
     errors = [e for *_, e in reports if e]
     if errors:
         raise SystemExit(errors[0])

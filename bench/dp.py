@@ -22,13 +22,12 @@ import json
 import os
 import platform
 import resource
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _common import spawn_ranks
 
 
 def _model(args):
@@ -132,25 +131,8 @@ def _worker(rank, world, port, system, args, queue):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def measure(system, world, args):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, system, args, queue))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
+    results = spawn_ranks(_worker, world, system, args)
     errors = [e for *_, e in results if e]
     if errors:
         return {"error": errors[0]}

@@ -147,3 +147,17 @@ def test_progress_falls_back_to_plain_lines_on_a_zero_size_terminal(rows, column
         assert "2/2" in text  # tqdm's counter
     else:
         assert "step      1  loss 2.0000" in text and "step      2  loss 2.0000" in text
+
+
+def test_reduce_order_flag_reaches_the_config(monkeypatch, capsys):
+    """`--reduce-order` is one of the flags made from Config's fields: what is asked reaches
+    Config (a wrong choice is refused by argparse before anything runs)."""
+    import tierwise.train.run as run
+
+    seen = {}
+    monkeypatch.setattr(run, "main", lambda train, config: seen.update(config) or 0)
+    assert main(["train", *TINY, "--reduce-order", "rank"]) == 0
+    assert seen["reduce_order"] == "rank"
+    with pytest.raises(SystemExit):
+        main(["train", "--reduce-order", "ring"])
+    assert "invalid choice: 'ring'" in capsys.readouterr().err

@@ -16,10 +16,18 @@ STEPS = 4
 
 def _observe(reducer):
     """Per backward: at which sync point each chunk completed and was launched on this rank
-    (``END``: in the end-of-backward launches)."""
+    (``END``: in the end-of-backward launches), and the most chunks that held a gradient
+    buffer not yet launched at once (on a device block or in host memory)."""
     steps: list[dict] = []
     completed, launch, sync_point = reducer.completed, reducer._launch, reducer.sync_point
+    staging_for = reducer.staging_for
     where = [END]
+    held: set = set()
+
+    def on_staging_for(chunk):
+        staging_for(chunk)
+        held.add(chunk.key)
+        steps[-1]["held"] = max(steps[-1]["held"], len(held))
 
     def on_completed(chunk):
         steps[-1]["completed"].setdefault(chunk.key, reducer.sync)
@@ -27,6 +35,7 @@ def _observe(reducer):
 
     def on_launch(chunk):
         steps[-1]["launched"][chunk.key] = where[0]
+        held.discard(chunk.key)
         launch(chunk)
 
     def on_sync_point(chunks_by_key):
@@ -37,6 +46,7 @@ def _observe(reducer):
             where[0] = END
 
     reducer.completed, reducer._launch, reducer.sync_point = on_completed, on_launch, on_sync_point
+    reducer.staging_for = on_staging_for
     return steps
 
 
@@ -64,7 +74,7 @@ def _run(rank, world, checkpointing):
     losses, ref_losses, on_host, late, chunks = [], [], [], [], []
     for step in range(STEPS):
         batch = tiny_batch(seed=100 * step + rank)
-        steps.append({"completed": {}, "launched": {}})
+        steps.append({"completed": {}, "launched": {}, "held": 0})
         loss = model(**batch).loss
         loss.backward()
         on_host.append(reducer.peak_on_host)
@@ -95,9 +105,13 @@ def test_first_backward_launches_each_chunk_after_it_completes(checkpointing):
                 # the same graph), or at the end when it completed after the last one
                 expected = when + 1 if when < last_sync else END
                 assert seen["launched"][key] == expected, (step, key, when, seen["launched"])
-        # the first backward (and the first after the re-layout) hold no more gradients in
-        # host memory than the later ones do, and far fewer than every chunk's
-        assert max(rank["on_host"][:2]) <= max(rank["on_host"][2:]), rank["on_host"]
-        assert max(rank["on_host"]) < rank["chunks"][0] / 2, (rank["on_host"], rank["chunks"])
+        # the first backward (and the first after the re-layout) hold no more unlaunched
+        # gradients than the later ones do, and far fewer than every chunk's. Which of them sit
+        # in host memory rather than on a device block depends on when the reductions in
+        # flight finish (timing), so host memory is bounded through the held count it is part of.
+        held = [seen["held"] for seen in rank["steps"]]
+        assert max(held[:2]) <= max(held[2:]), held
+        assert max(held) < rank["chunks"][0] / 2, (held, rank["chunks"])
+        assert all(h <= c for h, c in zip(rank["on_host"], held, strict=True)), (rank["on_host"], held)
         for a, b in zip(rank["losses"], rank["ref"], strict=True):
             assert abs(a - b) <= 1e-6 * abs(b), (rank["losses"], rank["ref"])

@@ -49,6 +49,11 @@ def _worker(
     except BaseException:  # report every failure, including asserts, to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
+        # put() only buffers the report for a feeder thread: flush it into the pipe before
+        # the process group closes its sockets, or a peer that fails on the closed socket can
+        # report first and hide the real error (or a report still buffered is lost)
+        queue.close()
+        queue.join_thread()
         if dist.is_initialized():
             gc.collect()  # [Note: destroying process groups] in tierwise.train.distributed
             dist.destroy_process_group()

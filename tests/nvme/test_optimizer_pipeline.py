@@ -139,10 +139,21 @@ def test_updates_run_on_the_worker_while_the_caller_continues(make_tier):
     pipeline.close()
 
 
-def test_prefetched_chunks_update_first_and_still_match(make_tier):
+@pytest.mark.parametrize("writes", ["as-they-come", "land-at-once"])
+def test_prefetched_chunks_update_first_and_still_match(make_tier, writes):
     # the engine prefetches the last chunks during backward but submits in chunk order at step:
-    # the pipeline updates the prefetched ones first so their buffers do not sit idle
+    # the pipeline updates the prefetched ones first so their buffers do not sit idle, whether
+    # or not earlier writes have landed when the worker can read ahead (which frees buffers)
     tier = make_tier("threads")
+    if writes == "land-at-once":
+        write_next = tier.write_next
+
+        def landed_write_next(slab, buffer):
+            handle = write_next(slab, buffer)
+            handle.wait()
+            return handle
+
+        tier.write_next = landed_write_next
     chunks = setup_states(tier, torch.Generator().manual_seed(5))
     pipeline = OptimizerPipeline(tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=9))
     assert [pipeline.prefetch(i, chunks[i][0]) for i in (5, 4)] == [True, True]

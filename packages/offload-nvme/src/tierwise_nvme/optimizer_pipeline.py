@@ -63,6 +63,8 @@ class _Job:
     buffers: list[torch.Tensor] | None = None
     reads: list[IOHandle] = field(default_factory=list)
     writes: list[IOHandle] = field(default_factory=list)
+    prefetched: bool = False
+    """Its reads started before it was submitted (``prefetch``), not read ahead by the worker."""
 
 
 class OptimizerPipeline:
@@ -114,7 +116,11 @@ class OptimizerPipeline:
         worker thread, write them back. Returns at once. ``on_done()`` runs on the worker when
         the update has run or was dropped (a failure), before its writes complete."""
         with self._cond:
-            job = self._prefetched.pop(key, None) or _Job(key, tuple(slabs))
+            job = self._prefetched.pop(key, None)
+            if job is None:
+                job = _Job(key, tuple(slabs))
+            else:
+                job.prefetched = True
             job.update = update
             job.on_done = on_done
             self._queue.append(job)
@@ -223,14 +229,17 @@ class OptimizerPipeline:
                     self._cond.notify_all()
 
     def _next_job(self) -> _Job:
-        """The oldest queued job whose reads have started, else the oldest (caller holds the
-        lock). Chunks are independent, so the order is free: a chunk prefetched during backward
-        but submitted last at ``step`` must not keep its buffers idle while the others run one
-        at a time through what is left of the pool."""
-        for index, job in enumerate(self._queue):
-            if job.buffers is not None:
-                del self._queue[index]
-                return job
+        """The oldest queued prefetched job, else the oldest whose reads the worker started
+        ahead, else the oldest (caller holds the lock). Chunks are independent, so the order is
+        free: a chunk prefetched during backward but submitted last at ``step`` must not keep
+        its buffers idle while the others run one at a time through what is left of the pool.
+        Prefetched jobs go before read-ahead ones so that the order does not depend on whether
+        earlier writes had landed when the worker read ahead (which decides if it could)."""
+        for started in (lambda job: job.prefetched, lambda job: job.buffers is not None):
+            for index, job in enumerate(self._queue):
+                if started(job):
+                    del self._queue[index]
+                    return job
         return self._queue.popleft()
 
     def _process(self, job: _Job, upcoming: list[_Job]) -> None:

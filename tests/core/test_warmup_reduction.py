@@ -112,6 +112,7 @@ def test_first_backward_launches_each_chunk_after_it_completes(checkpointing):
         held = [seen["held"] for seen in rank["steps"]]
         assert max(held[:2]) <= max(held[2:]), held
         assert max(held) < rank["chunks"][0] / 2, (held, rank["chunks"])
-        assert all(h <= c for h, c in zip(rank["on_host"], held, strict=True)), (rank["on_host"], held)
+        on_host = rank["on_host"]
+        assert all(h <= c for h, c in zip(on_host, held, strict=True)), (on_host, held)
         for a, b in zip(rank["losses"], rank["ref"], strict=True):
             assert abs(a - b) <= 1e-6 * abs(b), (rank["losses"], rank["ref"])

@@ -73,21 +73,26 @@ def _backend(backend):
         collectives.BACKEND = previous
 
 
-def _tierwise(rank, world, settings, overlap, lands_at_once=False):
+def _setup(overlap, **options):
+    """A tiny GPT-2 and its AdamW under tierwise, optimizer states in host memory."""
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    return tierwise.setup(
+        model,
+        opt,
+        precision="fp32",
+        device="cpu",
+        chunk_size=4096,
+        optimizer_placement="host",
+        optimizer_overlap=overlap,
+        **options,
+    )
+
+
+def _tierwise(rank, world, settings, overlap, lands_at_once=False):
     backend = LandsAtOnce() if lands_at_once else collectives.BACKEND
     with _backend(backend):
-        model, opt = tierwise.setup(
-            model,
-            opt,
-            precision="fp32",
-            device="cpu",
-            chunk_size=4096,
-            optimizer_placement="host",
-            optimizer_overlap=overlap,
-            **settings,
-        )
+        model, opt = _setup(overlap, **settings)
         engine = tierwise.engine_of(model)
         reducer = engine.gradients.reducer
         started = []  # (chunk key, in backward) of every update the host worker was given
@@ -198,17 +203,7 @@ def test_updates_start_when_reductions_land_and_match_after_backward_and_ddp(kin
 
 
 def _accumulate_without_hint(rank, world):
-    model = tiny_model("gpt2")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = tierwise.setup(
-        model,
-        opt,
-        precision="fp32",
-        device="cpu",
-        chunk_size=4096,
-        optimizer_placement="host",
-        optimizer_overlap="in-backward",
-    )
+    model, opt = _setup("in-backward")
     engine = tierwise.engine_of(model)
     try:
         model(**tiny_batch(seed=rank)).loss.backward()  # its updates run: one backward a step
@@ -229,19 +224,7 @@ def test_a_second_backward_after_in_backward_updates_is_refused_on_every_rank():
 
 
 def _accumulating(rank, world, overlap):
-    model = tiny_model("gpt2")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    model, opt = tierwise.setup(
-        model,
-        opt,
-        precision="fp32",
-        device="cpu",
-        chunk_size=4096,
-        optimizer_placement="host",
-        optimizer_overlap=overlap,
-        accumulation_steps=2,
-        **SETTINGS["sharded"],
-    )
+    model, opt = _setup(overlap, accumulation_steps=2, **SETTINGS["sharded"])
     engine = tierwise.engine_of(model)
     started = []  # the backward of the step (0, 1; 2 once the last one ended) of each update
     submit = engine.optimizer.host_updates.submit

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 from tierwise.config import Config
-from tierwise.runtime.cache import RCache
+from tierwise.runtime.residency.rcache import RCache
 from tierwise.tiers import PayloadKind
 from tierwise.tiers.memory import DeviceTier
 from tierwise.units import parse_bytes

@@ -39,7 +39,7 @@ def main() -> None:
 def _placement_lines(args: argparse.Namespace, placement: str) -> None:
     import dataclasses
 
-    from tierwise.planner import REDUCTION_BLOCKS
+    from tierwise.planning.planner import REDUCTION_BLOCKS
     from tierwise.precision import OPTIM_BYTES, param_bytes
     from tierwise.target import target_hardware
     from tierwise_search.cli import plan_config, plan_profile

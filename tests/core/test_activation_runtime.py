@@ -265,7 +265,7 @@ def _stack_profile(blocks: int, numel: int, act: int):
 
 def test_core_auto_recomputes_blocks_only_when_keeping_them_pushes_model_data_off_the_device():
     from tierwise import Config, Hardware
-    from tierwise.planner import default_plan
+    from tierwise.planning.planner import default_plan
 
     profile = _stack_profile(4, 1 << 20, 100 << 20)  # model data 4 Mi elements, activations 400 MiB
     need = 4 * (1 << 20) * (2 + 14)  # bf16 params + fp32 master/moments + bf16 grads: 64 MiB

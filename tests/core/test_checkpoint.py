@@ -8,8 +8,8 @@ import tierwise
 import torch
 from helpers.models import tiny_batch, tiny_model
 from helpers.train import train
-from tierwise.checkpoint_manifest import CheckpointError
-from tierwise.checkpoint_reader import CheckpointReader
+from tierwise.checkpoint.manifest import CheckpointError
+from tierwise.checkpoint.reader import CheckpointReader
 
 PLANS = {
     "device": dict(precision="bf16", device="cpu"),
@@ -118,7 +118,7 @@ def _save_then_die(path):
     import os
     import signal
 
-    import tierwise.checkpoint as ckpt
+    import tierwise.checkpoint.save_load as ckpt
 
     model, opt = build("gpt2", "host")
     train(model, opt, 2)

@@ -30,7 +30,7 @@ class SpareRamPlugin:
 
     @hookimpl(tryfirst=True)
     def tierwise_make_plan(self, profile, hardware, config):
-        from tierwise.planner import default_plan
+        from tierwise.planning.planner import default_plan
 
         plan = default_plan(profile=profile, hardware=hardware, config=config)
         plan.param_tier = plan.optim_tier = "spare_ram"
@@ -77,7 +77,7 @@ def test_plan_naming_an_unregistered_tier_is_refused_before_setup_changes_anythi
     class Planner:
         @hookimpl(tryfirst=True)
         def tierwise_make_plan(self, profile, hardware, config):
-            from tierwise.planner import default_plan
+            from tierwise.planning.planner import default_plan
 
             plan = default_plan(profile=profile, hardware=hardware, config=config)
             plan.optim_tier = "tape"

@@ -11,7 +11,7 @@ from helpers.cuda_calls import forbid_cuda_calls
 from helpers.models import tiny_batch, tiny_model
 from helpers.train import train
 from tierwise.devices import normalize_device, stack_on
-from tierwise.runtime.cache import RCache
+from tierwise.runtime.residency.rcache import RCache
 from torch.overrides import TorchFunctionMode
 
 

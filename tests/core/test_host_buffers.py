@@ -1,5 +1,5 @@
 """The activation manager's bounded host buffer pool ([Note: bounded pinned buffers] in
-tierwise.runtime.host_buffers), on CPU with pinning off: the transfers it waits for are I/O
+tierwise.runtime.activations.pinned_pool), on CPU with pinning off: the transfers it waits for are I/O
 handles here (on CUDA they are events; the pool treats both through the same two functions).
 
 It reuses returned buffers, never holds more than its budget, waits for the OLDEST pending
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tierwise.runtime.host_buffers import ALIGNMENT, HostBufferPool
+from tierwise.runtime.activations.pinned_pool import ALIGNMENT, HostBufferPool
 from tierwise.tiers import IOHandle
 
 KIB = 1024

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 from tierwise.config import Config
-from tierwise.runtime.host_grad_copies import HostGradCopies, applies
+from tierwise.runtime.grads.host_copies import HostGradCopies, applies
 from tierwise.tiers import HostTier
 
 

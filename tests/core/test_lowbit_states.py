@@ -6,7 +6,7 @@ import pytest
 import tierwise
 import torch
 from helpers.models import tiny_batch, tiny_model
-from tierwise.checkpoint_reader import CheckpointReader
+from tierwise.checkpoint.reader import CheckpointReader
 from tierwise.optim.state_formats import (
     MomentFormat,
     dequantize_blocks,

@@ -14,7 +14,7 @@ from helpers.models import tiny_batch, tiny_model
 from helpers.multiproc import run_ranks
 from helpers.overlap import ALWAYS, NEVER
 from tierwise.parallel import collectives
-from tierwise.runtime.reduce import END
+from tierwise.runtime.grads.reduce.reducer import END
 
 pytestmark = pytest.mark.multiprocess
 CLIPS = [None, NEVER, NEVER, ALWAYS, NEVER]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tierwise.config import Config, ConfigError
-from tierwise.runtime.host_buffers import PINNED_POOL_BYTES, pinned_swap_bytes
+from tierwise.runtime.activations.pinned_pool import PINNED_POOL_BYTES, pinned_swap_bytes
 from tierwise.tiers import HostTier, PayloadKind, TierBudgetError
 from tierwise.tiers.arena import PAGE, SLAB_ALIGNMENT
 

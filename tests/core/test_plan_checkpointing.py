@@ -16,7 +16,7 @@ from tierwise.plugins import build_plugin_manager
 class CheckpointingPlanner:
     @hookimpl(tryfirst=True)
     def tierwise_make_plan(self, profile, hardware, config):
-        from tierwise.planner import default_plan
+        from tierwise.planning.planner import default_plan
 
         plan = default_plan(profile=profile, hardware=hardware, config=config)
         plan.activation_checkpointing = True

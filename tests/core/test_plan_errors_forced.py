@@ -2,7 +2,7 @@
 
 import pytest
 from tierwise import Config, Hardware, ParamInfo, PlanError, Profile
-from tierwise.planner import default_plan
+from tierwise.planning.planner import default_plan
 
 
 def _stack_profile(blocks: int, numel: int) -> Profile:

@@ -5,7 +5,7 @@ saving, so an accepted plan also loads and saves within host_memory."""
 import pytest
 from tierwise import Config, Hardware, ParamInfo, PlanError, Profile
 from tierwise.plan import io_buffer_bytes
-from tierwise.planner import default_plan
+from tierwise.planning.planner import default_plan
 
 N, LAYERS = 1 << 16, 8
 

@@ -9,7 +9,7 @@ import pytest
 import tierwise
 import torch
 from helpers.train import run_tierwise
-from tierwise.runtime.transfer import ChunkLoads
+from tierwise.runtime.residency.loads import ChunkLoads
 from tierwise.tiers.base import IOHandle
 from tierwise.tiers.memory import HostTier
 

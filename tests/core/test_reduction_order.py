@@ -10,7 +10,7 @@ from helpers.ddp_order import rank_order_hook
 from helpers.fake_nccl import RecordingNCCL
 from helpers.models import tiny_batch, tiny_model
 from helpers.multiproc import run_ranks
-from tierwise.planner import reduction_blocks
+from tierwise.planning.planner import reduction_blocks
 
 pytestmark = pytest.mark.multiprocess
 STEPS = 6

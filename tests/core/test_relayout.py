@@ -7,7 +7,7 @@ import tierwise
 import torch
 from helpers.models import tiny_model
 from helpers.train import run_reference, train
-from tierwise.runtime.relayout import relayout
+from tierwise.runtime.setup.relayout import relayout
 
 HOST = dict(
     param_placement="host", optimizer_placement="host", cache_blocks=3, chunk_size=5000, prefetch=1

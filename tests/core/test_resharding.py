@@ -8,7 +8,7 @@ import tierwise
 import torch
 from helpers.models import tiny_batch, tiny_model
 from helpers.multiproc import run_ranks
-from tierwise.checkpoint_reader import KINDS, CheckpointReader
+from tierwise.checkpoint.reader import KINDS, CheckpointReader
 
 pytestmark = pytest.mark.multiprocess
 GLOBAL_BATCH = 4
@@ -96,7 +96,7 @@ def test_resharded_checkpoint_continues_like_the_saving_run(tmp_path, old, new, 
 
 
 def _opened_files(rank, world, path, plan):
-    from tierwise.checkpoint_reader import CheckpointReader as Reader
+    from tierwise.checkpoint.reader import CheckpointReader as Reader
 
     opened = []
     real = Reader._open

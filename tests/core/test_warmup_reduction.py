@@ -8,7 +8,7 @@ import tierwise
 import torch
 from helpers.models import tiny_batch, tiny_model
 from helpers.multiproc import run_ranks
-from tierwise.runtime.reduce import END
+from tierwise.runtime.grads.reduce.reducer import END
 
 pytestmark = pytest.mark.multiprocess
 STEPS = 4

@@ -1,5 +1,5 @@
 """Activation swaps on CUDA take their pinned host buffers from the manager's bounded pool
-([Note: bounded pinned buffers] in tierwise.runtime.host_buffers): the gradients are those of
+([Note: bounded pinned buffers] in tierwise.runtime.activations.pinned_pool): the gradients are those of
 the plain model whether the pool is large enough or far too small (then swaps fall back to
 unpinned buffers, counted), the pool never holds more than its budget, and every buffer is back
 between steps. The pool's own logic is tested on CPU in tests/core/test_host_buffers.py; the

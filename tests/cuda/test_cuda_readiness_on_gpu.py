@@ -12,7 +12,7 @@ from helpers.train import train
 from tierwise import api
 from tierwise.hookspecs import hookimpl
 from tierwise.plugins import build_plugin_manager
-from tierwise.runtime.cache import RCache
+from tierwise.runtime.residency.rcache import RCache
 
 
 class MixedOptimizerPlanner:
@@ -21,7 +21,7 @@ class MixedOptimizerPlanner:
 
     @hookimpl(tryfirst=True)
     def tierwise_make_plan(self, profile, hardware, config):
-        from tierwise.planner import default_plan
+        from tierwise.planning.planner import default_plan
 
         plan = default_plan(profile=profile, hardware=hardware, config=config)
         groups = {info.group for info in profile.params}
@@ -98,7 +98,7 @@ def test_warm_up_tracing_keeps_the_users_peak_memory_statistics(device):
 def test_host_gradient_shards_are_filled_without_a_wait_per_parameter(device, monkeypatch):
     """Defect 4: gradients going into host-resident shards are copied without blocking; each
     chunk's copies are waited for once ([Note: one host wait per chunk])."""
-    from tierwise.runtime.gradients import GradientPath
+    from tierwise.runtime.grads.path import GradientPath
 
     blocking: list[tuple] = []
     original_copy = torch.Tensor.copy_
@@ -145,7 +145,7 @@ def test_accumulated_gradients_reach_host_shards_without_a_blocking_copy(device,
     """Defect 4, accumulation: a second micro-batch's gradients are copied to the host without
     blocking and added once their chunk lands ([Note: one host wait per chunk]); the shards hold
     plain PyTorch's accumulated gradients bitwise (fp32, the same CUDA kernels, IEEE adds)."""
-    from tierwise.runtime.gradients import slot_grad
+    from tierwise.runtime.grads.path import slot_grad
 
     blocking: list[tuple] = []
     original_copy, original_to = torch.Tensor.copy_, torch.Tensor.to

@@ -1,6 +1,6 @@
 """Asynchronous copies between pinned host memory and the device are waited for before their
 data is used ([Note: pinned copies] in tierwise.tiers.memory, [Note: prefetch overlap] in
-tierwise.runtime.transfer).
+tierwise.runtime.residency.loads).
 
 Each copy is made slow: it moves a large tensor and is queued behind seconds' worth of matrix
 products on the stream that issues it. Reading the destination without the copy's event then
@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers.devices import DEVICES, synchronize
 from tierwise.config import Config
-from tierwise.runtime.transfer import ChunkLoads
+from tierwise.runtime.residency.loads import ChunkLoads
 from tierwise.tiers import HostTier, PayloadKind
 
 BIG = 64 * 2**20  # elements: 256 MiB of int32 (integers: exact values and sums on every device)

@@ -10,7 +10,7 @@ import transformers
 from helpers.models import tiny_batch, tiny_model
 from helpers.multiproc import run_ranks
 from hf_helpers import logits_of
-from tierwise.checkpoint_reader import CheckpointReader
+from tierwise.checkpoint.reader import CheckpointReader
 from tierwise.cli import main
 from tierwise.train.export import PEFT_PREFIX, export
 from tierwise.train.lora import describe_model

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 from helpers.cli import free_port, torchrun_command
-from tierwise.checkpoint_reader import CheckpointReader
+from tierwise.checkpoint.reader import CheckpointReader
 from tierwise.cli import main
 from tierwise.train.metrics import train_losses
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from tierwise.checkpoint_reader import CheckpointReader
+from tierwise.checkpoint.reader import CheckpointReader
 from tierwise.cli import main
 
 TINY = ["--model", "llama", "--size", "tiny", "--batch", "4", "--seq", "32", "--json"]

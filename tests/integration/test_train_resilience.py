@@ -174,7 +174,7 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step():
 @pytest.mark.multiprocess
 def test_a_two_process_run_resumes_on_one_process(tmp_path, capsys):
     from helpers.cli import free_port, torchrun_command
-    from tierwise.checkpoint_reader import CheckpointReader
+    from tierwise.checkpoint.reader import CheckpointReader
 
     run = tmp_path / "run"
     done = subprocess.run(

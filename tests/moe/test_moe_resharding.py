@@ -13,7 +13,7 @@ import moe_workers as w  # noqa: E402
 import tierwise  # noqa: E402
 import torch  # noqa: E402
 from helpers.multiproc import run_ranks  # noqa: E402
-from tierwise.checkpoint_reader import KINDS, CheckpointReader  # noqa: E402
+from tierwise.checkpoint.reader import KINDS, CheckpointReader  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

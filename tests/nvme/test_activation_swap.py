@@ -215,7 +215,7 @@ def test_cuda_nvme_swaps_through_a_tiny_pinned_pool_leave_the_gradients(make_tie
     """CUDA -> pinned staging -> disk with a pool of one block's bytes: a full pool first lands
     the oldest swap-outs to disk (their staging buffers come back) and only then falls back to
     unpinned buffers; the gradients stay those of the plain model ([Note: bounded pinned
-    buffers] in tierwise.runtime.host_buffers)."""
+    buffers] in tierwise.runtime.activations.pinned_pool)."""
     shape = dict(rows=256, width=512, depth=4)
     one_block = block_bytes(shape["rows"], shape["width"])
     with deterministic(device):

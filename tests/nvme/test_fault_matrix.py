@@ -22,7 +22,7 @@ pytest.importorskip("tierwise_nvme")
 from helpers.models import tiny_batch, tiny_model  # noqa: E402
 from helpers.train import train  # noqa: E402
 from nvme_helpers import FailingBackend  # noqa: E402
-from tierwise.checkpoint_manifest import CheckpointError  # noqa: E402
+from tierwise.checkpoint.manifest import CheckpointError  # noqa: E402
 from tierwise.tiers import PayloadKind  # noqa: E402
 from tierwise_nvme import NVMeIOError, NVMeSpaceError  # noqa: E402
 from tierwise_nvme.errors import io_error, short_io_error  # noqa: E402
@@ -207,7 +207,7 @@ def _arm(injectors, fail_if, *, late: bool = False):
 def _checkpoint_write_fails(monkeypatch, fault, failed_at: list):
     """torch.save inside save_checkpoint writes half a file, then the disk reports the fault
     (its time appended to ``failed_at``)."""
-    import tierwise.checkpoint as ckpt
+    import tierwise.checkpoint.save_load as ckpt
 
     real_save = torch.save
 

@@ -17,7 +17,7 @@ import tierwise  # noqa: E402
 from helpers.models import tiny_batch, tiny_model  # noqa: E402
 from helpers.train import train  # noqa: E402
 from nvme_helpers import FailingBackend, nvme_pool_bytes  # noqa: E402
-from tierwise.runtime.grad_offload import GRAD_OFFLOAD_BUFFERS  # noqa: E402
+from tierwise.runtime.grads.offload import GRAD_OFFLOAD_BUFFERS  # noqa: E402
 from tierwise_nvme import NVMeIOError  # noqa: E402
 
 PLAN = dict(device="cpu", chunk_size=5000, cache_blocks=3, param_placement="nvme")

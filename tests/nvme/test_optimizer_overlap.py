@@ -10,7 +10,7 @@ pytest.importorskip("tierwise_nvme")
 
 import tierwise  # noqa: E402
 from helpers.models import tiny_batch, tiny_model  # noqa: E402
-from tierwise.runtime.grad_offload import GRAD_OFFLOAD_BUFFERS  # noqa: E402
+from tierwise.runtime.grads.offload import GRAD_OFFLOAD_BUFFERS  # noqa: E402
 
 COMMON = dict(device="cpu", chunk_size=5000, cache_blocks=3, param_placement="host")
 STEPS = 4

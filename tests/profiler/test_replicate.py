@@ -1,5 +1,5 @@
 """Profiling a deep model as 2- and 3-layer copies and replicating a layer gives exactly the
-profile of the whole model (see tierwise.replicate's [Note: layer replication])."""
+profile of the whole model (see tierwise.planning.replicate's [Note: layer replication])."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("tierwise_profiler")
 
 from helpers.models import _config  # noqa: E402
-from tierwise.replicate import profile_by_replication, replicable, with_layers  # noqa: E402
+from tierwise.planning.replicate import profile_by_replication, replicable, with_layers  # noqa: E402
 from tierwise_profiler.model_profile import profile_model  # noqa: E402
 from tierwise_profiler.presets import layer_list, meta_batch, meta_model  # noqa: E402
 

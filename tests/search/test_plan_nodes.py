@@ -11,7 +11,7 @@ pytest.importorskip("tierwise_search")
 from search_helpers import gpu_hardware, make_profile  # noqa: E402
 from tierwise import Config, PlanError  # noqa: E402
 from tierwise.cli import main  # noqa: E402
-from tierwise.planner import REDUCTION_BLOCKS, default_plan  # noqa: E402
+from tierwise.planning.planner import REDUCTION_BLOCKS, default_plan  # noqa: E402
 from tierwise_search.rates import resolve_rates  # noqa: E402
 from tierwise_search.search import search_plan  # noqa: E402
 

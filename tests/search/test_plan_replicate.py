@@ -1,5 +1,5 @@
 """``tierwise plan`` profiles a deep model of identical layers as 3- and 4-layer copies and
-replicates a layer ([Note: layer replication] in tierwise.replicate), like ``tierwise profile``;
+replicates a layer ([Note: layer replication] in tierwise.planning.replicate), like ``tierwise profile``;
 the result equals the profile of the whole model, analytic or from the profiler plugin."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ pytest.importorskip("tierwise_search")
 import tierwise_search.hf_profile as hf_profile  # noqa: E402
 from helpers.models import _config  # noqa: E402
 from tierwise import Config  # noqa: E402
-from tierwise.replicate import with_layers  # noqa: E402
+from tierwise.planning.replicate import with_layers  # noqa: E402
 from tierwise_search.cli import _profile_of, plan_profile  # noqa: E402
 
 

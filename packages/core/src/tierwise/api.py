@@ -13,7 +13,7 @@ from tierwise.config import Config
 from tierwise.optim import TierwiseOptimizer, check_optimizer
 from tierwise.plugins import get_plugin_host
 from tierwise.registry import engine_of, managed
-from tierwise.runtime.assemble import assemble_engine
+from tierwise.runtime.setup.pipeline import assemble_engine
 
 
 def setup(

@@ -29,7 +29,7 @@ def tierwise_register_parallel_patterns() -> list[type]:
 
 @hookimpl(trylast=True)
 def tierwise_make_plan(profile: Profile, hardware: Hardware, config: Config) -> Plan | None:
-    from tierwise.planner import default_plan
+    from tierwise.planning.planner import default_plan
 
     return default_plan(profile=profile, hardware=hardware, config=config)
 

@@ -108,7 +108,7 @@ class Config:
     device budget: results do not depend on the plan, and equal DDP's with a communication hook
     doing the same sum. It exchanges each chunk with an all-to-all (two with ``shard=False``)
     and holds one more device block of the largest chunk while a reduction is in flight
-    ([Note: reduction in rank order] in tierwise.runtime.reduce)."""
+    ([Note: reduction in rank order] in tierwise.runtime.grads.reduce.reducer)."""
 
     parallel: dict[str, int] | None = None
     """Model-parallel sizes by pattern name, e.g. {"expert": 2} or {"tensor": 2}."""

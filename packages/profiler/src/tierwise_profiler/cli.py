@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from tierwise.totals import model_data_bytes
+from tierwise.planning.totals import model_data_bytes
 from tierwise.units import format_bytes
 
 TOP = 5
@@ -107,7 +107,7 @@ def run_profile(args: argparse.Namespace) -> int:
             return 2
     plan = prediction if prediction is not None and not isinstance(prediction, str) else None
     if args.json:
-        from tierwise.totals import totals
+        from tierwise.planning.totals import totals
 
         figures = totals(
             profile,

@@ -18,7 +18,7 @@ from tierwise.model_presets import (
     released_vocab,
     size_names,
 )
-from tierwise.replicate import layer_list
+from tierwise.planning.replicate import layer_list
 
 VOCAB = FAMILY_VOCAB
 
@@ -63,7 +63,7 @@ def profile_config(
     """The Profile of one training step of the causal LM ``config`` describes, on fake tensors.
     Deep models of identical layers are profiled as 2- and 3-layer copies and replicated (see
     [Note: layer replication]); the rest whole."""
-    from tierwise.replicate import profile_by_replication, replicable
+    from tierwise.planning.replicate import profile_by_replication, replicable
 
     from tierwise_profiler.model_profile import profile_model
 

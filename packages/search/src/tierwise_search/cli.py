@@ -123,9 +123,9 @@ def add_plan_command(subparsers) -> None:
 
 def plan_profile(args, config: Config):
     """The Profile to plan with. A deep model of identical layers is profiled as two short copies
-    and replicated, as ``tierwise profile`` does ([Note: layer replication] in tierwise.replicate);
+    and replicated, as ``tierwise profile`` does ([Note: layer replication] in tierwise.planning.replicate);
     anything else whole."""
-    from tierwise.replicate import profile_by_replication, replicable
+    from tierwise.planning.replicate import profile_by_replication, replicable
 
     from tierwise_search.hf_profile import hf_config
 
@@ -141,8 +141,8 @@ def _profile_of(args, config: Config, cfg):
     """The Profile of the meta model ``cfg`` describes and the name of its list of layers: a
     profiler plugin's first; without one (or if it fails) the analytic profile."""
     import torch
+    from tierwise.planning.replicate import layer_list
     from tierwise.plugins import get_plugin_host
-    from tierwise.replicate import layer_list
 
     from tierwise_search.hf_profile import meta_model, profile_hf_config
 
@@ -229,8 +229,8 @@ def run_validation(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from tierwise.planning.totals import plan_totals
     from tierwise.target import target_hardware
-    from tierwise.totals import plan_totals
 
     from tierwise_search.remedies import remedies
     from tierwise_search.search import search_plan

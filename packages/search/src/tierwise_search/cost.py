@@ -7,7 +7,7 @@ int8 moments, 8 with bf16: Config.optimizer_states); frozen chunks have none. Wi
 sharding over N ranks each rank's home tiers hold 1/N of every chunk, rCache blocks hold whole
 (gathered) chunks.
 
-[Note: engine memory] The byte counts follow core's engine (``tierwise.runtime.build``) so that
+[Note: engine memory] The byte counts follow core's engine (``tierwise.runtime.setup.build``) so that
 ``Plan.device_allowance`` is exactly what the device tier will be asked for: every trainable
 chunk also has a gradient shard of L_c bytes/element in its optimizer tier (on NVMe too, with
 ``grad_offload_buffers`` host buffers of the largest shard in front of them); with fp32 a chunk whose params and optimizer share a tier keeps only the master copy;
@@ -82,7 +82,7 @@ from functools import cache
 
 import numpy as np
 from tierwise.precision import OPTIM_BYTES, optim_bytes, optim_stored_bytes
-from tierwise.runtime.grad_offload import grad_offload_buffers
+from tierwise.runtime.grads.offload import grad_offload_buffers
 
 from tierwise_search.belady import AccessTrace, simulate
 from tierwise_search.layout import ChunkTable

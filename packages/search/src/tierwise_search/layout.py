@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from tierwise.cache_minimum import last_module, recompute_blocks
 from tierwise.chunks.layout import ChunkSpec, first_use_order, pack
+from tierwise.planning.cache_minimum import last_module, recompute_blocks
 from tierwise.profile import Profile
 
 from tierwise_search.belady import AccessTrace
@@ -138,7 +138,7 @@ def build_trace(profile: Profile, table: ChunkTable, *, checkpointing: bool) -> 
 
     With activation checkpointing, a block's forward is re-run inside the backward of its last
     module, which stays pinned meanwhile: each backward step of a block also holds that
-    module's chunks ([Note: the rCache minimum] in tierwise.cache_minimum).
+    module's chunks ([Note: the rCache minimum] in tierwise.planning.cache_minimum).
     """
     steps: list[list[int]] = []
 

@@ -19,7 +19,7 @@ import numpy as np
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError, io_buffer_bytes
-from tierwise.planner import (
+from tierwise.planning.planner import (
     REDUCTION_BLOCKS,
     may_recompute,
     profile_min_blocks,
@@ -57,7 +57,7 @@ from tierwise_search.placement import (
 from tierwise_search.rates import Rates, resolve_rates
 
 MIN_CHUNK_SIZE = 1024
-"""Core's engine refuses smaller chunks (``tierwise.runtime.build.MIN_CHUNK_SIZE``)."""
+"""Core's engine refuses smaller chunks (``tierwise.runtime.setup.build.MIN_CHUNK_SIZE``)."""
 MAX_CANDIDATES = 32
 """Chunk sizes tried between the largest parameter and the largest useful size."""
 # [Note: chunk size choice] Every chunk size that fits gets a full placement, and the fastest

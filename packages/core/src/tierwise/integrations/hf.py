@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 import tierwise
-from tierwise.checkpoint import full_state
+from tierwise.checkpoint.save_load import full_state
 from tierwise.config import Config, ConfigError
 from tierwise.integrations.hf_save import DTYPES, MAX_SHARD_SIZE, save_pretrained
 from tierwise.pretrained import build_on_meta

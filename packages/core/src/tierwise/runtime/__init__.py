@@ -1,6 +1,1 @@
-"""The runtime: engine, rCache, access hooks."""
-
-from tierwise.runtime.cache import AccessTrace, RCache
-from tierwise.runtime.engine import Engine
-
-__all__ = ["AccessTrace", "Engine", "RCache"]
+"""The runtime: the engine and its parts, one sub-package each (docs/architecture.md)."""

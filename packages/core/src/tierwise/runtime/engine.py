@@ -3,7 +3,7 @@
 The access hooks ([Note: access hooks]) drive ``access`` (module pins, phases), which fetches
 through ``residency`` ([Note: rCache replacement]); gradients follow ``gradients`` ([Note:
 gradient path]); ``optimizer`` runs the step. What they share is declared in
-``tierwise.runtime.shared`` ([Note: shared runtime state]).
+``tierwise.runtime.index`` ([Note: shared runtime state]).
 """
 
 from __future__ import annotations
@@ -15,28 +15,29 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from tierwise.checkpoint import load_rank_state, rank_state
+from tierwise.checkpoint.save_load import load_rank_state, rank_state
 from tierwise.chunks import ChunkGroup, ParamSlot
 from tierwise.config import Config
 from tierwise.optim import DynamicLossScaler
 from tierwise.parallel.collectives import Collectives
 from tierwise.plan import Plan
-from tierwise.planner import REDUCTION_BLOCKS
+from tierwise.planning.planner import REDUCTION_BLOCKS
 from tierwise.precision import compute_dtype
 from tierwise.protocols import MemoryTracer
-from tierwise.runtime.access import ModuleAccess
-from tierwise.runtime.activations import ActivationManager
-from tierwise.runtime.cache import RCache
-from tierwise.runtime.grad_offload import GradientOffload
-from tierwise.runtime.gradients import GradientPath
-from tierwise.runtime.hooks import grad_ready_hook, install_hooks
-from tierwise.runtime.host_buffers import pinned_swap_bytes
+from tierwise.runtime.access.hooks import grad_ready_hook, install_hooks
+from tierwise.runtime.access.module_access import ModuleAccess
+from tierwise.runtime.access.warmup_tracing import WarmupTracing
+from tierwise.runtime.activations.manager import ActivationManager
+from tierwise.runtime.activations.pinned_pool import pinned_swap_bytes
+from tierwise.runtime.grads.offload import GradientOffload
+from tierwise.runtime.grads.path import GradientPath
+from tierwise.runtime.index import ChunkIndex
 from tierwise.runtime.phases import Phases
-from tierwise.runtime.relayout import relayout
-from tierwise.runtime.residency import Residency
-from tierwise.runtime.shared import ChunkIndex, Traffic
-from tierwise.runtime.stepping import OptimizerStep
-from tierwise.runtime.tracing import WarmupTracing
+from tierwise.runtime.residency.chunk_residency import Residency
+from tierwise.runtime.residency.rcache import RCache
+from tierwise.runtime.setup.relayout import relayout
+from tierwise.runtime.step.optimizer_step import OptimizerStep
+from tierwise.runtime.traffic import Traffic
 from tierwise.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -325,7 +326,7 @@ class Engine:
         load_rank_state(self, state)
 
     def state_dict(self) -> dict:
-        """The engine's state beside the chunks' values (which ``tierwise.checkpoint`` saves
+        """The engine's state beside the chunks' values (which ``tierwise.checkpoint.save_load`` saves
         by parameter name): the optimizer step's (loss scaler, steps taken, hyper-parameters)
         and the parameter order of the chunk layout."""
         order = [s.name for chunk in self.chunks() for s in chunk.slots]

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 import tierwise
-from tierwise.checkpoint_manifest import CheckpointError, verify
-from tierwise.checkpoint_reader import CheckpointReader
+from tierwise.checkpoint.manifest import CheckpointError, verify
+from tierwise.checkpoint.reader import CheckpointReader
 from tierwise.train.distributed import World, barrier
 from tierwise.train.errors import TrainError
 

@@ -1,7 +1,7 @@
 """`tierwise export RUN_DIR OUT_DIR [--dtype bf16|fp32] [--merge-lora]`: a from_pretrained folder
 from a `tierwise train` run's latest checkpoint.
 
-One process reads the checkpoint by parameter name (``tierwise.checkpoint_reader``: any world
+One process reads the checkpoint by parameter name (``tierwise.checkpoint.reader``: any world
 size, chunk size or tiers the run had) one parameter at a time and streams the values into
 safetensors shards of at most 5 GB, so it holds at most one output shard plus one parameter
 (LoRA merging also holds the adapters, which are small): [Note: export memory]. The model's config comes from the run's
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from tierwise.checkpoint_manifest import CheckpointError
-from tierwise.checkpoint_reader import CheckpointReader
+from tierwise.checkpoint.manifest import CheckpointError
+from tierwise.checkpoint.reader import CheckpointReader
 from tierwise.integrations.hf_save import DTYPES, record_dtype
 from tierwise.integrations.safetensors_shards import save_safetensors
 from tierwise.train.checkpoints import CHECKPOINTS, LATEST

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 NEVER = float("inf")
 
 
-class AccessTrace:
+class ChunkAccessTrace:
     """Records chunk keys in access order during warm-up; answers "when is it used next"."""
 
     def __init__(self) -> None:
@@ -169,7 +169,7 @@ class RCache:
                 return block_id
         return None
 
-    def choose_victim(self, evictable: set[Hashable], trace: AccessTrace) -> int | None:
+    def choose_victim(self, evictable: set[Hashable], trace: ChunkAccessTrace) -> int | None:
         """The evictable block used farthest in the future (LRU before a trace exists)."""
         best, best_score = None, None
         for block_id, owner in enumerate(self.owner):

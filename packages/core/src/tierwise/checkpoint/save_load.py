@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from tierwise.checkpoint_manifest import FORMAT_VERSION, CheckpointError, describe, write_manifest
-from tierwise.checkpoint_reader import MOMENT_KINDS, CheckpointReader
+from tierwise.checkpoint.manifest import FORMAT_VERSION, CheckpointError, describe, write_manifest
+from tierwise.checkpoint.reader import MOMENT_KINDS, CheckpointReader
 from tierwise.chunks import Chunk
 from tierwise.chunks.io import gather_chunk, read_slab, write_slab
 from tierwise.optim.state_formats import MomentFormat, moment_formats

@@ -16,10 +16,10 @@ import torch
 
 from tierwise.chunks import TensorState
 from tierwise.optim import DynamicLossScaler
+from tierwise.runtime.access.warmup_tracing import WarmupTracing
+from tierwise.runtime.index import ChunkIndex
 from tierwise.runtime.phases import Phases
-from tierwise.runtime.residency import Residency
-from tierwise.runtime.shared import ChunkIndex
-from tierwise.runtime.tracing import WarmupTracing
+from tierwise.runtime.residency.chunk_residency import Residency
 
 
 class ModuleAccess:

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
-from tierwise.cache_minimum import min_cache_blocks, recompute_blocks
 from tierwise.chunks import first_use_order, pack, sharded_capacity
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError, io_buffer_bytes
+from tierwise.planning.cache_minimum import min_cache_blocks, recompute_blocks
 from tierwise.precision import PARAM_BYTES, optim_stored_bytes
 from tierwise.profile import Profile, activation_blocks
 from tierwise.units import format_bytes, format_gib
@@ -22,13 +22,13 @@ from tierwise.units import format_bytes, format_gib
 REDUCTION_BLOCKS = 2
 """Device blocks (of the largest chunk) that gradients in flight between ranks hold, whatever
 the model's size and the world size: one being reduced while the next fills ([Note: bounded
-gradient blocks] in tierwise.runtime.reduce)."""
+gradient blocks] in tierwise.runtime.grads.reduce.reducer)."""
 
 
 def reduction_blocks(config: Config) -> int:
     """Device blocks that gradients in flight between ranks hold at their worst moment: the
     pool of ``REDUCTION_BLOCKS``, plus, with ``reduce_order="rank"``, the receive block
-    ([Note: reduction in rank order] in tierwise.runtime.reduce)."""
+    ([Note: reduction in rank order] in tierwise.runtime.grads.reduce.reducer)."""
     return REDUCTION_BLOCKS + (config.reduce_order == "rank")
 
 

@@ -30,17 +30,18 @@ from tierwise.optim import (
 from tierwise.optim.state_formats import LowBitMoments
 from tierwise.parallel.collectives import Collectives, world_size
 from tierwise.protocols import OptimizerPipeline
-from tierwise.runtime.gradients import slot_grad
-from tierwise.runtime.host_updates import HostUpdates
-from tierwise.runtime.overlap import SpeculationPolicy
+from tierwise.runtime.grads.path import slot_grad
+from tierwise.runtime.index import ChunkIndex
 from tierwise.runtime.phases import Phases
-from tierwise.runtime.shared import ChunkIndex, Traffic
-from tierwise.runtime.step_undo import StepUndo
+from tierwise.runtime.step.host_updates import HostUpdates
+from tierwise.runtime.step.speculation_policy import SpeculationPolicy
+from tierwise.runtime.step.undo import StepUndo
+from tierwise.runtime.traffic import Traffic
 from tierwise.tiers.base import Tier
 
 if TYPE_CHECKING:
-    from tierwise.runtime.grad_offload import GradientOffload
-    from tierwise.runtime.residency import Residency
+    from tierwise.runtime.grads.offload import GradientOffload
+    from tierwise.runtime.residency.chunk_residency import Residency
 
 _OWNER = GradOwner.OPTIMIZER_STEP
 

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from tierwise.runtime.frozen_release import FrozenRelease
+from tierwise.runtime.access.frozen_release import FrozenRelease
 
 if TYPE_CHECKING:
-    from tierwise.runtime.access import ModuleAccess
+    from tierwise.runtime.access.module_access import ModuleAccess
     from tierwise.runtime.engine import Engine
 
 

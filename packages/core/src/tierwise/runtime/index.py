@@ -9,7 +9,7 @@ their state and read no other component's private attributes. What they do share
   lookups in place, so every component holding the index sees the new chunks at once.
 - ``Traffic``: bytes and transfers moved between tiers, counted by whichever component moves
   them (``Engine.stats`` reports them).
-- ``GradientOffload`` (``runtime/grad_offload.py``; only when optimizer states are on a storage
+- ``GradientOffload`` (``runtime/grads/offload.py``; only when optimizer states are on a storage
   tier): the host buffers of gradient shards, filled by the gradient path and consumed by the
   optimizer step's updates ([Note: active gradient offloading]).
 
@@ -21,7 +21,7 @@ compute pins (``compute_refs``); see ``tierwise.chunks``.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterator
 
 import torch
@@ -63,15 +63,3 @@ class ChunkIndex:
         }
         self.by_key = {c.key: c for c in self.chunks()}
         """chunk key -> chunk."""
-
-
-class Traffic:
-    """Bytes and transfers moved between tiers, by direction (``"host->device"``)."""
-
-    def __init__(self) -> None:
-        self.moved_bytes: Counter[str] = Counter()
-        self.moves: Counter[str] = Counter()
-
-    def count(self, direction: str, nbytes: int, moves: int = 1) -> None:
-        self.moved_bytes[direction] += nbytes
-        self.moves[direction] += moves

@@ -14,20 +14,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tierwise.checkpoint import install_state_dict_hooks
+from tierwise.checkpoint.save_load import install_state_dict_hooks
 from tierwise.config import Config, ConfigError
 from tierwise.devices import normalize_device
 from tierwise.hardware import Hardware
 from tierwise.hf_compat import enable_hf_checkpointing, hf_checkpointing_enabled
 from tierwise.integrations.hf_save import install_save_pretrained
 from tierwise.parallel.base import snapshot_model
-from tierwise.planner import may_recompute, profile_min_blocks
+from tierwise.planning.planner import may_recompute, profile_min_blocks
 from tierwise.plugins import PluginHost
 from tierwise.precision import compute_dtype
 from tierwise.registry import engine_of, register
-from tierwise.runtime.activations import find_blocks, resolve_policy
-from tierwise.runtime.activations import plan_action as planned_action
-from tierwise.runtime.build import (
+from tierwise.runtime.activations.manager import find_blocks, resolve_policy
+from tierwise.runtime.activations.manager import plan_action as planned_action
+from tierwise.runtime.activations.pinned_pool import pinned_swap_bytes
+from tierwise.runtime.engine import Engine
+from tierwise.runtime.grads.offload import gradient_offload_for
+from tierwise.runtime.residency.rcache import RCache
+from tierwise.runtime.setup.build import (
     allocate_payloads,
     check_chunk_size,
     collect_params,
@@ -39,11 +43,7 @@ from tierwise.runtime.build import (
     release_payloads,
     static_profile,
 )
-from tierwise.runtime.cache import RCache
-from tierwise.runtime.engine import Engine
-from tierwise.runtime.grad_offload import gradient_offload_for
-from tierwise.runtime.host_buffers import pinned_swap_bytes
-from tierwise.runtime.meta_buffers import compute_meta_buffers, install_buffers
+from tierwise.runtime.setup.meta_buffers import compute_meta_buffers, install_buffers
 from tierwise.tiers.base import PayloadKind
 from tierwise.weights import open_weights
 
@@ -285,7 +285,7 @@ def _check_cache_minimum(model, config: Config, profile, plan, groups) -> None:
 
 def _activation_blocks(model, config: Config, host, plan) -> dict:
     """The model's transformer blocks; sets ``plan.activation_policy`` to the action each one
-    gets (see ``tierwise.runtime.activations.resolve_policy``). Raises before anything changes."""
+    gets (see ``tierwise.runtime.activations.manager.resolve_policy``). Raises before anything changes."""
     blocks = find_blocks(model)
     if not blocks:
         if config.activation_policy or config.activation_offload in ("host", "nvme"):

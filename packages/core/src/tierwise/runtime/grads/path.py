@@ -18,16 +18,17 @@ import torch.distributed as dist
 from tierwise.chunks import Chunk, ParamSlot, TensorState
 from tierwise.chunks.grad_state import GradOwner, GradState
 from tierwise.parallel.collectives import Collectives
-from tierwise.runtime.host_grad_copies import HostGradCopies
-from tierwise.runtime.host_grad_copies import applies as host_copy_applies
+from tierwise.runtime.grads.host_copies import HostGradCopies
+from tierwise.runtime.grads.host_copies import applies as host_copy_applies
+from tierwise.runtime.grads.reduce.reducer import GradientReducer, predict_due
+from tierwise.runtime.index import ChunkIndex
 from tierwise.runtime.phases import Phases
-from tierwise.runtime.reduce import GradientReducer, predict_due
-from tierwise.runtime.shared import ChunkIndex, Traffic
+from tierwise.runtime.traffic import Traffic
 from tierwise.tiers.base import Tier
 
 if TYPE_CHECKING:
-    from tierwise.runtime.grad_offload import GradientOffload
-    from tierwise.runtime.stepping import OptimizerStep
+    from tierwise.runtime.grads.offload import GradientOffload
+    from tierwise.runtime.step.optimizer_step import OptimizerStep
 
 _OWNER = GradOwner.GRADIENT_PATH
 

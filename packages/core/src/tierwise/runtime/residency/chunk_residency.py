@@ -12,9 +12,10 @@ import torch
 
 from tierwise.chunks import Chunk
 from tierwise.parallel.collectives import Collectives
-from tierwise.runtime.cache import AccessTrace, RCache
-from tierwise.runtime.shared import ChunkIndex, Traffic
-from tierwise.runtime.transfer import ChunkLoads
+from tierwise.runtime.index import ChunkIndex
+from tierwise.runtime.residency.loads import ChunkLoads
+from tierwise.runtime.residency.rcache import ChunkAccessTrace, RCache
+from tierwise.runtime.traffic import Traffic
 from tierwise.tiers.base import Tier
 
 
@@ -39,14 +40,14 @@ class Residency:
         """How many chunks ahead of use to start loading (``Plan.prefetch``)."""
         self.collectives = collectives
         self.traffic = traffic
-        self.trace = AccessTrace()
+        self.trace = ChunkAccessTrace()
         """Chunk accesses: recorded in the warm-up step, replayed after it."""
         self.loads = ChunkLoads(device)
         """rCache loads in flight ([Note: prefetch overlap])."""
 
     def renew_trace(self) -> None:
         """After chunks were re-packed: chunk keys mean other chunks now, record again."""
-        self.trace = AccessTrace()
+        self.trace = ChunkAccessTrace()
 
     def _evictable(self) -> set:
         """Keys of the unpinned chunks in the rCache (a scan of its blocks, not of every chunk:

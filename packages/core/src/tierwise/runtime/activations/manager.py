@@ -18,7 +18,7 @@ anyway), lives on another device, or its storage is smaller than ``min_bytes``. 
 stored once) and the packed value records dtype, offset, size and stride to rebuild the view.
 Swap-out starts as the tensor is saved: on CUDA a copy into pinned host memory on a side stream
 (an event says when it landed; the buffers come from a bounded pool, see [Note: bounded pinned
-buffers] in tierwise.runtime.host_buffers), on CPU the nvme tier's asynchronous write straight
+buffers] in tierwise.runtime.activations.pinned_pool), on CPU the nvme tier's asynchronous write straight
 from the saved storage ([Note: swap writes from the saved storage]; a host swap on a CPU device
 is a plain copy: it is the same RAM). Our reference to the original is dropped when its
 copy has landed, checked at the end of each block and at the end of forward, where every swap-out
@@ -69,14 +69,14 @@ from typing import Any
 import torch
 
 from tierwise.plan import ACTIVATION_ACTIONS, check_policy_entries
-from tierwise.runtime.host_buffers import (
+from tierwise.runtime.activations.pinned_pool import (
     ALIGNMENT,
     PINNED_POOL_BYTES,
     HostBufferPool,
     aligned_empty,
 )
-from tierwise.runtime.host_buffers import transfer_done as _done
-from tierwise.runtime.host_buffers import wait_for_transfer as _wait
+from tierwise.runtime.activations.pinned_pool import transfer_done as _done
+from tierwise.runtime.activations.pinned_pool import wait_for_transfer as _wait
 from tierwise.tiers.base import PayloadKind
 
 ACTIONS = ACTIVATION_ACTIONS

@@ -44,7 +44,7 @@ from tierwise.chunks.io import gather_chunk, read_slab
 from tierwise.hf_compat import hf_checkpointing_enabled
 from tierwise.optim.state_formats import MomentFormat, moment_formats, moment_kind
 from tierwise.plan import Plan
-from tierwise.planner import may_recompute, profile_min_blocks
+from tierwise.planning.planner import may_recompute, profile_min_blocks
 from tierwise.precision import OPTIM_STATES
 from tierwise.tiers.base import PayloadKind
 

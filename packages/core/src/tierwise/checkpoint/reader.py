@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tierwise.checkpoint_manifest import CheckpointError, check_file, read_manifest
+from tierwise.checkpoint.manifest import CheckpointError, check_file, read_manifest
 from tierwise.optim.state_formats import decode_piece
 from tierwise.weights.safetensors_io import SafetensorsFile
 

@@ -121,7 +121,7 @@ import torch.distributed as dist
 
 from tierwise.chunks import Chunk
 from tierwise.parallel.collectives import Collectives
-from tierwise.planner import receive_block_numel
+from tierwise.planning.planner import receive_block_numel
 from tierwise.tiers.base import PayloadKind, Tier
 
 END = 2**62

@@ -1,0 +1,1 @@
+"""Checkpoints: save and load by parameter name, manifest, reader."""

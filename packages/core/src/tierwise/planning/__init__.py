@@ -1,0 +1,1 @@
+"""Core's default planner and the planning arithmetic it shares with plugins."""

@@ -1,0 +1,1 @@
+"""Saved activations per block: keep, recompute or swap."""

@@ -1,0 +1,1 @@
+"""Reductions across data-parallel ranks in one agreed order."""

@@ -1,0 +1,1 @@
+"""The optimizer step: checks, per-chunk updates, speculation and undo, host updates."""

@@ -123,7 +123,9 @@ def test_the_circle_finder_finds_a_circle():
 
 def test_core_imports_form_no_circle():
     graph = core_import_graph()
-    assert "tierwise.runtime.engine" in graph["tierwise.runtime.setup.pipeline"]  # the walk sees real edges
+    assert (
+        "tierwise.runtime.engine" in graph["tierwise.runtime.setup.pipeline"]
+    )  # the walk sees real edges
     assert (
         "tierwise.planning.planner" in graph["tierwise.builtin"]
     )  # function-level imports included

@@ -366,3 +366,82 @@ def test_the_collective_check_sees_what_it_refuses():
         "line 7: torch.distributed.barrier",
         "line 8: d2.broadcast_object_list",
     ]
+
+
+# [Note: core's layers]
+# Each module has a layer; a module may import its own layer and the ones below, never one
+# above, type-only imports (under ``if TYPE_CHECKING``) included. A module's layer is the one of
+# the longest prefix below that names it; docs/architecture.md's tables list the same layers.
+LAYERS: list[tuple[str, list[str]]] = [
+    ("facts", ["_version", "precision", "units", "jsonable", "devices", "registry", "hf_compat"]),
+    ("intent", ["config", "plan", "profile", "hardware", "model_presets", "probe"]),
+    ("plugin interface", ["hookspecs", "protocols"]),
+    ("data", ["chunks", "tiers", "parallel", "optim", "weights"]),
+    ("planning", ["planning"]),
+    ("plugin host", ["builtin", "plugins", "target"]),
+    ("runtime state", ["runtime.index", "runtime.traffic", "runtime.phases"]),
+    ("residency", ["runtime.residency"]),
+    ("access", ["runtime.access"]),
+    ("gradients", ["runtime.grads"]),
+    ("step", ["runtime.step"]),
+    ("activations", ["runtime.activations"]),
+    ("layout", ["runtime.layout"]),
+    ("engine", ["runtime.engine"]),
+    ("setup", ["runtime.setup", "runtime"]),
+    ("entry points", ["api", "optimizer", "checkpoint", "pretrained", "integrations"]),
+    ("apps", ["train", "cli", ""]),
+]
+
+
+def layer_of(module: str) -> int:
+    name = module.removeprefix("tierwise").removeprefix(".")
+    best, rank = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".") or prefix == "") and len(
+                prefix
+            ) > best:
+                best, rank = len(prefix), i
+    assert rank is not None, module
+    return rank
+
+
+def all_imports_graph() -> dict[str, set[str]]:
+    """Like ``core_import_graph`` with type-only imports counted too."""
+    paths = {_module_name(p, CORE): p for p in CORE.rglob("*.py")}
+    graph = {}
+    for me, path in paths.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found = [(alias.name, []) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+                    for _ in range(node.level - 1):
+                        package = package.rsplit(".", 1)[0]
+                    base = f"{package}.{base}" if base else package
+                found = [(base, [alias.name for alias in node.names])]
+            else:
+                continue
+            for module, names in found:
+                targets = [f"{module}.{n}" for n in names if f"{module}.{n}" in paths] or [module]
+                deps.update(t for t in targets if t in paths and t != me)
+        graph[me] = deps
+    return graph
+
+
+def test_imports_point_down_the_layers():
+    graph = all_imports_graph()
+    upward = sorted(
+        f"{me} ({LAYERS[layer_of(me)][0]}) imports {dep} ({LAYERS[layer_of(dep)][0]})"
+        for me, deps in graph.items()
+        for dep in deps
+        if layer_of(dep) > layer_of(me)
+    )
+    assert upward == []
+
+
+def test_no_circle_with_type_only_imports():
+    assert circles(all_imports_graph()) == []

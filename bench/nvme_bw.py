@@ -16,7 +16,7 @@ flight at once, between the disk and
 
 A last line times one out-of-core AdamW pass over NVMe-resident optimizer states: transfers
 alone, updates alone, sequential (read, update, write per chunk) and through
-OptimizerPipeline, with the ratio pipelined / max(transfers, updates).
+NVMeOptimizerPipeline, with the ratio pipelined / max(transfers, updates).
 
     python bench/nvme_bw.py --dir /work/nvme-bench --size 1GiB --block-size 4MiB --queue-depth 16
 """
@@ -145,7 +145,7 @@ def rcache_bandwidth(tier: NVMeTier, slabs, cache: RCache, chunk: int, expected)
 def pipeline_times(tier: NVMeTier, n_chunks: int, numel: int) -> dict[str, float]:
     """Seconds for one optimizer pass over ``n_chunks`` NVMe-resident chunks (3 fp32 states of
     ``numel`` each): transfers alone, updates alone, sequential, and pipelined."""
-    from tierwise_nvme.optimizer_pipeline import OptimizerPipeline
+    from tierwise_nvme.optimizer_pipeline import NVMeOptimizerPipeline
 
     slabs = [
         [tier.allocate(numel, torch.float32, kind=PayloadKind.OPTIM_STATE) for _ in range(3)]
@@ -157,7 +157,7 @@ def pipeline_times(tier: NVMeTier, n_chunks: int, numel: int) -> dict[str, float
     times = {}
 
     def run_pipeline(update) -> float:
-        pipeline = OptimizerPipeline(tier=tier, pool=pool, lookahead=1)
+        pipeline = NVMeOptimizerPipeline(tier=tier, pool=pool, lookahead=1)
         begin = time.perf_counter()
         for index, chunk in enumerate(slabs):
             pipeline.submit(index, chunk, update)

@@ -52,11 +52,11 @@ def sequential_pipelines():
     """NVMe tiers created inside build pipelines that never overlap: buffers for one chunk
     and no read-ahead, so each chunk is read, updated and written before the next starts."""
     from tierwise_nvme import NVMeTier, StagingPool
-    from tierwise_nvme.optimizer_pipeline import OptimizerPipeline
+    from tierwise_nvme.optimizer_pipeline import NVMeOptimizerPipeline
 
     def one_at_a_time(self, *, buffer_bytes: int, states: int = 3, lookahead: int = 1):
         pool = StagingPool(buffer_bytes=buffer_bytes, count=states)
-        return OptimizerPipeline(tier=self, pool=pool, lookahead=0)
+        return NVMeOptimizerPipeline(tier=self, pool=pool, lookahead=0)
 
     original = NVMeTier.optimizer_pipeline
     NVMeTier.optimizer_pipeline = one_at_a_time

@@ -445,3 +445,13 @@ def test_imports_point_down_the_layers():
 
 def test_no_circle_with_type_only_imports():
     assert circles(all_imports_graph()) == []
+
+
+def test_no_two_classes_share_a_name_across_the_project():
+    """A name says what a class is: one class per name in every package (issue 35)."""
+    where: dict[str, list[str]] = {}
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(path.relative_to(REPO)))
+    assert {name: files for name, files in where.items() if len(files) > 1} == {}

@@ -1,4 +1,4 @@
-"""OptimizerPipeline: read -> update -> write of NVMe-resident states equals doing it in memory."""
+"""NVMeOptimizerPipeline: read -> update -> write of NVMe-resident states equals doing it in memory."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from nvme_helpers import FailingBackend  # noqa: E402
 from tierwise.tiers import PayloadKind
 from tierwise_nvme import NVMeIOError, StagingPool  # noqa: E402
 from tierwise_nvme.backends import ThreadPoolBackend  # noqa: E402
-from tierwise_nvme.optimizer_pipeline import OptimizerPipeline  # noqa: E402
+from tierwise_nvme.optimizer_pipeline import NVMeOptimizerPipeline  # noqa: E402
 from tierwise_nvme.tier import MAX_LOOKAHEAD  # noqa: E402
 
 SIZES = [1000, 4097, 30_001, 7, 65_536, 12_345]
@@ -69,7 +69,7 @@ def test_pipelined_updates_equal_in_memory_updates(make_tier, pool_buffers, pref
     tier = make_tier("libaio")
     chunks = setup_states(tier, torch.Generator().manual_seed(0))
     pool = StagingPool(buffer_bytes=max(SIZES) * 4, count=pool_buffers)
-    pipeline = OptimizerPipeline(tier=tier, pool=pool, lookahead=1)
+    pipeline = NVMeOptimizerPipeline(tier=tier, pool=pool, lookahead=1)
     steps_ref = [torch.zeros(()) for _ in chunks]
     steps = [torch.zeros(()) for _ in chunks]
     for step in range(2):  # two optimizer steps; chunks submitted in backward order
@@ -96,7 +96,7 @@ def test_pipelined_updates_equal_in_memory_updates(make_tier, pool_buffers, pref
 def test_drain_reads_the_next_steps_first_chunks_ahead(make_tier):
     tier = make_tier("libaio")
     chunks = setup_states(tier, torch.Generator().manual_seed(7))
-    pipeline = OptimizerPipeline(
+    pipeline = NVMeOptimizerPipeline(
         tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=12), lookahead=2
     )
     steps_ref = [torch.zeros(()) for _ in chunks]
@@ -123,7 +123,9 @@ def test_drain_reads_the_next_steps_first_chunks_ahead(make_tier):
 def test_updates_run_on_the_worker_while_the_caller_continues(make_tier):
     tier = make_tier("threads")
     chunks = setup_states(tier, torch.Generator().manual_seed(1))
-    pipeline = OptimizerPipeline(tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=9))
+    pipeline = NVMeOptimizerPipeline(
+        tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=9)
+    )
     gate = threading.Event()
     threads = []
 
@@ -155,7 +157,9 @@ def test_prefetched_chunks_update_first_and_still_match(make_tier, writes):
 
         tier.write_next = landed_write_next
     chunks = setup_states(tier, torch.Generator().manual_seed(5))
-    pipeline = OptimizerPipeline(tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=9))
+    pipeline = NVMeOptimizerPipeline(
+        tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=9)
+    )
     assert [pipeline.prefetch(i, chunks[i][0]) for i in (5, 4)] == [True, True]
     holding, gate, order = threading.Event(), threading.Event(), []
 
@@ -206,7 +210,9 @@ def test_a_write_to_a_prefetched_slab_drops_the_stale_copy(make_tier):
 def test_too_small_pool_is_a_clear_error(make_tier):
     tier = make_tier("threads")
     chunks = setup_states(tier, torch.Generator().manual_seed(2))
-    pipeline = OptimizerPipeline(tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=2))
+    pipeline = NVMeOptimizerPipeline(
+        tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=2)
+    )
     pipeline.submit(0, chunks[0][0], lambda states: None)
     with pytest.raises(
         RuntimeError, match="cannot hold the 3 states of one chunk; give it at least 9"
@@ -221,7 +227,7 @@ def test_failed_read_stops_updates_and_is_reported(make_tier):
     )
     tier = make_tier("threads", io=io)
     chunks = setup_states(tier, torch.Generator().manual_seed(3))
-    pipeline = OptimizerPipeline(
+    pipeline = NVMeOptimizerPipeline(
         tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=3), lookahead=0
     )
     before = [read_states(tier, slabs) for slabs, _, _ in chunks]

@@ -1,4 +1,4 @@
-"""MemoryTracer on the CPU: checked against peak RSS and against the fake-tensor profile."""
+"""StepMemoryTracer on the CPU: checked against peak RSS and against the fake-tensor profile."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ pytest.importorskip("tierwise_profiler")
 import torch  # noqa: E402
 from helpers.models import tiny_batch, tiny_model  # noqa: E402
 from profiler_reference import drop_grads  # noqa: E402
-from tierwise_profiler import MemoryTracer  # noqa: E402
+from tierwise_profiler import StepMemoryTracer  # noqa: E402
 from tierwise_profiler.model_profile import profile_model  # noqa: E402
 
 RSS_STEP = textwrap.dedent(
     """
     import json, torch
-    from tierwise_profiler import MemoryTracer
+    from tierwise_profiler import StepMemoryTracer
 
     def status(field):
         for line in open("/proc/self/status"):
@@ -34,13 +34,13 @@ RSS_STEP = textwrap.dedent(
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     for _ in range(2):  # warm-up: lazy one-time allocations of the first steps, and the
-        warm = MemoryTracer("cpu")  # tracer's own code paged in (file-backed pages count in RSS)
+        warm = StepMemoryTracer("cpu")  # tracer's own code paged in (file-backed pages count in RSS)
         warm.start()
         model(x).sum().backward()
         warm.stop()
     open("/proc/self/clear_refs", "w").write("5")  # reset the RSS high-water mark
     before = status("VmRSS:")
-    tracer = MemoryTracer("cpu")
+    tracer = StepMemoryTracer("cpu")
     tracer.start()
     loss = model(x).sum()
     tracer.mark("forward")
@@ -77,7 +77,7 @@ def test_cpu_tracer_agrees_with_the_fake_tensor_profile():
     batch = tiny_batch(batch=4, seq=32)
     profile = profile_model(model, batch, precision="fp32")
     handles = drop_grads(model)
-    tracer = MemoryTracer("cpu")
+    tracer = StepMemoryTracer("cpu")
     tracer.start()
     output = model(**batch)
     tracer.mark("forward")
@@ -93,7 +93,7 @@ def test_cpu_tracer_agrees_with_the_fake_tensor_profile():
 
 def test_tensors_made_before_start_or_while_paused_are_not_counted():
     before = torch.ones(1 << 20)
-    tracer = MemoryTracer("cpu")
+    tracer = StepMemoryTracer("cpu")
     tracer.start()
     view = before[: 1 << 19].view(-1, 2)  # a view of old memory allocates nothing
     with tracer.paused():
@@ -115,7 +115,7 @@ def test_a_cuda_tracer_leaves_cuda_statistics_alone(monkeypatch):
     from helpers.cuda_calls import forbid_cuda_calls
 
     calls = forbid_cuda_calls(monkeypatch)
-    tracer = MemoryTracer("cuda", model_bytes=lambda: 0)
+    tracer = StepMemoryTracer("cuda", model_bytes=lambda: 0)
     tracer.start()
     made = torch.empty(1 << 20)  # 4 MiB
     tracer.mark("op")
@@ -129,4 +129,4 @@ def test_the_tracer_is_the_memory_tracer_core_calls():
     tracer has every method of it."""
     from tierwise.protocols import MemoryTracer as TracerProtocol
 
-    assert isinstance(MemoryTracer("cpu"), TracerProtocol)
+    assert isinstance(StepMemoryTracer("cpu"), TracerProtocol)

@@ -1,4 +1,4 @@
-"""OptimizerPipeline: out-of-core optimizer over NVMe-resident states, overlapped.
+"""NVMeOptimizerPipeline: out-of-core optimizer over NVMe-resident states, overlapped.
 
 [Note: optimizer pipeline]
 Each chunk's optimizer states (fp32 master, exp_avg, exp_avg_sq: any list of slabs) go through
@@ -67,7 +67,7 @@ class _Job:
     """Its reads started before it was submitted (``prefetch``), not read ahead by the worker."""
 
 
-class OptimizerPipeline:
+class NVMeOptimizerPipeline:
     """See [Note: optimizer pipeline]."""
 
     def __init__(self, *, tier: Tier, pool: StagingPool, lookahead: int = 1) -> None:
@@ -337,4 +337,4 @@ def _wait_quietly(handle: IOHandle) -> None:
         pass
 
 
-__all__ = ["OptimizerPipeline"]
+__all__ = ["NVMeOptimizerPipeline"]

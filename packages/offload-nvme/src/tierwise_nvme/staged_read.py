@@ -42,7 +42,7 @@ from tierwise_nvme.transfer import NVMeHandle
 
 
 @dataclass(eq=False)
-class _Piece:
+class _StagedPiece:
     """File bytes ``[lo, hi)`` (page-aligned) of a read whose wanted bytes start at ``start``
     of the file and land in ``dest`` (a flat uint8 view of the destination)."""
 
@@ -60,7 +60,7 @@ class StagedReads:
     def __init__(self, backend: IOBackend, pool: StagingPool) -> None:
         self.backend = backend
         self.pool = pool
-        self._waiting: deque[_Piece] = deque()
+        self._waiting: deque[_StagedPiece] = deque()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._outstanding = 0  # pieces queued or in flight
@@ -79,7 +79,7 @@ class StagedReads:
         with self._lock:
             for piece_lo in range(lo, hi, step):
                 piece_hi = min(piece_lo + step, hi)
-                self._waiting.append(_Piece(file, piece_lo, piece_hi, start, dest, handle))
+                self._waiting.append(_StagedPiece(file, piece_lo, piece_hi, start, dest, handle))
                 self._outstanding += 1
         self._pump()
 
@@ -101,7 +101,7 @@ class StagedReads:
                 piece = self._waiting.popleft()
             self._submit(piece, buffer)
 
-    def _submit(self, piece: _Piece, buffer: torch.Tensor) -> None:
+    def _submit(self, piece: _StagedPiece, buffer: torch.Tensor) -> None:
         size = piece.hi - piece.lo
 
         def on_done(error: NVMeIOError | None) -> None:
@@ -125,7 +125,9 @@ class StagedReads:
                 io_error("read", str(piece.file.path), piece.lo, size, code, repr(err)),
             )
 
-    def _finish(self, piece: _Piece, buffer: torch.Tensor, error: BaseException | None) -> None:
+    def _finish(
+        self, piece: _StagedPiece, buffer: torch.Tensor, error: BaseException | None
+    ) -> None:
         """Copy a finished piece's wanted bytes out, return its buffer, start the next piece."""
         try:
             if error is None:
@@ -142,7 +144,7 @@ class StagedReads:
         self._pump()
 
 
-def copy_out(piece: _Piece, buffer: torch.Tensor) -> None:
+def copy_out(piece: _StagedPiece, buffer: torch.Tensor) -> None:
     """Copy the wanted bytes of ``piece`` from its staging ``buffer`` into its destination."""
     end = piece.start + piece.dest.numel()
     lo, hi = max(piece.lo, piece.start), min(piece.hi, end)

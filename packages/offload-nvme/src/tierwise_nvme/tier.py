@@ -291,13 +291,13 @@ class NVMeTier(Tier):
     def optimizer_pipeline(
         self, *, buffer_bytes: int, states: int = 3, lookahead: int | None = None
     ):
-        """An OptimizerPipeline over this tier with its own staging pool of
+        """An NVMeOptimizerPipeline over this tier with its own staging pool of
         ``states * (lookahead + 2)`` buffers of ``buffer_bytes`` (pinned on CUDA): the reads of
         the next ``lookahead`` chunks, the update of one and the write of another at once.
         See [Note: optimizer pipeline]. ``lookahead`` None (the engine's call) picks enough
         chunks to keep the disk's queue full (``queue_depth * block_size`` bytes of reads), at
         most 4, fewer where the pool would exceed HOST_FRACTION of the host memory."""
-        from tierwise_nvme.optimizer_pipeline import OptimizerPipeline
+        from tierwise_nvme.optimizer_pipeline import NVMeOptimizerPipeline
 
         if lookahead is None:
             lookahead = pipeline_lookahead(
@@ -308,7 +308,7 @@ class NVMeTier(Tier):
             count=states * (lookahead + 2),
             pin=self.device.type == "cuda",
         )
-        pipeline = OptimizerPipeline(tier=self, pool=pool, lookahead=lookahead)
+        pipeline = NVMeOptimizerPipeline(tier=self, pool=pool, lookahead=lookahead)
         self._pipelines.add(pipeline)
         return pipeline
 

@@ -7,7 +7,7 @@ Hooks:
   is better) and None, with a ``ProfilerFallbackWarning`` naming the op, when the model's forward
   needs tensor values.
 - ``tierwise_probe_hardware``: bandwidths and velocities, measured once per machine and cached.
-- ``tierwise_memory_tracer``: a :class:`MemoryTracer` the engine drives during its warm-up step.
+- ``tierwise_memory_tracer``: a :class:`StepMemoryTracer` the engine drives during its warm-up step.
 - ``tierwise_add_cli_commands``: ``tierwise profile`` and ``tierwise probe``.
 """
 
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tierwise.hookspecs import hookimpl
 
 from tierwise_profiler._version import __version__
-from tierwise_profiler.tracer import MemoryTracer
+from tierwise_profiler.tracer import StepMemoryTracer
 
 if TYPE_CHECKING:
     import torch
@@ -65,8 +65,8 @@ def tierwise_probe_hardware(config: Config) -> dict[str, Any] | None:
 
 
 @hookimpl
-def tierwise_memory_tracer(device: torch.device, model_bytes) -> MemoryTracer:
-    return MemoryTracer(device, model_bytes=model_bytes)
+def tierwise_memory_tracer(device: torch.device, model_bytes) -> StepMemoryTracer:
+    return StepMemoryTracer(device, model_bytes=model_bytes)
 
 
 @hookimpl
@@ -77,7 +77,7 @@ def tierwise_add_cli_commands(subparsers) -> None:
 
 
 __all__ = [
-    "MemoryTracer",
+    "StepMemoryTracer",
     "ProfilerFallbackWarning",
     "__version__",
     "tierwise_add_cli_commands",

@@ -1,8 +1,8 @@
-"""MemoryTracer: non-model memory per moment of a real step (the engine's warm-up step).
+"""StepMemoryTracer: non-model memory per moment of a real step (the engine's warm-up step).
 
 The engine drives it::
 
-    tracer = MemoryTracer(device, model_bytes=lambda: engine.model_bytes_on(device))
+    tracer = StepMemoryTracer(device, model_bytes=lambda: engine.model_bytes_on(device))
     tracer.start()
     ...  tracer.mark("forward:transformer.h.0")  # at each moment (operator boundary) ...
     moments = tracer.stop()   # [(moment, non_model_bytes), ...]
@@ -54,7 +54,7 @@ class _LiveTensorMode(TorchDispatchMode):
         return out
 
 
-class MemoryTracer:
+class StepMemoryTracer:
     """Peak non-model bytes per moment of a step on ``device`` (see the module docstring)."""
 
     def __init__(self, device: str | torch.device, *, model_bytes: Callable[[], int] | None = None):
@@ -103,7 +103,7 @@ class MemoryTracer:
 
     def _interval_peak(self) -> int:
         if self._mode is None:
-            raise RuntimeError("MemoryTracer.mark() before start(): call start() first")
+            raise RuntimeError("StepMemoryTracer.mark() before start(): call start() first")
         live = self._mode.live
         peak = live.peak_bytes
         live.reset_peak()

@@ -31,7 +31,7 @@ def load_libaio():
     return libaio
 
 
-class _Piece:
+class _AioPiece:
     """One block in the kernel: a slice of a request, plus how much of it is done."""
 
     __slots__ = ("buffer", "done", "offset", "request", "stalls", "tracker")
@@ -59,7 +59,7 @@ class LibaioBackend(IOBackend):
         self._eventfd = self._aio.EventFD()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._waiting: deque[_Piece] = deque()
+        self._waiting: deque[_AioPiece] = deque()
         self._in_flight = 0
         self._closing = False
         self._reaper = threading.Thread(target=self._reap, name="tierwise-nvme-libaio", daemon=True)
@@ -72,11 +72,11 @@ class LibaioBackend(IOBackend):
         with self._lock:
             if self._closing:
                 raise RuntimeError("the libaio backend is closed")
-            self._waiting.extend(_Piece(request, off, buf, tracker) for off, buf in pieces)
+            self._waiting.extend(_AioPiece(request, off, buf, tracker) for off, buf in pieces)
             failed = self._pump()
         self._fail(failed)
 
-    def _block(self, piece: _Piece):
+    def _block(self, piece: _AioPiece):
         mode = (
             self._aio.AIOBLOCK_MODE_READ
             if piece.request.op == "read"
@@ -92,7 +92,7 @@ class LibaioBackend(IOBackend):
         block.piece = piece
         return block
 
-    def _pump(self) -> list[tuple[_Piece, int]]:
+    def _pump(self) -> list[tuple[_AioPiece, int]]:
         """Submit waiting pieces while the queue has room (lock held). Returns refused pieces."""
         failed = []
         while self._waiting and self._in_flight < self.queue_depth:
@@ -135,7 +135,7 @@ class LibaioBackend(IOBackend):
                     self._idle.notify_all()
             self._fail(failed)
 
-    def _complete(self, piece: _Piece, result: int) -> None:
+    def _complete(self, piece: _AioPiece, result: int) -> None:
         request = piece.request
         remaining = len(piece.buffer) - piece.done
         if result < 0:
@@ -158,7 +158,7 @@ class LibaioBackend(IOBackend):
                 self._waiting.appendleft(piece)
 
     @staticmethod
-    def _fail(failed: list[tuple[_Piece, int]]) -> None:
+    def _fail(failed: list[tuple[_AioPiece, int]]) -> None:
         for piece, code in failed:
             request = piece.request
             error: NVMeIOError = io_error(

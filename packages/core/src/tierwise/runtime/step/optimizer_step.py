@@ -860,7 +860,8 @@ class OptimizerStep:
     def _settle_slots(self) -> None:
         for chunk in self.index.chunks():
             for slot in chunk.slots:
-                if slot.state is not TensorState.HOLD and slot.compute_refs == 0:
+                # COMPUTE: a module in use has it (module access's pin)
+                if slot.state not in (TensorState.HOLD, TensorState.COMPUTE):
                     slot.set_state(TensorState.HOLD)
         elapsed = self.phases.end_step()
         if elapsed is not None:

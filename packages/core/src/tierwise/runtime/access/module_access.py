@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from tierwise.chunks import Chunk, ParamSlot, TensorState
-from tierwise.optim import DynamicLossScaler
+from tierwise.optim.scaler import DynamicLossScaler
 from tierwise.runtime.access.warmup_tracing import WarmupTracing
 from tierwise.runtime.index import ChunkIndex
 from tierwise.runtime.phases import Phases

@@ -29,7 +29,6 @@ from tierwise.optim import (
 )
 from tierwise.optim.state_formats import LowBitMoments
 from tierwise.parallel.collectives import Collectives, world_size
-from tierwise.protocols import OptimizerPipeline
 from tierwise.runtime.grads.path import slot_grad
 from tierwise.runtime.index import ChunkIndex
 from tierwise.runtime.phases import Phases
@@ -37,7 +36,7 @@ from tierwise.runtime.step.host_updates import HostUpdates
 from tierwise.runtime.step.speculation_policy import SpeculationPolicy
 from tierwise.runtime.step.undo import StepUndo
 from tierwise.runtime.traffic import Traffic
-from tierwise.tiers.base import Tier
+from tierwise.tiers.base import OptimizerPipeline, Tier
 
 if TYPE_CHECKING:
     from tierwise.runtime.grads.offload import GradientOffload

@@ -281,10 +281,10 @@ def test_tier_builds_a_pipeline_sized_for_three_stages(make_tier):
 
 
 def test_the_pipeline_is_the_optimizer_pipeline_core_calls(tmp_path):
-    """tierwise.protocols.OptimizerPipeline is what the engine calls; the NVMe tier's pipeline
+    """tierwise.tiers.base.OptimizerPipeline is what the engine calls; the NVMe tier's pipeline
     has every method of it."""
     from tierwise.config import Config
-    from tierwise.protocols import OptimizerPipeline
+    from tierwise.tiers.base import OptimizerPipeline
     from tierwise_nvme import NVMeTier
 
     tier = NVMeTier(

@@ -13,7 +13,7 @@ from tierwise._version import __version__
 # names are loaded on first use (PEP 562); ``tierwise.setup`` and friends are unchanged for users.
 _PUBLIC = {
     "clip_grad_norm_": "tierwise.api",
-    "engine_of": "tierwise.registry",
+    "engine_of": "tierwise.api",
     "from_pretrained": "tierwise.pretrained",
     "save_pretrained": "tierwise.integrations.hf_save",
     "no_sync": "tierwise.api",

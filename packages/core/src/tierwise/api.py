@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 
+from tierwise import registry
 from tierwise.config import Config
 from tierwise.optim import TierwiseOptimizer, check_optimizer
 from tierwise.plugins import get_plugin_host
-from tierwise.registry import engine_of, managed
 from tierwise.runtime.setup.pipeline import assemble_engine
+
+if TYPE_CHECKING:
+    from tierwise.runtime.engine import Engine
 
 
 def setup(
@@ -39,7 +42,7 @@ def setup(
     unexpected or mis-shaped tensor, or a truncated file, raises ``tierwise.weights.WeightsError``
     naming it, and leaves nothing behind ([Note: loading pretrained weights]).
     """
-    if managed(model):
+    if registry.managed(model):
         raise ValueError(
             "tierwise.setup: this model is already managed by tierwise; call setup once per model"
         )
@@ -56,6 +59,11 @@ def setup(
         weights=weights,
     )
     return model, TierwiseOptimizer(engine, optimizer)
+
+
+def engine_of(model: torch.nn.Module) -> Engine:
+    """The engine managing ``model`` (``.plan``, ``.stats()``)."""
+    return cast("Engine", registry.engine_of(model))
 
 
 def clip_grad_norm_(

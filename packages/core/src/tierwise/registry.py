@@ -5,22 +5,22 @@ The engine of a managed model is kept on the model itself (attribute ``_tierwise
 not in a module-level table: the engine refers to its model, so a table keyed by the model
 (even a ``WeakKeyDictionary``) would hold the model alive through its own value. This way the
 registry holds no reference at all: dropping the model (and its optimizer) frees both. The
-attribute's name belongs to this module; nothing else reads or writes it.
+attribute's name belongs to this module; nothing else reads or writes it. The registry is a
+leaf: it stores the engine as any object and never imports it; ``tierwise.api.engine_of`` is
+the typed lookup callers use.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-    from tierwise.runtime.engine import Engine
-
 _ENGINE_ATTR = "_tierwise_engine"
 
 
-def register(model: torch.nn.Module, engine: Engine) -> None:
+def register(model: torch.nn.Module, engine: object) -> None:
     """Record ``engine`` as the engine managing ``model``."""
     setattr(model, _ENGINE_ATTR, engine)
 
@@ -36,8 +36,8 @@ def managed(model: torch.nn.Module) -> bool:
     return getattr(model, _ENGINE_ATTR, None) is not None
 
 
-def engine_of(model: torch.nn.Module) -> Engine:
-    """The engine managing ``model`` (``.plan``, ``.stats()``)."""
+def engine_of(model: torch.nn.Module) -> Any:
+    """The engine managing ``model`` (``.plan``, ``.stats()``), as registered."""
     engine = getattr(model, _ENGINE_ATTR, None)
     if engine is None:
         raise ValueError("this model is not managed by tierwise: call tierwise.setup first")

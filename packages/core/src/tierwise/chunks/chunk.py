@@ -28,7 +28,6 @@ class ParamSlot:
     numel: int
     shape: torch.Size
     state: TensorState = TensorState.FREE
-    compute_refs: int = 0
     got_grad: bool = False
     """Its gradient for the current backward has arrived."""
     has_grad: bool = False
@@ -107,13 +106,8 @@ class Chunk:
     optim: OptimSlabs | None = None
     flat: torch.Tensor | None = None
     """The whole chunk on the compute device; parameters are permanent views of it. For a
-    cached chunk its storage is empty while not resident (see [Note: chunk storage])."""
-    resident: bool = False
-    """``flat`` holds valid values."""
-    block_id: int | None = None
-    """rCache block it occupies, or None (not resident, or its home is ``flat`` itself)."""
-    compute_refs: int = 0
-    """How many parameters of this chunk are in COMPUTE (resident while > 0)."""
+    cached chunk its storage is empty while not resident (see [Note: chunk storage]): whether
+    it is, and in which rCache block, residency keeps in its own table."""
     staging: torch.Tensor | None = None
     """Full-chunk gradient buffer (a device block or a host buffer) while this backward fills
     it, until its reduction is launched ([Note: bounded gradient blocks])."""
@@ -151,11 +145,11 @@ class Chunk:
         a re-layout; the home payload holds the values already."""
         self.pending = len(self.slots) if self.trainable else 0
         if self.computes_in_home:
-            self.flat, self.resident = self.home.tensor, True
+            self.flat = self.home.tensor
         else:
             self.flat = torch.empty(self.capacity, dtype=self.group.dtype, device=device)
         self.bind_params()
-        if not self.resident:
+        if not self.computes_in_home:
             self.free_storage()
 
     def bind_params(self) -> None:

@@ -15,8 +15,9 @@ their state and read no other component's private attributes. What they do share
 
 Chunks and their slots carry per-chunk state: one gradient state per chunk (``grad_state``,
 [Note: gradient lifecycle]: the gradient path owns it up to REDUCED, the optimizer step from
-there), the gradient path's per-backward counters (``pending``, ``got_grad``), module access's
-compute pins (``compute_refs``); see ``tierwise.chunks``.
+there), the gradient path's per-backward counters (``pending``, ``got_grad``); see
+``tierwise.chunks``. Residency (what is resident, in which rCache block, pinned) and module
+access (the compute pins of slots and chunks) keep their per-chunk state in their own tables.
 """
 
 from __future__ import annotations

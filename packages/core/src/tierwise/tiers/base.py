@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -14,7 +15,6 @@ from tierwise.units import format_bytes
 
 if TYPE_CHECKING:
     from tierwise.config import Config
-    from tierwise.protocols import OptimizerPipeline
 
 
 class TierBudgetError(MemoryError):
@@ -188,3 +188,33 @@ class Tier(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release backing resources (files, pools)."""
+
+
+@runtime_checkable
+class OptimizerPipeline(Protocol):
+    """Overlaps reading, updating and writing the optimizer states of successive chunks on a
+    storage tier: what ``Tier.optimizer_pipeline`` returns ([Note: atomic optimizer step] for
+    ``drain`` and ``abandon``). Structural: a plugin implements the methods, it need not import
+    or subclass this."""
+
+    def prefetch(self, key: Hashable, slabs: Sequence[Slab]) -> bool:
+        """Start reading ``slabs`` (master, exp_avg, exp_avg_sq) of chunk ``key`` ahead of use."""
+
+    def submit(
+        self,
+        key: Hashable,
+        slabs: Sequence[Slab],
+        update: Callable[[list[torch.Tensor]], None],
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        """Run ``update`` on the states of ``slabs`` once read, then write them back;
+        ``on_done()`` once the update ran or was dropped (any thread)."""
+
+    def drain(self) -> None:
+        """Wait until every submitted update is written and committed."""
+
+    def abandon(self) -> None:
+        """Drop submitted updates that are not committed."""
+
+    def close(self) -> None:
+        """Stop the pipeline's workers and release its buffers."""

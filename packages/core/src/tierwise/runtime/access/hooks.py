@@ -8,6 +8,7 @@ tensor and the pre-hook one on each input tensor. In backward, an output's hook 
 gradient w.r.t. that output is complete, i.e. just before the module's own backward (fetch +
 COMPUTE again); an input's hook fires once the module's backward has produced it (release). A
 module whose inputs need no gradient (the embedding) is released at the end of backward instead.
+A parameter's post-accumulate-grad hook hands its gradient to a ``GradientReceiver`` (the engine).
 Tensor hooks add no autograd nodes, so the graph and PyTorch's gradient summation order stay
 exactly those of the plain model (identity autograd Functions would reorder sums of gradients and
 break bitwise parity). Activation checkpointing works because a re-forward runs the same hooks.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -36,7 +37,6 @@ from tierwise.runtime.access.frozen_release import FrozenRelease
 
 if TYPE_CHECKING:
     from tierwise.runtime.access.module_access import ModuleAccess
-    from tierwise.runtime.engine import Engine
 
 
 _PLAIN = (type(None), bool, int, float, str)
@@ -160,21 +160,27 @@ def install_hooks(
     return handles
 
 
-def grad_ready_hook(engine: Engine):
+class GradientReceiver(Protocol):
+    """Takes each managed parameter's gradient once autograd accumulated it (the engine)."""
+
+    def on_grad(self, param: torch.nn.Parameter) -> None: ...
+
+
+def grad_ready_hook(receiver: GradientReceiver):
     """The post-accumulate-grad hook of every managed parameter: hands the gradient to
-    ``engine.on_grad``.
+    ``receiver.on_grad``.
 
     [Note: parameter hooks hold the engine weakly]
     A tensor keeps its hooks in C++, where Python's garbage collector cannot follow references:
-    a hook holding the engine would make parameter -> hook -> engine -> model -> parameter an
-    uncollectable cycle, keeping the model, every chunk and the engine's process groups alive
-    after the user drops them (and the process groups' worker threads running into interpreter
-    shutdown). The hook holds a weak reference instead.
+    a hook holding the engine (the receiver) would make parameter -> hook -> engine -> model ->
+    parameter an uncollectable cycle, keeping the model, every chunk and the engine's process
+    groups alive after the user drops them (and the process groups' worker threads running into
+    interpreter shutdown). The hook holds a weak reference instead.
     """
-    engine_ref = weakref.ref(engine)
+    receiver_ref = weakref.ref(receiver)
 
     def hook(param: torch.nn.Parameter) -> None:
-        owner = engine_ref()
+        owner = receiver_ref()
         if owner is not None:
             owner.on_grad(param)
 

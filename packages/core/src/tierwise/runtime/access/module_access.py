@@ -4,8 +4,10 @@ A component of :class:`tierwise.runtime.engine.Engine` ([Note: shared runtime st
 a module's chunks (fetched through residency) while the module computes and releases them after,
 moves the phase of the step ([Note: training phases]), scales the loss's gradient (fp16), marks
 the warm-up trace's moments and records the parameters' first-use order for the re-layout after
-warm-up. It writes the compute pins of chunks and slots (``compute_refs``) and the slots' tensor
-states.
+warm-up. It keeps the compute pins of slots and chunks in its own table (how many module
+accesses use a parameter, how many parameters of a chunk are in COMPUTE), tells residency when a
+chunk becomes pinned or unpinned, and writes the slots' tensor states (a slot is in COMPUTE
+exactly while it is pinned).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from tierwise.chunks import TensorState
-from tierwise.optim import DynamicLossScaler
+from tierwise.chunks import Chunk, ParamSlot, TensorState
+from tierwise.optim.scaler import DynamicLossScaler
 from tierwise.runtime.access.warmup_tracing import WarmupTracing
 from tierwise.runtime.index import ChunkIndex
 from tierwise.runtime.phases import Phases
@@ -59,6 +61,10 @@ class ModuleAccess:
         self.recorded_order: dict[str, list[str]] = {"forward": [], "backward": []}
         """Parameters (first names) each module access fetched during the warm-up step, as the
         profiler's ``forward_order``/``backward_order`` predict them."""
+        self._slot_pins: dict[ParamSlot, int] = {}
+        """Slot -> how many module accesses use it now (only slots in use: in COMPUTE)."""
+        self._chunk_pins: dict[Chunk, int] = {}
+        """Chunk -> how many of its slots are in use (only chunks in use: pinned in residency)."""
 
     def begin_forward(self) -> None:
         self._forward_grad = torch.is_grad_enabled()
@@ -87,6 +93,7 @@ class ModuleAccess:
         first_use = self.residency.trace.recording and not self.phases.in_backward
         fetched = None
         slot_chunk = self.index.slot_chunk
+        slot_pins, chunk_pins = self._slot_pins, self._chunk_pins
         for slot in self.index.modules[module]:
             if first_use:
                 self.first_use.setdefault(slot.name)
@@ -94,21 +101,33 @@ class ModuleAccess:
             if chunk is not fetched:  # consecutive slots of one chunk: fetched once
                 self.residency.fetch(chunk)
                 fetched = chunk
-            if slot.compute_refs == 0:
+            uses = slot_pins.get(slot, 0)
+            if uses == 0:
                 slot.set_state(TensorState.COMPUTE)
-                chunk.compute_refs += 1
-            slot.compute_refs += 1
+                in_use = chunk_pins.get(chunk, 0)
+                if in_use == 0:
+                    self.residency.pin(chunk)
+                chunk_pins[chunk] = in_use + 1
+            slot_pins[slot] = uses + 1
         self.residency.prefetch()  # after pinning: prefetch never displaces what it needs
 
     def _release(self, module: torch.nn.Module, new_state: TensorState) -> None:
+        slot_pins, chunk_pins = self._slot_pins, self._chunk_pins
         for slot in self.index.modules[module]:
-            if slot.compute_refs == 0:
+            uses = slot_pins.get(slot, 0)
+            if uses == 0:
                 continue
-            slot.compute_refs -= 1
-            if slot.compute_refs == 0:
-                chunk = self.index.slot_chunk[id(slot.param)]
-                chunk.compute_refs -= 1
-                slot.set_state(TensorState.HOLD_AFTER_BWD if slot.got_grad else new_state)
+            if uses > 1:
+                slot_pins[slot] = uses - 1
+                continue
+            del slot_pins[slot]
+            chunk = self.index.slot_chunk[id(slot.param)]
+            in_use = chunk_pins.pop(chunk) - 1
+            if in_use:
+                chunk_pins[chunk] = in_use
+            else:
+                self.residency.unpin(chunk)
+            slot.set_state(TensorState.HOLD_AFTER_BWD if slot.got_grad else new_state)
 
     def pre_forward(self, module: torch.nn.Module) -> None:
         in_backward = self.phases.in_backward
@@ -175,9 +194,8 @@ class ModuleAccess:
 
     def unpin_all(self) -> None:
         """End of a backward (finished or abandoned): nothing stays pinned."""
-        for chunk in self.index.chunks():
-            for slot in chunk.slots:
-                if slot.compute_refs:
-                    slot.compute_refs = 0
-                    slot.set_state(TensorState.HOLD_AFTER_BWD)
-            chunk.compute_refs = 0
+        for slot in self._slot_pins:
+            slot.set_state(TensorState.HOLD_AFTER_BWD)
+        self._slot_pins.clear()
+        self._chunk_pins.clear()
+        self.residency.unpin_all()

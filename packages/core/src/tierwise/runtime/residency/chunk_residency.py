@@ -1,20 +1,24 @@
 """Residency: which chunks are on the compute device, in the rCache's blocks.
 
 A component of :class:`tierwise.runtime.engine.Engine` ([Note: shared runtime state]): it owns
-the access trace (what Belady replacement and prefetch read: [Note: rCache replacement]) and
-the loads in flight ([Note: prefetch overlap]), and uses the rCache to fetch, evict and
-prefetch chunks.
+the access trace (what Belady replacement and prefetch read: [Note: rCache replacement]), the
+loads in flight ([Note: prefetch overlap]) and which chunks are pinned, and uses the rCache to
+fetch, evict and prefetch chunks. Its per-chunk state (resident, the block it occupies, pinned)
+is kept here and in the rCache, keyed by chunk key, never on the chunk.
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 import torch
 
 from tierwise.chunks import Chunk
 from tierwise.parallel.collectives import Collectives
 from tierwise.runtime.index import ChunkIndex
+from tierwise.runtime.residency.access_trace import ChunkAccessTrace
 from tierwise.runtime.residency.loads import ChunkLoads
-from tierwise.runtime.residency.rcache import ChunkAccessTrace, RCache
+from tierwise.runtime.residency.rcache import RCache
 from tierwise.runtime.traffic import Traffic
 from tierwise.tiers.base import Tier
 
@@ -44,27 +48,46 @@ class Residency:
         """Chunk accesses: recorded in the warm-up step, replayed after it."""
         self.loads = ChunkLoads(device)
         """rCache loads in flight ([Note: prefetch overlap])."""
+        self._pinned: set[Hashable] = set()
+        """Keys of the chunks module access has in use: never evicted ([Note: rCache
+        replacement])."""
 
     def renew_trace(self) -> None:
         """After chunks were re-packed: chunk keys mean other chunks now, record again."""
         self.trace = ChunkAccessTrace()
 
+    def is_resident(self, chunk: Chunk) -> bool:
+        """``chunk.flat`` holds its values (or their load is in flight): it computes in its
+        home payload, or it occupies an rCache block."""
+        return self.cache.block_of(chunk.key) is not None or chunk.computes_in_home
+
+    def pin(self, chunk: Chunk) -> None:
+        """``chunk`` is in use by a module's compute: keep it resident until ``unpin``."""
+        self._pinned.add(chunk.key)
+
+    def unpin(self, chunk: Chunk) -> None:
+        self._pinned.discard(chunk.key)
+
+    def unpin_all(self) -> None:
+        """End of a backward (finished or abandoned): nothing is in use."""
+        self._pinned.clear()
+
     def _evictable(self) -> set:
         """Keys of the unpinned chunks in the rCache (a scan of its blocks, not of every chunk:
         [Note: per-module hook cost])."""
-        by_key = self.index.by_key
-        return {
-            key for key in self.cache.owner if key is not None and by_key[key].compute_refs == 0
-        }
+        pinned = self._pinned
+        return {key for key in self.cache.owner if key is not None and key not in pinned}
 
     def fetch(self, chunk: Chunk) -> None:
         """Make ``chunk`` resident on the device (all-gathering its shards when sharded) and
         wait until its values are there ([Note: prefetch overlap])."""
-        self.trace.touch(chunk.key)
-        if chunk.resident:
-            if chunk.block_id is not None:
-                self.cache.touch(chunk.block_id)
-            self.loads.finish(chunk.key)
+        key = chunk.key
+        self.trace.touch(key)
+        block_id = self.cache.block_of(key)
+        if block_id is not None or chunk.computes_in_home:  # resident already
+            if block_id is not None:
+                self.cache.touch(block_id)
+            self.loads.finish(key)
             return
         block_id = self.cache.free_block()
         if block_id is None:
@@ -86,7 +109,6 @@ class Residency:
         self.loads.start(
             chunk.key, lambda: self._issue_load(chunk, chunk.flat), collective=chunk.group.sharded
         )
-        chunk.resident, chunk.block_id = True, block_id
         self.cache.assign(block_id, chunk.key)
 
     def _issue_load(self, chunk: Chunk, block: torch.Tensor) -> tuple[list, list]:
@@ -121,13 +143,14 @@ class Residency:
 
     def evict(self, chunk: Chunk) -> None:
         """Drop a cached chunk: it is an unchanged copy, so nothing is written back."""
-        if chunk.compute_refs:
-            raise RuntimeError(f"tierwise bug: evicting chunk {chunk.key} while in use")
-        self.loads.finish(chunk.key)  # its storage is about to be freed
-        if not self.cache.take_back(chunk.block_id, chunk.flat.untyped_storage()):
+        key = chunk.key
+        if key in self._pinned:
+            raise RuntimeError(f"tierwise bug: evicting chunk {key} while in use")
+        self.loads.finish(key)  # its storage is about to be freed
+        block_id = self.cache.block_of(key)
+        if not self.cache.take_back(block_id, chunk.flat.untyped_storage()):
             chunk.free_storage()
-        self.cache.vacate(chunk.block_id)
-        chunk.resident, chunk.block_id = False, None
+        self.cache.vacate(block_id)
 
     def prefetch(self) -> None:
         """Start loading the chunks the trace says come next, up to the plan's depth."""
@@ -136,7 +159,7 @@ class Residency:
             return
         for key in self.trace.upcoming(depth + 1):
             chunk = self.index.by_key[key]
-            if chunk.resident:
+            if self.is_resident(chunk):
                 continue
             block_id = self.cache.free_block()
             if block_id is None:
@@ -155,7 +178,7 @@ class Residency:
     def invalidate_cache(self) -> None:
         """Evict every cached chunk (their homes are about to change, or did)."""
         for chunk in self.index.chunks():
-            if chunk.block_id is not None:
+            if self.cache.block_of(chunk.key) is not None:
                 self.evict(chunk)
 
     def model_bytes_on_device(self) -> int:
@@ -163,7 +186,7 @@ class Residency:
         resident = sum(
             c.capacity * c.flat.element_size()
             for c in self.index.chunks()
-            if c.resident and c.block_id is not None
+            if self.cache.block_of(c.key) is not None
         )
         return self.device_tier.used_bytes - self.cache.reserved + resident
 

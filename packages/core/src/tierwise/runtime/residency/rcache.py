@@ -34,7 +34,6 @@ torch without the swap, falls back to resizing its own storage.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
@@ -43,70 +42,8 @@ import torch
 from tierwise.tiers.base import PayloadKind
 
 if TYPE_CHECKING:
+    from tierwise.runtime.residency.access_trace import ChunkAccessTrace
     from tierwise.tiers.base import Tier
-
-NEVER = float("inf")
-
-
-class ChunkAccessTrace:
-    """Records chunk keys in access order during warm-up; answers "when is it used next"."""
-
-    def __init__(self) -> None:
-        self.recording = True
-        self.keys: list[Hashable] = []
-        self._positions: dict[Hashable, list[int]] = {}
-        self.cursor = 0
-
-    def touch(self, key: Hashable) -> None:
-        if self.recording:
-            if not self.keys or self.keys[-1] != key:
-                self.keys.append(key)
-            return
-        positions = self._positions.get(key)
-        if not positions or (self.cursor > 0 and self.keys[self.cursor - 1] == key):
-            return  # unknown, or a repeat of the access just matched (recorded once)
-        # advance to this key's next recorded occurrence (wrapping to the next iteration)
-        i = bisect.bisect_left(positions, self.cursor)
-        self.cursor = (positions[i] if i < len(positions) else positions[0]) + 1
-
-    def freeze(self) -> None:
-        """End of warm-up: the recorded order drives replacement and prefetch from now on."""
-        if not self.recording:
-            return
-        self.recording = False
-        for pos, key in enumerate(self.keys):
-            self._positions.setdefault(key, []).append(pos)
-        self.cursor = 0
-
-    def restart(self) -> None:
-        """A new iteration begins (its first access matches the trace start)."""
-        self.cursor = 0
-
-    def next_use(self, key: Hashable) -> float:
-        positions = self._positions.get(key)
-        if self.recording or not positions:
-            return NEVER
-        i = bisect.bisect_left(positions, self.cursor)
-        if i < len(positions):
-            return positions[i] - self.cursor
-        return positions[0] + len(self.keys) - self.cursor  # next iteration
-
-    def upcoming(self, count: int) -> list[Hashable]:
-        """The next ``count`` distinct keys after the cursor."""
-        if self.recording or count <= 0:
-            return []
-        out: list[Hashable] = []
-        pos = self.cursor
-        for _ in range(len(self.keys)):
-            if pos >= len(self.keys):
-                break
-            key = self.keys[pos]
-            if key not in out:
-                out.append(key)
-                if len(out) == count:
-                    break
-            pos += 1
-        return out
 
 
 class RCache:
@@ -123,6 +60,9 @@ class RCache:
         )
         self.reserved = n_blocks * self.block_bytes
         self.owner: list[Hashable | None] = [None] * n_blocks
+        """Block -> the key of the chunk occupying it, or None."""
+        self._block_of: dict[Hashable, int] = {}
+        """Chunk key -> the block it occupies (the inverse of ``owner``)."""
         self.last_used: list[int] = [0] * n_blocks
         self._clock = 0
         self._dtype = dtype
@@ -159,6 +99,10 @@ class RCache:
     def __len__(self) -> int:
         return len(self.owner)
 
+    def block_of(self, key: Hashable) -> int | None:
+        """The block chunk ``key`` occupies, or None (not cached)."""
+        return self._block_of.get(key)
+
     def touch(self, block_id: int) -> None:
         self._clock += 1
         self.last_used[block_id] = self._clock
@@ -182,13 +126,16 @@ class RCache:
 
     def assign(self, block_id: int, key: Hashable) -> None:
         self.owner[block_id] = key
+        self._block_of[key] = block_id
         self.touch(block_id)
 
     def vacate(self, block_id: int) -> None:
+        del self._block_of[self.owner[block_id]]
         self.owner[block_id] = None
 
     def close(self) -> None:
-        """Give the blocks' reservation back to the device tier (the engine closing)."""
+        """Give the blocks' reservation back to the device tier (the engine closing). The
+        chunks keep the memory they hold, so ``block_of`` still answers for them."""
         self.tier.unreserve(self.reserved)
         self.reserved = 0
         self.owner.clear()

@@ -29,7 +29,6 @@ from tierwise.optim import (
 )
 from tierwise.optim.state_formats import LowBitMoments
 from tierwise.parallel.collectives import Collectives, world_size
-from tierwise.protocols import OptimizerPipeline
 from tierwise.runtime.grads.path import slot_grad
 from tierwise.runtime.index import ChunkIndex
 from tierwise.runtime.phases import Phases
@@ -37,7 +36,7 @@ from tierwise.runtime.step.host_updates import HostUpdates
 from tierwise.runtime.step.speculation_policy import SpeculationPolicy
 from tierwise.runtime.step.undo import StepUndo
 from tierwise.runtime.traffic import Traffic
-from tierwise.tiers.base import Tier
+from tierwise.tiers.base import OptimizerPipeline, Tier
 
 if TYPE_CHECKING:
     from tierwise.runtime.grads.offload import GradientOffload
@@ -860,7 +859,8 @@ class OptimizerStep:
     def _settle_slots(self) -> None:
         for chunk in self.index.chunks():
             for slot in chunk.slots:
-                if slot.state is not TensorState.HOLD and slot.compute_refs == 0:
+                # COMPUTE: a module in use has it (module access's pin)
+                if slot.state not in (TensorState.HOLD, TensorState.COMPUTE):
                     slot.set_state(TensorState.HOLD)
         elapsed = self.phases.end_step()
         if elapsed is not None:

@@ -7,12 +7,8 @@ Registered through ``tierwise_register_settings``; Config hands it the keys the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from tierwise.config import ConfigError
-
-if TYPE_CHECKING:
-    from tierwise.config import Config
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,7 +29,3 @@ class MoESettings:
                 factor,
                 "give a positive factor (1.25 is common) or None for exact routing",
             )
-
-    @classmethod
-    def from_config(cls, config: Config) -> MoESettings:
-        return cls(expert_capacity_factor=config.expert_capacity_factor)

@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tierwise.config import Config
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,7 +22,3 @@ class NVMeSettings:
     def __post_init__(self) -> None:
         if self.nvme_path is not None:
             object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
-
-    @classmethod
-    def from_config(cls, config: Config) -> NVMeSettings:
-        return cls(nvme_path=config.nvme_path)

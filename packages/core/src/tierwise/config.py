@@ -271,8 +271,8 @@ class OverlapPolicy:
 # value is handed to the settings class the plugin registers (hook ``tierwise_register_settings``),
 # which refuses it with a ConfigError or returns it normalised. The plugin host sits above this
 # module, so the tierwise package hands Config the registered classes as a callable
-# (``read_plugin_settings_from``). Without the owning plugin a value is kept as given: nothing in
-# core uses it beyond checking that it is set.
+# (``read_plugin_settings_from``). Without the owning plugin a value is kept as given (a path as a
+# str): nothing in core uses it beyond checking that it is set.
 _plugin_settings_classes: Callable[[], Iterable[type]] = tuple
 
 
@@ -303,6 +303,10 @@ class PluginSettings:
         }
         if not given:
             return
+        for name, value in given.items():  # plain data, owner or not (run dirs write it as JSON)
+            if isinstance(value, os.PathLike):
+                given[name] = os.fspath(value)
+                object.__setattr__(self, name, given[name])
         for settings_class in _plugin_settings_classes():
             owned = [f.name for f in dataclasses.fields(settings_class) if f.name in given]
             if owned:

@@ -30,6 +30,19 @@ _PUBLIC = {
 }
 
 
+def _plugin_settings_classes() -> list[type]:
+    from tierwise.plugins import get_plugin_host
+
+    return list(get_plugin_host().settings_classes().values())
+
+
+# [Note: plugin-owned settings] in tierwise.config: Config sits below the plugin host, so the
+# package, which sits above both, tells it where the plugins' settings classes come from. The
+# host is built on the first call (a plugin-owned key set), not here.
+_config_module = importlib.import_module("tierwise.config")
+_config_module.read_plugin_settings_from(_plugin_settings_classes)
+
+
 def __getattr__(name: str):
     if name in _PUBLIC:
         value = getattr(importlib.import_module(_PUBLIC[name]), name)

@@ -47,6 +47,20 @@ def tierwise_register_parallel_patterns() -> list[type]:
     """
 
 
+@hookspec
+def tierwise_register_settings() -> list[type]:
+    """Register settings classes: the Config keys this plugin owns, with their validation.
+
+    Params: none.
+    Returns: a list of frozen kw-only dataclasses, each carrying a unique ``PLUGIN_NAME`` (e.g.
+    "nvme"). Every field is a key that ``tierwise.config.PluginSettings`` declares for this
+    plugin, with the same default and a docstring; ``__post_init__`` raises
+    ``tierwise.config.ConfigError.for_field(...)`` for a value the plugin cannot use and may
+    normalise one. Config builds the class with the keys the user set, when it is built
+    ([Note: plugin-owned settings] in ``tierwise.config``).
+    """
+
+
 @hookspec(firstresult=True)
 def tierwise_profile_model(
     model: torch.nn.Module, example_batch: Any, config: Config
@@ -113,5 +127,6 @@ __all__ = [
     "tierwise_probe_hardware",
     "tierwise_profile_model",
     "tierwise_register_parallel_patterns",
+    "tierwise_register_settings",
     "tierwise_register_tiers",
 ]

@@ -10,6 +10,9 @@ from tierwise.units import format_bytes
 
 ACTIVATION_ACTIONS = ("keep", "recompute", "host", "nvme")
 """What may happen to a transformer block's saved activations (``Config.activation_policy``)."""
+DEVICE_ACTIONS = ("keep", "recompute")
+"""The actions that leave a block's saved activations on the device; every other action is the
+name of the tier they are swapped to."""
 
 
 def check_policy_entries(policy: Any) -> str | None:

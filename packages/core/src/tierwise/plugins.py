@@ -10,6 +10,7 @@ Environment switches:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 from tierwise import hookspecs
+from tierwise.config import PluginSettings
 
 if TYPE_CHECKING:
     import argparse
@@ -107,6 +109,13 @@ class PluginHost:
         """All parallel pattern classes by PLUGIN_NAME."""
         return _collect_classes(self.pm, "tierwise_register_parallel_patterns")
 
+    def settings_classes(self) -> dict[str, type]:
+        """All plugin settings classes by PLUGIN_NAME; each field is a plugin-owned Config key
+        ([Note: plugin-owned settings]) that no other class claims."""
+        classes = _collect_classes(self.pm, "tierwise_register_settings")
+        _check_settings_keys(classes)
+        return classes
+
     # -- typed wrappers ---------------------------------------------------------------------
     def profile_model(
         self, *, model: torch.nn.Module, example_batch: Any, config: Config
@@ -162,6 +171,25 @@ class PluginHost:
             )
         infos.sort(key=lambda info: (info.name != BUILTIN_NAME, info.name))
         return infos
+
+
+def _check_settings_keys(classes: dict[str, type]) -> None:
+    """Each field of a settings class must be a plugin-owned Config key, claimed once."""
+    declared = {f.name for f in dataclasses.fields(PluginSettings)}
+    claimed: dict[str, str] = {}
+    for name, cls in classes.items():
+        for key in (f.name for f in dataclasses.fields(cls)):
+            if key not in declared:
+                raise PluginError(
+                    f"settings {name!r} ({cls.__qualname__}) has a field {key!r} that is no "
+                    f"plugin-owned Config key; those are: {', '.join(sorted(declared))}"
+                )
+            if key in claimed:
+                raise PluginError(
+                    f"the Config key {key!r} is claimed by the settings {claimed[key]!r} and "
+                    f"{name!r}; disable a plugin with TIERWISE_DISABLE_PLUGINS"
+                )
+            claimed[key] = name
 
 
 def _names_from(plugin: Any, hook_name: str) -> tuple[str, ...]:

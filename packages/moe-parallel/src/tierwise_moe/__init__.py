@@ -14,6 +14,7 @@ from typing import Any
 from tierwise.hookspecs import hookimpl
 
 from tierwise_moe._version import __version__
+from tierwise_moe.settings import MoESettings
 
 _LAZY = {
     "ExpertParallel": "tierwise_moe.expert_parallel",
@@ -40,4 +41,15 @@ def tierwise_register_parallel_patterns() -> list[type]:
     return [ExpertParallel, TensorParallel]
 
 
-__all__ = [*_LAZY, "__version__", "tierwise_register_parallel_patterns"]
+@hookimpl
+def tierwise_register_settings() -> list[type]:
+    return [MoESettings]
+
+
+__all__ = [
+    *_LAZY,
+    "MoESettings",
+    "__version__",
+    "tierwise_register_parallel_patterns",
+    "tierwise_register_settings",
+]

@@ -9,6 +9,7 @@ from tierwise.hookspecs import hookimpl
 from tierwise_nvme._version import __version__
 from tierwise_nvme.errors import NVMeIOError, NVMeSpaceError
 from tierwise_nvme.options import NVMeOptions
+from tierwise_nvme.settings import NVMeSettings
 from tierwise_nvme.staging import StagingPool
 from tierwise_nvme.tier import NVMeTier
 
@@ -19,6 +20,11 @@ if TYPE_CHECKING:
 @hookimpl
 def tierwise_register_tiers() -> list[type]:
     return [NVMeTier]
+
+
+@hookimpl
+def tierwise_register_settings() -> list[type]:
+    return [NVMeSettings]
 
 
 @hookimpl
@@ -33,10 +39,12 @@ def tierwise_probe_hardware(config: Config) -> dict[str, Any] | None:
 __all__ = [
     "NVMeIOError",
     "NVMeOptions",
+    "NVMeSettings",
     "NVMeSpaceError",
     "NVMeTier",
     "StagingPool",
     "__version__",
     "tierwise_probe_hardware",
+    "tierwise_register_settings",
     "tierwise_register_tiers",
 ]

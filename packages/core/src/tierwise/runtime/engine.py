@@ -182,7 +182,7 @@ class Engine:
                 blocks=activation_blocks,
                 policy=plan.activation_policy,
                 device=self.device,
-                nvme=tiers.get("nvme"),
+                nvme=next((t for t in tiers.values() if not t.ADDRESSABLE), None),  # disk swaps
                 untraced=self.tracing.untraced,
                 allowance=plan.activation_allowance,
                 on_backward_error=self.abandon_backward,
@@ -340,8 +340,9 @@ class Engine:
     def stats(self) -> dict:
         by_tier = {name: tier.used_bytes for name, tier in self.tiers.items()}
         peak = {name: tier.peak_bytes for name, tier in self.tiers.items()}
-        if self.activations is not None and "nvme" in by_tier:  # activations are not model data
-            by_tier["nvme"] -= self.activations.swapped_now()["nvme"]
+        storage = self.activations.nvme if self.activations is not None else None
+        if storage is not None:  # activations swapped into its slabs are not model data
+            by_tier[storage.name] -= self.activations.swapped_now()[storage.name]
         moved = Counter(self.traffic.moved_bytes)
         if self.activations is not None:
             moved.update(self.activations.moved_bytes)  # keys "act:<from>-><to>"

@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import typing
 
-from tierwise.config import REDUCE_ORDERS, Config
+from tierwise.config import ACTIVATION_OFFLOADS, REDUCE_ORDERS, Config
 from tierwise.precision import STATE_PRECISIONS
 from tierwise.train.options import TrainOptions, field_docs
 
@@ -138,7 +138,7 @@ def _add_option(
             **common,
         )
     elif name == "activation_offload":
-        group.add_argument(flag, choices=("none", "host", "nvme", "auto"), **common)
+        group.add_argument(flag, choices=ACTIVATION_OFFLOADS, **common)
     elif name == "optimizer_states":
         group.add_argument(flag, choices=STATE_PRECISIONS, **common)
     elif name == "reduce_order":

@@ -205,7 +205,16 @@ RUN_IDENTITY = (
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass, one line (for --help)."""
+    """The docstring under each field of a dataclass and of the dataclasses it inherits (Config's
+    policies), one line (for --help)."""
+    docs: dict[str, str] = {}
+    for declaring in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(declaring):
+            docs.update(_own_field_docs(declaring))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}

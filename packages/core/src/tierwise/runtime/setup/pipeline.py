@@ -21,6 +21,7 @@ from tierwise.hardware import Hardware
 from tierwise.hf_compat import enable_hf_checkpointing, hf_checkpointing_enabled
 from tierwise.integrations.hf_save import install_save_pretrained
 from tierwise.parallel.base import snapshot_model
+from tierwise.plan import DEVICE_ACTIONS
 from tierwise.planning.planner import may_recompute, profile_min_blocks
 from tierwise.plugins import PluginHost
 from tierwise.precision import compute_dtype
@@ -215,7 +216,7 @@ def _plan_and_allocate(model, optimizer, config: Config, host, patterns, example
     _check_cache_minimum(model, config, profile, plan, groups)
     needed = {plan.param_tier_of(g.name, c.index) for g in groups for c in g.chunks}
     needed |= {plan.optim_tier_of(g.name, c.index) for g in groups if g.trainable for c in g.chunks}
-    needed |= {a for a in plan.activation_policy.values() if a == "nvme"}
+    needed |= set(plan.activation_policy.values()) - set(DEVICE_ACTIONS)  # swaps name their tier
     tiers: dict = {}
     allocated: list = []
     grad_offload = None

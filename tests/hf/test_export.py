@@ -86,7 +86,8 @@ def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(tmp_path
     )
     trained = resumed_model(run)
     trained.config._attn_implementation = "eager"
-    assert torch.equal(logits_of(loaded, IDS), logits_of(trained, IDS))
+    ids = tiny_batch(seed=7)["input_ids"]  # the tiny model's vocabulary
+    assert torch.equal(logits_of(loaded, ids), logits_of(trained, ids))
 
     # shards of at most 20 kB: several files and an index, loading to the same model
     export(run, tmp_path / "sharded", max_shard_bytes=20_000)
@@ -140,9 +141,16 @@ def test_export_reads_a_checkpoint_saved_by_two_ranks(tmp_path, capsys):
     code, _, err = cli(capsys, "export", run, tmp_path / "out")
     assert code == 0, err
     written = weights(tmp_path / "out")
-    assert written.keys() <= state.keys() and "lm_head.weight" in written
+    assert written.keys() == state.keys() and "lm_head.weight" in written
     assert all(torch.equal(v, state[k]) for k, v in written.items())
-    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out") is not None
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager", output_loading_info=True
+    )
+    assert not any(info.values()), info  # nothing missing (filled randomly), unexpected, ...
+    trained = tiny_model("llama")
+    trained.load_state_dict(state)
+    ids = tiny_batch(seed=7)["input_ids"]  # the tiny model's vocabulary
+    assert torch.equal(logits_of(loaded, ids), logits_of(trained, ids))
 
 
 def test_lora_run_exports_adapters_and_a_merged_model_equal_to_merge_and_unload(

@@ -13,6 +13,7 @@ import transformers
 from helpers.models import tiny_model
 from hf_helpers import TokenBlocks, training_args
 from tierwise.cli import main
+from tierwise.train.metrics import train_losses
 
 IDS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3))
 LR = 1e-3
@@ -65,16 +66,39 @@ def _pretrained(tmp_path):
     return tmp_path / "pretrained"
 
 
+def _first_batch(corpus_path, seq: int = 32, batch: int = 2) -> dict[str, torch.Tensor]:
+    """The batch train's first step reads (byte tokenizer, seed 0, one rank)."""
+    from tierwise.train import data
+
+    documents = data.read_documents([str(corpus_path)])
+    corpus = data.build_corpus(
+        documents, data.load_tokenizer(None), seq=seq, min_train_blocks=batch, max_eval_blocks=2
+    )
+    sampler = data.BlockSampler(
+        n_blocks=len(corpus.train_blocks), batch=batch, world=1, rank=0, seed=0
+    )
+    return data.batch_of(corpus.train_blocks[sampler.indices(0)], torch.device("cpu"))
+
+
 def test_train_from_pretrained_starts_from_the_checkpoint(tmp_path, capsys):
     folder = _pretrained(tmp_path)
-    run = tmp_path / "run"
-    args = [*RUN, "--data", _corpus(tmp_path), "--out", run, "--from-pretrained", folder]
+    run, corpus = tmp_path / "run", _corpus(tmp_path)
+    args = [*RUN, "--data", corpus, "--out", run, "--from-pretrained", folder]
     assert main([str(a) for a in ["train", *args]]) == 0, capsys.readouterr().err
+    # starts from the checkpoint: step 1's loss is the checkpoint's on that batch (plain
+    # transformers; a model that ignored the checkpoint would give another loss)
+    pretrained = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        expected = pretrained(**_first_batch(corpus)).loss.item()
+    first = train_losses(run / "metrics.jsonl")[1]
+    assert abs(first - expected) <= 1e-6 * expected, (first, expected)
+    # and trains: AdamW's first step moves each weight by lr where its gradient is not 0
     assert main(["export", str(run), str(tmp_path / "out")]) == 0
     before, after = stored(folder), stored(tmp_path / "out")
-    assert before.keys() <= after.keys()
-    for name, value in before.items():  # one AdamW step moves each weight by about lr
-        assert (after[name] - value).abs().max() <= 1.01 * LR, name
+    assert before.keys() == after.keys()
+    for name, value in before.items():
+        moved = (after[name] - value).abs().max()
+        assert 0.99 * LR <= moved <= 1.01 * LR, (name, moved)
 
 
 def test_train_lora_from_pretrained_keeps_the_base_and_trains_adapters(tmp_path, capsys):

@@ -98,25 +98,41 @@ def test_save_pretrained_of_a_bf16_run_records_the_fp32_it_writes(tmp_path):
     assert loaded.dtype == torch.float32
 
 
-def _save_pretrained_on_ranks(rank, world, out):
+def _save_pretrained_on_ranks(rank, world, root):
     import os
 
+    os.chdir(root / f"cwd-rank{rank}")  # "out" below is one argument, a folder per rank
     model = tiny_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = tierwise.setup(model, opt, precision="bf16", device="cpu", chunk_size=2048)
     model(input_ids=IDS, labels=IDS).loss.backward()
     opt.step()
     model.zero_grad()
-    model.save_pretrained(out)  # every rank: the gather is collective, rank 0 writes
-    written = sorted(os.listdir(out)) if rank == 0 else None
-    return {"state": model.state_dict(), "written": written}
+    model.save_pretrained("out")  # every rank: the gather is collective, rank 0 writes
+    return {"state": model.state_dict()}
 
 
 def test_save_pretrained_on_every_rank_writes_once_from_rank_0(tmp_path):
+    """Both ranks call ``save_pretrained("out")``, each from its own working directory: rank 0's
+    holds the one copy, rank 1's nothing (a rank that also wrote would leave a second copy)."""
     from helpers.multiproc import run_ranks
 
-    results = run_ranks(_save_pretrained_on_ranks, 2, tmp_path / "out")
-    assert "model.safetensors" in results[0]["written"]
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
-    saved = _weights(tmp_path / "out")
-    assert all(torch.equal(v, results[0]["state"][k]) for k, v in saved.items())
+    for rank in range(2):
+        (tmp_path / f"cwd-rank{rank}").mkdir()
+    results = run_ranks(_save_pretrained_on_ranks, 2, tmp_path)
+    out = tmp_path / "cwd-rank0" / "out"
+    assert list((tmp_path / "cwd-rank1").iterdir()) == []  # rank 1 wrote nothing
+    assert "model.safetensors" in [path.name for path in out.iterdir()]
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    saved, state = _weights(out), results[0]["state"]
+    assert saved.keys() == state.keys()
+    assert all(torch.equal(v, state[k]) for k, v in saved.items())
+    for k, v in results[1]["state"].items():  # the same consolidated state on both ranks
+        assert torch.equal(v, state[k]), k
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, attn_implementation="eager", output_loading_info=True
+    )
+    assert not any(info.values()), info  # nothing missing (filled randomly), unexpected, ...
+    trained = tiny_model("llama")
+    trained.load_state_dict(state)
+    assert torch.equal(logits_of(loaded, IDS), logits_of(trained, IDS))

@@ -8,7 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
+import torch
 import transformers
+from helpers.models import tiny_model
+from hf_helpers import TokenBlocks, logits_of
 
 pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).parent
@@ -54,4 +58,21 @@ def test_torchrun_two_processes(tmp_path):
         assert result["world"] == 2 and result["dp_sizes"] == [2]  # sharded over both ranks
         assert result["wrapped"] != "DistributedDataParallel"
         assert len(result["loss"]) == 3 and result["loss"] == ranks[0]["loss"]  # global mean
-    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved") is not None
+    states = [torch.load(tmp_path / f"state-rank{r}.pt", weights_only=True) for r in range(2)]
+    assert states[0].keys() == states[1].keys()
+    for name, value in states[0].items():  # consolidated: the same on both ranks
+        assert torch.equal(states[1][name], value), name
+    saved = {}
+    for file in sorted((tmp_path / "saved").glob("*.safetensors")):
+        saved.update(safetensors.torch.load_file(file))
+    assert saved.keys() == states[0].keys()  # rank 0 wrote the whole trained model
+    for name, value in saved.items():
+        assert torch.equal(value, states[0][name]), name
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "saved", attn_implementation="eager", output_loading_info=True
+    )
+    assert not any(info.values()), info  # nothing missing (filled randomly), unexpected, ...
+    trained = tiny_model("llama")
+    trained.load_state_dict(states[0])
+    ids = TokenBlocks(n=2).ids
+    assert torch.equal(logits_of(loaded, ids), logits_of(trained, ids))

@@ -1,5 +1,6 @@
 """Run by tests/hf/test_torchrun.py under `torchrun --nproc-per-node 2`: a TierwiseTrainer run
-that writes each rank's view of it to OUT/rank<r>.json and the saved model to OUT/saved."""
+that writes each rank's view of it to OUT/rank<r>.json, its state_dict to OUT/state-rank<r>.pt
+and the saved model to OUT/saved."""
 
 import gc
 import json
@@ -23,6 +24,8 @@ def main(out: Path) -> None:
     trainer.save_model(str(out / "saved"))
     engine = tierwise.engine_of(trainer.model)
     rank = torch.distributed.get_rank()
+    state = trainer.model.state_dict()  # collective: the whole model on every rank
+    torch.save(state, out / f"state-rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(
         json.dumps(
             {

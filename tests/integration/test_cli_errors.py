@@ -90,13 +90,53 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(disk)], check=False)
 
 
-def test_train_blames_the_nvme_disk_when_its_free_space_binds(tmp_path, small_disk):
+def _without_libaio(tmp_path) -> dict:
+    """Env in which ``import libaio`` fails as it does where libaio.so.1 is not installed (a
+    stand-in ``libaio`` package first on the path), whether or not this machine has it."""
+    stand_in = tmp_path / "no-libaio" / "libaio"
+    stand_in.mkdir(parents=True)
+    (stand_in / "__init__.py").write_text(
+        'raise OSError("libaio.so.1: cannot open shared object file: No such file or directory")\n'
+    )
+    path = os.pathsep.join(p for p in (str(stand_in.parent), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path}
+
+
+def _libaio_loads() -> bool:
+    from tierwise_nvme.backends.libaio_backend import load_libaio
+
+    try:
+        load_libaio()
+    except (OSError, ImportError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("aio", ["this machine", "missing", "quiet"])
+def test_train_blames_the_nvme_disk_when_its_free_space_binds(tmp_path, small_disk, aio):
+    """One error line, with or without libaio.so.1: "this machine" as it is (the README's
+    case), "missing" a machine without it (the NVMe tier notes its thread-pool fallback first),
+    "quiet" one that notes nothing (as with libaio: the thread pool forced, so no note on any
+    machine)."""
+    from tierwise_nvme.backends import o_direct_supported
+
+    env = {"TIERWISE_NVME_BLOCK_SIZE": "4KiB"}  # read buffers fit 4 MiB
+    if aio == "missing":
+        env |= _without_libaio(tmp_path)
+    elif aio == "quiet":
+        env |= {"TIERWISE_NVME_BACKEND": "threads"}
     done = run_cli(
         "train", "--host-memory", "4MiB", "--nvme-path", str(small_disk), "--out", "run",
-        cwd=tmp_path, env={"TIERWISE_NVME_BLOCK_SIZE": "4KiB"},  # read buffers fit 4 MiB
+        cwd=tmp_path, env=env,
     )  # fmt: skip
-    line = assert_one_line_error(done, "train", "NVMe space binds", "free space on the NVMe disk")
+    line = assert_one_line_error(
+        done, "train", "NVMe space binds", "free space on the NVMe disk", notes=("nvme tier: ",)
+    )
     assert "disk the free space is 1.00 MiB" in line and "raise host_memory to" in line
+    notes = [note for note in error_lines(done.stderr)[:-1] if "Linux AIO is unavailable" in note]
+    without = aio == "missing" or (aio == "this machine" and not _libaio_loads())
+    # the AIO note comes where O_DIRECT works (else buffered I/O, noted instead, needs no AIO)
+    assert len(notes) == (without and o_direct_supported(small_disk)), notes
 
 
 @pytest.fixture

@@ -32,13 +32,27 @@ def test_buffers_are_aligned_bounded_and_reused():
         pool.release(c)
 
 
+class _SaysWhenWaiting(threading.Condition):
+    """A Condition that sets ``waiting`` each time a thread starts waiting on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout=None):
+        self.waiting.set()  # still holding the lock: release() cannot run before the wait
+        return super().wait(timeout)
+
+
 def test_acquire_blocks_until_release():
     pool = StagingPool(buffer_bytes=4096, count=1)
+    pool._cond = condition = _SaysWhenWaiting()  # white box: see the waiter park in acquire
     first = pool.acquire(10, torch.float32)
     got = []
     waiter = threading.Thread(target=lambda: got.append(pool.acquire(10, torch.float32)))
     waiter.start()
-    assert got == []  # cannot have acquired: the only buffer is lent
+    assert condition.waiting.wait(timeout=60), "acquire never waited for the lent buffer"
+    assert got == [] and waiter.is_alive()  # parked in acquire: the only buffer is lent
     pool.release(first)
     waiter.join(timeout=60)
     assert not waiter.is_alive()

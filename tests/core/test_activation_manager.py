@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from tierwise.runtime.activations.manager import ActivationManager, find_blocks
+from tierwise.runtime.activations.manager import ActivationManager
+from tierwise.runtime.activations.policy import find_blocks
 from tierwise.tiers import PayloadKind
 
 WIDTH, ROWS, DEPTH = 64, 32, 4

@@ -7,7 +7,7 @@ entry or the most common among the modules inside it), and ``keep`` for anything
 from __future__ import annotations
 
 import pytest
-from tierwise.runtime.activations.manager import ActivationPolicyError, resolve_policy
+from tierwise.runtime.activations.policy import ActivationPolicyError, resolve_policy
 
 BLOCKS = ["h.0", "h.1", "h.2"]
 PLAN = {  # a plan as the search plugin writes it: per block, or per module inside a block

@@ -4,7 +4,8 @@ block saves its input and its tanh output, so a block's swapped bytes are known 
 from __future__ import annotations
 
 import torch
-from tierwise.runtime.activations.manager import ActivationManager, find_blocks
+from tierwise.runtime.activations.manager import ActivationManager
+from tierwise.runtime.activations.policy import find_blocks
 
 
 class Block(torch.nn.Module):

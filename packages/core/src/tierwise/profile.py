@@ -93,7 +93,7 @@ def activation_blocks(profile: Profile) -> dict[str, list[str]]:
 
     A block is the longest common module prefix of a checkpoint block's parameters; without
     checkpoint blocks, the numbered entry of a module list (``model.layers.3`` of
-    ``model.layers.3.mlp``), which is what ``tierwise.runtime.activations.manager.find_blocks`` finds.
+    ``model.layers.3.mlp``), which is what ``tierwise.runtime.activations.policy.find_blocks`` finds.
     Layers outside every block (embeddings, the LM head) are not listed. Every checkpoint block
     is a block, also one none of whose layers saves anything (the tensors a checkpointed block
     keeps, its input, belong to the layer that made them: the block before it)."""

@@ -12,7 +12,7 @@ non-contiguous tensor, moves the whole widened range through a page-aligned boun
 other data of the slab reads those pages first (read-modify-write); bytes past the slab's end
 are padding and are zero-filled instead, and so are the slab's other bytes when the caller says
 they hold nothing (``rest_is_padding``: a slab laid out with a tensor's own page misalignment,
-see [Note: swap writes from the saved storage] in tierwise.runtime.activations.manager).
+see [Note: swap writes from the saved storage] in tierwise.runtime.activations.swaps).
 Buffered backends transfer the exact range in place.
 
 [Note: ordering of transfers]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,13 @@ def mean_over_ranks(value: float, world: World) -> float:
     tensor = torch.tensor([value], dtype=torch.float64)
     world.collectives.all_reduce(tensor, None)
     return float(tensor.item()) / world.size
+
+
+def same_on_all_ranks(run_dir: Path, world: World) -> Path:
+    """Rank 0's run directory name (a default name holds the time, which ranks may disagree on)."""
+    if world.size == 1:
+        return run_dir
+    return Path(world.collectives.broadcast_object(str(run_dir)))
 
 
 def close_world(world: World) -> None:

@@ -26,9 +26,9 @@ from tierwise.planning.planner import may_recompute, profile_min_blocks
 from tierwise.plugins import PluginHost
 from tierwise.precision import compute_dtype
 from tierwise.registry import engine_of, register
-from tierwise.runtime.activations.manager import find_blocks, resolve_policy
-from tierwise.runtime.activations.manager import plan_action as planned_action
 from tierwise.runtime.activations.pinned_pool import pinned_swap_bytes
+from tierwise.runtime.activations.policy import find_blocks, resolve_policy
+from tierwise.runtime.activations.policy import plan_action as planned_action
 from tierwise.runtime.engine import Engine
 from tierwise.runtime.grads.offload import gradient_offload_for
 from tierwise.runtime.residency.rcache import RCache
@@ -286,7 +286,7 @@ def _check_cache_minimum(model, config: Config, profile, plan, groups) -> None:
 
 def _activation_blocks(model, config: Config, host, plan) -> dict:
     """The model's transformer blocks; sets ``plan.activation_policy`` to the action each one
-    gets (see ``tierwise.runtime.activations.manager.resolve_policy``). Raises before anything changes."""
+    gets (see ``tierwise.runtime.activations.policy.resolve_policy``). Raises before anything changes."""
     blocks = find_blocks(model)
     if not blocks:
         if config.activation_policy or config.activation_offload in ("host", "nvme"):

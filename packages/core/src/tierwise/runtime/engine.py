@@ -340,7 +340,7 @@ class Engine:
     def stats(self) -> dict:
         by_tier = {name: tier.used_bytes for name, tier in self.tiers.items()}
         peak = {name: tier.peak_bytes for name, tier in self.tiers.items()}
-        storage = self.activations.nvme if self.activations is not None else None
+        storage = self.activations.storage_tier if self.activations is not None else None
         if storage is not None:  # activations swapped into its slabs are not model data
             by_tier[storage.name] -= self.activations.swapped_now()[storage.name]
         moved = Counter(self.traffic.moved_bytes)

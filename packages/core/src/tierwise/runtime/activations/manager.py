@@ -117,6 +117,9 @@ class ActivationManager:
 
     moved_bytes = property(lambda self: self.swaps.moved_bytes)
     """Activation traffic so far, keys ``act:<from>-><to>`` (cumulative, like the engine's)."""
+    storage_tier = property(lambda self: self.swaps.nvme)
+    """The storage tier "nvme" blocks swap into (its slabs hold activations, not model data);
+    None without one."""
     pool = property(lambda self: self.swaps.pool)
     """CUDA: the pinned host buffers swaps go through ([Note: bounded pinned buffers]); None on
     other devices."""

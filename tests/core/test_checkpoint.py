@@ -118,7 +118,7 @@ def _save_then_die(path):
     import os
     import signal
 
-    import tierwise.checkpoint.save_load as ckpt
+    import tierwise.checkpoint.directory as ckpt
 
     model, opt = build("gpt2", "host")
     train(model, opt, 2)

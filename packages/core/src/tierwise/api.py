@@ -9,8 +9,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tierwise.checkpoint.full_state import install_state_dict_hooks
 from tierwise.config import Config
-from tierwise.optim import TierwiseOptimizer, check_optimizer
+from tierwise.optim import check_optimizer
+from tierwise.optimizer import TierwiseOptimizer
 from tierwise.plugins import get_plugin_host
 from tierwise.registry import engine_of, managed
 from tierwise.runtime.setup.pipeline import assemble_engine
@@ -55,6 +57,7 @@ def setup(
         example_batch=example_batch,
         weights=weights,
     )
+    install_state_dict_hooks(engine, model, engine.patterns)  # full, original names
     return model, TierwiseOptimizer(engine, optimizer)
 
 

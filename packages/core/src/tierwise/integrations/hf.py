@@ -30,11 +30,13 @@ from typing import Any
 
 import torch
 
-import tierwise
-from tierwise.checkpoint.save_load import full_state
+from tierwise import api
+from tierwise.checkpoint.directory import load_checkpoint, save_checkpoint
+from tierwise.checkpoint.full_state import full_state
 from tierwise.config import Config, ConfigError
 from tierwise.integrations.hf_save import DTYPES, MAX_SHARD_SIZE, save_pretrained
 from tierwise.pretrained import build_on_meta
+from tierwise.registry import engine_of
 
 try:
     import transformers
@@ -199,7 +201,7 @@ class TierwiseTrainer(Trainer):
         optimizer, scheduler = trainer_kwargs.pop("optimizers", (None, None))
         if optimizer is None:
             optimizer = self._adamw(model, args)
-        model, optimizer = tierwise.setup(model, optimizer, config, weights=weights)
+        model, optimizer = api.setup(model, optimizer, config, weights=weights)
         # accelerate registers the model as prepared: it neither wraps it (DDP), nor moves it,
         # nor patches its forward with autocast ([Note: accelerate and a managed model])
         model._is_accelerate_prepared = True
@@ -243,20 +245,20 @@ class TierwiseTrainer(Trainer):
 
     @contextlib.contextmanager
     def _no_sync(self, model: torch.nn.Module | None = None):
-        with tierwise.no_sync(self.model):
+        with api.no_sync(self.model):
             yield
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
-        return tierwise.clip_grad_norm_(self.model, self.args.max_grad_norm)
+        return api.clip_grad_norm_(self.model, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm=None):
         if grad_norm is None:  # max_grad_norm = 0: the norm only (a factor of 1.0 is exact)
-            grad_norm = tierwise.clip_grad_norm_(self.model, float("inf"))
+            grad_norm = api.clip_grad_norm_(self.model, float("inf"))
         return grad_norm
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        engine = tierwise.engine_of(self.model)
+        engine = engine_of(self.model)
         if (
             engine.scaler is not None
             and not isinstance(scheduler, _SkipsOverflowSteps)
@@ -267,7 +269,7 @@ class TierwiseTrainer(Trainer):
 
     # -- checkpoints ------------------------------------------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        tierwise.save_checkpoint(Path(output_dir) / TIERWISE_CHECKPOINT, self.model)
+        save_checkpoint(Path(output_dir) / TIERWISE_CHECKPOINT, self.model)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / "scheduler.pt")
 
@@ -281,7 +283,7 @@ class TierwiseTrainer(Trainer):
                 "(not written by TierwiseTrainer, or saved with save_only_model=True); resume from "
                 "a TierwiseTrainer checkpoint"
             )
-        tierwise.load_checkpoint(folder, self.model)
+        load_checkpoint(folder, self.model)
         scheduler_file = Path(checkpoint) / "scheduler.pt"
         if scheduler_file.is_file():
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
@@ -291,7 +293,7 @@ class TierwiseTrainer(Trainer):
         (PEFT's load_adapter would replace the adapters' parameters behind tierwise's back)."""
         folder = Path(self.state.best_model_checkpoint) / TIERWISE_CHECKPOINT
         if folder.is_dir():
-            tierwise.load_checkpoint(folder, self.model)
+            load_checkpoint(folder, self.model)
         else:
             super()._load_best_model()
 
@@ -317,7 +319,7 @@ class TierwiseTrainer(Trainer):
                 torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
             return
         if state_dict is None:  # a PEFT model: adapters only, never the whole base
-            engine = tierwise.engine_of(self.model)
+            engine = engine_of(self.model)
             state_dict = full_state(engine, engine.patterns, trainable_only=True)
         elif state_dict is None:
             state_dict = self.model.state_dict()

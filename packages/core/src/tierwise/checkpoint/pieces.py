@@ -213,9 +213,8 @@ def load_from_reader(engine: Engine, reader: CheckpointReader) -> None:
         else None
     )
     engine.adopt_layout(order, warmed_up=state["steps_taken"] >= 1)
-    step_counts: dict[
-        str, int
-    ] = {}  # by name, from the manifest: [Note: unused parameters are skipped]
+    # by name, from the manifest ([Note: unused parameters are skipped])
+    step_counts: dict[str, int] = {}
     for chunk in engine.chunks():
         start, end = chunk.shard_range()
         pattern = pattern_of.get(chunk.group.pattern_key)

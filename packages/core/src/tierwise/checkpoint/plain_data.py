@@ -89,7 +89,6 @@ def load_plain(folder: Path, name: str, *, mmap: bool = False) -> Any:
         named = re.search(r"GLOBAL (\S+)", str(err))
         what = f" ({named.group(1)})" if named else ""
         raise CheckpointError(
-            f"checkpoint {folder}: {name} holds something other than plain data{what}; refused, "
-            "since loading it could run any code: load checkpoints from sources you trust, "
-            "written by tierwise"
+            f"checkpoint {folder}: {name} holds something other than plain data{what}, which "
+            "tierwise never writes there; refused, since unpickling it could run any code"
         ) from None

@@ -1,8 +1,7 @@
 """The optimizer ``tierwise.setup`` returns: the user's param groups, tierwise's chunked update.
 
-An entry point (it sits above the engine and the checkpoint code it delegates to): the
-arithmetic is in ``tierwise.optim``, the step in the engine, the state dict in
-``tierwise.checkpoint.rank_state``.
+An entry point, above the engine it drives: the arithmetic is in ``tierwise.optim``, the step
+in the engine, the state dict in ``tierwise.checkpoint.rank_state``.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def _save_then_die(path):
     import os
     import signal
 
-    import tierwise.checkpoint.save_load as ckpt
+    import tierwise.checkpoint.directory as ckpt
 
     model, opt = build("gpt2", "host")
     train(model, opt, 2)
@@ -203,3 +203,64 @@ def test_manifest_lists_every_file_with_its_size_and_checksum(tmp_path):
         assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
     assert (manifest["world_size"], manifest["step"]) == (1, 3)
     assert manifest["tierwise_version"] == __version__
+
+
+class _RunsCode:
+    """Unpickling it creates ``marker``: what a checkpoint from someone else could run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("file", ["engine.pt", "extra-rank00000.pt"])
+def test_a_checkpoint_holding_code_is_refused_in_one_line(tmp_path, file):
+    """[Note: checkpoints hold plain data]: a file that unpickles into a call is refused before
+    anything runs, although the manifest vouches for it (whoever wrote the file wrote that too)."""
+    import hashlib
+    import json
+
+    model, opt = build("gpt2", "host")
+    train(model, opt, 1)
+    path = tmp_path / "ckpt"
+    tierwise.save_checkpoint(path, model, opt, extra={"step": 1})
+    marker = tmp_path / "code-ran"
+    torch.save({"step": 1, "payload": _RunsCode(marker)}, path / file)
+    manifest = json.loads((path / "manifest.json").read_text())
+    data = (path / file).read_bytes()
+    manifest["files"][file] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+    fresh, fresh_opt = build("gpt2", "host")
+    before = fresh.state_dict()
+    with pytest.raises(CheckpointError, match=f"{file} holds something other than plain data"):
+        tierwise.load_checkpoint(path, fresh, fresh_opt)
+    with pytest.raises(CheckpointError) as err:
+        reader = CheckpointReader(path)
+        reader.engine_state() if file == "engine.pt" else reader.extra(0)
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+    assert not marker.exists()
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())  # nothing written
+
+
+def test_extra_that_is_not_plain_data_is_refused_when_saving(tmp_path):
+    from fractions import Fraction
+
+    model, opt = build("gpt2", "host")
+    train(model, opt, 1)
+    path = tmp_path / "ckpt"
+    extra = {"step": 1, "rng": {"cpu": torch.get_rng_state(), "seeds": (1, Fraction(1, 3))}}
+    with pytest.raises(
+        CheckpointError, match=r"extra\['rng'\]\['seeds'\]\[1\] is a fractions.Fraction"
+    ) as err:
+        tierwise.save_checkpoint(path, model, opt, extra=extra)
+    assert "\n" not in str(err.value)
+    assert not path.exists() and not path.with_name("ckpt.tmp").exists()
+    extra["rng"]["seeds"] = (1, 3)  # plain data comes back as it went in
+    tierwise.save_checkpoint(path, model, opt, extra=extra)
+    fresh, fresh_opt = build("gpt2", "host")
+    back = tierwise.load_checkpoint(path, fresh, fresh_opt)
+    assert back["step"] == 1 and back["rng"]["seeds"] == (1, 3)
+    assert torch.equal(back["rng"]["cpu"], extra["rng"]["cpu"])

@@ -207,7 +207,7 @@ def _arm(injectors, fail_if, *, late: bool = False):
 def _checkpoint_write_fails(monkeypatch, fault, failed_at: list):
     """torch.save inside save_checkpoint writes half a file, then the disk reports the fault
     (its time appended to ``failed_at``)."""
-    import tierwise.checkpoint.save_load as ckpt
+    import tierwise.checkpoint.directory as ckpt
 
     real_save = torch.save
 

@@ -10,8 +10,10 @@ import torch
 import torch.distributed as dist
 
 from tierwise import registry
+from tierwise.checkpoint.full_state import install_state_dict_hooks
 from tierwise.config import Config
-from tierwise.optim import TierwiseOptimizer, check_optimizer
+from tierwise.optim import check_optimizer
+from tierwise.optimizer import TierwiseOptimizer
 from tierwise.plugins import get_plugin_host
 from tierwise.runtime.setup.pipeline import assemble_engine
 
@@ -58,6 +60,7 @@ def setup(
         example_batch=example_batch,
         weights=weights,
     )
+    install_state_dict_hooks(engine, model, engine.patterns)  # full, original names
     return model, TierwiseOptimizer(engine, optimizer)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tierwise.checkpoint.manifest import CheckpointError, check_file, read_manifest
+from tierwise.checkpoint.plain_data import load_plain
 from tierwise.optim.state_formats import decode_piece
 from tierwise.weights.safetensors_io import SafetensorsFile
 
@@ -187,15 +188,19 @@ class CheckpointReader:
         return self.read(name, kind).view(self.shape(name))
 
     def engine_state(self) -> dict[str, Any]:
-        """Loss scaler, step counter and optimizer hyper-parameters of the run."""
-        return torch.load(self._checked("engine.pt"), weights_only=False)
+        """Loss scaler, step counter and optimizer hyper-parameters of the run (plain data only:
+        [Note: checkpoints hold plain data])."""
+        self._checked("engine.pt")
+        return load_plain(self.path, "engine.pt")
 
     def extra(self, rank: int) -> dict[str, Any] | None:
-        """What ``save_checkpoint(extra=...)`` stored for ``rank`` (None if nothing)."""
+        """What ``save_checkpoint(extra=...)`` stored for ``rank`` (None if nothing; plain data
+        only: [Note: checkpoints hold plain data])."""
         name = f"extra-rank{rank:05d}.pt"
         if name not in self.manifest["files"]:
             return None
-        return torch.load(self._checked(name), weights_only=False)
+        self._checked(name)
+        return load_plain(self.path, name)
 
     # -- internals ----------------------------------------------------------------------------
     def _entry(self, name: str) -> dict[str, Any]:
@@ -213,7 +218,7 @@ class CheckpointReader:
             if file.endswith(".safetensors"):
                 self._files[file] = SafetensorsFile(path)
             else:
-                self._files[file] = torch.load(path, mmap=True, weights_only=True)
+                self._files[file] = load_plain(self.path, file, mmap=True)
             self._verified.add(file)
         return self._files[file]
 

@@ -1,6 +1,6 @@
 """Chunk I/O: copy a slab to and from host memory, gather a sharded chunk's full values.
 
-One place for what checkpoints (``tierwise.checkpoint.save_load``) and re-layout
+One place for what checkpoints (``tierwise.checkpoint.pieces``) and re-layout
 (``tierwise.runtime.setup.relayout``) both do outside the training step.
 """
 

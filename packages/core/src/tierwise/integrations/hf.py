@@ -30,11 +30,13 @@ from typing import Any
 
 import torch
 
-from tierwise.api import clip_grad_norm_, engine_of, no_sync, setup
-from tierwise.checkpoint.save_load import full_state, load_checkpoint, save_checkpoint
+from tierwise import api
+from tierwise.checkpoint.directory import load_checkpoint, save_checkpoint
+from tierwise.checkpoint.full_state import full_state
 from tierwise.config import Config, ConfigError
 from tierwise.integrations.hf_save import DTYPES, MAX_SHARD_SIZE, save_pretrained
 from tierwise.pretrained import build_on_meta
+from tierwise.registry import engine_of
 
 try:
     import transformers
@@ -199,7 +201,7 @@ class TierwiseTrainer(Trainer):
         optimizer, scheduler = trainer_kwargs.pop("optimizers", (None, None))
         if optimizer is None:
             optimizer = self._adamw(model, args)
-        model, optimizer = setup(model, optimizer, config, weights=weights)
+        model, optimizer = api.setup(model, optimizer, config, weights=weights)
         # accelerate registers the model as prepared: it neither wraps it (DDP), nor moves it,
         # nor patches its forward with autocast ([Note: accelerate and a managed model])
         model._is_accelerate_prepared = True
@@ -243,15 +245,15 @@ class TierwiseTrainer(Trainer):
 
     @contextlib.contextmanager
     def _no_sync(self, model: torch.nn.Module | None = None):
-        with no_sync(self.model):
+        with api.no_sync(self.model):
             yield
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
-        return clip_grad_norm_(self.model, self.args.max_grad_norm)
+        return api.clip_grad_norm_(self.model, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm=None):
         if grad_norm is None:  # max_grad_norm = 0: the norm only (a factor of 1.0 is exact)
-            grad_norm = clip_grad_norm_(self.model, float("inf"))
+            grad_norm = api.clip_grad_norm_(self.model, float("inf"))
         return grad_norm
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):

@@ -74,7 +74,7 @@ def save_pretrained(
     config.json. Tied parameters are written once, under their first name (transformers ties
     them again on load); persistent buffers are written too.
     """
-    from tierwise.checkpoint.save_load import iter_full_state
+    from tierwise.checkpoint.full_state import iter_full_state
     from tierwise.registry import engine_of
 
     engine = engine_of(model)

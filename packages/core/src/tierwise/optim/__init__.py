@@ -7,7 +7,6 @@ from tierwise.optim.adam import (
     adam_update_tensors,
     check_optimizer,
 )
-from tierwise.optim.optimizer import TierwiseOptimizer
 from tierwise.optim.scaler import DynamicLossScaler
 from tierwise.optim.step_counts import StepCounts
 
@@ -15,7 +14,6 @@ __all__ = [
     "AdamHyper",
     "DynamicLossScaler",
     "StepCounts",
-    "TierwiseOptimizer",
     "adam_update",
     "adam_update_ranges",
     "adam_update_tensors",

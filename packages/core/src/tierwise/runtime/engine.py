@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from tierwise.checkpoint.save_load import load_rank_state, rank_state
 from tierwise.chunks import ChunkGroup, ParamSlot
 from tierwise.config import Config
 from tierwise.optim import DynamicLossScaler
@@ -193,6 +192,8 @@ class Engine:
     # views for callers (tests, checkpoints, benches) of what the components own
     groups = property(lambda self: self.index.groups)
     step_counts = property(lambda self: self.optimizer.step_counts)
+    step_failed = property(lambda self: self.optimizer.step_failed)
+    """Why an optimizer step stopped part way ([Note: a step that failed part way])."""
     optimizer_mode = property(lambda self: self.optimizer.optimizer_mode)
     pipelines = property(lambda self: self.optimizer.pipelines)
     loss_scale = property(lambda self: self.optimizer.loss_scale)
@@ -319,23 +320,36 @@ class Engine:
             tier.close()
 
     # ------------------------------------------------------------------ state
-    def optimizer_state_dict(self) -> dict:
-        return rank_state(self)
+    def keep_hook(self, handle) -> None:
+        """Own a hook another layer put on the model (the state-dict hooks): ``close`` removes
+        it with the engine's own."""
+        self.hook_handles.append(handle)
 
-    def load_optimizer_state_dict(self, state: dict) -> None:
-        load_rank_state(self, state)
+    def invalidate_cache(self) -> None:
+        """The chunks' stored values were written from outside a step (a checkpoint or a state
+        dict was loaded): drop every cached copy so the next use reads them."""
+        self.residency.invalidate_cache()
 
     def state_dict(self) -> dict:
-        """The engine's state beside the chunks' values (which ``tierwise.checkpoint.save_load`` saves
-        by parameter name): the optimizer step's (loss scaler, steps taken, hyper-parameters)
-        and the parameter order of the chunk layout."""
+        """The engine's state beside the chunks' values, as plain data (``tierwise.checkpoint``
+        saves the values by parameter name): the optimizer step's (loss scaler, steps taken,
+        hyper-parameters), each trainable parameter's Adam step count (``step_counts``, by
+        name: [Note: unused parameters are skipped]) and the parameter order of the chunk
+        layout."""
         order = [s.name for chunk in self.chunks() for s in chunk.slots]
-        return {**self.optimizer.state_dict(), "order": order}
+        return {
+            **self.optimizer.state_dict(),
+            "step_counts": self.step_counts.state_dict(),
+            "order": order,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned (the layout order is applied by
-        ``adopt_layout`` before the chunks' values are loaded)."""
+        """Restore what :meth:`state_dict` returned; ``step_counts`` may name only some of the
+        parameters (the others keep theirs). The layout order is applied by ``adopt_layout``
+        before the chunks' values are loaded."""
         self.optimizer.load_state_dict(state)
+        if "step_counts" in state:
+            self.step_counts.load_state_dict(state["step_counts"])
 
     def stats(self) -> dict:
         by_tier = {name: tier.used_bytes for name, tier in self.tiers.items()}

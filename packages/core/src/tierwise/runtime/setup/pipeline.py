@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tierwise.checkpoint.save_load import install_state_dict_hooks
 from tierwise.config import Config, ConfigError
 from tierwise.devices import normalize_device
 from tierwise.hardware import Hardware
@@ -148,7 +147,6 @@ def assemble_engine(
     if not blocks and plan.activation_checkpointing:
         enable_hf_checkpointing(model)
     register(model, engine)
-    install_state_dict_hooks(engine, model, patterns)
     model.zero_grad = types.MethodType(_zero_grad, model)  # Trainer calls model.zero_grad()
     install_save_pretrained(model)  # [Note: the dtype save_pretrained records]
     return engine

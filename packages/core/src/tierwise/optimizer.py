@@ -1,10 +1,16 @@
-"""The optimizer ``tierwise.setup`` returns: the user's param groups, tierwise's chunked update."""
+"""The optimizer ``tierwise.setup`` returns: the user's param groups, tierwise's chunked update.
+
+An entry point, above the engine it drives: the arithmetic is in ``tierwise.optim``, the step
+in the engine, the state dict in ``tierwise.checkpoint.rank_state``.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
+
+from tierwise.checkpoint.rank_state import load_rank_state, rank_state
 
 if TYPE_CHECKING:
     from tierwise.runtime.engine import Engine
@@ -33,10 +39,12 @@ class TierwiseOptimizer(torch.optim.Optimizer):
         self._engine.zero_grad()
 
     def state_dict(self) -> dict:
-        return self._engine.optimizer_state_dict()
+        """This rank's pieces by parameter name (collective when model-parallel patterns
+        rebuild whole-model values)."""
+        return rank_state(self._engine)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._engine.load_optimizer_state_dict(state_dict)
+        load_rank_state(self._engine, state_dict)
 
     def __repr__(self) -> str:
         return f"TierwiseOptimizer({self.kind}, groups={len(self.param_groups)})"

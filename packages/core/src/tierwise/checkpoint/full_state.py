@@ -1,0 +1,139 @@
+"""Full state dicts: every parameter's whole-model fp32 master under its original names, for
+``model.state_dict()`` / ``load_state_dict()`` (the state-dict hooks) and for writers that stream
+a model out."""
+
+from __future__ import annotations
+
+import types
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierwise.chunks.io import gather_chunk, read_slab, write_slab
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from tierwise.parallel import ParallelPattern
+    from tierwise.runtime.engine import Engine
+
+
+def full_state(
+    engine: Engine, patterns: Sequence[ParallelPattern] = (), *, trainable_only: bool = False
+) -> dict[str, torch.Tensor]:
+    """Every parameter (all names, tied ones too) as full fp32 tensors from the master copy;
+    with ``trainable_only`` only those that train (a LoRA run's adapters, not its frozen base).
+
+    Collective (see :func:`iter_full_state`). It holds the whole model in host memory: for a
+    model larger than that, write it with ``tierwise.save_pretrained`` or ``tierwise export``,
+    which stream it ([Note: streaming a model out]).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for names, value in iter_full_state(engine, patterns, trainable_only=trainable_only):
+        for name in names:
+            out[name] = value
+    return out
+
+
+def iter_full_state(
+    engine: Engine, patterns: Sequence[ParallelPattern] = (), *, trainable_only: bool = False
+):
+    """Yield ``(names, value)`` per distinct parameter (its name then its tied aliases, its full
+    fp32 master value), one chunk at a time.
+
+    [Note: streaming a model out]
+    Collective: every rank iterates to the end. Chunks are gathered over their data-parallel
+    group, then each pattern in ``patterns`` rebuilds its parameters' whole-model values over
+    its model-parallel group (``ParallelPattern.full_tensor``); chunks and slots are visited in
+    the same order on every rank. Host memory holds one gathered chunk and one value at a time,
+    so a writer that consumes each value before the next (``tierwise.save_pretrained``) holds
+    one chunk group's worth whatever the model's size.
+    """
+    aliases = {info.name: info.aliases for info in engine.profile.params}
+    pattern_of = {pattern.key: pattern for pattern in patterns}
+    for chunk in engine.chunks():
+        if trainable_only and not chunk.trainable:  # the same chunks on every rank
+            continue
+        source = chunk.optim.master if chunk.optim is not None else chunk.home
+        full = gather_chunk(chunk, read_slab(source).float(), engine.collectives.outside_steps())
+        pattern = pattern_of.get(chunk.group.pattern_key)
+        for slot in chunk.slots:
+            value = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+            if pattern is not None:
+                value = pattern.full_tensor(slot.name, slot.param, value)
+            yield (slot.name, *aliases.get(slot.name, ())), value
+        del full
+
+
+def load_full_state(
+    engine: Engine, state: dict[str, torch.Tensor], patterns: Sequence[ParallelPattern] = ()
+) -> None:
+    """Write whole-model parameter values (original names and shapes) into the master and home
+    payloads; each pattern cuts out this rank's part (``ParallelPattern.local_tensor``).
+    Parameters missing from ``state`` keep their values. Collective over data-parallel groups."""
+    pattern_of = {pattern.key: pattern for pattern in patterns}
+    for chunk in engine.chunks():
+        start, end = chunk.shard_range()
+        source = chunk.optim.master if chunk.optim is not None else chunk.home
+        full = gather_chunk(chunk, read_slab(source).float(), engine.collectives.outside_steps())
+        pattern = pattern_of.get(chunk.group.pattern_key)
+        for slot in chunk.slots:
+            if slot.name not in state:
+                continue
+            value = state[slot.name].detach().to("cpu", torch.float32)
+            if pattern is not None:
+                value = pattern.local_tensor(slot.name, slot.param, value)
+            if value.shape != slot.shape:
+                raise ValueError(
+                    f"load_state_dict: {slot.name} has shape {tuple(state[slot.name].shape)}, "
+                    f"which does not fit this model's parameter (this rank holds "
+                    f"{tuple(slot.shape)}): load a state dict of the same model configuration"
+                )
+            full[slot.offset : slot.offset + slot.numel] = value.reshape(-1)
+        shard = full[start:end]
+        if chunk.optim is not None:
+            write_slab(chunk.optim.master, shard)
+        if chunk.optim is None or chunk.home is not chunk.optim.master:
+            write_slab(chunk.home, shard)
+    engine.invalidate_cache()
+
+
+def install_state_dict_hooks(
+    engine: Engine, model: torch.nn.Module, patterns: Sequence[ParallelPattern] = ()
+) -> None:
+    """``model.state_dict()`` returns whole-model fp32 masters under the original names (what
+    the model had before setup, so a plain HF model loads it); ``load_state_dict`` takes the
+    same and writes them back. Both are collective: call them on every rank (``patterns`` turn
+    a rank's parameters into whole-model ones over their model-parallel groups)."""
+
+    def hook(module, state_dict, prefix, local_metadata):
+        for name, value in full_state(engine, patterns).items():
+            state_dict[prefix + name] = value
+        return state_dict
+
+    engine.keep_hook(model._register_state_dict_hook(hook))
+    original_load = model.load_state_dict
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        param_names = set(full_state_names(engine))
+        params = {k: v for k, v in state_dict.items() if k in param_names}
+        rest = {k: v for k, v in state_dict.items() if k not in param_names}
+        missing = sorted(n for n in param_names if n not in params)
+        if strict and missing:
+            raise RuntimeError(f"load_state_dict: missing parameters {missing[:5]}...")
+        load_full_state(engine, params, patterns)
+        result = original_load(rest, strict=False)
+        if strict and (
+            result.unexpected_keys or [k for k in result.missing_keys if k not in param_names]
+        ):
+            raise RuntimeError(f"load_state_dict: unexpected {result.unexpected_keys}")
+        return result
+
+    model.load_state_dict = types.MethodType(load_state_dict, model)
+
+
+def full_state_names(engine: Engine) -> list[str]:
+    names = []
+    for info in engine.profile.params:
+        names += [info.name, *info.aliases]
+    return names

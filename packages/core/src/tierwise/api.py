@@ -9,7 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tierwise.checkpoint.save_load import install_state_dict_hooks
 from tierwise.config import Config
+from tierwise.integrations.hf_save import install_save_pretrained
 from tierwise.optim import TierwiseOptimizer, check_optimizer
 from tierwise.plugins import get_plugin_host
 from tierwise.registry import engine_of, managed
@@ -55,6 +57,9 @@ def setup(
         example_batch=example_batch,
         weights=weights,
     )
+    # the entry layer's own parts of a managed model (the engine is built and registered)
+    install_state_dict_hooks(engine, model, engine.patterns)
+    install_save_pretrained(model)  # [Note: the dtype save_pretrained records]
     return model, TierwiseOptimizer(engine, optimizer)
 
 

@@ -9,7 +9,6 @@ import torch
 
 from tierwise.chunks import ChunkGroup, ParamSlot, SlotSpec
 from tierwise.config import Config, ConfigError
-from tierwise.hf_compat import hf_checkpointing_enabled
 from tierwise.plan import Plan
 from tierwise.plan import io_buffer_bytes as plan_io_buffer_bytes
 from tierwise.planning.planner import may_recompute, profile_min_blocks
@@ -22,7 +21,6 @@ from tierwise.runtime.setup.profiling import ManagedParam, Profiled
 
 
 def lay_out(
-    model: torch.nn.Module,
     config: Config,
     *,
     patterns: Patterns,
@@ -47,7 +45,7 @@ def lay_out(
         for g in groups
     }
     plan.io_buffer_bytes = io_buffer_bytes(groups)
-    _check_cache_minimum(model, config, profiled.profile, plan, groups)
+    _check_cache_minimum(config, profiled.profile, planned, groups)
     return groups
 
 
@@ -104,9 +102,10 @@ def io_buffer_bytes(groups: list[ChunkGroup]) -> int:
     return plan_io_buffer_bytes(largest, chunk)
 
 
-def _check_cache_minimum(model, config: Config, profile: Profile, plan: Plan, groups) -> None:
+def _check_cache_minimum(config: Config, profile: Profile, planned: Planned, groups) -> None:
     """Refuse a plan with fewer rCache blocks than the step needs ([Note: the rCache
     minimum]), before anything is allocated."""
+    plan = planned.plan
     chunk_of = {
         slot.name: chunk.key
         for g in groups
@@ -117,7 +116,7 @@ def _check_cache_minimum(model, config: Config, profile: Profile, plan: Plan, gr
     recompute = (
         may_recompute(config)
         or plan.activation_checkpointing
-        or hf_checkpointing_enabled(model)
+        or planned.hf_checkpointing
         or "recompute" in plan.activation_policy.values()
     )
     minimum = profile_min_blocks(profile, chunk_of, recompute=recompute)

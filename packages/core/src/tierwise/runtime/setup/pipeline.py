@@ -62,7 +62,7 @@ def assemble_engine(
             model, optimizer, config, host=host, patterns=patterns, example_batch=example_batch
         )
         planned = make_plan(model, config, host=host, profiled=profiled)
-        groups = lay_out(model, config, patterns=patterns, profiled=profiled, planned=planned)
+        groups = lay_out(config, patterns=patterns, profiled=profiled, planned=planned)
         allocation = allocate(config, host=host, planned=planned, groups=groups)
     except BaseException:
         restore_model()

@@ -31,6 +31,8 @@ class Planned:
     """What the hardware probe found."""
     blocks: dict
     """The model's transformer blocks (name -> module; empty when it has none)."""
+    hf_checkpointing: bool
+    """The model has Hugging Face gradient checkpointing switched on (it recomputes)."""
 
 
 def make_plan(
@@ -43,8 +45,9 @@ def make_plan(
     # the plan is what runs: a planner may choose checkpointing, and Config's request stands
     plan.activation_checkpointing = plan.activation_checkpointing or config.activation_checkpointing
     check_chunk_size(plan)
-    blocks = _activation_blocks(model, config, host, plan)
-    return Planned(plan=plan, hardware=hardware, blocks=blocks)
+    hf_checkpointing = hf_checkpointing_enabled(model)
+    blocks = _activation_blocks(model, config, host, plan, hf_checkpointing)
+    return Planned(plan=plan, hardware=hardware, blocks=blocks, hf_checkpointing=hf_checkpointing)
 
 
 def check_chunk_size(plan: Plan) -> None:
@@ -55,7 +58,9 @@ def check_chunk_size(plan: Plan) -> None:
         )
 
 
-def _activation_blocks(model, config: Config, host: PluginHost, plan: Plan) -> dict:
+def _activation_blocks(
+    model, config: Config, host: PluginHost, plan: Plan, hf_checkpointing: bool
+) -> dict:
     """The model's transformer blocks; sets ``plan.activation_policy`` to the action each one
     gets (see ``tierwise.runtime.activations.manager.resolve_policy``). Raises before anything changes."""
     blocks = find_blocks(model)
@@ -67,7 +72,6 @@ def _activation_blocks(model, config: Config, host: PluginHost, plan: Plan) -> d
                 "layers); use activation_checkpointing or leave activations on 'none'"
             )
         return blocks
-    hf_checkpointing = hf_checkpointing_enabled(model)
     try:
         policy = resolve_policy(
             list(blocks),

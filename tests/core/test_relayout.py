@@ -7,7 +7,7 @@ import tierwise
 import torch
 from helpers.models import tiny_model
 from helpers.train import run_reference, train
-from tierwise.runtime.setup.relayout import relayout
+from tierwise.runtime.layout.relayout import relayout
 
 HOST = dict(
     param_placement="host", optimizer_placement="host", cache_blocks=3, chunk_size=5000, prefetch=1
@@ -145,7 +145,7 @@ def test_relayout_returns_what_it_did_and_the_engine_applies_it():
     order = first_use_reference("opt")
     calls = []
     engine.residency.invalidate_cache()
-    result = relayout(engine, order, before_move=lambda: calls.append("moved"))
+    result = relayout(engine.layout_parts(), order, before_move=lambda: calls.append("moved"))
     assert calls == ["moved"] and result.moved and result.note is None
     assert [s.name for g in engine.groups for c in g.chunks for s in c.slots] == order
     assert (plan.param_tiers, plan.groups) == plan_before  # not applied yet
@@ -158,6 +158,6 @@ def test_relayout_returns_what_it_did_and_the_engine_applies_it():
             == ["host"] * len(group.chunks)
         )
         assert plan.groups[name]["chunks"] == len(group.chunks)
-    again = relayout(engine, order, before_move=lambda: calls.append("again"))
+    again = relayout(engine.layout_parts(), order, before_move=lambda: calls.append("again"))
     assert again.moved == [] and calls == ["moved"]  # the layout is that order already
     engine.close()

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from tierwise import registry
 from tierwise.checkpoint.full_state import install_state_dict_hooks
 from tierwise.config import Config
+from tierwise.integrations.hf_save import install_save_pretrained
 from tierwise.optim import check_optimizer
 from tierwise.optimizer import TierwiseOptimizer
 from tierwise.plugins import get_plugin_host
@@ -60,7 +61,9 @@ def setup(
         example_batch=example_batch,
         weights=weights,
     )
-    install_state_dict_hooks(engine, model, engine.patterns)  # full, original names
+    # the entry layer's own parts of a managed model (the engine is built and registered)
+    install_state_dict_hooks(engine, model, engine.patterns)
+    install_save_pretrained(model)  # [Note: the dtype save_pretrained records]
     return model, TierwiseOptimizer(engine, optimizer)
 
 

@@ -7,7 +7,7 @@ int8 moments, 8 with bf16: Config.optimizer_states); frozen chunks have none. Wi
 sharding over N ranks each rank's home tiers hold 1/N of every chunk, rCache blocks hold whole
 (gathered) chunks.
 
-[Note: engine memory] The byte counts follow core's engine (``tierwise.runtime.setup.build``) so that
+[Note: engine memory] The byte counts are core's (``tierwise.chunks.payload.PayloadSpec``) so that
 ``Plan.device_allowance`` is exactly what the device tier will be asked for: every trainable
 chunk also has a gradient shard of L_c bytes/element in its optimizer tier (on NVMe too, with
 ``grad_offload_buffers`` host buffers of the largest shard in front of them); with fp32 a chunk whose params and optimizer share a tier keeps only the master copy;
@@ -81,8 +81,8 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 
 import numpy as np
-from tierwise.precision import OPTIM_BYTES, optim_bytes, optim_stored_bytes
-from tierwise.runtime.grads.offload import grad_offload_buffers
+from tierwise.chunks.payload import PayloadSpec, grad_offload_buffers
+from tierwise.precision import OPTIM_BYTES, optim_bytes
 
 from tierwise_search.belady import AccessTrace, simulate
 from tierwise_search.layout import ChunkTable
@@ -136,8 +136,9 @@ class Setting:
     table: ChunkTable
     trace: AccessTrace
     rates: Rates
-    param_bytes: int
-    """L_c: bytes per parameter element."""
+    payload: PayloadSpec
+    """What a trainable chunk holds (core's [Note: payload spec]): its precision gives L_c, the
+    bytes per parameter element, and how the Adam moments are stored."""
     forward_s: float
     """One forward pass on the device, seconds (``tierwise_search.compute``)."""
     backward_s: float
@@ -147,9 +148,6 @@ class Setting:
     prefetch: int
     min_blocks: int
     """rCache blocks the widest step needs (the minimum plan)."""
-    fp32_alias: bool = False
-    """fp32 training: a chunk whose params and optimizer share a tier keeps one payload (the
-    master copy)."""
     staging_blocks: int = 0
     """Full-chunk gradient staging buffers on the device (multi-rank gradient path)."""
     receive_block_numel: int = 0
@@ -159,9 +157,6 @@ class Setting:
     """NVMe optimizer states are updated as each chunk's gradients complete in backward (see
     [Note: optimizer pipeline timing]); False: all of them after backward."""
     activations: ActivationTraffic = field(default_factory=ActivationTraffic)
-    optimizer_states: str = "fp32"
-    """How the Adam moments are stored (Config.optimizer_states): memory counts each chunk's
-    stored bytes (int8 pads shards to whole 256-element blocks), traffic ``optim_bytes``."""
     nvme_io_host_bytes: int = 0
     """Host bytes of the NVMe tier's own read buffers, wherever it holds anything."""
     nvme_pipeline_host_bytes: int = 0
@@ -182,6 +177,17 @@ class Setting:
     host_budget: int | None = None
     """Host bytes per rank (None: unlimited): what the model data leaves is the room for the
     undo copies of host-resident states."""
+
+    @property
+    def param_bytes(self) -> int:
+        """L_c: bytes per parameter element."""
+        return self.payload.param_bytes
+
+    @property
+    def optimizer_states(self) -> str:
+        """How the Adam moments are stored (Config.optimizer_states): memory counts each chunk's
+        stored bytes (int8 pads shards to whole 256-element blocks), traffic ``optim_bytes``."""
+        return self.payload.optimizer_states
 
     @property
     def optim_bytes(self) -> float:
@@ -284,17 +290,15 @@ class CostModel:
         shard = s.shard_sizes
         totals = [0, 0, 0]
         for tier in (DEVICE, HOST, NVME):
-            home = (p == tier) & ~(s.fp32_alias & train & (o == tier))
-            totals[tier] += int(shard[home].sum()) * s.param_bytes
+            home = (p == tier) & ~(s.payload.master_may_be_home & train & (o == tier))
+            totals[tier] += s.payload.slab_bytes("home", int(shard[home].sum()))
             copies = state_copies(TIERS[tier])  # [Note: atomic optimizer step]
-            stored = sum(
-                optim_stored_bytes(int(n), s.optimizer_states) for n in shard[train & (o == tier)]
-            )
+            stored = sum(s.payload.state_bytes(int(n)) for n in shard[train & (o == tier)])
             totals[tier] += stored * copies
         # gradient shards live in the optimizer tier; on NVMe, host memory holds
         # GRAD_OFFLOAD_BUFFERS of the largest shard ([Note: active gradient offloading])
         for tier in (DEVICE, HOST, NVME):
-            totals[tier] += int(shard[train & (o == tier)].sum()) * s.param_bytes
+            totals[tier] += s.payload.slab_bytes("grad", int(shard[train & (o == tier)].sum()))
         offloaded = int((train & (o == NVME)).sum())
         if offloaded:
             buffers = grad_offload_buffers(offloaded)
@@ -465,7 +469,7 @@ class CostModel:
         for k in np.argsort(s.trace.grads_final_at(), kind="stable"):
             if not host[k]:
                 continue
-            copy = optim_stored_bytes(int(s.shard_sizes[k]), s.optimizer_states)
+            copy = s.payload.state_bytes(int(s.shard_sizes[k]))
             if room is None or used + copy <= room:
                 used += copy
                 early[k] = True

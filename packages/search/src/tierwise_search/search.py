@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 import numpy as np
+from tierwise.chunks.payload import PayloadSpec
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError, io_buffer_bytes
@@ -25,7 +26,7 @@ from tierwise.planning.planner import (
     profile_min_blocks,
     receive_block_numel,
 )
-from tierwise.precision import optim_stored_bytes, param_bytes
+from tierwise.precision import param_bytes
 from tierwise.profile import Profile
 from tierwise.units import format_bytes, format_gib
 
@@ -57,7 +58,7 @@ from tierwise_search.placement import (
 from tierwise_search.rates import Rates, resolve_rates
 
 MIN_CHUNK_SIZE = 1024
-"""Core's engine refuses smaller chunks (``tierwise.runtime.setup.build.MIN_CHUNK_SIZE``)."""
+"""Core's engine refuses smaller chunks (``tierwise.runtime.setup.planning.MIN_CHUNK_SIZE``)."""
 MAX_CANDIDATES = 32
 """Chunk sizes tried between the largest parameter and the largest useful size."""
 # [Note: chunk size choice] Every chunk size that fits gets a full placement, and the fastest
@@ -261,18 +262,19 @@ class _Search:
                 table=table,
                 trace=trace,
                 rates=self.rates,
-                param_bytes=self.param_bytes,
+                payload=PayloadSpec(
+                    precision=self.config.precision,
+                    optimizer_states=self.config.optimizer_states,
+                ),
                 forward_s=self.times.forward_s,
                 backward_s=self.times.backward,
                 shard=self.shard,
                 prefetch=self.config.prefetch,
                 min_blocks=self.min_blocks(table),
-                fp32_alias=self.config.precision == "fp32",
                 staging_blocks=staging,
                 receive_block_numel=receive,
                 optimizer_in_backward=self.optimizer_in_backward,
                 activations=traffic,
-                optimizer_states=self.config.optimizer_states,
                 nvme_io_host_bytes=io_bytes,
                 nvme_pipeline_host_bytes=pipeline_bytes,
                 # [Note: speculation pricing]: what the engine adds around in-backward updates
@@ -457,7 +459,7 @@ def _host_update_reasons(search: _Search, best: Outcome) -> list[str]:
     if not (host.any() and s.host_in_backward and not s.rates.device_is_host):
         return []
     early = model.host_early(placement)
-    copies = sum(optim_stored_bytes(int(n), s.optimizer_states) for n in s.shard_sizes[early])
+    copies = sum(s.payload.state_bytes(int(n)) for n in s.shard_sizes[early])
     if early.all() or early[host].all():
         return [
             f"host optimizer updates: all {int(host.sum())} chunks in backward (undo copies "

@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from tierwise.checkpoint.manifest import CheckpointError
-from tierwise.checkpoint.reader import MOMENT_KINDS, CheckpointReader
+from tierwise.checkpoint.reader import CheckpointReader
 from tierwise.chunks import Chunk
 from tierwise.chunks.io import gather_chunk, read_slab, write_slab
-from tierwise.optim.state_formats import MomentFormat, moment_formats
+from tierwise.chunks.payload import PayloadSpec, slab_of
+from tierwise.optim.state_formats import MomentFormat
 from tierwise.precision import QUANT_BLOCK
 
 if TYPE_CHECKING:
@@ -32,13 +33,7 @@ def _splits(pattern: ParallelPattern | None) -> bool:
 
 def _slabs(chunk: Chunk) -> dict:
     """A chunk's stored kinds ([Note: checkpoint by parameter name]) and the slabs holding them."""
-    if chunk.optim is None:
-        return {"master": chunk.home}
-    return {
-        "master": chunk.optim.master,
-        "exp_avg": chunk.optim.exp_avg,
-        "exp_avg_sq": chunk.optim.exp_avg_sq,
-    }
+    return {kind: slab_of(chunk, kind) for kind in PayloadSpec.of(chunk.group).saved_kinds}
 
 
 def _overlap(chunk: Chunk, slot) -> tuple[int, int]:
@@ -94,9 +89,9 @@ def rank_pieces(engine: Engine, rank: int, world: int, index: dict, step_counts:
 
 def _moment_format(engine: Engine, kind: str) -> MomentFormat | None:
     """How ``kind`` is stored when it is an Adam moment in low precision, else None."""
-    if kind not in MOMENT_KINDS or engine.config.optimizer_states == "fp32":
-        return None
-    return moment_formats(engine.config.optimizer_states)[MOMENT_KINDS.index(kind)]
+    config = engine.config
+    payload = PayloadSpec(precision=config.precision, optimizer_states=config.optimizer_states)
+    return payload.moment_format(kind)
 
 
 def _stored_piece(

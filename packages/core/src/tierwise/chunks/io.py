@@ -1,7 +1,7 @@
 """Chunk I/O: copy a slab to and from host memory, gather a sharded chunk's full values.
 
 One place for what checkpoints (``tierwise.checkpoint.pieces``) and re-layout
-(``tierwise.runtime.setup.relayout``) both do outside the training step.
+(``tierwise.runtime.layout.relayout``) both do outside the training step.
 """
 
 from __future__ import annotations

@@ -17,10 +17,11 @@ import torch.distributed as dist
 
 from tierwise.chunks import ChunkGroup, ParamSlot
 from tierwise.config import Config
+from tierwise.hf_compat import hf_checkpointing_enabled
 from tierwise.optim import DynamicLossScaler
 from tierwise.parallel.collectives import Collectives
 from tierwise.plan import Plan
-from tierwise.planning.planner import REDUCTION_BLOCKS
+from tierwise.planning.planner import REDUCTION_BLOCKS, may_recompute
 from tierwise.precision import compute_dtype
 from tierwise.protocols import MemoryTracer
 from tierwise.runtime.access.hooks import grad_ready_hook, install_hooks
@@ -31,10 +32,10 @@ from tierwise.runtime.activations.pinned_pool import pinned_swap_bytes
 from tierwise.runtime.grads.offload import GradientOffload
 from tierwise.runtime.grads.path import GradientPath
 from tierwise.runtime.index import ChunkIndex
+from tierwise.runtime.layout.relayout import LayoutParts, relayout
 from tierwise.runtime.phases import Phases
 from tierwise.runtime.residency.chunk_residency import Residency
 from tierwise.runtime.residency.rcache import RCache
-from tierwise.runtime.setup.relayout import relayout
 from tierwise.runtime.step.optimizer_step import OptimizerStep
 from tierwise.runtime.traffic import Traffic
 from tierwise.tiers.base import Tier
@@ -293,7 +294,7 @@ class Engine:
             self.grad_offload.spill_all()  # [Note: active gradient offloading]
         self.loads.finish_all()
         self.residency.invalidate_cache()
-        result = relayout(self, order, before_move=self.optimizer.close_pipelines)
+        result = relayout(self.layout_parts(), order, before_move=self.optimizer.close_pipelines)
         self.layout_note = result.note if result.note is not None else self.layout_note
         if result.moved:
             result.apply_to(self.plan)
@@ -301,6 +302,27 @@ class Engine:
             self.optimizer.renew_pipelines()
             self.gradients.renew_staging()
             self.residency.renew_trace()
+
+    def layout_parts(self) -> LayoutParts:
+        """The chunk groups and the collaborators a re-layout reads and changes."""
+        return LayoutParts(
+            groups=self.groups,
+            plan=self.plan,
+            config=self.config,
+            tiers=self.tiers,
+            cache=self.cache,
+            collectives=self.collectives.outside_steps(),
+            world_group=self.world_group,
+            multi_rank=self.multi_rank,
+            host_memory=self.hardware.host_memory if self.hardware is not None else None,
+            profile=self.profile,
+            recompute=(
+                may_recompute(self.config)
+                or self.plan.activation_checkpointing
+                or "recompute" in self.plan.activation_policy.values()
+                or hf_checkpointing_enabled(self.model)
+            ),
+        )
 
     def close(self) -> None:
         """Stop pipelines, remove every hook tierwise put on the model and its parameters,

@@ -11,18 +11,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierwise.chunks.grad_state import GradState
+from tierwise.chunks.payload import GRAD_OFFLOAD_BUFFERS, grad_offload_buffers
 from tierwise.tiers.base import PayloadKind
 
 if TYPE_CHECKING:
     from tierwise.chunks import Chunk
     from tierwise.tiers.base import Tier
-
-GRAD_OFFLOAD_BUFFERS = 2
-"""Host buffers (each as large as the largest gradient shard) that hold the gradient shards of
-chunks whose optimizer states are on a storage tier: the chunk backward is filling, and one
-whose update is queued on the optimizer pipeline (backward waits for that update before it
-fills a third chunk: the disk bounds the step anyway). Every planner counts them as host
-memory."""
 
 # [Note: active gradient offloading]
 # With the optimizer states on NVMe, a chunk's gradient shard has its home on NVMe too (one
@@ -211,12 +205,6 @@ def gradient_offload_for(groups, tiers: dict, dtype: torch.dtype) -> GradientOff
         dtype=dtype,
         count=grad_offload_buffers(offloaded),
     )
-
-
-def grad_offload_buffers(offloaded_chunks: int) -> int:
-    """Host gradient buffers for this many chunks with gradient shards on a storage tier (never
-    more buffers than chunks)."""
-    return min(GRAD_OFFLOAD_BUFFERS, offloaded_chunks)
 
 
 __all__ = [

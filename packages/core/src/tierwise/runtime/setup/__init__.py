@@ -1,1 +1,2 @@
-"""Setup as a pipeline of stages, and the re-layout after warm-up."""
+"""Setup as a pipeline of stages (``pipeline.assemble_engine``): patterns, profiling, planning,
+chunk_layout, allocation, values, bindings, engine_start."""

@@ -24,72 +24,63 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from tierwise.chunks import (
-    Chunk,
-    ChunkGroup,
-    OptimSlabs,
-    ParamSlot,
-    TensorState,
-    first_use_order,
-    pack,
-    sharded_capacity,
-)
+from tierwise.chunks import Chunk, ChunkGroup, OptimSlabs
 from tierwise.chunks.grad_state import GradState
 from tierwise.chunks.io import gather_chunk, read_slab
-from tierwise.hf_compat import hf_checkpointing_enabled
-from tierwise.optim.state_formats import MomentFormat, moment_formats, moment_kind
+from tierwise.chunks.payload import PayloadSpec, slab_of
+from tierwise.optim.state_formats import MomentFormat
 from tierwise.plan import Plan
-from tierwise.planning.planner import may_recompute, profile_min_blocks
+from tierwise.planning.planner import profile_min_blocks
 from tierwise.precision import OPTIM_STATES
-from tierwise.tiers.base import PayloadKind
+from tierwise.runtime.layout.packing import new_chunks
 
 if TYPE_CHECKING:
+    from tierwise.config import Config
     from tierwise.parallel.collectives import Collectives
-    from tierwise.runtime.engine import Engine
-    from tierwise.tiers.base import Slab
-
-_STATE_KINDS = OPTIM_STATES
-_MOMENTS = ("exp_avg", "exp_avg_sq")
-_PAYLOAD = {
-    "home": PayloadKind.PARAM_CHUNK,
-    "master": PayloadKind.MASTER,
-    "exp_avg": PayloadKind.OPTIM_STATE,
-    "exp_avg_sq": PayloadKind.OPTIM_STATE,
-    "grad": PayloadKind.GRAD_SHARD,
-}
+    from tierwise.profile import Profile
+    from tierwise.runtime.residency.rcache import RCache
+    from tierwise.tiers.base import Slab, Tier
 
 
-def new_chunks(group: ChunkGroup, order: list[str], chunk_size: int) -> list[Chunk] | None:
-    """``group``'s chunks packed in ``order``; None when that packing is the current one."""
-    slots = {s.name: s for c in group.chunks for s in c.slots}
-    names = [s.name for c in group.chunks for s in c.slots]
-    specs = pack(first_use_order(order, names), {n: slots[n].numel for n in names}, chunk_size)
-    if [[s.name for s in spec.slots] for spec in specs] == [
-        [s.name for s in c.slots] for c in group.chunks
-    ]:
-        return None
-    chunks = []
-    for spec in specs:
-        capacity, shard = sharded_capacity(spec.capacity, group.world, group.sharded)
-        chunk_slots = [
-            ParamSlot(
-                s.name,
-                slots[s.name].param,
-                s.offset,
-                s.numel,
-                slots[s.name].shape,
-                state=TensorState.HOLD,
-                has_grad=slots[s.name].has_grad,
-            )
-            for s in spec.slots
-        ]
-        chunks.append(Chunk(group, spec.index, capacity, shard, chunk_slots))
-    return chunks
+@dataclass(frozen=True, kw_only=True)
+class LayoutParts:
+    """What a re-layout reads and changes: the engine's chunk groups and their collaborators."""
+
+    groups: list[ChunkGroup]
+    """Every chunk group; a re-packed group gets new chunks (``ChunkGroup.chunks``)."""
+    plan: Plan
+    """The plan that runs (chunk size, activation policy); :class:`Relayout` updates it."""
+    config: Config
+    """Precision and how the Adam moments are stored ([Note: payload spec])."""
+    tiers: dict[str, Tier]
+    """Tier name -> tier: old slabs are released there, new ones allocated."""
+    cache: RCache
+    """The rCache: a new chunk must fit its blocks, its block count the new minimum."""
+    collectives: Collectives
+    """Counted collectives usable outside a step (sharded chunks are all-gathered)."""
+    world_group: Any
+    """The process group every rank agrees on refusals in (None: one process)."""
+    multi_rank: bool
+    """Several ranks take part."""
+    host_memory: int | None
+    """Free host memory the hardware probe saw (None: unknown)."""
+    profile: Profile | None
+    """The profile the rCache minimum is computed from (None: no minimum to check)."""
+    recompute: bool
+    """Some block may be recomputed in backward ([Note: the rCache minimum])."""
+
+    def payload(self, group: ChunkGroup) -> PayloadSpec:
+        """What each chunk of ``group`` holds."""
+        return PayloadSpec(
+            precision=self.config.precision,
+            optimizer_states=self.config.optimizer_states,
+            trainable=group.trainable,
+        )
 
 
 @dataclass
@@ -117,19 +108,19 @@ class Relayout:
                 plan.groups[name]["chunks"] = count
 
 
-def relayout(engine: Engine, order: list[str], *, before_move: Callable[[], None]) -> Relayout:
-    """Re-pack every chunk group of ``engine`` in ``order`` (the chunks must be out of the
+def relayout(parts: LayoutParts, order: list[str], *, before_move: Callable[[], None]) -> Relayout:
+    """Re-pack every chunk group of ``parts`` in ``order`` (the chunks must be out of the
     rCache); ``before_move`` runs once before the first group moves (it stops whatever reads
-    the old slabs). Re-packed groups get new chunks; nothing else of the engine is changed.
+    the old slabs). Re-packed groups get new chunks; nothing else is changed.
 
     Every rank must call this with the same ``order`` (it all-gathers sharded chunks).
     """
     candidates = []
-    for group in engine.groups:
-        chunks = new_chunks(group, order, engine.plan.chunk_size)
+    for group in parts.groups:
+        chunks = new_chunks(group, order, parts.plan.chunk_size)
         if chunks is not None:
-            candidates.append((group, chunks, _cannot_move(engine, group, chunks)))
-    refused = _agreed_refusals([reason is not None for _, _, reason in candidates], engine)
+            candidates.append((group, chunks, _cannot_move(parts, group, chunks)))
+    refused = _agreed_refusals([reason is not None for _, _, reason in candidates], parts)
     result = Relayout()
     moves = []
     for (group, chunks, reason), no in zip(candidates, refused, strict=True):
@@ -142,7 +133,7 @@ def relayout(engine: Engine, order: list[str], *, before_move: Callable[[], None
         return result
     before_move()  # no state read-ahead may outlive the old slabs
     for group, chunks in moves:
-        tiers = _move_group(engine, group, chunks)
+        tiers = _move_group(parts, group, chunks)
         result.moved.append(group.name)
         result.param_tiers[group.name] = list(tiers["home"])
         if group.trainable:
@@ -151,12 +142,12 @@ def relayout(engine: Engine, order: list[str], *, before_move: Callable[[], None
     return result
 
 
-def _agreed_refusals(refusals: list[bool], engine: Engine) -> list[bool]:
+def _agreed_refusals(refusals: list[bool], parts: LayoutParts) -> list[bool]:
     """A group is re-packed only when every rank can (all ranks must gather alike)."""
-    if not engine.multi_rank or not refusals:
+    if not parts.multi_rank or not refusals:
         return refusals
     flags = torch.tensor(refusals, dtype=torch.int32)
-    engine.collectives.outside_steps().all_reduce(flags, engine.world_group, op=dist.ReduceOp.MAX)
+    parts.collectives.all_reduce(flags, parts.world_group, op=dist.ReduceOp.MAX)
     return [bool(f) for f in flags.tolist()]
 
 
@@ -172,89 +163,64 @@ def _tiers_for(group: ChunkGroup, chunks: list[Chunk], tier_of) -> list[str]:
     return out
 
 
-def _moment_format(engine: Engine, kind: str) -> MomentFormat | None:
-    """How ``kind`` is stored when it is an Adam moment ([Note: low-bit optimizer states])."""
-    if kind not in _MOMENTS:
-        return None
-    return moment_formats(engine.config.optimizer_states)[_MOMENTS.index(kind)]
-
-
-def _stored(engine: Engine, group: ChunkGroup, kind: str, numel: int) -> tuple[int, torch.dtype]:
-    """(elements, dtype) of the slab holding ``numel`` elements of ``kind``."""
-    fmt = _moment_format(engine, kind)
-    if fmt is not None:
-        return fmt.stored_numel(numel), fmt.dtype
-    return numel, torch.float32 if kind in _STATE_KINDS else group.dtype
-
-
-def _kinds(engine: Engine, group: ChunkGroup) -> list[str]:
-    kinds = (
-        []
-        if group.trainable and engine.config.precision == "fp32" and _aliased(group)
-        else ["home"]
-    )
-    if group.trainable:
-        kinds += [*_STATE_KINDS, "grad"]
-    return kinds
+def _kinds(parts: LayoutParts, group: ChunkGroup) -> tuple[str, ...]:
+    return parts.payload(group).kinds(master_is_home=group.trainable and _aliased(group))
 
 
 def _aliased(group: ChunkGroup) -> bool:
     return all(c.home is c.optim.master for c in group.chunks)
 
 
-def _slab(chunk: Chunk, kind: str) -> Slab:
-    return chunk.home if kind == "home" else getattr(chunk.optim, kind)
-
-
-def _plan_tiers(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> dict[str, list[str]]:
+def _plan_tiers(parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk]) -> dict[str, list[str]]:
     """The tier of each kind of each new chunk."""
     home = _tiers_for(group, chunks, lambda c: c.home.tier.name)
     tiers = {"home": home}
     if group.trainable:
         optim = _tiers_for(group, chunks, lambda c: c.optim.tier.name)
         grad = _tiers_for(group, chunks, lambda c: c.optim.grad.tier.name)
-        tiers.update({k: optim for k in _STATE_KINDS}, grad=grad)
-        if engine.config.precision == "fp32" and _aliased(group):
+        tiers.update({k: optim for k in OPTIM_STATES}, grad=grad)
+        if parts.config.precision == "fp32" and _aliased(group):
             tiers["home"] = optim
     return tiers
 
 
-def _cannot_move(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> str | None:
+def _cannot_move(parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk]) -> str | None:
     """Why ``group`` cannot be re-packed into ``chunks`` (None when it can)."""
-    tiers = _plan_tiers(engine, group, chunks)
+    tiers = _plan_tiers(parts, group, chunks)
+    payload = parts.payload(group)
     growth: Counter[str] = Counter()
     largest_kind = 0
-    for kind in _kinds(engine, group):
+    for kind in _kinds(parts, group):
         new: Counter[str] = Counter()
         for chunk, tier in zip(chunks, tiers[kind], strict=True):
-            numel, dtype = _stored(engine, group, kind, chunk.shard_size)
+            numel, dtype = payload.stored(kind, chunk.shard_size)
             new[tier] += numel * dtype.itemsize
         old: Counter[str] = Counter()
         for chunk in group.chunks:
-            old[_slab(chunk, kind).tier.name] += _slab(chunk, kind).nbytes
+            old[slab_of(chunk, kind).tier.name] += slab_of(chunk, kind).nbytes
         for tier in new.keys() | old.keys():
             growth[tier] += max(0, new[tier] - old[tier])
         largest_kind = max(largest_kind, sum(new.values()))
     for name, extra in growth.items():
-        tier = engine.tiers[name]
+        tier = parts.tiers[name]
         if tier.budget is not None and tier.used_bytes + extra > tier.budget:
             return f"its new layout needs {extra} more bytes in the {name} tier than its budget has"
-    host_free = engine.hardware.host_memory if engine.hardware is not None else None
+    host_free = parts.host_memory
     if host_free is not None and largest_kind > host_free // 2:
         return f"re-packing holds {largest_kind} bytes of one state kind in host memory"
     cached = [
         c for c, t in zip(chunks, tiers["home"], strict=True) if t != "device" or group.sharded
     ]
-    if cached and max(c.capacity for c in cached) > engine.cache.block_numel:
+    if cached and max(c.capacity for c in cached) > parts.cache.block_numel:
         return "a new chunk would not fit an rCache block"
-    needed = _min_blocks_with(engine, group, cached)
-    if needed > len(engine.cache):
+    needed = _min_blocks_with(parts, group, cached)
+    if needed > len(parts.cache):
         return (
             f"its new layout would need {needed} rCache blocks at one moment, the cache has "
-            f"{len(engine.cache)} ([Note: the rCache minimum])"
+            f"{len(parts.cache)} ([Note: the rCache minimum])"
         )
     if (
-        engine.config.precision == "fp32"
+        parts.config.precision == "fp32"
         and group.trainable
         and not _aliased(group)
         and any(c.home is c.optim.master for c in group.chunks)
@@ -263,14 +229,13 @@ def _cannot_move(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> str 
     return None
 
 
-def _min_blocks_with(engine: Engine, group: ChunkGroup, cached: list[Chunk]) -> int:
+def _min_blocks_with(parts: LayoutParts, group: ChunkGroup, cached: list[Chunk]) -> int:
     """[Note: the rCache minimum] with ``group``'s cached chunks replaced by ``cached``."""
-    profile = engine.profile
-    if profile is None:
+    if parts.profile is None:
         return 0
     chunk_of = {
         slot.name: chunk.key
-        for other in engine.groups
+        for other in parts.groups
         if other is not group
         for chunk in other.chunks
         if not chunk.computes_in_home
@@ -279,17 +244,12 @@ def _min_blocks_with(engine: Engine, group: ChunkGroup, cached: list[Chunk]) -> 
     chunk_of.update(
         {slot.name: ("new", i) for i, chunk in enumerate(cached) for slot in chunk.slots}
     )
-    recompute = (
-        may_recompute(engine.config)
-        or engine.plan.activation_checkpointing
-        or "recompute" in engine.plan.activation_policy.values()
-        or hf_checkpointing_enabled(engine.model)
-    )
-    return profile_min_blocks(profile, chunk_of, recompute=recompute)
+    return profile_min_blocks(parts.profile, chunk_of, recompute=parts.recompute)
 
 
-def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> dict[str, list[str]]:
-    tiers = _plan_tiers(engine, group, chunks)
+def _move_group(parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk]) -> dict[str, list[str]]:
+    tiers = _plan_tiers(parts, group, chunks)
+    payload = parts.payload(group)
     where = {s.name: (c, s) for c in chunks for s in c.slots}
     states = {c.grad_state for c in group.chunks} if group.trainable else set()
     # the new chunks' gradients: [Note: gradient lifecycle]
@@ -302,31 +262,24 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> dict[
     )
     grads_filled = grad_state is GradState.HELD
     new_slabs: dict[str, list[Slab]] = {}
-    for kind in _kinds(engine, group):
+    for kind in _kinds(parts, group):
+        fmt = payload.moment_format(kind)
         if kind == "grad" and not grads_filled:
             values = None  # nothing to keep: the next backward overwrites them
         else:
-            values = _gather_kind(
-                group,
-                chunks,
-                kind,
-                where,
-                _moment_format(engine, kind),
-                engine.collectives.outside_steps(),
-            )
+            values = _gather_kind(group, chunks, kind, where, fmt, parts.collectives)
         for chunk in group.chunks:
-            slab = _slab(chunk, kind)
+            slab = slab_of(chunk, kind)
             slab.tier.release(slab)
         slabs = []
         for i, (chunk, tier_name) in enumerate(zip(chunks, tiers[kind], strict=True)):
-            numel, dtype = _stored(engine, group, kind, chunk.shard_size)
-            fmt = _moment_format(engine, kind)
-            tier = engine.tiers[tier_name]
-            allocate = tier.allocate_state if kind in _STATE_KINDS else tier.allocate
+            numel, dtype = payload.stored(kind, chunk.shard_size)
+            tier = parts.tiers[tier_name]
+            allocate = tier.allocate_state if payload.is_state(kind) else tier.allocate
             slab = allocate(
                 numel,
                 dtype,
-                kind=moment_kind(engine.config.optimizer_states) if fmt else _PAYLOAD[kind],
+                kind=payload.payload_kind(kind),
                 what=f"{group.name}#{chunk.index} {kind}",
             )
             if values is not None:
@@ -336,9 +289,9 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> dict[
         new_slabs[kind] = slabs
     for i, chunk in enumerate(chunks):
         if group.trainable:
-            opt_tier = engine.tiers[tiers["master"][i]]
+            opt_tier = parts.tiers[tiers["master"][i]]
             chunk.optim = OptimSlabs(
-                *(new_slabs[k][i] for k in (*_STATE_KINDS, "grad")),
+                *(new_slabs[k][i] for k in (*OPTIM_STATES, "grad")),
                 opt_tier,
             )
             chunk.grad_state = grad_state  # a new chunk starts where the old ones were
@@ -347,7 +300,7 @@ def _move_group(engine: Engine, group: ChunkGroup, chunks: list[Chunk]) -> dict[
             chunk.home = new_slabs["home"][i] if "home" in new_slabs else chunk.optim.master
         else:
             chunk.home = new_slabs["home"][i]
-        chunk.attach_params(engine.tiers["device"].device)
+        chunk.attach_params(parts.tiers["device"].device)
     group.chunks = chunks
     return tiers
 
@@ -362,10 +315,10 @@ def _gather_kind(
 ) -> list[torch.Tensor]:
     """This rank's shard of every new chunk, for one kind, filled from the old chunks (Adam
     moments stored in low precision are decoded: the new chunks' blocks are other blocks)."""
-    dtype = torch.float32 if kind in _STATE_KINDS else group.dtype
+    dtype = torch.float32 if kind in OPTIM_STATES else group.dtype
     shards = [torch.zeros(c.shard_size, dtype=dtype) for c in chunks]
     for old in group.chunks:
-        shard = read_slab(_slab(old, kind))
+        shard = read_slab(slab_of(old, kind))
         if fmt is not None:
             shard = fmt.decoded(shard, old.shard_size)
         full = gather_chunk(old, shard, collectives)

@@ -1,0 +1,202 @@
+"""Setup stage 6, values: every parameter's initial values written into its chunk's home and
+master payloads, from the model (the point of no return: [Note: atomic setup]) or, before it,
+from pretrained weights ([Note: loading pretrained weights]); then the model's buffers."""
+
+from __future__ import annotations
+
+import torch
+
+from tierwise.chunks import Chunk, ChunkGroup, ParamSlot, TensorState
+from tierwise.plan import LOAD_PIECE
+from tierwise.runtime.setup.meta_buffers import install_buffers
+from tierwise.tiers.base import PayloadKind, Tier
+
+
+def write_values(
+    model: torch.nn.Module,
+    *,
+    groups: list[ChunkGroup],
+    dtype: torch.dtype,
+    buffers: dict,
+    weights,
+    device: torch.device,
+) -> None:
+    """Give the model its values: the chunks are filled from the model unless ``weights`` (the
+    resolved pretrained weights ``load_pretrained`` wrote) filled them; the meta buffers
+    ``buffers`` are installed, the pretrained buffers loaded, every buffer put on ``device``.
+    Changes the model ([Note: atomic setup]: everything that may fail has run)."""
+    if weights is None:
+        fill_payloads(groups, dtype, model)
+    else:
+        off_meta(model)
+    install_buffers(buffers)
+    if weights is not None:
+        weights.load_buffers()
+    move_buffers(model, device)
+
+
+def load_pretrained(
+    resolved,
+    *,
+    claimed: list[tuple],
+    groups: list[ChunkGroup],
+    dtype: torch.dtype,
+    host_tier: Tier,
+    io_buffer_bytes: int,
+) -> None:
+    """Fill the chunks from ``resolved`` (a ``tierwise.weights.ResolvedWeights``; ``claimed``:
+    (name, parameter, pattern) of every parameter) with the plan's load buffers reserved on the
+    host tier; touches nothing on the model ([Note: loading pretrained weights]). Closes
+    ``resolved`` whatever happens; the caller releases the chunks when it raises."""
+    reserved = 0
+    try:
+        host_tier.reserve(
+            io_buffer_bytes,
+            kind=PayloadKind.STAGING,
+            what="the pretrained-weight load buffers (Plan.io_buffer_bytes)",
+        )
+        reserved = io_buffer_bytes
+        resolved.bind_slices(claimed)
+        fill_from_weights(groups, dtype, resolved)
+    finally:
+        host_tier.unreserve(reserved)
+        resolved.close()
+
+
+def off_meta(model: torch.nn.Module) -> None:
+    """Give parameters still on the meta device an empty CPU tensor (their values are in the
+    chunks; ``attach_params`` makes each a view). ``set_data`` cannot leave the meta device."""
+    for param in model.parameters():
+        if param.is_meta:
+            tags = dict(param.__dict__)  # swap_tensors swaps __dict__ too (shard specs)
+            empty = torch.nn.Parameter(torch.empty(0, dtype=param.dtype), param.requires_grad)
+            torch.utils.swap_tensors(param, empty)
+            param.__dict__.update(tags)
+
+
+def fill_payloads(groups: list[ChunkGroup], dtype: torch.dtype, model: torch.nn.Module) -> None:
+    """Write every parameter's initial values into its chunk's home and master payloads.
+
+    Payloads are zeroed first (padding stays zero). Parameters on the meta device are
+    materialised one module at a time (never the whole model at once) and initialised with the
+    model's own initialiser (HF ``_init_weights``, else ``reset_parameters``).
+    """
+    where: dict[int, tuple[Chunk, ParamSlot]] = {}
+    for group in groups:
+        for chunk in group.chunks:
+            shard_zeros = torch.zeros(chunk.shard_size, dtype=torch.float32)
+            if chunk.optim is not None:  # zero bytes: zero moments in every state precision
+                for slab in (chunk.optim.master, chunk.optim.exp_avg, chunk.optim.exp_avg_sq):
+                    slab.tier.write(slab, torch.zeros(slab.numel, dtype=slab.dtype)).wait()
+            if chunk.optim is None or chunk.home is not chunk.optim.master:
+                chunk.home.tier.write(chunk.home, shard_zeros.to(dtype)).wait()
+            for slot in chunk.slots:
+                where[id(slot.param)] = (chunk, slot)
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) in where]
+        if not own:
+            continue
+        on_meta = [p for p in own if p.is_meta]
+        for p in on_meta:  # set_data cannot move a tensor off the meta device: swap in place
+            cpu = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
+            torch.utils.swap_tensors(p, cpu)
+        if on_meta:
+            _initialise(model, module)
+        for p in own:
+            chunk, slot = where.pop(id(p))
+            _write_param(chunk, slot, p.detach().reshape(-1).float(), dtype)
+            slot.set_state(TensorState.HOLD)
+        for p in on_meta:  # its values are in the chunks now; bind_params makes it a view
+            p.data = torch.empty(0, dtype=p.dtype)
+
+
+def move_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Put the model's buffers (rotary tables, position ids, masks) on the compute device, where
+    the forward pass combines them with chunk-backed parameters and the inputs. Buffers still on
+    the meta device are left as they are."""
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if not buffer.is_meta and buffer.device != device:
+                setattr(module, name, buffer.to(device))  # keeps the buffer's persistence
+
+
+def _initialise(model: torch.nn.Module, module: torch.nn.Module) -> None:
+    init = getattr(model, "_init_weights", None)
+    if callable(init):
+        init(module)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    else:
+        raise ValueError(
+            f"tierwise.setup: cannot initialise {type(module).__name__} built on the meta device "
+            "(no reset_parameters and the model has no _init_weights); build it on cpu instead"
+        )
+
+
+def _write_param(chunk: Chunk, slot: ParamSlot, values: torch.Tensor, dtype: torch.dtype) -> None:
+    """Write the part of one parameter that falls in this rank's shard of its chunk."""
+    start, end = chunk.shard_range()
+    lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
+    if lo >= hi:
+        return
+    part = values[lo - slot.offset : hi - slot.offset]
+    if chunk.optim is not None:
+        chunk.optim.tier.write(chunk.optim.master, part, offset=lo - start).wait()
+    if chunk.optim is None or chunk.home is not chunk.optim.master:
+        chunk.home.tier.write(chunk.home, part.to(dtype), offset=lo - start).wait()
+
+
+FILL_PIECE = LOAD_PIECE
+"""Elements converted and written at a time when filling chunks from pretrained weights
+([Note: loading pretrained weights]): 16 MiB of fp32 plus its copy in the chunk's precision."""
+
+
+def fill_from_weights(groups: list[ChunkGroup], dtype: torch.dtype, weights) -> None:
+    """Write each parameter's pretrained values (``weights``, a
+    ``tierwise.weights.ResolvedWeights``) into its chunk's home and master payloads, chunk by
+    chunk, on each slab's tier; padding and optimizer moments are zeroed. Touches nothing on the
+    model ([Note: loading pretrained weights])."""
+    zeros = torch.zeros(FILL_PIECE, dtype=torch.float32)
+    for group in groups:
+        for chunk in group.chunks:
+            start, end = chunk.shard_range()
+            if chunk.optim is not None:
+                for slab in (chunk.optim.exp_avg, chunk.optim.exp_avg_sq):
+                    _write_pieces(slab, zeros, 0, chunk.shard_size)
+            covered = 0
+            for slot in sorted(chunk.slots, key=lambda s: s.offset):
+                lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
+                if lo < hi:
+                    _zero_range(chunk, dtype, zeros, covered, lo - start)
+                    values = weights.local_value(slot.name, lo - slot.offset, hi - slot.offset)
+                    for piece in range(0, hi - lo, FILL_PIECE):
+                        part = values[piece : piece + FILL_PIECE]
+                        _write_shard_part(chunk, lo - start + piece, part, dtype)
+                    del values
+                    covered = hi - start
+                slot.set_state(TensorState.HOLD)
+            _zero_range(chunk, dtype, zeros, covered, chunk.shard_size)
+
+
+def _write_pieces(slab, zeros: torch.Tensor, lo: int, hi: int) -> None:
+    for at in range(lo, hi, FILL_PIECE):
+        n = min(FILL_PIECE, hi - at)
+        slab.tier.write(slab, zeros[:n].to(slab.dtype), offset=at).wait()
+
+
+def _zero_range(chunk: Chunk, dtype: torch.dtype, zeros: torch.Tensor, lo: int, hi: int) -> None:
+    """Zero elements lo:hi of this rank's shard in the master and home payloads (padding)."""
+    if lo >= hi:
+        return
+    if chunk.optim is not None:
+        _write_pieces(chunk.optim.master, zeros, lo, hi)
+    if chunk.optim is None or chunk.home is not chunk.optim.master:
+        _write_pieces(chunk.home, zeros, lo, hi)
+
+
+def _write_shard_part(chunk: Chunk, at: int, part: torch.Tensor, dtype: torch.dtype) -> None:
+    """Write ``part`` at element ``at`` of this rank's shard: fp32 master, home in ``dtype``."""
+    if chunk.optim is not None:
+        chunk.optim.tier.write(chunk.optim.master, part.float(), offset=at).wait()
+    if chunk.optim is None or chunk.home is not chunk.optim.master:
+        chunk.home.tier.write(chunk.home, part.to(dtype), offset=at).wait()

@@ -121,8 +121,6 @@ class Chunk:
     """Trainable parameters whose gradient this backward has not delivered yet."""
     grad_state: GradState = GradState.EMPTY
     """Where its gradients are in their lifecycle: [Note: gradient lifecycle]."""
-    local_grad: torch.Tensor | None = None
-    """Full-chunk gradients accumulated locally under no_sync (not yet reduced; host memory)."""
 
     @property
     def key(self) -> tuple[str, int]:

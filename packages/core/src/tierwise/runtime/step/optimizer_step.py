@@ -30,7 +30,8 @@ from tierwise.optim import (
 from tierwise.optim.state_formats import LowBitMoments
 from tierwise.parallel.collectives import Collectives, world_size
 from tierwise.protocols import OptimizerPipeline
-from tierwise.runtime.grads.path import slot_grad
+from tierwise.runtime.grads.path import overlap_reason
+from tierwise.runtime.grads.storage import slot_grad
 from tierwise.runtime.index import ChunkIndex
 from tierwise.runtime.phases import Phases
 from tierwise.runtime.step.host_updates import HostUpdates
@@ -242,10 +243,6 @@ class OptimizerStep:
             self._decision = None
             self._settle_grads()
             self.exposed_optimizer_s = time.perf_counter() - began
-
-    def updated_in_backward(self, chunk: Chunk) -> bool:
-        """Whether ``chunk``'s update already ran (or is queued) during this backward."""
-        return chunk.grad_state in (GradState.UPDATING, GradState.UPDATED)
 
     def _settle_grads(self) -> None:
         """The step is over (committed, skipped or undone): updated chunks hold their
@@ -811,9 +808,7 @@ class OptimizerStep:
 
     def overlap_reason(self, previous_step: str) -> str:
         """Why updates ran during backward, for error messages."""
-        if self.config.optimizer_overlap == "auto":
-            return f"optimizer_overlap='auto' and the previous step {previous_step}"
-        return f"optimizer_overlap={self.config.optimizer_overlap!r}"
+        return overlap_reason(self.config.optimizer_overlap, previous_step)
 
     @property
     def has_uncommitted_updates(self) -> bool:

@@ -1,0 +1,90 @@
+"""Where a chunk's gradients are kept, and the operations on them that the gradient path and the
+optimizer step share: [Note: gradients without copies], [Note: active gradient offloading]."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierwise.chunks import Chunk, ParamSlot
+from tierwise.chunks.grad_state import GradOwner, GradState
+from tierwise.runtime.traffic import Traffic
+
+if TYPE_CHECKING:
+    from tierwise.runtime.grads.offload import GradientOffload
+
+_OWNER = GradOwner.GRADIENT_PATH
+
+
+def slot_grad(chunk: Chunk, shard: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    """One parameter's gradient: its kept tensor, or its part of ``shard``."""
+    if chunk.optim.grads_kept:
+        return slot.kept_grad
+    return shard[slot.offset : slot.offset + slot.numel]
+
+
+def zero_unwritten(chunk: Chunk, full: torch.Tensor) -> None:
+    """Zero the slots of ``full`` whose gradient did not arrive in this backward, and the
+    padding."""
+    used_end = 0
+    for slot in chunk.slots:
+        if not slot.got_grad:
+            full[slot.offset : slot.offset + slot.numel].zero_()
+        used_end = max(used_end, slot.offset + slot.numel)
+    full[used_end:].zero_()
+
+
+def begin_delivery(chunk: Chunk) -> None:
+    """A gradient of this backward is about to go into ``chunk``: [Note: gradient
+    lifecycle]."""
+    state = chunk.grad_state
+    if state is GradState.EMPTY:
+        chunk.move_grads(GradState.FILLING, _OWNER)
+    elif state in (GradState.HELD, GradState.REDUCED):
+        chunk.move_grads(GradState.ACCUMULATING, _OWNER)
+
+
+class GradStorage:
+    """The chunks' gradient shards: in memory (the shard's slab), or, for a shard on a storage
+    tier, a host buffer in front of it ([Note: active gradient offloading])."""
+
+    def __init__(self, *, traffic: Traffic, grad_offload: GradientOffload | None) -> None:
+        self.traffic = traffic
+        self.grad_offload = grad_offload
+        """Host buffers of shards on a storage tier ([Note: active gradient offloading])."""
+
+    def offloads(self, chunk: Chunk) -> bool:
+        """Whether the chunk's gradient shard lives on a storage tier ([Note: active gradient
+        offloading])."""
+        return self.grad_offload is not None and self.grad_offload.offloads(chunk)
+
+    def memory(self, chunk: Chunk, *, start: bool) -> torch.Tensor:
+        """The chunk's gradient shard in addressable memory (``start``: the first gradient
+        since zero_grad is written next, nothing to keep): the shard itself, or for a shard on
+        a storage tier a host buffer holding it ([Note: active gradient offloading])."""
+        if self.offloads(chunk):
+            return self.grad_offload.hold(chunk, fresh=start)
+        return chunk.optim.start_grad() if start else chunk.optim.grad.tensor
+
+    def add_reduced(self, chunk: Chunk, shard: torch.Tensor) -> None:
+        """A reduction of ``chunk`` landed: add its shard of averaged gradients (the chunk's
+        gradients of this backward are REDUCED then). A second one in the same backward (late
+        gradients: [Note: one collective order]) adds to the first."""
+        begin_delivery(chunk)
+        optim = chunk.optim
+        slab = optim.grad
+        offloaded = self.offloads(chunk)
+        tier = "host" if offloaded else slab.tier.name  # [Note: active gradient offloading]
+        if tier != "device":
+            self.traffic.count(f"device->{tier}", shard.numel() * shard.element_size())
+        first = chunk.grad_state is GradState.FILLING  # nothing held before this backward
+        if first and offloaded:
+            self.memory(chunk, start=True).copy_(shard)
+        elif first:
+            optim.start_grad()
+            slab.tier.write(slab, shard).wait()
+        else:
+            target = self.memory(chunk, start=False)
+            target.add_(shard.to(target.device))
+        chunk.move_grads(GradState.REDUCED, _OWNER)

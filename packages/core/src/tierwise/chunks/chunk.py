@@ -114,11 +114,6 @@ class Chunk:
     """rCache block it occupies, or None (not resident, or its home is ``flat`` itself)."""
     compute_refs: int = 0
     """How many parameters of this chunk are in COMPUTE (resident while > 0)."""
-    staging: torch.Tensor | None = None
-    """Full-chunk gradient buffer (a device block or a host buffer) while this backward fills
-    it, until its reduction is launched ([Note: bounded gradient blocks])."""
-    pending: int = 0
-    """Trainable parameters whose gradient this backward has not delivered yet."""
     grad_state: GradState = GradState.EMPTY
     """Where its gradients are in their lifecycle: [Note: gradient lifecycle]."""
 
@@ -147,7 +142,6 @@ class Chunk:
         payload itself when the chunk computes in its home, else a buffer on ``device`` whose
         storage is empty until the chunk is fetched ([Note: chunk storage]). At setup and after
         a re-layout; the home payload holds the values already."""
-        self.pending = len(self.slots) if self.trainable else 0
         if self.computes_in_home:
             self.flat, self.resident = self.home.tensor, True
         else:

@@ -99,6 +99,10 @@ class GradientPath:
         self.world_group = world_group
         self.multi_rank = index.multi_rank
         self._no_sync = False
+        self._pending: dict = {}
+        """Per chunk key: trainable parameters whose gradient this backward has not delivered
+        yet."""
+        self._reset_pending()
         self.storage = GradStorage(traffic=traffic, grad_offload=grad_offload)
         """The chunks' gradient shards, and what is done to them."""
         self.host_copies = HostGradCopies(tiers.get("host"), scratch_bytes=self._chunk_grad_bytes)
@@ -163,9 +167,9 @@ class GradientPath:
             target = self.reducer.late_buffer(chunk)  # a late gradient
         else:
             begin_delivery(chunk)
-            if chunk.staging is None:
+            if self.reducer.staging(chunk) is None:
                 self.reducer.staging_for(chunk)
-            target = chunk.staging
+            target = self.reducer.staging(chunk)
         segment = target[slot.offset : slot.offset + slot.numel]
         if slot.got_grad:  # a second delivery in one backward (re-entrant checkpoint reuse)
             segment.add_(grad.reshape(-1).to(segment.device))
@@ -183,8 +187,8 @@ class GradientPath:
         if slot.got_grad:
             return []
         slot.got_grad = True
-        chunk.pending -= 1
-        if chunk.pending > 0:
+        self._pending[chunk.key] -= 1
+        if self._pending[chunk.key] > 0:
             return []
         if chunk.group.world > 1:
             self.reducer.completed(chunk)
@@ -372,7 +376,7 @@ class GradientPath:
         """A backward stopped on an error: drop its staged gradients and reset the flags
         ([Note: an abandoned backward]; ``zero_grad`` drops the shards)."""
         self.host_copies.drop()  # no copy may still write into a shard being dropped
-        self.reducer.abandon(list(self.index.chunks()))
+        self.reducer.abandon()
         self._reset_flags()
         self.reducer.release_memory()
         self.reducer.forward.clear()
@@ -385,24 +389,32 @@ class GradientPath:
             GradState.ACCUMULATING: GradState.HELD,
             GradState.FILLING: GradState.EMPTY,
         }
+        self._reset_pending()
         for chunk in self.index.chunks():
-            chunk.pending = len(chunk.slots) if chunk.trainable else 0
             if chunk.grad_state in after:
                 chunk.move_grads(after[chunk.grad_state], _OWNER)
             for slot in chunk.slots:
                 slot.got_grad = False
 
+    def _reset_pending(self) -> None:
+        self._pending = {c.key: len(c.slots) if c.trainable else 0 for c in self.index.chunks()}
+
     def zero_grad(self) -> None:
         self.reducer.drop_local()
         for chunk in self.index.chunks():
-            if chunk.optim is not None:
-                if self.storage.offloads(chunk):
-                    self.grad_offload.drop(chunk)  # [Note: active gradient offloading]
-                chunk.optim.clear_grad()  # [Note: gradient memory between steps]
-            chunk.move_grads(GradState.EMPTY, _OWNER)
-            for slot in chunk.slots:
-                slot.has_grad = False
-                slot.kept_grad = None
+            self.drop_grads(chunk)
+
+    def drop_grads(self, chunk: Chunk) -> None:
+        """``chunk`` has no gradient from now on (zero_grad, or a checkpoint load overwrote its
+        states): its shard's memory goes back, it is EMPTY ([Note: gradient lifecycle])."""
+        if chunk.optim is not None:
+            if self.storage.offloads(chunk):
+                self.grad_offload.drop(chunk)  # [Note: active gradient offloading]
+            chunk.optim.clear_grad()  # [Note: gradient memory between steps]
+        chunk.move_grads(GradState.EMPTY, _OWNER)
+        for slot in chunk.slots:
+            slot.has_grad = False
+            slot.kept_grad = None
 
     def store_all_kept_grads(self) -> None:
         """Before a re-layout, which moves gradient shards: [Note: gradients without copies]."""
@@ -413,4 +425,5 @@ class GradientPath:
     def renew_staging(self) -> None:
         """After chunks were re-packed: a new block pool and reduction order."""
         self.reducer.renew(self._reduced_chunks())
+        self._reset_pending()
         self.host_copies.release()

@@ -3,6 +3,7 @@ optimizer step share: [Note: gradients without copies], [Note: active gradient o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,9 +20,32 @@ _OWNER = GradOwner.GRADIENT_PATH
 
 def slot_grad(chunk: Chunk, shard: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
     """One parameter's gradient: its kept tensor, or its part of ``shard``."""
-    if chunk.optim.grads_kept:
-        return slot.kept_grad
-    return shard[slot.offset : slot.offset + slot.numel]
+    return ChunkGrads(chunk, shard, chunk.optim.grads_kept).slot(slot)
+
+
+@dataclass(frozen=True)
+class ChunkGrads:
+    """One chunk's gradients of this step, as they are stored: the kept autograd tensors
+    ([Note: gradients without copies]) or a flat shard in memory (the shard's slab, or the
+    host buffer of a shard on a storage tier: [Note: active gradient offloading])."""
+
+    chunk: Chunk
+    shard: torch.Tensor
+    """The chunk's flat gradient shard in memory (not this step's gradients when ``kept``)."""
+    kept: bool
+    """The slots' kept autograd tensors hold this step's gradients."""
+
+    def slot(self, slot: ParamSlot) -> torch.Tensor:
+        """One parameter's gradient."""
+        return slot.kept_grad if self.kept else self.shard[slot.offset : slot.offset + slot.numel]
+
+    def kept_slots(self) -> list[ParamSlot]:
+        """The slots with a kept gradient (``kept``)."""
+        return [s for s in self.chunk.slots if s.kept_grad is not None]
+
+    def all_finite(self) -> bool:
+        tensors = [s.kept_grad for s in self.kept_slots()] if self.kept else [self.shard]
+        return all(bool(torch.isfinite(grad).all()) for grad in tensors)
 
 
 def zero_unwritten(chunk: Chunk, full: torch.Tensor) -> None:
@@ -88,3 +112,21 @@ class GradStorage:
             target = self.memory(chunk, start=False)
             target.add_(shard.to(target.device))
         chunk.move_grads(GradState.REDUCED, _OWNER)
+
+    def read(self, chunk: Chunk) -> ChunkGrads:
+        """``chunk``'s gradients to read now (a shard on a storage tier is read back, and may
+        be written out again when another is read: use it before reading the next)."""
+        return ChunkGrads(chunk, self.memory(chunk, start=False), chunk.optim.grads_kept)
+
+    def lend(self, chunk: Chunk) -> ChunkGrads:
+        """``chunk``'s gradients for its update: a shard on a storage tier is lent as its host
+        buffer until ``give_back`` ([Note: active gradient offloading])."""
+        kept = chunk.optim.grads_kept
+        if self.offloads(chunk):
+            return ChunkGrads(chunk, self.grad_offload.lend(chunk), kept)
+        return ChunkGrads(chunk, chunk.optim.grad.tensor, kept)
+
+    def give_back(self, chunk: Chunk) -> None:
+        """The update that was lent ``chunk``'s shard ran or was dropped (any thread)."""
+        if self.offloads(chunk):
+            self.grad_offload.consumed(chunk)

@@ -69,19 +69,16 @@ from tierwise.parallel.collectives import Collectives
 from tierwise.planning.planner import receive_block_numel
 from tierwise.runtime.grads.reduce.blocks import BlockPool
 from tierwise.runtime.grads.reduce.rank_order import reduce_in_rank_order
-from tierwise.runtime.grads.reduce.schedule import END, ForwardRecord, launch_schedule
+from tierwise.runtime.grads.reduce.schedule import END, DuePoints
 from tierwise.runtime.grads.storage import GradStorage, zero_unwritten
 from tierwise.tiers.base import Tier
-
-__all__ = ["END", "GradientReducer"]
 
 
 class GradientReducer:
     """Holds the multi-rank gradients of a backward and reduces them: [Note: one collective
-    order], [Note: bounded gradient blocks]. ``chunk.staging`` is the buffer a chunk's
-    gradients of this backward are written into (a device block or a host buffer). A reduction
-    that lands is added into the chunk's gradient storage (``storage``); the chunks it made
-    final are taken with ``take_final``. It calls nothing of its owner."""
+    order], [Note: bounded gradient blocks]. A chunk's *staging* (``staging``) is the buffer its
+    gradients of this backward are written into (a device block or a host buffer). A landed
+    reduction goes into ``storage``; ``take_final`` returns the chunks made final."""
 
     def __init__(
         self,
@@ -99,31 +96,16 @@ class GradientReducer:
         self.reduce_order = reduce_order
         """"fast" (the backend's sum) or "rank" ([Note: reduction in rank order])."""
         self.pool = BlockPool(device_tier, dtype, blocks)
-        """Device blocks, host buffers and the receive block ([Note: bounded gradient
-        blocks])."""
+        """Device blocks, host buffers, the receive block: [Note: bounded gradient blocks]."""
         self.collectives = collectives
         self.dtype = dtype
-        self.blocks = blocks
         self.world_group = world_group
         self.storage = storage
         """Where a landed reduction is added: the chunks' gradient storage."""
-        self.forward = ForwardRecord()
-        """This step's forward, from which due points are predicted ([Note: due points
-        predicted from the forward])."""
-        self._predicted = False
-        """Whether this backward's due points come from a last backward or an agreed
-        prediction (False: predict them at the first sync point)."""
+        self.schedule = DuePoints()
+        """The reduction order and due points: [Note: due points predicted from the forward]."""
         self._final: list[Chunk] = []
-        """Chunks whose reduced gradients became final because no rank was missing a gradient
-        of them at launch, not yet taken (``take_final``): as soon as a chunk's reduction and
-        flags land, during backward (or in ``finish`` for chunks launched there): [Note: one
-        collective order]."""
-        self.order: list[Hashable] = []
-        """The reduction order (chunk keys), the same on every rank."""
-        self.due: dict[Hashable, int] = {}
-        """Per chunk: the sync point its reduction is launched at (``END``: end of backward)."""
-        self._schedule: list[Hashable] = []
-        self._next = 0
+        """Chunks made final by their flags (``finalised``), not yet taken (``take_final``)."""
         self.sync = 0
         """Sync points passed in this backward."""
         self.launches: list[tuple[str, Hashable]] = []
@@ -133,6 +115,8 @@ class GradientReducer:
         self._launched: set[Hashable] = set()
         self._completed: dict[Hashable, int] = {}
         self._late: dict[Hashable, torch.Tensor] = {}
+        self._staging: dict[Hashable, torch.Tensor] = {}
+        """Per chunk, its staging until its reduction is launched (this part alone sets it)."""
         self._local: dict[Hashable, torch.Tensor] = {}
         """Full-chunk gradients accumulated under ``no_sync``, not yet reduced (host memory):
         added to the chunk's staging when it is next launched."""
@@ -153,6 +137,9 @@ class GradientReducer:
         """Most chunks waiting in host buffers at once in the last finished backward."""
         self._peak_on_host = 0
 
+    order = property(lambda self: self.schedule.order)
+    due = property(lambda self: self.schedule.due)
+    forward = property(lambda self: self.schedule.forward)
     slabs = property(lambda self: self.pool.slabs)
     peak_blocks = property(lambda self: self.pool.peak_blocks)
 
@@ -160,12 +147,9 @@ class GradientReducer:
     def set_chunks(self, chunks: list[Chunk]) -> None:
         """The chunks reduced across ranks, in layout order (the same on every rank): the
         reduction order is its reverse, every chunk due at the end of the next backward."""
-        self.order = [c.key for c in reversed(chunks)]
-        self.due = dict.fromkeys(self.order, END)
-        self._predicted = False
+        self.schedule.reset([c.key for c in reversed(chunks)])
         self.pool.block_numel = max((c.capacity for c in chunks), default=0)
         self.pool.receive.numel = receive_block_numel([(c.capacity, c.group.world) for c in chunks])
-        self._build_schedule()
 
     def record_forward(self, module: object, keys: set, *, limit: int) -> None:
         """A hooked module's forward starts, touching the chunks ``keys``: recorded while due
@@ -174,27 +158,18 @@ class GradientReducer:
             self.forward.add(module, keys, limit=limit)
 
     def _agree_on_predicted_due(self) -> None:
-        """The first backward without a last one to learn from: every rank predicts the due
-        points from its forward, and the latest prediction of each chunk is taken ([Note: due
-        points predicted from the forward])."""
-        self._predicted = True
-        if not self.order:
-            return
-        mine = self.forward.predict(self.order)
-        due = torch.tensor([mine.get(key, END) for key in self.order], dtype=torch.int64)
-        if self.world_group is not None:
-            self.collectives.all_reduce(due, self.world_group, op=dist.ReduceOp.MAX)
-        self.due = {key: int(d) for key, d in zip(self.order, due.tolist(), strict=True)}
-        self._build_schedule()
+        """Agree on the due points predicted from the forward ([Note: due points predicted
+        from the forward]): the same collective at the same place of every rank's sequence."""
 
-    def _build_schedule(self) -> None:
-        self._schedule = launch_schedule(self.order, self.due)
-        self._next = 0
+        def all_reduce_max(due: torch.Tensor) -> None:
+            self.collectives.all_reduce(due, self.world_group, op=dist.ReduceOp.MAX)
+
+        self.schedule.agree_on_predicted(all_reduce_max if self.world_group is not None else None)
 
     @property
     def predicting(self) -> bool:
         """Whether the next backward's due points are to be predicted from its forward."""
-        return not self._predicted
+        return not self.schedule.predicted
 
     def launched(self, chunk: Chunk) -> bool:
         """Whether ``chunk``'s reduction was launched in this backward."""
@@ -206,12 +181,16 @@ class GradientReducer:
         block, else a host buffer ([Note: bounded gradient blocks])."""
         self._collect(wait=False)
         if self.pool.has_free():
-            chunk.staging = self.pool.take()[: chunk.capacity]
+            self._staging[chunk.key] = self.pool.take()[: chunk.capacity]
             self._holding[chunk.key] = chunk
         else:
-            chunk.staging = self.pool.host(chunk.capacity)
+            self._staging[chunk.key] = self.pool.host(chunk.capacity)
             self._on_host.add(chunk.key)
             self._peak_on_host = max(self._peak_on_host, len(self._on_host))
+
+    def staging(self, chunk: Chunk) -> torch.Tensor | None:
+        """``chunk``'s staging (None: no gradient of this backward before its launch)."""
+        return self._staging.get(chunk.key)
 
     def late_buffer(self, chunk: Chunk) -> torch.Tensor:
         """The host buffer of gradients that arrive after ``chunk`` was launched (zeros where
@@ -253,16 +232,16 @@ class GradientReducer:
             raise RuntimeError("tierwise bug: every gradient block is taken and none can spill")
         chunk = self._holding.pop(key)
         host = self.pool.host(chunk.capacity)
-        host.copy_(chunk.staging)
-        self.pool.give(chunk.staging)
-        chunk.staging = host
+        host.copy_(self._staging[key])
+        self.pool.give(self._staging[key])
+        self._staging[key] = host
         self._on_host.add(key)
 
     # ------------------------------------------------------------------ launches
     def sync_point(self, chunks_by_key: dict) -> None:
         """A module's backward starts: launch what is due ([Note: one collective order])."""
         self.sync += 1
-        if not self._predicted:
+        if not self.schedule.predicted:
             self._agree_on_predicted_due()
         self._launch_due(self.sync, chunks_by_key)
         self._collect(wait=False)
@@ -271,15 +250,12 @@ class GradientReducer:
         """Launch, in schedule order, every chunk due by ``limit``; after each due point's
         chunks, agree on whether every rank had them complete ([Note: one collective
         order])."""
-        schedule = self._schedule
-        while self._next < len(schedule) and self.due[schedule[self._next]] <= limit:
-            due = self.due[schedule[self._next]]
+        for due, keys in self.schedule.take_due(limit):
             launched = []
-            while self._next < len(schedule) and self.due[schedule[self._next]] == due:
-                chunk = chunks_by_key[schedule[self._next]]
-                launched.append((chunk, chunk.pending > 0))
+            for key in keys:
+                chunk = chunks_by_key[key]
+                launched.append((chunk, key not in self._completed))
                 self._launch(chunk)
-                self._next += 1
             if due != END and self.world_group is not None:
                 self._agree_complete(launched)
 
@@ -294,23 +270,24 @@ class GradientReducer:
 
     def _launch(self, chunk: Chunk) -> None:
         key = chunk.key
-        if chunk.staging is None:  # nothing arrived here yet: zeros
-            chunk.staging = self._device_block(key)[: chunk.capacity]
+        staging = self._staging.get(key)
+        if staging is None:  # nothing arrived here yet: zeros
+            staging = self._staging[key] = self._device_block(key)[: chunk.capacity]
             self._holding[key] = chunk
         # zeros where no gradient arrived, plus what no_sync accumulated
-        zero_unwritten(chunk, chunk.staging)
+        zero_unwritten(chunk, staging)
         local = self._local.pop(key, None)
         if local is not None:
-            chunk.staging.add_(local.to(chunk.staging.device))
-        full = chunk.staging
+            staging.add_(local.to(staging.device))
+        full = staging
         if key in self._on_host:
             self._on_host.discard(key)
             full = self._device_block(key)[: chunk.capacity]
-            full.copy_(chunk.staging)
-            self.pool.give_host(chunk.staging)
+            full.copy_(staging)
+            self.pool.give_host(staging)
         else:
             del self._holding[key]
-        chunk.staging = None
+        del self._staging[key]
         self._launched.add(key)
         self.launches.append(("reduce", key))
         self._reduce(chunk, full)
@@ -396,7 +373,7 @@ class GradientReducer:
         next due points, reduce the late parts, wait for everything ([Note: one collective
         order]). Returns the keys, in reduction order, of the chunks whose gradients are final
         now and were not finalised before (``final``)."""
-        if not self._predicted:  # no sync point in this backward: agree here, as others did
+        if not self.schedule.predicted:  # no sync point in this backward: agree here, as others did
             self._agree_on_predicted_due()
         self._launch_due(END, chunks_by_key)
         n = len(self.order)
@@ -420,7 +397,7 @@ class GradientReducer:
                 self._reduce(chunk, block)
         self._collect(wait=True)
         for i, key in enumerate(self.order):  # the slowest rank completed it after sync facts[i]
-            self.due[key] = int(facts[i]) + 1
+            self.schedule.due[key] = int(facts[i]) + 1
         self.last_launches, self.launches = self.launches, []
         self.peak_on_host, self._peak_on_host = self._peak_on_host, 0
         early = set(self.finalised)
@@ -429,13 +406,13 @@ class GradientReducer:
         return [key for key in self.order if key not in early]
 
     def _reset(self) -> None:
-        self._build_schedule()
+        self.schedule.restart()
         self.sync = 0
         self._launched.clear()
         self._completed.clear()
         self.finalised = []
 
-    def abandon(self, chunks: list[Chunk]) -> None:
+    def abandon(self) -> None:
         """A backward stopped on an error: wait for what is in flight, drop every buffer."""
         for _chunk, work, _out, full in self._inflight:
             work.wait()
@@ -445,13 +422,12 @@ class GradientReducer:
             work.wait()
         self._agreeing.clear()
         self._final = []
-        for chunk in chunks:
-            if chunk.staging is not None:
-                if chunk.key in self._on_host:
-                    self.pool.give_host(chunk.staging)
-                else:
-                    self.pool.give(chunk.staging)
-                chunk.staging = None
+        for key, staging in self._staging.items():
+            if key in self._on_host:
+                self.pool.give_host(staging)
+            else:
+                self.pool.give(staging)
+        self._staging.clear()
         for late in self._late.values():
             self.pool.give_host(late)
         self._late.clear()

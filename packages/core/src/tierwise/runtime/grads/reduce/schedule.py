@@ -21,6 +21,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Hashable
 
+import torch
+
 END = 2**62
 """The due point "end of backward"."""
 
@@ -66,3 +68,61 @@ class ForwardRecord:
 
     def clear(self) -> None:
         self.calls.clear()
+
+
+class DuePoints:
+    """The reduction order and each chunk's due point ([Note: one collective order]): predicted
+    from the forward until a backward has shown them ([Note: due points predicted from the
+    forward]), learnt from each backward after."""
+
+    def __init__(self) -> None:
+        self.order: list[Hashable] = []
+        """The reduction order (chunk keys), the same on every rank."""
+        self.due: dict[Hashable, int] = {}
+        """Per chunk: the sync point its reduction is launched at (``END``: end of backward)."""
+        self.forward = ForwardRecord()
+        """This step's forward, from which due points are predicted."""
+        self.predicted = False
+        """Whether this backward's due points come from a last backward or an agreed
+        prediction (False: predict them at the first sync point)."""
+        self._schedule: list[Hashable] = []
+        self._next = 0
+
+    def reset(self, order: list[Hashable]) -> None:
+        """A new reduction ``order``: every chunk due at the end of the next backward, unless
+        predicted."""
+        self.order = order
+        self.due = dict.fromkeys(order, END)
+        self.predicted = False
+        self.restart()
+
+    def restart(self) -> None:
+        """A backward starts over the launch schedule."""
+        self._schedule = launch_schedule(self.order, self.due)
+        self._next = 0
+
+    def agree_on_predicted(self, all_reduce_max) -> None:
+        """The first backward without a last one to learn from: every rank predicts the due
+        points from its forward, and the latest prediction of each chunk is taken (``all_reduce_max``
+        reduces an int64 tensor in place over the world, None with one rank)."""
+        self.predicted = True
+        if not self.order:
+            return
+        mine = self.forward.predict(self.order)
+        due = torch.tensor([mine.get(key, END) for key in self.order], dtype=torch.int64)
+        if all_reduce_max is not None:
+            all_reduce_max(due)
+        self.due = {key: int(d) for key, d in zip(self.order, due.tolist(), strict=True)}
+        self.restart()
+
+    def take_due(self, limit: int):
+        """(due point, keys due there, in launch order) of every due point up to ``limit`` not
+        taken yet in this backward, in order."""
+        schedule = self._schedule
+        while self._next < len(schedule) and self.due[schedule[self._next]] <= limit:
+            due = self.due[schedule[self._next]]
+            keys = []
+            while self._next < len(schedule) and self.due[schedule[self._next]] == due:
+                keys.append(schedule[self._next])
+                self._next += 1
+            yield due, keys

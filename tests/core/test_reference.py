@@ -88,7 +88,7 @@ def test_bf16_host_updates_in_pieces(monkeypatch):
     gradient shard, converted and updated a piece at a time). Pieces that split parameters give
     bit for bit the masters and losses of one whole-shard piece, with clipping (a multiplier on
     each piece) and without; without clipping they match the reference mixed-precision loop bit for bit."""
-    from tierwise.runtime.step import optimizer_step as stepping
+    from tierwise.runtime.step import update as stepping
 
     host = dict(
         precision="bf16",

@@ -145,7 +145,7 @@ def test_accumulated_gradients_reach_host_shards_without_a_blocking_copy(device,
     """Defect 4, accumulation: a second micro-batch's gradients are copied to the host without
     blocking and added once their chunk lands ([Note: one host wait per chunk]); the shards hold
     plain PyTorch's accumulated gradients bitwise (fp32, the same CUDA kernels, IEEE adds)."""
-    from tierwise.runtime.grads.path import slot_grad
+    from tierwise.runtime.grads.storage import slot_grad
 
     blocking: list[tuple] = []
     original_copy, original_to = torch.Tensor.copy_, torch.Tensor.to

@@ -82,5 +82,5 @@ def clip_grad_norm_(
 @contextmanager
 def no_sync(model: torch.nn.Module):
     """Accumulate gradients without communication (like DDP's ``no_sync``)."""
-    with engine_of(model).gradients.no_sync():
+    with engine_of(model).no_sync():
         yield

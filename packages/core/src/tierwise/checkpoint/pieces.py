@@ -241,11 +241,9 @@ def load_from_reader(engine: Engine, reader: CheckpointReader) -> None:
                 write_slab(slab, stored if stored is not None else fmt.encoded(values[kind]))
             if chunk.home is not chunk.optim.master:
                 write_slab(chunk.home, values["master"].to(engine.dtype))
-            chunk.optim.clear_grad()
         else:
             write_slab(chunk.home, values["master"])
-        for slot in chunk.slots:
-            slot.has_grad = False
+        engine.drop_grads(chunk)  # [Note: gradient lifecycle]
     engine.load_state_dict({**state, "step_counts": {"counts": step_counts}})
     engine.invalidate_cache()
 

@@ -108,15 +108,8 @@ class Chunk:
     """The whole chunk on the compute device; parameters are permanent views of it. For a
     cached chunk its storage is empty while not resident (see [Note: chunk storage]): whether
     it is, and in which rCache block, residency keeps in its own table."""
-    staging: torch.Tensor | None = None
-    """Full-chunk gradient buffer (a device block or a host buffer) while this backward fills
-    it, until its reduction is launched ([Note: bounded gradient blocks])."""
-    pending: int = 0
-    """Trainable parameters whose gradient this backward has not delivered yet."""
     grad_state: GradState = GradState.EMPTY
     """Where its gradients are in their lifecycle: [Note: gradient lifecycle]."""
-    local_grad: torch.Tensor | None = None
-    """Full-chunk gradients accumulated locally under no_sync (not yet reduced; host memory)."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -143,7 +136,6 @@ class Chunk:
         payload itself when the chunk computes in its home, else a buffer on ``device`` whose
         storage is empty until the chunk is fetched ([Note: chunk storage]). At setup and after
         a re-layout; the home payload holds the values already."""
-        self.pending = len(self.slots) if self.trainable else 0
         if self.computes_in_home:
             self.flat = self.home.tensor
         else:

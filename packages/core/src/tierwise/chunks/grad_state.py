@@ -6,7 +6,7 @@ keeps one ``TrainingState`` per module. Each transition has one owner and is che
 
     EMPTY --first gradient since zero_grad--> FILLING --all of this backward's--> REDUCED
     HELD --first gradient of a later backward (accumulation)--> ACCUMULATING --> REDUCED
-    FILLING --end of a ``no_sync`` backward of several ranks (kept in local_grad)--> EMPTY
+    FILLING --end of a ``no_sync`` backward of several ranks (kept in the reducer's local buffer)--> EMPTY
     EMPTY --end of backward, no gradient at all (zeros)--> REDUCED
     REDUCED --a late gradient in the same backward (re-entrant checkpoint reuse)--> ACCUMULATING
     REDUCED --end of backward--> HELD
@@ -16,7 +16,7 @@ keeps one ``TrainingState`` per module. Each transition has one owner and is che
     UPDATED --the speculation failed (norm over max_norm, fp16 overflow)--> ROLLED_BACK
     ROLLED_BACK --the update is redone with the right coefficient--> UPDATING
     UPDATING, ROLLED_BACK --a failed step was undone ([Note: atomic optimizer step])--> HELD
-    any --zero_grad or a dropped backward--> EMPTY
+    any --zero_grad, a dropped backward or a checkpoint load--> EMPTY
 
 The gradient path (``GradientPath``) owns every transition up to REDUCED and HELD, and back to
 EMPTY; the optimizer step (``OptimizerStep``) owns those from REDUCED/HELD on: the update,
@@ -27,7 +27,7 @@ agreed that none of them was missing a gradient of it at launch, else at the end
 ([Note: one collective order]).
 
 What stays beside the state is data, not lifecycle: the buffers that hold a chunk's gradients
-(its shard, ``OptimSlabs.grad_buffer``, ``staging``, ``local_grad``, the slots' ``kept_grad``
+(its shard, ``OptimSlabs.grad_buffer``, the reducer's staging and ``no_sync`` buffers, the slots' ``kept_grad``
 and ``OptimSlabs.grads_kept`` saying which of them holds this step's), the count of gradients
 this backward still owes (``pending``) and the per-parameter facts (``got_grad``,
 ``has_grad``).

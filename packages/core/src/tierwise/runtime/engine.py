@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -121,7 +122,7 @@ class Engine:
             module_names={m: n for n, m in model.named_modules()},
             scaler=self.scaler,
             records_order=lambda: not self._relayout_checked,
-            on_backward_module=lambda: self.gradients.sync_point(),
+            on_backward_module=lambda: self._hand_over(self.gradients.sync_point()),
             on_forward_module=lambda module: self.gradients.forward_module(module),
         )
         self.optimizer = OptimizerStep(
@@ -147,12 +148,12 @@ class Engine:
             dtype=self.dtype,
             collectives=self.collectives,
             phases=self.phases,
-            optimizer=self.optimizer,
             traffic=self.traffic,
             world_group=world_group,
             reduction_blocks=REDUCTION_BLOCKS,
             reduce_order=config.reduce_order,
             grad_offload=grad_offload,
+            optimizer_overlap=config.optimizer_overlap,
         )
         self.backward_failed: str | None = None
         """Why the last backward stopped on an error (None: it did not); cleared by zero_grad.
@@ -219,7 +220,7 @@ class Engine:
         """post-accumulate-grad hook: the gradient path takes it; finished modules are released."""
         with self.tracing.untraced():
             try:
-                self.gradients.on_grad(param)
+                self._hand_over(self.gradients.on_grad(param))
             except OSError as err:  # a gradient shard's disk I/O failed ([Note: active
                 # gradient offloading]): the backward ends here ([Note: an abandoned backward])
                 self.abandon_backward(f"{type(err).__name__}: {err}")
@@ -232,7 +233,7 @@ class Engine:
         self.phases.end_backward()
         self.loads.finish_all()  # prefetched but not used: [Note: prefetch overlap]
         try:
-            self.gradients.end_backward()
+            self._hand_over(self.gradients.end_backward())
         except OSError as err:  # a gradient shard's disk I/O failed ([Note: active gradient
             # offloading]): nothing of this backward is kept ([Note: an abandoned backward])
             self.abandon_backward(f"{type(err).__name__}: {err}")
@@ -240,6 +241,19 @@ class Engine:
         self.access.unpin_all()
         if self.residency.trace.recording:
             self.residency.trace.freeze()
+
+    def _hand_over(self, final: list) -> None:
+        """Chunks whose gradients the gradient path made final go to the optimizer step, in
+        that order ([Note: speculative updates])."""
+        for chunk in final:
+            self.optimizer.grads_final(chunk, in_no_sync=self.gradients.in_no_sync)
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally, without communication, until the context exits."""
+        self.optimizer.no_sync_entered()  # [Note: speculative updates]
+        with self.gradients.no_sync():
+            yield
 
     def abandon_backward(self, reason: str) -> None:
         """A backward stopped on an error (autograd ran no ``end_backward``): [Note: an
@@ -346,6 +360,11 @@ class Engine:
         """Own a hook another layer put on the model (the state-dict hooks): ``close`` removes
         it with the engine's own."""
         self.hook_handles.append(handle)
+
+    def drop_grads(self, chunk) -> None:
+        """``chunk``'s values were overwritten (a checkpoint load): it has no gradient from now
+        on, as after zero_grad ([Note: gradient lifecycle])."""
+        self.gradients.drop_grads(chunk)
 
     def invalidate_cache(self) -> None:
         """The chunks' stored values were written from outside a step (a checkpoint or a state

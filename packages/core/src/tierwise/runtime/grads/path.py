@@ -3,8 +3,9 @@
 A component of :class:`tierwise.runtime.engine.Engine` ([Note: shared runtime state]): it owns
 the ``no_sync`` state and the gradient reducer, and the chunks' gradient
 lifecycle up to REDUCED ([Note: gradient lifecycle]) with the per-backward counters (``pending``,
-the slots' ``got_grad``, ``has_grad`` and ``kept_grad``); it hands finished chunks to the
-optimizer step (``grads_final``). See [Note: gradient path].
+the slots' ``got_grad``, ``has_grad`` and ``kept_grad``). Its entry points (``on_grad``,
+``sync_point``, ``end_backward``) return the chunks whose gradients became final; the engine
+hands them to the optimizer step, which this part never calls. See [Note: gradient path].
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from tierwise.chunks.grad_state import GradOwner, GradState
 from tierwise.parallel.collectives import Collectives
 from tierwise.runtime.grads.host_copies import HostGradCopies
 from tierwise.runtime.grads.host_copies import applies as host_copy_applies
-from tierwise.runtime.grads.reduce.reducer import GradientReducer, predict_due
+from tierwise.runtime.grads.reduce.reducer import GradientReducer
+from tierwise.runtime.grads.storage import GradStorage, begin_delivery, zero_unwritten
 from tierwise.runtime.index import ChunkIndex
 from tierwise.runtime.phases import Phases
 from tierwise.runtime.traffic import Traffic
@@ -28,7 +30,6 @@ from tierwise.tiers.base import Tier
 
 if TYPE_CHECKING:
     from tierwise.runtime.grads.offload import GradientOffload
-    from tierwise.runtime.step.optimizer_step import OptimizerStep
 
 _OWNER = GradOwner.GRADIENT_PATH
 
@@ -59,11 +60,12 @@ _OWNER = GradOwner.GRADIENT_PATH
 # the step goes on from the shard.
 
 
-def slot_grad(chunk: Chunk, shard: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
-    """One parameter's gradient: its kept tensor, or its part of ``shard``."""
-    if chunk.optim.grads_kept:
-        return slot.kept_grad
-    return shard[slot.offset : slot.offset + slot.numel]
+def overlap_reason(overlap: str, previous_step: str) -> str:
+    """Why updates ran during backward (``Config.optimizer_overlap`` is ``overlap``), for
+    error messages."""
+    if overlap == "auto":
+        return f"optimizer_overlap='auto' and the previous step {previous_step}"
+    return f"optimizer_overlap={overlap!r}"
 
 
 class GradientPath:
@@ -77,25 +79,32 @@ class GradientPath:
         dtype: torch.dtype,
         collectives: Collectives,
         phases: Phases,
-        optimizer: OptimizerStep,
         traffic: Traffic,
         world_group: dist.ProcessGroup | None,
         reduction_blocks: int = 2,
         reduce_order: str = "fast",
         grad_offload: GradientOffload | None = None,
+        optimizer_overlap: str = "auto",
     ) -> None:
         self.index = index
+        self.optimizer_overlap = optimizer_overlap
+        """``Config.optimizer_overlap``, for the error on a gradient after its update."""
         self.grad_offload = grad_offload
         """Host buffers of shards on a storage tier ([Note: active gradient offloading])."""
         self.tiers = tiers
         self.dtype = dtype
         self.collectives = collectives
         self.phases = phases
-        self.optimizer = optimizer
         self.traffic = traffic
         self.world_group = world_group
         self.multi_rank = index.multi_rank
         self._no_sync = False
+        self._pending: dict = {}
+        """Per chunk key: trainable parameters whose gradient this backward has not delivered
+        yet."""
+        self._reset_pending()
+        self.storage = GradStorage(traffic=traffic, grad_offload=grad_offload)
+        """The chunks' gradient shards, and what is done to them."""
         self.host_copies = HostGradCopies(tiers.get("host"), scratch_bytes=self._chunk_grad_bytes)
         """Gradient copies into pinned host shards in flight ([Note: one host wait per
         chunk])."""
@@ -105,17 +114,11 @@ class GradientPath:
             dtype=dtype,
             blocks=reduction_blocks,
             world_group=world_group,
-            prepare=self._prepare_reduction,
-            accumulate=self._reduced,
-            final=self.optimizer.grads_final,
-            predict=self._predicted_due,
+            storage=self.storage,
             reduce_order=reduce_order,
         )
         """Reduces the chunks of data-parallel groups ([Note: one collective order], [Note:
         bounded gradient blocks])."""
-        self._forward_calls: list[tuple[torch.nn.Module, set]] = []
-        """The forward's module calls and the reduced chunks each touched, while the reducer
-        predicts due points ([Note: due points predicted from the forward])."""
         self.reducer.set_chunks(self._reduced_chunks())
 
     def forward_module(self, module: torch.nn.Module) -> None:
@@ -123,17 +126,19 @@ class GradientPath:
         points predicted from the forward])."""
         if not self.multi_rank or not self.reducer.predicting:
             return
-        calls = self._forward_calls
-        if len(calls) > 16 * max(len(self.index.modules), 1):
-            del calls[: len(calls) // 2]  # forwards no backward followed: keep the recent ones
         slot_chunk = self.index.slot_chunk
-        calls.append((module, {slot_chunk[id(s.param)].key for s in self.index.modules[module]}))
+        keys = {slot_chunk[id(s.param)].key for s in self.index.modules[module]}
+        self.reducer.record_forward(module, keys, limit=16 * max(len(self.index.modules), 1))
 
-    def _predicted_due(self, keys: list) -> dict:
-        return predict_due(self._forward_calls, keys)
+    @property
+    def in_no_sync(self) -> bool:
+        """Whether gradients accumulate locally now (``no_sync``)."""
+        return self._no_sync
 
-    def on_grad(self, param: torch.nn.Parameter) -> None:
-        """post-accumulate-grad hook: move the gradient into the chunk's staging buffer."""
+    def on_grad(self, param: torch.nn.Parameter) -> list[Chunk]:
+        """post-accumulate-grad hook: move the gradient into the chunk's staging buffer (or its
+        gradient shard). Returns the chunks whose gradients became final ([Note: speculative
+        updates]), in the order they did."""
         self.phases.enter_backward()
         chunk = self.index.slot_chunk[id(param)]
         slot = self.index.slot_of[id(param)]
@@ -141,18 +146,16 @@ class GradientPath:
         grad = param.grad
         param.grad = None
         if chunk.group.world == 1:
-            self._add_to_grad_shard(chunk, slot, grad)
-            return
+            return self._add_to_grad_shard(chunk, slot, grad)
         if not self.reducer.launched(chunk):  # a later backward than the update's
             self._refuse_after_update(chunk)
         if self._no_sync:  # accumulate locally, on the host: [Note: bounded gradient blocks]
-            self._begin_delivery(chunk)
-            if chunk.local_grad is None:
-                chunk.local_grad = torch.zeros(chunk.capacity, dtype=self.dtype)
-            segment = chunk.local_grad[slot.offset : slot.offset + slot.numel]
+            begin_delivery(chunk)
+            local = self.reducer.local_buffer(chunk)
+            segment = local[slot.offset : slot.offset + slot.numel]
             segment.add_(grad.reshape(-1).to(segment.device))
             self._hold_after_backward(slot)
-            return
+            return []
         if self.reducer.launched(chunk):  # [Note: one collective order]
             if slot.got_grad:
                 raise RuntimeError(
@@ -163,20 +166,35 @@ class GradientPath:
                 )
             target = self.reducer.late_buffer(chunk)  # a late gradient
         else:
-            self._begin_delivery(chunk)
-            if chunk.staging is None:
+            begin_delivery(chunk)
+            if self.reducer.staging(chunk) is None:
                 self.reducer.staging_for(chunk)
-            target = chunk.staging
+            target = self.reducer.staging(chunk)
         segment = target[slot.offset : slot.offset + slot.numel]
         if slot.got_grad:  # a second delivery in one backward (re-entrant checkpoint reuse)
             segment.add_(grad.reshape(-1).to(segment.device))
         else:
             segment.copy_(grad.reshape(-1))
-            slot.got_grad = True
-            chunk.pending -= 1
-            if chunk.pending == 0:
-                self.reducer.completed(chunk)
+        final = self._arrived(chunk, slot)
         self._hold_after_backward(slot)
+        return final + self.reducer.take_final()
+
+    def _arrived(self, chunk: Chunk, slot: ParamSlot) -> list[Chunk]:
+        """``slot``'s gradient of this backward is in: the one place that decides a chunk's
+        gradients of this backward are complete on this rank. Returns ``[chunk]`` when they
+        are and are final ([Note: speculative updates]): one process, at once; several ranks,
+        when the ranks agree (the reducer says so: [Note: one collective order])."""
+        if slot.got_grad:
+            return []
+        slot.got_grad = True
+        self._pending[chunk.key] -= 1
+        if self._pending[chunk.key] > 0:
+            return []
+        if chunk.group.world > 1:
+            self.reducer.completed(chunk)
+            return []
+        self._finish_fresh_grad(chunk)
+        return [chunk]
 
     @staticmethod
     def _hold_after_backward(slot: ParamSlot) -> None:
@@ -187,29 +205,14 @@ class GradientPath:
         """Trainable chunks of data-parallel groups, in layout order (the same on every rank)."""
         return [c for c in self.index.chunks() if c.trainable and c.group.world > 1]
 
-    def sync_point(self) -> None:
-        """A module's backward starts: [Note: one collective order]."""
+    def sync_point(self) -> list[Chunk]:
+        """A module's backward starts: [Note: one collective order]. Returns the chunks whose
+        gradients became final."""
         if self.multi_rank and not self._no_sync:
             self.reducer.sync_point(self.index.by_key)
+        return self.reducer.take_final()
 
-    def _prepare_reduction(self, chunk: Chunk) -> None:
-        """Before ``chunk``'s reduction: zeros where no gradient arrived, plus what ``no_sync``
-        accumulated ([Note: gradient lifecycle]: a chunk with no gradient yet starts filling)."""
-        self._begin_delivery(chunk)
-        self._zero_unwritten(chunk, chunk.staging)
-        if chunk.local_grad is not None:  # micro-batches accumulated under no_sync
-            chunk.staging.add_(chunk.local_grad.to(chunk.staging.device))
-            chunk.local_grad = None
-
-    def _reduced(self, chunk: Chunk, shard: torch.Tensor) -> None:
-        """A reduction of ``chunk`` landed: add its shard of averaged gradients. A second one
-        in the same backward (late gradients: [Note: one collective order]) adds to the first."""
-        if chunk.grad_state is GradState.REDUCED:
-            chunk.move_grads(GradState.ACCUMULATING, _OWNER)
-        self._accumulate_grad_shard(chunk, shard)
-        chunk.move_grads(GradState.REDUCED, _OWNER)
-
-    def _add_to_grad_shard(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
+    def _add_to_grad_shard(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> list[Chunk]:
         """Single process: accumulate straight into the gradient shard (no staging needed).
 
         [Note: first gradient is a copy]
@@ -224,10 +227,9 @@ class GradientPath:
         self._refuse_after_update(chunk)
         empty = chunk.grad_state is GradState.EMPTY
         if (optim.grads_kept or empty) and self._keeps_grads(chunk):
-            self._keep_grad(chunk, slot, grad)
-            return
-        target = self.grad_memory(chunk, start=empty)
-        self._begin_delivery(chunk)
+            return self._keep_grad(chunk, slot, grad)
+        target = self.storage.memory(chunk, start=empty)
+        begin_delivery(chunk)
         segment = target[slot.offset : slot.offset + slot.numel]
         if chunk.grad_state is GradState.FILLING and not slot.got_grad:
             self._copy_grad(chunk, segment, grad.reshape(-1))
@@ -240,21 +242,18 @@ class GradientPath:
         tier = "host" if optim.grad_buffer is not None else optim.grad.tier.name
         if tier != "device":
             self.traffic.count(f"device->{tier}", grad.numel() * grad.element_size())
-        if not slot.got_grad:
-            slot.got_grad = True
-            chunk.pending -= 1
-            if chunk.pending == 0:
-                self._finish_fresh_grad(chunk)
-                self.optimizer.grads_final(chunk, in_no_sync=self._no_sync)
-        if slot.state is not TensorState.COMPUTE:
-            slot.set_state(TensorState.HOLD_AFTER_BWD)
+        final = self._arrived(chunk, slot)
+        self._hold_after_backward(slot)
+        return final
 
     def _refuse_after_update(self, chunk: Chunk) -> None:
-        """A gradient for a chunk whose update already ran in a backward of this step."""
-        if self.optimizer.updated_in_backward(chunk):
+        """A gradient for a chunk whose update already ran (or is queued) in a backward of this
+        step."""
+        if chunk.grad_state in (GradState.UPDATING, GradState.UPDATED):
+            reason = overlap_reason(self.optimizer_overlap, "had one backward pass")
             raise RuntimeError(
                 "tierwise: a gradient arrived for a chunk whose optimizer update already ran "
-                f"during backward ({self.optimizer.overlap_reason('had one backward pass')}); with "
+                f"during backward ({reason}); with "
                 "gradient accumulation pass Config.accumulation_steps or use tierwise.no_sync "
                 "on all micro-batches but the last; with re-entrant checkpoint reuse set "
                 "optimizer_overlap='after-backward'"
@@ -267,26 +266,20 @@ class GradientPath:
         return (
             not self.multi_rank
             and optim.grad.tier is self.tiers["device"]
-            and optim.tier.ADDRESSABLE
-            and optim.tier.name not in self.optimizer.pipelines
+            and optim.tier.ADDRESSABLE  # no optimizer pipeline: those are for storage tiers
         )
 
-    def _keep_grad(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
+    def _keep_grad(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> list[Chunk]:
         """[Note: gradients without copies]: keep autograd's gradient, or add into the kept one."""
         chunk.optim.grads_kept = True
-        self._begin_delivery(chunk)
+        begin_delivery(chunk)
         if slot.kept_grad is None:
             slot.kept_grad = grad.reshape(-1)  # a view: autograd's gradients are contiguous
         else:
             slot.kept_grad.add_(grad.reshape(-1))
-        if not slot.got_grad:
-            slot.got_grad = True
-            chunk.pending -= 1
-            if chunk.pending == 0:  # final for this backward: [Note: speculative updates]
-                self._finish_fresh_grad(chunk)
-                self.optimizer.grads_final(chunk, in_no_sync=self._no_sync)
-        if slot.state is not TensorState.COMPUTE:
-            slot.set_state(TensorState.HOLD_AFTER_BWD)
+        final = self._arrived(chunk, slot)
+        self._hold_after_backward(slot)
+        return final
 
     def _store_kept_grads(self, chunk: Chunk) -> None:
         """Copy kept gradients into the gradient shard (zeros where a slot has none), which
@@ -305,35 +298,13 @@ class GradientPath:
     def grad_shard(self, chunk: Chunk) -> torch.Tensor:
         """The chunk's gradient shard with this step's gradients in it."""
         self._store_kept_grads(chunk)
-        return self.grad_memory(chunk, start=False)
-
-    def offloads(self, chunk: Chunk) -> bool:
-        """Whether the chunk's gradient shard lives on a storage tier ([Note: active gradient
-        offloading])."""
-        return self.grad_offload is not None and self.grad_offload.offloads(chunk)
-
-    def grad_memory(self, chunk: Chunk, *, start: bool) -> torch.Tensor:
-        """The chunk's gradient shard in addressable memory (``start``: the first gradient
-        since zero_grad is written next, nothing to keep): the shard itself, or for a shard on
-        a storage tier a host buffer holding it ([Note: active gradient offloading])."""
-        if self.offloads(chunk):
-            return self.grad_offload.hold(chunk, fresh=start)
-        return chunk.optim.start_grad() if start else chunk.optim.grad.tensor
-
-    def _begin_delivery(self, chunk: Chunk) -> None:
-        """A gradient of this backward is about to go into ``chunk``: [Note: gradient
-        lifecycle]."""
-        state = chunk.grad_state
-        if state is GradState.EMPTY:
-            chunk.move_grads(GradState.FILLING, _OWNER)
-        elif state in (GradState.HELD, GradState.REDUCED):
-            chunk.move_grads(GradState.ACCUMULATING, _OWNER)
+        return self.storage.memory(chunk, start=False)
 
     def _copies_to_host(self, chunk: Chunk, segment: torch.Tensor, grad: torch.Tensor) -> bool:
         """Whether ``grad`` goes into ``chunk``'s pinned host shard without blocking ([Note: one
         host wait per chunk]). A shard kept on a storage tier is copied as before (its host
         buffer may be written out while filling)."""
-        return not self.offloads(chunk) and host_copy_applies(segment, grad)
+        return not self.storage.offloads(chunk) and host_copy_applies(segment, grad)
 
     def _copy_grad(self, chunk: Chunk, segment: torch.Tensor, grad: torch.Tensor) -> None:
         """Copy a parameter's first gradient into its slot of the gradient shard: [Note: one
@@ -365,102 +336,85 @@ class GradientPath:
         if state is GradState.EMPTY:  # no gradient at all since zero_grad
             if self._keeps_grads(chunk):
                 return  # nothing to zero, no update: [Note: gradients without copies]
-            self.grad_memory(chunk, start=True).zero_()
+            self.storage.memory(chunk, start=True).zero_()
         elif state is GradState.FILLING:
             if not optim.grads_kept:
-                self._zero_unwritten(chunk, self.grad_memory(chunk, start=False))
+                zero_unwritten(chunk, self.storage.memory(chunk, start=False))
         elif state is not GradState.ACCUMULATING:
             return  # finished already, or nothing delivered in this backward
         chunk.move_grads(GradState.REDUCED, _OWNER)
-
-    @staticmethod
-    def _zero_unwritten(chunk: Chunk, full: torch.Tensor) -> None:
-        """Zero the slots of ``full`` whose gradient did not arrive, and the padding."""
-        used_end = 0
-        for slot in chunk.slots:
-            if not slot.got_grad:
-                full[slot.offset : slot.offset + slot.numel].zero_()
-            used_end = max(used_end, slot.offset + slot.numel)
-        full[used_end:].zero_()
-
-    def _accumulate_grad_shard(self, chunk: Chunk, shard: torch.Tensor) -> None:
-        optim = chunk.optim
-        slab = optim.grad
-        offloaded = self.offloads(chunk)
-        tier = "host" if offloaded else slab.tier.name  # [Note: active gradient offloading]
-        if tier != "device":
-            self.traffic.count(f"device->{tier}", shard.numel() * shard.element_size())
-        first = chunk.grad_state is GradState.FILLING  # nothing held before this backward
-        if first and offloaded:
-            self.grad_memory(chunk, start=True).copy_(shard)
-        elif first:
-            optim.start_grad()
-            slab.tier.write(slab, shard).wait()
-        else:
-            target = self.grad_memory(chunk, start=False)
-            target.add_(shard.to(target.device))
 
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally, without communication, until the context exits."""
         previous, self._no_sync = self._no_sync, True
-        self.optimizer.no_sync_entered()  # [Note: speculative updates]
         try:
             yield
         finally:
             self._no_sync = previous
 
-    def end_backward(self) -> None:
+    def end_backward(self) -> list[Chunk]:
         """Autograd finished a backward: finalise every chunk's gradients (zeros where none
-        arrived), finish the reductions ([Note: one collective order]), hand the chunks not
-        handed over yet to the optimizer step, and reset the gradient flags."""
+        arrived), finish the reductions ([Note: one collective order]) and reset the gradient
+        flags. Returns the chunks whose gradients became final and were not returned before:
+        those agreed final while finishing, then the rest in reduction order."""
         for chunk in self.index.chunks():
             if chunk.trainable and chunk.group.world == 1:
                 self._finish_fresh_grad(chunk)  # [Note: first gradient is a copy]
+        final = []
         if self.multi_rank and not self._no_sync:
             # chunks no rank launched incomplete were final when they landed: [Note: one
             # collective order]
-            for key in self.reducer.finish(self.index.by_key):
-                self.optimizer.grads_final(self.index.by_key[key])
+            rest = self.reducer.finish(self.index.by_key)
+            final = self.reducer.take_final() + [self.index.by_key[key] for key in rest]
         self.reducer.release_memory()
         self._reset_flags()
-        self._forward_calls.clear()
+        self.reducer.forward.clear()
+        return final
 
     def abandon_backward(self) -> None:
         """A backward stopped on an error: drop its staged gradients and reset the flags
         ([Note: an abandoned backward]; ``zero_grad`` drops the shards)."""
         self.host_copies.drop()  # no copy may still write into a shard being dropped
-        self.reducer.abandon(list(self.index.chunks()))
+        self.reducer.abandon()
         self._reset_flags()
         self.reducer.release_memory()
-        self._forward_calls.clear()
+        self.reducer.forward.clear()
 
     def _reset_flags(self) -> None:
         """The backward is over: per-backward counters restart, and each chunk's gradients
-        are held (or, left in ``local_grad`` by ``no_sync``, not yet in the shard)."""
+        are held (or, left in the reducer's local buffer by ``no_sync``, not yet in the shard)."""
         after = {
             GradState.REDUCED: GradState.HELD,
             GradState.ACCUMULATING: GradState.HELD,
             GradState.FILLING: GradState.EMPTY,
         }
+        self._reset_pending()
         for chunk in self.index.chunks():
-            chunk.pending = len(chunk.slots) if chunk.trainable else 0
             if chunk.grad_state in after:
                 chunk.move_grads(after[chunk.grad_state], _OWNER)
             for slot in chunk.slots:
                 slot.got_grad = False
 
+    def _reset_pending(self) -> None:
+        self._pending = {c.key: len(c.slots) if c.trainable else 0 for c in self.index.chunks()}
+
     def zero_grad(self) -> None:
+        self.reducer.drop_local()
         for chunk in self.index.chunks():
-            if chunk.optim is not None:
-                if self.offloads(chunk):
-                    self.grad_offload.drop(chunk)  # [Note: active gradient offloading]
-                chunk.optim.clear_grad()  # [Note: gradient memory between steps]
-            chunk.move_grads(GradState.EMPTY, _OWNER)
-            chunk.local_grad = None
-            for slot in chunk.slots:
-                slot.has_grad = False
-                slot.kept_grad = None
+            self.drop_grads(chunk)
+
+    def drop_grads(self, chunk: Chunk) -> None:
+        """``chunk`` has no gradient from now on (zero_grad, or a checkpoint load overwrote its
+        states): its shard's memory goes back, it is EMPTY ([Note: gradient lifecycle])."""
+        if chunk.optim is not None:
+            if self.storage.offloads(chunk):
+                self.grad_offload.drop(chunk)  # [Note: active gradient offloading]
+            chunk.optim.clear_grad()  # [Note: gradient memory between steps]
+        chunk.move_grads(GradState.EMPTY, _OWNER)
+        for slot in chunk.slots:
+            slot.has_grad = False
+            slot.kept_grad = None
 
     def store_all_kept_grads(self) -> None:
         """Before a re-layout, which moves gradient shards: [Note: gradients without copies]."""
@@ -471,4 +425,5 @@ class GradientPath:
     def renew_staging(self) -> None:
         """After chunks were re-packed: a new block pool and reduction order."""
         self.reducer.renew(self._reduced_chunks())
+        self._reset_pending()
         self.host_copies.release()

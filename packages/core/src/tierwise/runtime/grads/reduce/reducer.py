@@ -49,72 +49,17 @@ one rank), so a reduction is never launched *because* its chunk completed. The r
   all-reduce per due point as the others did. The chunks due at the end of backward need no
   flags (nothing arrives after it).
 
-[Note: due points predicted from the forward]
-Without due points every chunk would wait for the end of the first backward, each in a host
-buffer of its own: one whole unsharded gradient per rank in host memory, the step that must not
-need more memory than the others. So the forward that precedes the backward is recorded (the
-hooked modules in call order, outside backward; ``GradientPath.forward_module``) and the sync
-points are predicted from it: backward starts each module once, in the reverse order of its
-last forward call, so module m's backward start is sync point 1 + #{modules called last after
-m's last call}. A chunk completes once the backward of the *first* forward call touching it is
-done, that is after every module whose last call came at or after that first call has started
-its backward: it is due at the sync point after those, ``1 + #{m : last(m) >= first(chunk)}``
-(``predict_due``). A module that never starts a backward (frozen, no gradient reaches it) only
-makes predictions later (the chunk waits, as before); a chunk predicted too early takes the late
-path, which stays exact. A static model's prediction is exact: its first backward reduces as
-every later one does (``tests/core/test_reduction_order.py``).
-
 The launch sequence is therefore a function of the agreed due points alone, identical on every rank
 (``tests/core/test_reduction_order.py`` records it under different routes and branches).
 
-[Note: bounded gradient blocks]
-Gradients in flight hold at most ``blocks`` device buffers of the largest chunk (the planner's
-``REDUCTION_BLOCKS``), whatever the model's size and the world size, the first backward
-included. A chunk's first gradient takes a free block, or, when none is free, a host buffer
-(a chunk that completes early, or many chunks accumulating at once, wait on the host). A
-chunk reduced from a host buffer is copied into a block first; when every block is taken the
-oldest reduction in flight is waited for, and when none is in flight a block of a chunk still
-waiting is spilled to the host. The reduced shard is added into the gradient shard and the
-block goes back to the pool. Host buffers live while chunks wait in them (a chunk whose
-gradients start while both blocks are taken; as many in the first backward as in later ones,
-[Note: due points predicted from the forward]); at the end of backward all but ``blocks`` of
-them are freed.
-
-[Note: reduction in rank order]
-The backend's reduce-scatter and all-reduce (gloo's ring, NCCL's ring or tree) sum the ranks'
-values in an order that depends on where an element sits in the buffer and on the buffer's
-size, so with 3 or more ranks a chunk's sums change in the last bits with the chunk size, and
-DDP (whose buckets are not our chunks) differs from itself when only its bucket size changes
-(``bench/ddp_order.py``). ``reduce_order="rank"`` (``Config.reduce_order``) sums every element
-in rank order, ((g0 + g1) + g2) + g3, on every rank, whatever the chunk size, plan or bucket:
-
-- The block (already divided by the world size, as DDP divides first) goes out with one
-  all-to-all: piece r of this rank's block to rank r, into a *receive block*. Piece r of every
-  rank is then in the receive block, in rank order, and is summed in that order (piece 0 plus
-  piece 1, plus piece 2, ...).
-- Sharded chunk: the pieces are the shards; the sum is the rank's reduced shard, written over
-  its slice of the block when the all-to-all is waited for (the reduction is async, as the
-  reduce-scatter is; the sum is local arithmetic, no collective, so waiting for it early or
-  late does not change the collective sequence: [Note: one collective order]).
-- Replicated chunk: the pieces are ceil(capacity / world) elements (the last ones shorter or
-  empty); the exchange is waited for at launch, the summed piece is copied to every slot of the
-  receive block and a second all-to-all (async) sends it to every rank, into the block: the
-  whole chunk, summed in rank order, on every rank.
-- The receive block is one device block of the largest reduced chunk (rounded up to a multiple
-  of the world size, as a sharded chunk's capacity is), allocated from the device tier like the
-  reduction blocks and counted in ``peak_blocks``; a reduction in rank order waits for the one
-  before it to hand the receive block back. The planners count it (``planner.reduction_blocks``,
-  ``planner.receive_block_numel``), so setup's, the planners' and the runtime's worst case are
-  the same number: ``REDUCTION_BLOCKS`` + 1 blocks.
-Late gradients go through the same ``_reduce``. Linear as before: the sum of a chunk's two
-reductions (regular and late) is still rank-ordered per reduction, not over both.
+The due points and their prediction are in ``schedule``, the blocks in ``blocks``, the
+reductions in rank order in ``rank_order``.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 
 import torch
 import torch.distributed as dist
@@ -122,16 +67,18 @@ import torch.distributed as dist
 from tierwise.chunks import Chunk
 from tierwise.parallel.collectives import Collectives
 from tierwise.planning.planner import receive_block_numel
-from tierwise.tiers.base import PayloadKind, Tier
-
-END = 2**62
-"""The due point "end of backward"."""
+from tierwise.runtime.grads.reduce.blocks import BlockPool
+from tierwise.runtime.grads.reduce.rank_order import reduce_in_rank_order
+from tierwise.runtime.grads.reduce.schedule import END, DuePoints
+from tierwise.runtime.grads.storage import GradStorage, zero_unwritten
+from tierwise.tiers.base import Tier
 
 
 class GradientReducer:
     """Holds the multi-rank gradients of a backward and reduces them: [Note: one collective
-    order], [Note: bounded gradient blocks]. ``chunk.staging`` is the buffer a chunk's
-    gradients of this backward are written into (a device block or a host buffer)."""
+    order], [Note: bounded gradient blocks]. A chunk's *staging* (``staging``) is the buffer its
+    gradients of this backward are written into (a device block or a host buffer). A landed
+    reduction goes into ``storage``; ``take_final`` returns the chunks made final."""
 
     def __init__(
         self,
@@ -141,42 +88,24 @@ class GradientReducer:
         dtype: torch.dtype,
         blocks: int,
         world_group: dist.ProcessGroup | None,
-        prepare: Callable[[Chunk], None],
-        accumulate: Callable[[Chunk, torch.Tensor], None],
-        final: Callable[[Chunk], None],
-        predict: Callable[[list[Hashable]], dict[Hashable, int]] | None = None,
+        storage: GradStorage,
         reduce_order: str = "fast",
     ) -> None:
         if blocks < 1:
             raise ValueError(f"GradientReducer needs at least one device block, got {blocks}")
         self.reduce_order = reduce_order
         """"fast" (the backend's sum) or "rank" ([Note: reduction in rank order])."""
-        self._receive = ReceiveBlock(device_tier, dtype)
+        self.pool = BlockPool(device_tier, dtype, blocks)
+        """Device blocks, host buffers, the receive block: [Note: bounded gradient blocks]."""
         self.collectives = collectives
-        self.device_tier = device_tier
         self.dtype = dtype
-        self.blocks = blocks
         self.world_group = world_group
-        self._prepare = prepare
-        """Called on a chunk's staging before its reduction: zero what did not arrive, add
-        what ``no_sync`` accumulated."""
-        self._accumulate = accumulate
-        self._predict = predict
-        """This rank's predicted due points, from the forward: [Note: due points predicted
-        from the forward]."""
-        self._predicted = False
-        """Whether this backward's due points come from a last backward or an agreed
-        prediction (False: predict them at the first sync point)."""
-        self._final = final
-        """Called when a chunk's reduced gradients are final because no rank was missing a
-        gradient of it at launch: as soon as its reduction and flags land, during backward
-        (or in ``finish`` for chunks launched there): [Note: one collective order]."""
-        self.order: list[Hashable] = []
-        """The reduction order (chunk keys), the same on every rank."""
-        self.due: dict[Hashable, int] = {}
-        """Per chunk: the sync point its reduction is launched at (``END``: end of backward)."""
-        self._schedule: list[Hashable] = []
-        self._next = 0
+        self.storage = storage
+        """Where a landed reduction is added: the chunks' gradient storage."""
+        self.schedule = DuePoints()
+        """The reduction order and due points: [Note: due points predicted from the forward]."""
+        self._final: list[Chunk] = []
+        """Chunks made final by their flags (``finalised``), not yet taken (``take_final``)."""
         self.sync = 0
         """Sync points passed in this backward."""
         self.launches: list[tuple[str, Hashable]] = []
@@ -186,6 +115,11 @@ class GradientReducer:
         self._launched: set[Hashable] = set()
         self._completed: dict[Hashable, int] = {}
         self._late: dict[Hashable, torch.Tensor] = {}
+        self._staging: dict[Hashable, torch.Tensor] = {}
+        """Per chunk, its staging until its reduction is launched (this part alone sets it)."""
+        self._local: dict[Hashable, torch.Tensor] = {}
+        """Full-chunk gradients accumulated under ``no_sync``, not yet reduced (host memory):
+        added to the chunk's staging when it is next launched."""
         self._on_host: set[Hashable] = set()
         """Chunks whose staging is a host buffer."""
         self._holding: dict[Hashable, Chunk] = {}
@@ -195,117 +129,86 @@ class GradientReducer:
         """Flag all-reduces in flight: one due point's chunks, the work, their flags (1: some
         rank launched the chunk incomplete)."""
         self.finalised: list[Hashable] = []
-        """Chunks made final by their flags' agreement in this backward (``final``), in order:
-        during backward, or in ``finish`` for those whose flags landed there."""
+        """Chunks made final by their flags' agreement in this backward, in order: during
+        backward, or in ``finish`` for those whose flags landed there."""
         self.last_finalised: list[Hashable] = []
         """``finalised`` of the last finished backward."""
-        self._free_blocks: list[torch.Tensor] = []
-        self.slabs: list = []
-        """The device slabs of the pool (at most ``blocks``)."""
-        self._block_numel = 0
-        self._host_free: list[torch.Tensor] = []
-        self._taken = 0
-        self.peak_blocks = 0
-        """Most device blocks taken at once (at most ``blocks``, and the receive block in rank
-        order: ``planner.reduction_blocks``)."""
         self.peak_on_host = 0
         """Most chunks waiting in host buffers at once in the last finished backward."""
         self._peak_on_host = 0
+
+    order = property(lambda self: self.schedule.order)
+    due = property(lambda self: self.schedule.due)
+    forward = property(lambda self: self.schedule.forward)
+    slabs = property(lambda self: self.pool.slabs)
+    peak_blocks = property(lambda self: self.pool.peak_blocks)
 
     # ------------------------------------------------------------------ order and schedule
     def set_chunks(self, chunks: list[Chunk]) -> None:
         """The chunks reduced across ranks, in layout order (the same on every rank): the
         reduction order is its reverse, every chunk due at the end of the next backward."""
-        self.order = [c.key for c in reversed(chunks)]
-        self.due = dict.fromkeys(self.order, END)
-        self._predicted = self._predict is None
-        self._block_numel = max((c.capacity for c in chunks), default=0)
-        self._receive.numel = receive_block_numel([(c.capacity, c.group.world) for c in chunks])
-        self._build_schedule()
+        self.schedule.reset([c.key for c in reversed(chunks)])
+        self.pool.block_numel = max((c.capacity for c in chunks), default=0)
+        self.pool.receive.numel = receive_block_numel([(c.capacity, c.group.world) for c in chunks])
+
+    def record_forward(self, module: object, keys: set, *, limit: int) -> None:
+        """A hooked module's forward starts, touching the chunks ``keys``: recorded while due
+        points are to be predicted ([Note: due points predicted from the forward])."""
+        if self.predicting:
+            self.forward.add(module, keys, limit=limit)
 
     def _agree_on_predicted_due(self) -> None:
-        """The first backward without a last one to learn from: every rank predicts the due
-        points from its forward, and the latest prediction of each chunk is taken ([Note: due
-        points predicted from the forward])."""
-        self._predicted = True
-        if not self.order:
-            return
-        mine = self._predict(self.order)
-        due = torch.tensor([mine.get(key, END) for key in self.order], dtype=torch.int64)
-        if self.world_group is not None:
-            self.collectives.all_reduce(due, self.world_group, op=dist.ReduceOp.MAX)
-        self.due = {key: int(d) for key, d in zip(self.order, due.tolist(), strict=True)}
-        self._build_schedule()
+        """Agree on the due points predicted from the forward ([Note: due points predicted
+        from the forward]): the same collective at the same place of every rank's sequence."""
 
-    def _build_schedule(self) -> None:
-        position = {key: i for i, key in enumerate(self.order)}
-        self._schedule = sorted(self.order, key=lambda k: (self.due[k], position[k]))
-        self._next = 0
+        def all_reduce_max(due: torch.Tensor) -> None:
+            self.collectives.all_reduce(due, self.world_group, op=dist.ReduceOp.MAX)
+
+        self.schedule.agree_on_predicted(all_reduce_max if self.world_group is not None else None)
 
     @property
     def predicting(self) -> bool:
         """Whether the next backward's due points are to be predicted from its forward."""
-        return not self._predicted
+        return not self.schedule.predicted
 
     def launched(self, chunk: Chunk) -> bool:
         """Whether ``chunk``'s reduction was launched in this backward."""
         return chunk.key in self._launched
 
     # ------------------------------------------------------------------ buffers
-    def _take_block(self) -> torch.Tensor:
-        if not self._free_blocks:
-            slab = self.device_tier.allocate(
-                self._block_numel,
-                self.dtype,
-                kind=PayloadKind.STAGING,
-                what="gradient reduction block",
-            )
-            self.slabs.append(slab)
-            self._free_blocks.append(slab.tensor)
-        block = self._free_blocks.pop()
-        storage = block.untyped_storage()
-        if storage.nbytes() == 0:  # given back at the end of the last backward
-            storage.resize_(block.numel() * block.element_size())
-        self._taken += 1
-        self.peak_blocks = max(self.peak_blocks, self._taken)
-        return block
-
-    def _block_free(self) -> bool:
-        return bool(self._free_blocks) or len(self.slabs) < self.blocks
-
-    def _give_block(self, block: torch.Tensor) -> None:
-        self._taken -= 1
-        self._free_blocks.append(_base(block))
-
-    def _host_buffer(self, numel: int) -> torch.Tensor:
-        for i, buffer in enumerate(self._host_free):
-            if buffer.numel() >= numel:
-                return self._host_free.pop(i)[:numel]
-        pin = self.device_tier.device.type == "cuda"
-        size = max(numel, self._block_numel)
-        return torch.empty(size, dtype=self.dtype, pin_memory=pin)[:numel]
-
-    def _give_host(self, buffer: torch.Tensor) -> None:
-        self._host_free.append(_base(buffer))
-
     def staging_for(self, chunk: Chunk) -> None:
         """Give ``chunk`` a buffer for its first gradient of this backward: a free device
         block, else a host buffer ([Note: bounded gradient blocks])."""
         self._collect(wait=False)
-        if self._block_free():
-            chunk.staging = self._take_block()[: chunk.capacity]
+        if self.pool.has_free():
+            self._staging[chunk.key] = self.pool.take()[: chunk.capacity]
             self._holding[chunk.key] = chunk
         else:
-            chunk.staging = self._host_buffer(chunk.capacity)
+            self._staging[chunk.key] = self.pool.host(chunk.capacity)
             self._on_host.add(chunk.key)
             self._peak_on_host = max(self._peak_on_host, len(self._on_host))
+
+    def staging(self, chunk: Chunk) -> torch.Tensor | None:
+        """``chunk``'s staging (None: no gradient of this backward before its launch)."""
+        return self._staging.get(chunk.key)
 
     def late_buffer(self, chunk: Chunk) -> torch.Tensor:
         """The host buffer of gradients that arrive after ``chunk`` was launched (zeros where
         none arrived): [Note: one collective order]."""
         if chunk.key not in self._late:
-            self._late[chunk.key] = self._host_buffer(chunk.capacity).zero_()
+            self._late[chunk.key] = self.pool.host(chunk.capacity).zero_()
         return self._late[chunk.key]
+
+    def local_buffer(self, chunk: Chunk) -> torch.Tensor:
+        """The host buffer ``no_sync`` accumulates ``chunk``'s unreduced gradients in (zeros
+        where none arrived); added to its staging at its next launch."""
+        if chunk.key not in self._local:
+            self._local[chunk.key] = torch.zeros(chunk.capacity, dtype=self.dtype)
+        return self._local[chunk.key]
+
+    def drop_local(self) -> None:
+        """zero_grad: what ``no_sync`` accumulated is dropped."""
+        self._local.clear()
 
     def completed(self, chunk: Chunk) -> None:
         """Every gradient of ``chunk`` arrived on this rank."""
@@ -316,29 +219,29 @@ class GradientReducer:
         waiting chunk's block to the host, when every block is taken ([Note: bounded gradient
         blocks])."""
         self._collect(wait=False)
-        while not self._block_free():
+        while not self.pool.has_free():
             if self._inflight:
                 self._collect(wait=True, one=True)
             else:
                 self._spill_one(exclude)
-        return self._take_block()
+        return self.pool.take()
 
     def _spill_one(self, exclude: Hashable) -> None:
         key = next((k for k in self._holding if k != exclude), None)
         if key is None:
             raise RuntimeError("tierwise bug: every gradient block is taken and none can spill")
         chunk = self._holding.pop(key)
-        host = self._host_buffer(chunk.capacity)
-        host.copy_(chunk.staging)
-        self._give_block(chunk.staging)
-        chunk.staging = host
+        host = self.pool.host(chunk.capacity)
+        host.copy_(self._staging[key])
+        self.pool.give(self._staging[key])
+        self._staging[key] = host
         self._on_host.add(key)
 
     # ------------------------------------------------------------------ launches
     def sync_point(self, chunks_by_key: dict) -> None:
         """A module's backward starts: launch what is due ([Note: one collective order])."""
         self.sync += 1
-        if not self._predicted:
+        if not self.schedule.predicted:
             self._agree_on_predicted_due()
         self._launch_due(self.sync, chunks_by_key)
         self._collect(wait=False)
@@ -347,15 +250,12 @@ class GradientReducer:
         """Launch, in schedule order, every chunk due by ``limit``; after each due point's
         chunks, agree on whether every rank had them complete ([Note: one collective
         order])."""
-        schedule = self._schedule
-        while self._next < len(schedule) and self.due[schedule[self._next]] <= limit:
-            due = self.due[schedule[self._next]]
+        for due, keys in self.schedule.take_due(limit):
             launched = []
-            while self._next < len(schedule) and self.due[schedule[self._next]] == due:
-                chunk = chunks_by_key[schedule[self._next]]
-                launched.append((chunk, chunk.pending > 0))
+            for key in keys:
+                chunk = chunks_by_key[key]
+                launched.append((chunk, key not in self._completed))
                 self._launch(chunk)
-                self._next += 1
             if due != END and self.world_group is not None:
                 self._agree_complete(launched)
 
@@ -370,19 +270,24 @@ class GradientReducer:
 
     def _launch(self, chunk: Chunk) -> None:
         key = chunk.key
-        if chunk.staging is None:  # nothing arrived here yet: zeros
-            chunk.staging = self._device_block(key)[: chunk.capacity]
+        staging = self._staging.get(key)
+        if staging is None:  # nothing arrived here yet: zeros
+            staging = self._staging[key] = self._device_block(key)[: chunk.capacity]
             self._holding[key] = chunk
-        self._prepare(chunk)
-        full = chunk.staging
+        # zeros where no gradient arrived, plus what no_sync accumulated
+        zero_unwritten(chunk, staging)
+        local = self._local.pop(key, None)
+        if local is not None:
+            staging.add_(local.to(staging.device))
+        full = staging
         if key in self._on_host:
             self._on_host.discard(key)
             full = self._device_block(key)[: chunk.capacity]
-            full.copy_(chunk.staging)
-            self._give_host(chunk.staging)
+            full.copy_(staging)
+            self.pool.give_host(staging)
         else:
             del self._holding[key]
-        chunk.staging = None
+        del self._staging[key]
         self._launched.add(key)
         self.launches.append(("reduce", key))
         self._reduce(chunk, full)
@@ -410,41 +315,13 @@ class GradientReducer:
     def _reduce_in_rank_order(self, chunk: Chunk, full: torch.Tensor) -> tuple:
         """Launch ``full``'s reduction with every element summed in rank order: [Note:
         reduction in rank order]. Returns the in-flight entry (chunk, work, out, full)."""
-        while self._receive.busy:  # one receive block: wait for the reduction holding it
+        while self.pool.receive.busy:  # one receive block: wait for the reduction holding it
             self._collect(wait=True, one=True)
-        group = chunk.group
-        world, process_group = group.world, group.process_group
-        receive = self._take_receive()
-        if group.sharded:
-            start, end = chunk.shard_range()
-            pieces = receive[: full.numel()]
-            work = self.collectives.all_to_all(
-                pieces, full, None, None, process_group, async_op=True
-            )
-            out = full[start:end]
-            summed = _RankOrderSum(work, pieces.view(world, -1), out, self._give_receive)
-            return chunk, summed, out, full
-        piece = -(-full.numel() // world)
-        lengths = [max(0, min(piece, full.numel() - r * piece)) for r in range(world)]
-        mine = lengths[group.rank]
-        pieces = receive[: world * mine]
-        self.collectives.all_to_all(pieces, full, [mine] * world, lengths, process_group)
-        rows = pieces.view(world, mine)
-        _sum_rows(rows)
-        rows[1:].copy_(rows[:1].expand(world - 1, mine))
-        work = self.collectives.all_to_all(
-            full, pieces, lengths, [mine] * world, process_group, async_op=True
+        receive = self.pool.take_receive()
+        work, out = reduce_in_rank_order(
+            self.collectives, chunk, full, receive, self.pool.give_receive
         )
-        return chunk, _RankOrderSum(work, None, None, self._give_receive), full, full
-
-    def _take_receive(self) -> torch.Tensor:
-        self._taken += 1
-        self.peak_blocks = max(self.peak_blocks, self._taken)
-        return self._receive.take()
-
-    def _give_receive(self) -> None:
-        self._taken -= 1
-        self._receive.give()
+        return chunk, work, out, full
 
     def _collect(self, *, wait: bool, one: bool = False) -> None:
         """Add the reductions that landed (``wait``: all of them; ``one``: the oldest) into the
@@ -461,8 +338,8 @@ class GradientReducer:
         chunk, work, out, full = self._inflight[0]
         work.wait()
         self._inflight.popleft()
-        self._accumulate(chunk, out)
-        self._give_block(full)
+        self.storage.add_reduced(chunk, out)
+        self.pool.give(full)
 
     def _settle(self, *, wait: bool) -> None:
         """Chunks whose flags have landed, flagged by no rank, are final once their reductions
@@ -482,7 +359,13 @@ class GradientReducer:
             for chunk, flag in zip(chunks, flags.tolist(), strict=True):
                 if flag == 0:
                     self.finalised.append(chunk.key)
-                    self._final(chunk)
+                    self._final.append(chunk)
+
+    def take_final(self) -> list[Chunk]:
+        """The chunks made final since the last call, in the order they were ([Note: one
+        collective order])."""
+        final, self._final = self._final, []
+        return final
 
     # ------------------------------------------------------------------ end of backward
     def finish(self, chunks_by_key: dict) -> list[Hashable]:
@@ -490,7 +373,7 @@ class GradientReducer:
         next due points, reduce the late parts, wait for everything ([Note: one collective
         order]). Returns the keys, in reduction order, of the chunks whose gradients are final
         now and were not finalised before (``final``)."""
-        if not self._predicted:  # no sync point in this backward: agree here, as others did
+        if not self.schedule.predicted:  # no sync point in this backward: agree here, as others did
             self._agree_on_predicted_due()
         self._launch_due(END, chunks_by_key)
         n = len(self.order)
@@ -509,12 +392,12 @@ class GradientReducer:
                     block.zero_()
                 else:
                     block.copy_(late)
-                    self._give_host(late)
+                    self.pool.give_host(late)
                 self.launches.append(("late", key))
                 self._reduce(chunk, block)
         self._collect(wait=True)
         for i, key in enumerate(self.order):  # the slowest rank completed it after sync facts[i]
-            self.due[key] = int(facts[i]) + 1
+            self.schedule.due[key] = int(facts[i]) + 1
         self.last_launches, self.launches = self.launches, []
         self.peak_on_host, self._peak_on_host = self._peak_on_host, 0
         early = set(self.finalised)
@@ -523,30 +406,30 @@ class GradientReducer:
         return [key for key in self.order if key not in early]
 
     def _reset(self) -> None:
-        self._build_schedule()
+        self.schedule.restart()
         self.sync = 0
         self._launched.clear()
         self._completed.clear()
         self.finalised = []
 
-    def abandon(self, chunks: list[Chunk]) -> None:
+    def abandon(self) -> None:
         """A backward stopped on an error: wait for what is in flight, drop every buffer."""
         for _chunk, work, _out, full in self._inflight:
             work.wait()
-            self._give_block(full)
+            self.pool.give(full)
         self._inflight.clear()
         for _chunks, work, _flags in self._agreeing:
             work.wait()
         self._agreeing.clear()
-        for chunk in chunks:
-            if chunk.staging is not None:
-                if chunk.key in self._on_host:
-                    self._give_host(chunk.staging)
-                else:
-                    self._give_block(chunk.staging)
-                chunk.staging = None
+        self._final = []
+        for key, staging in self._staging.items():
+            if key in self._on_host:
+                self.pool.give_host(staging)
+            else:
+                self.pool.give(staging)
+        self._staging.clear()
         for late in self._late.values():
-            self._give_host(late)
+            self.pool.give_host(late)
         self._late.clear()
         self._on_host.clear()
         self._holding.clear()
@@ -555,102 +438,12 @@ class GradientReducer:
         self._reset()
 
     def release_memory(self) -> None:
-        """Between backwards the free blocks give their memory back (they stay counted in the
-        device tier's budget): [Note: gradient memory between steps]."""
-        for block in self._free_blocks:
-            block.untyped_storage().resize_(0)
-        self._receive.release_memory()
-        # host buffers of chunks that waited are freed too, but for a few kept for the next
-        # backward: between steps they hold nothing ([Note: bounded gradient blocks])
-        del self._host_free[self.blocks :]
+        """Between backwards the free blocks give their memory back: [Note: gradient memory
+        between steps]."""
+        self.pool.release_memory()
 
     def renew(self, chunks: list[Chunk]) -> None:
         """Chunks were re-packed: release the pool, a new order, due points predicted anew
         ([Note: due points predicted from the forward])."""
-        for slab in self.slabs:
-            slab.tier.release(slab)
-        self._receive.release()
-        self.slabs, self._free_blocks, self._taken, self._host_free = [], [], 0, []
+        self.pool.release()
         self.set_chunks(chunks)
-
-
-class ReceiveBlock:
-    """The one device block a reduction in rank order receives every rank's pieces into
-    ([Note: reduction in rank order]): allocated from the device tier on first use, its memory
-    given back between backwards like the reduction blocks'."""
-
-    def __init__(self, device_tier: Tier, dtype: torch.dtype) -> None:
-        self.device_tier, self.dtype = device_tier, dtype
-        self.numel = 0
-        self.slab = None
-        self.busy = False
-        """Held by a reduction in flight."""
-
-    def take(self) -> torch.Tensor:
-        if self.slab is None:
-            self.slab = self.device_tier.allocate(
-                self.numel, self.dtype, kind=PayloadKind.STAGING, what="rank-order receive block"
-            )
-        tensor = self.slab.tensor
-        storage = tensor.untyped_storage()
-        if storage.nbytes() == 0:  # given back at the end of the last backward
-            storage.resize_(tensor.numel() * tensor.element_size())
-        self.busy = True
-        return tensor
-
-    def give(self) -> None:
-        self.busy = False
-
-    def release_memory(self) -> None:
-        if self.slab is not None and not self.busy:
-            self.slab.tensor.untyped_storage().resize_(0)
-
-    def release(self) -> None:
-        if self.slab is not None:
-            self.slab.tier.release(self.slab)
-        self.slab, self.busy = None, False
-
-
-class _RankOrderSum:
-    """A reduction in rank order in flight: waiting for it sums the received pieces in rank
-    order into ``out`` (sharded chunks) and hands the receive block back."""
-
-    def __init__(self, work, rows: torch.Tensor | None, out: torch.Tensor | None, done) -> None:
-        self.work, self.rows, self.out, self.done = work, rows, out, done
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-    def wait(self) -> None:
-        if self.done is None:
-            return
-        self.work.wait()
-        if self.rows is not None:
-            _sum_rows(self.rows)
-            self.out.copy_(self.rows[0])
-        self.done, done = None, self.done
-        done()
-
-
-def _sum_rows(rows: torch.Tensor) -> None:
-    """``rows[0]`` = ((rows[0] + rows[1]) + rows[2]) + ...: one element's sum in rank order."""
-    for r in range(1, rows.shape[0]):
-        rows[0].add_(rows[r])
-
-
-def _base(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._base if tensor._base is not None else tensor
-
-
-def predict_due(calls: list[tuple[object, set]], keys: list[Hashable]) -> dict[Hashable, int]:
-    """The due sync point of each chunk in ``keys`` that the forward ``calls`` (module, chunk
-    keys it touched), in call order, used: [Note: due points predicted from the forward]. A
-    chunk no call used gets none (it waits for the end of backward)."""
-    last: dict[object, int] = {}
-    first: dict[Hashable, int] = {}
-    for position, (module, touched) in enumerate(calls):
-        last[module] = position
-        for key in touched:
-            first.setdefault(key, position)
-    lasts = sorted(last.values())
-    return {key: 1 + len(lasts) - bisect_left(lasts, first[key]) for key in keys if key in first}

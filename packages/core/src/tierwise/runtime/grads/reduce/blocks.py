@@ -1,0 +1,152 @@
+"""The device blocks and host buffers that hold gradients in flight across ranks.
+
+[Note: bounded gradient blocks]
+Gradients in flight hold at most ``blocks`` device buffers of the largest chunk (the planner's
+``REDUCTION_BLOCKS``), whatever the model's size and the world size, the first backward
+included. A chunk's first gradient takes a free block, or, when none is free, a host buffer
+(a chunk that completes early, or many chunks accumulating at once, wait on the host). A
+chunk reduced from a host buffer is copied into a block first; when every block is taken the
+oldest reduction in flight is waited for, and when none is in flight a block of a chunk still
+waiting is spilled to the host. The reduced shard is added into the gradient shard and the
+block goes back to the pool. Host buffers live while chunks wait in them (a chunk whose
+gradients start while both blocks are taken; as many in the first backward as in later ones,
+[Note: due points predicted from the forward]); at the end of backward all but ``blocks`` of
+them are freed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierwise.tiers.base import PayloadKind, Tier
+
+
+def base_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole buffer ``tensor`` is a view of (itself when it is not a view)."""
+    return tensor._base if tensor._base is not None else tensor
+
+
+class BlockPool:
+    """At most ``blocks`` device blocks of the largest reduced chunk, host buffers for what
+    waits, and the receive block of reductions in rank order: [Note: bounded gradient
+    blocks]."""
+
+    def __init__(self, device_tier: Tier, dtype: torch.dtype, blocks: int) -> None:
+        self.device_tier = device_tier
+        self.dtype = dtype
+        self.blocks = blocks
+        self.receive = ReceiveBlock(device_tier, dtype)
+        self.block_numel = 0
+        """Elements of one block: the largest reduced chunk's capacity."""
+        self.slabs: list = []
+        """The device slabs of the pool (at most ``blocks``)."""
+        self._free_blocks: list[torch.Tensor] = []
+        self._host_free: list[torch.Tensor] = []
+        self._taken = 0
+        self.peak_blocks = 0
+        """Most device blocks taken at once (at most ``blocks``, and the receive block in rank
+        order: ``planner.reduction_blocks``)."""
+
+    def take(self) -> torch.Tensor:
+        """A free device block (one more is allocated while fewer than ``blocks`` exist)."""
+        if not self._free_blocks:
+            slab = self.device_tier.allocate(
+                self.block_numel,
+                self.dtype,
+                kind=PayloadKind.STAGING,
+                what="gradient reduction block",
+            )
+            self.slabs.append(slab)
+            self._free_blocks.append(slab.tensor)
+        block = self._free_blocks.pop()
+        storage = block.untyped_storage()
+        if storage.nbytes() == 0:  # given back at the end of the last backward
+            storage.resize_(block.numel() * block.element_size())
+        self._taken += 1
+        self.peak_blocks = max(self.peak_blocks, self._taken)
+        return block
+
+    def has_free(self) -> bool:
+        """Whether ``take`` returns a block without waiting for one to come back."""
+        return bool(self._free_blocks) or len(self.slabs) < self.blocks
+
+    def give(self, block: torch.Tensor) -> None:
+        self._taken -= 1
+        self._free_blocks.append(base_of(block))
+
+    def host(self, numel: int) -> torch.Tensor:
+        """A host buffer of ``numel`` elements (pinned on a CUDA machine), reused when one is
+        free."""
+        for i, buffer in enumerate(self._host_free):
+            if buffer.numel() >= numel:
+                return self._host_free.pop(i)[:numel]
+        pin = self.device_tier.device.type == "cuda"
+        size = max(numel, self.block_numel)
+        return torch.empty(size, dtype=self.dtype, pin_memory=pin)[:numel]
+
+    def give_host(self, buffer: torch.Tensor) -> None:
+        self._host_free.append(base_of(buffer))
+
+    def take_receive(self) -> torch.Tensor:
+        """The receive block ([Note: reduction in rank order]), counted with the blocks."""
+        self._taken += 1
+        self.peak_blocks = max(self.peak_blocks, self._taken)
+        return self.receive.take()
+
+    def give_receive(self) -> None:
+        self._taken -= 1
+        self.receive.give()
+
+    def release_memory(self) -> None:
+        """Between backwards the free blocks give their memory back (they stay counted in the
+        device tier's budget): [Note: gradient memory between steps]."""
+        for block in self._free_blocks:
+            block.untyped_storage().resize_(0)
+        self.receive.release_memory()
+        # host buffers of chunks that waited are freed too, but for a few kept for the next
+        # backward: between steps they hold nothing ([Note: bounded gradient blocks])
+        del self._host_free[self.blocks :]
+
+    def release(self) -> None:
+        """Chunks were re-packed: every block goes back to the device tier."""
+        for slab in self.slabs:
+            slab.tier.release(slab)
+        self.receive.release()
+        self.slabs, self._free_blocks, self._taken, self._host_free = [], [], 0, []
+
+
+class ReceiveBlock:
+    """The one device block a reduction in rank order receives every rank's pieces into
+    ([Note: reduction in rank order]): allocated from the device tier on first use, its memory
+    given back between backwards like the reduction blocks'."""
+
+    def __init__(self, device_tier: Tier, dtype: torch.dtype) -> None:
+        self.device_tier, self.dtype = device_tier, dtype
+        self.numel = 0
+        self.slab = None
+        self.busy = False
+        """Held by a reduction in flight."""
+
+    def take(self) -> torch.Tensor:
+        if self.slab is None:
+            self.slab = self.device_tier.allocate(
+                self.numel, self.dtype, kind=PayloadKind.STAGING, what="rank-order receive block"
+            )
+        tensor = self.slab.tensor
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0:  # given back at the end of the last backward
+            storage.resize_(tensor.numel() * tensor.element_size())
+        self.busy = True
+        return tensor
+
+    def give(self) -> None:
+        self.busy = False
+
+    def release_memory(self) -> None:
+        if self.slab is not None and not self.busy:
+            self.slab.tensor.untyped_storage().resize_(0)
+
+    def release(self) -> None:
+        if self.slab is not None:
+            self.slab.tier.release(self.slab)
+        self.slab, self.busy = None, False

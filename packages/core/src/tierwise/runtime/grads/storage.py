@@ -1,0 +1,132 @@
+"""Where a chunk's gradients are kept, and the operations on them that the gradient path and the
+optimizer step share: [Note: gradients without copies], [Note: active gradient offloading]."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierwise.chunks import Chunk, ParamSlot
+from tierwise.chunks.grad_state import GradOwner, GradState
+from tierwise.runtime.traffic import Traffic
+
+if TYPE_CHECKING:
+    from tierwise.runtime.grads.offload import GradientOffload
+
+_OWNER = GradOwner.GRADIENT_PATH
+
+
+def slot_grad(chunk: Chunk, shard: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    """One parameter's gradient: its kept tensor, or its part of ``shard``."""
+    return ChunkGrads(chunk, shard, chunk.optim.grads_kept).slot(slot)
+
+
+@dataclass(frozen=True)
+class ChunkGrads:
+    """One chunk's gradients of this step, as they are stored: the kept autograd tensors
+    ([Note: gradients without copies]) or a flat shard in memory (the shard's slab, or the
+    host buffer of a shard on a storage tier: [Note: active gradient offloading])."""
+
+    chunk: Chunk
+    shard: torch.Tensor
+    """The chunk's flat gradient shard in memory (not this step's gradients when ``kept``)."""
+    kept: bool
+    """The slots' kept autograd tensors hold this step's gradients."""
+
+    def slot(self, slot: ParamSlot) -> torch.Tensor:
+        """One parameter's gradient."""
+        return slot.kept_grad if self.kept else self.shard[slot.offset : slot.offset + slot.numel]
+
+    def kept_slots(self) -> list[ParamSlot]:
+        """The slots with a kept gradient (``kept``)."""
+        return [s for s in self.chunk.slots if s.kept_grad is not None]
+
+    def all_finite(self) -> bool:
+        tensors = [s.kept_grad for s in self.kept_slots()] if self.kept else [self.shard]
+        return all(bool(torch.isfinite(grad).all()) for grad in tensors)
+
+
+def zero_unwritten(chunk: Chunk, full: torch.Tensor) -> None:
+    """Zero the slots of ``full`` whose gradient did not arrive in this backward, and the
+    padding."""
+    used_end = 0
+    for slot in chunk.slots:
+        if not slot.got_grad:
+            full[slot.offset : slot.offset + slot.numel].zero_()
+        used_end = max(used_end, slot.offset + slot.numel)
+    full[used_end:].zero_()
+
+
+def begin_delivery(chunk: Chunk) -> None:
+    """A gradient of this backward is about to go into ``chunk``: [Note: gradient
+    lifecycle]."""
+    state = chunk.grad_state
+    if state is GradState.EMPTY:
+        chunk.move_grads(GradState.FILLING, _OWNER)
+    elif state in (GradState.HELD, GradState.REDUCED):
+        chunk.move_grads(GradState.ACCUMULATING, _OWNER)
+
+
+class GradStorage:
+    """The chunks' gradient shards: in memory (the shard's slab), or, for a shard on a storage
+    tier, a host buffer in front of it ([Note: active gradient offloading])."""
+
+    def __init__(self, *, traffic: Traffic, grad_offload: GradientOffload | None) -> None:
+        self.traffic = traffic
+        self.grad_offload = grad_offload
+        """Host buffers of shards on a storage tier ([Note: active gradient offloading])."""
+
+    def offloads(self, chunk: Chunk) -> bool:
+        """Whether the chunk's gradient shard lives on a storage tier ([Note: active gradient
+        offloading])."""
+        return self.grad_offload is not None and self.grad_offload.offloads(chunk)
+
+    def memory(self, chunk: Chunk, *, start: bool) -> torch.Tensor:
+        """The chunk's gradient shard in addressable memory (``start``: the first gradient
+        since zero_grad is written next, nothing to keep): the shard itself, or for a shard on
+        a storage tier a host buffer holding it ([Note: active gradient offloading])."""
+        if self.offloads(chunk):
+            return self.grad_offload.hold(chunk, fresh=start)
+        return chunk.optim.start_grad() if start else chunk.optim.grad.tensor
+
+    def add_reduced(self, chunk: Chunk, shard: torch.Tensor) -> None:
+        """A reduction of ``chunk`` landed: add its shard of averaged gradients (the chunk's
+        gradients of this backward are REDUCED then). A second one in the same backward (late
+        gradients: [Note: one collective order]) adds to the first."""
+        begin_delivery(chunk)
+        optim = chunk.optim
+        slab = optim.grad
+        offloaded = self.offloads(chunk)
+        tier = "host" if offloaded else slab.tier.name  # [Note: active gradient offloading]
+        if tier != "device":
+            self.traffic.count(f"device->{tier}", shard.numel() * shard.element_size())
+        first = chunk.grad_state is GradState.FILLING  # nothing held before this backward
+        if first and offloaded:
+            self.memory(chunk, start=True).copy_(shard)
+        elif first:
+            optim.start_grad()
+            slab.tier.write(slab, shard).wait()
+        else:
+            target = self.memory(chunk, start=False)
+            target.add_(shard.to(target.device))
+        chunk.move_grads(GradState.REDUCED, _OWNER)
+
+    def read(self, chunk: Chunk) -> ChunkGrads:
+        """``chunk``'s gradients to read now (a shard on a storage tier is read back, and may
+        be written out again when another is read: use it before reading the next)."""
+        return ChunkGrads(chunk, self.memory(chunk, start=False), chunk.optim.grads_kept)
+
+    def lend(self, chunk: Chunk) -> ChunkGrads:
+        """``chunk``'s gradients for its update: a shard on a storage tier is lent as its host
+        buffer until ``give_back`` ([Note: active gradient offloading])."""
+        kept = chunk.optim.grads_kept
+        if self.offloads(chunk):
+            return ChunkGrads(chunk, self.grad_offload.lend(chunk), kept)
+        return ChunkGrads(chunk, chunk.optim.grad.tensor, kept)
+
+    def give_back(self, chunk: Chunk) -> None:
+        """The update that was lent ``chunk``'s shard ran or was dropped (any thread)."""
+        if self.offloads(chunk):
+            self.grad_offload.consumed(chunk)

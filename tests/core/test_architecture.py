@@ -455,3 +455,14 @@ def test_no_two_classes_share_a_name_across_the_project():
             if isinstance(node, ast.ClassDef):
                 where.setdefault(node.name, []).append(str(path.relative_to(REPO)))
     assert {name: files for name, files in where.items() if len(files) > 1} == {}
+
+
+def test_no_runtime_module_is_over_450_lines():
+    """Small modules, each one part (issue 35): a runtime module that grows past this is
+    doing several jobs and is split along its seams."""
+    long = {
+        str(path.relative_to(CORE)): n
+        for path in (CORE / "runtime").rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 450
+    }
+    assert long == {}

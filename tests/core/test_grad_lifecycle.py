@@ -1,5 +1,6 @@
 """[Note: gradient lifecycle]: one checked state per chunk, one owner per transition, and the
-states a training loop walks through (read from the chunks, not from flags)."""
+states a training loop walks through (read from the engine's ``GradStates`` table, not from
+flags)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tierwise.chunks.grad_state import (
 
 
 def states(engine) -> set[GradState]:
-    return {chunk.grad_state for chunk in engine.chunks() if chunk.trainable}
+    return {engine.grad_states.of(chunk) for chunk in engine.chunks() if chunk.trainable}
 
 
 def test_each_transition_has_one_owner_and_others_are_refused():
@@ -26,12 +27,13 @@ def test_each_transition_has_one_owner_and_others_are_refused():
             assert owner is GradOwner.OPTIMIZER_STEP or new is GradState.EMPTY, (old, new)
     model = tiny_model("gpt2")
     model, _ = tierwise.setup(model, torch.optim.AdamW(model.parameters()), device="cpu")
+    grad_states = tierwise.engine_of(model).grad_states
     chunk = next(c for c in tierwise.engine_of(model).chunks() if c.trainable)
     with pytest.raises(IllegalGradTransition, match="EMPTY -> UPDATED"):
-        chunk.move_grads(GradState.UPDATED, GradOwner.OPTIMIZER_STEP)
+        grad_states.move(chunk, GradState.UPDATED, GradOwner.OPTIMIZER_STEP)
     with pytest.raises(IllegalGradTransition, match="owned by the gradient path"):
-        chunk.move_grads(GradState.FILLING, GradOwner.OPTIMIZER_STEP)
-    assert chunk.grad_state is GradState.EMPTY  # a refused transition changes nothing
+        grad_states.move(chunk, GradState.FILLING, GradOwner.OPTIMIZER_STEP)
+    assert grad_states.of(chunk) is GradState.EMPTY  # a refused transition changes nothing
     tierwise.engine_of(model).close()
 
 
@@ -54,6 +56,31 @@ def test_a_training_loop_walks_the_lifecycle(placement):
             assert states(engine) == {GradState.HELD}
         optimizer.step()
         assert states(engine) == {GradState.HELD}  # in memory: usable again, as in PyTorch
+        optimizer.zero_grad()
+        assert states(engine) == {GradState.EMPTY}
+    finally:
+        engine.close()
+
+
+def test_a_relayout_carries_the_states_over_through_the_table():
+    """The re-layout after warm-up gives the re-packed groups new chunks: their states come
+    from the engine's table (renewed for the new chunks), where the old chunks' were."""
+    model = tiny_model("opt")  # defines final_layer_norm before its layers: re-packed
+    model, optimizer = tierwise.setup(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        device="cpu",
+        chunk_size=5000,
+        param_placement="host",
+        optimizer_placement="host",
+    )
+    engine = tierwise.engine_of(model)
+    try:
+        old = {id(c) for c in engine.chunks()}
+        model(**tiny_batch(seed=0)).loss.backward()
+        optimizer.step()  # the re-layout runs at the end of the first step
+        assert {id(c) for c in engine.chunks()} != old
+        assert states(engine) == {GradState.HELD}
         optimizer.zero_grad()
         assert states(engine) == {GradState.EMPTY}
     finally:

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tierwise.chunks.grad_state import GradOwner, GradState, check_grad_transition
 from tierwise.chunks.state import ALLOWED, TensorState, check_transition
 
 _NEXT = {old.value: tuple(new) for old, new in ALLOWED.items()}
@@ -108,18 +107,10 @@ class Chunk:
     """The whole chunk on the compute device; parameters are permanent views of it. For a
     cached chunk its storage is empty while not resident (see [Note: chunk storage]): whether
     it is, and in which rCache block, residency keeps in its own table."""
-    grad_state: GradState = GradState.EMPTY
-    """Where its gradients are in their lifecycle: [Note: gradient lifecycle]."""
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.group.name, self.index)
-
-    def move_grads(self, new: GradState, owner: GradOwner) -> None:
-        """The one way ``grad_state`` changes: checked ([Note: gradient lifecycle])."""
-        if new is not self.grad_state:
-            check_grad_transition(f"{self.group.name}#{self.index}", self.grad_state, new, owner)
-            self.grad_state = new
 
     @property
     def trainable(self) -> bool:

@@ -1,8 +1,10 @@
 """The gradient lifecycle of one chunk: one state, checked transitions, one owner each.
 
 [Note: gradient lifecycle]
-A trainable chunk's gradients go through one state machine (``Chunk.grad_state``), as FSDP2
-keeps one ``TrainingState`` per module. Each transition has one owner and is checked:
+A trainable chunk's gradients go through one state machine, as FSDP2 keeps one
+``TrainingState`` per module: the engine's one ``GradStates`` table (``runtime/grads/states.py``,
+chunk key -> state, read with ``of``), handed to the two owners below, the only ones that call
+its ``move``. Each transition has one owner and is checked:
 
     EMPTY --first gradient since zero_grad--> FILLING --all of this backward's--> REDUCED
     HELD --first gradient of a later backward (accumulation)--> ACCUMULATING --> REDUCED
@@ -17,6 +19,10 @@ keeps one ``TrainingState`` per module. Each transition has one owner and is che
     ROLLED_BACK --the update is redone with the right coefficient--> UPDATING
     UPDATING, ROLLED_BACK --a failed step was undone ([Note: atomic optimizer step])--> HELD
     any --zero_grad, a dropped backward or a checkpoint load--> EMPTY
+
+A re-layout is no transition: the re-packed group's new chunks start where its old ones were
+(CONSUMED if any was, else HELD if any held gradients, else EMPTY), which the engine puts in
+the table (``GradStates.renew``) after the re-layout returns.
 
 The gradient path (``GradientPath``) owns every transition up to REDUCED and HELD, and back to
 EMPTY; the optimizer step (``OptimizerStep``) owns those from REDUCED/HELD on: the update,

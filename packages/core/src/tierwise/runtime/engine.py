@@ -32,6 +32,7 @@ from tierwise.runtime.activations.manager import ActivationManager
 from tierwise.runtime.activations.pinned_pool import pinned_swap_bytes
 from tierwise.runtime.grads.offload import GradientOffload
 from tierwise.runtime.grads.path import GradientPath
+from tierwise.runtime.grads.states import GradStates
 from tierwise.runtime.index import ChunkIndex
 from tierwise.runtime.layout.relayout import LayoutParts, relayout
 from tierwise.runtime.phases import Phases
@@ -91,6 +92,9 @@ class Engine:
         self.collectives = Collectives(self.device)  # [Note: collectives on the group's device]
         self.scaler = DynamicLossScaler() if config.precision == "fp16" else None
         self.index = ChunkIndex(groups, modules)
+        self.grad_states = GradStates(self.index.chunks())
+        """Every chunk's gradient state ([Note: gradient lifecycle]): handed to the gradient
+        path and the optimizer step, the owners of its transitions; read by everyone else."""
         self.traffic = Traffic()
         self.multi_rank = self.index.multi_rank
         self.phases = Phases(on_backward_end=self.end_backward)
@@ -127,6 +131,7 @@ class Engine:
         )
         self.optimizer = OptimizerStep(
             index=self.index,
+            grad_states=self.grad_states,
             tiers=tiers,
             config=config,
             optimizer_groups=optimizer_groups,
@@ -144,6 +149,7 @@ class Engine:
         )
         self.gradients = GradientPath(
             index=self.index,
+            grad_states=self.grad_states,
             tiers=tiers,
             dtype=self.dtype,
             collectives=self.collectives,
@@ -313,6 +319,7 @@ class Engine:
         if result.moved:
             result.apply_to(self.plan)
             self.index.rebuild()
+            self.grad_states.renew(self.index.chunks(), result.grad_states)
             self.optimizer.renew_pipelines()
             self.gradients.renew_staging()
             self.residency.renew_trace()
@@ -330,6 +337,7 @@ class Engine:
             multi_rank=self.multi_rank,
             host_memory=self.hardware.host_memory if self.hardware is not None else None,
             profile=self.profile,
+            grad_states=self.grad_states,
             recompute=(
                 may_recompute(self.config)
                 or self.plan.activation_checkpointing

@@ -13,9 +13,11 @@ their state and read no other component's private attributes. What they do share
   tier): the host buffers of gradient shards, filled by the gradient path and consumed by the
   optimizer step's updates ([Note: active gradient offloading]).
 
-Chunks and their slots carry per-chunk state: one gradient state per chunk (``grad_state``,
-[Note: gradient lifecycle]: the gradient path owns it up to REDUCED, the optimizer step from
-there), the gradient path's per-backward counters (``pending``, ``got_grad``); see
+- ``GradStates`` (``runtime/grads/states.py``): every chunk's gradient state ([Note: gradient
+  lifecycle]), handed to the gradient path (which owns it up to REDUCED) and the optimizer step
+  (from there), read by the others.
+
+Slots carry the gradient path's per-backward facts (``got_grad``, ``has_grad``); see
 ``tierwise.chunks``. Residency (what is resident, in which rCache block, pinned) and module
 access (the compute pins of slots and chunks) keep their per-chunk state in their own tables.
 """

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tierwise.chunks.grad_state import GradState
 from tierwise.chunks.payload import GRAD_OFFLOAD_BUFFERS, grad_offload_buffers
 from tierwise.tiers.base import PayloadKind
 
@@ -23,13 +22,13 @@ if TYPE_CHECKING:
 # region, ``PayloadKind.GRAD_SHARD``), and host memory holds at most GRAD_OFFLOAD_BUFFERS shards
 # at a time (LoHan's active gradient offloading): host memory for gradients does not grow with
 # the model. A shard is in one of four places:
-# - nowhere (no gradient since zero_grad: ``grad_state`` EMPTY, [Note: gradient lifecycle]);
+# - nowhere (no gradient since zero_grad: its gradient state EMPTY, [Note: gradient lifecycle]);
 # - a host buffer (``OptimSlabs.grad_buffer``): backward accumulates into it exactly as into a
 #   host shard ([Note: first gradient is a copy] included), so every value is bitwise the same;
 # - its NVMe region: a buffer was needed for another chunk, so the least recently used shard
 #   that no update is reading was written out ("spilled"; complete or half-filled), and it is
 #   read back before anything adds to it or reads it (accumulation, clipping, the update);
-# - consumed (the update ran and gave the buffer back: ``grad_state`` UPDATED with no buffer,
+# - consumed (the update ran and gave the buffer back: gradient state UPDATED with no buffer,
 #   then CONSUMED once the step commits): its optimizer update has read it. With in-backward updates (the steady state without clipping or accumulation) a
 #   chunk's update is queued as soon as its gradients are complete and consumes the buffer, so
 #   gradients never touch the disk; after-backward updates spill what does not fit and read it
@@ -76,14 +75,6 @@ class GradientOffload:
         """The chunk's gradient shard in host memory: its buffer, or a buffer that the shard is
         read back into (``fresh``: nothing to read, the caller writes the first gradient)."""
         optim = chunk.optim
-        if optim.grad_buffer is None and chunk.grad_state in (
-            GradState.UPDATED,
-            GradState.CONSUMED,
-        ):
-            raise RuntimeError(
-                f"tierwise: the gradients of chunk {chunk.key} were consumed by its optimizer "
-                "update already; call zero_grad() and run backward again before using them"
-            )
         if optim.grad_buffer is not None:
             if chunk in self._lru:
                 self._lru.move_to_end(chunk)

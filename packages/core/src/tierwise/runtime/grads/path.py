@@ -30,6 +30,7 @@ from tierwise.tiers.base import Tier
 
 if TYPE_CHECKING:
     from tierwise.runtime.grads.offload import GradientOffload
+    from tierwise.runtime.grads.states import GradStates
 
 _OWNER = GradOwner.GRADIENT_PATH
 
@@ -75,6 +76,7 @@ class GradientPath:
         self,
         *,
         index: ChunkIndex,
+        grad_states: GradStates,
         tiers: dict[str, Tier],
         dtype: torch.dtype,
         collectives: Collectives,
@@ -87,6 +89,9 @@ class GradientPath:
         optimizer_overlap: str = "auto",
     ) -> None:
         self.index = index
+        self.grad_states = grad_states
+        """The chunks' gradient states: this part owns the transitions up to REDUCED and HELD,
+        and back to EMPTY ([Note: gradient lifecycle])."""
         self.optimizer_overlap = optimizer_overlap
         """``Config.optimizer_overlap``, for the error on a gradient after its update."""
         self.grad_offload = grad_offload
@@ -103,7 +108,9 @@ class GradientPath:
         """Per chunk key: trainable parameters whose gradient this backward has not delivered
         yet."""
         self._reset_pending()
-        self.storage = GradStorage(traffic=traffic, grad_offload=grad_offload)
+        self.storage = GradStorage(
+            grad_states=grad_states, traffic=traffic, grad_offload=grad_offload
+        )
         """The chunks' gradient shards, and what is done to them."""
         self.host_copies = HostGradCopies(tiers.get("host"), scratch_bytes=self._chunk_grad_bytes)
         """Gradient copies into pinned host shards in flight ([Note: one host wait per
@@ -150,7 +157,7 @@ class GradientPath:
         if not self.reducer.launched(chunk):  # a later backward than the update's
             self._refuse_after_update(chunk)
         if self._no_sync:  # accumulate locally, on the host: [Note: bounded gradient blocks]
-            begin_delivery(chunk)
+            begin_delivery(self.grad_states, chunk)
             local = self.reducer.local_buffer(chunk)
             segment = local[slot.offset : slot.offset + slot.numel]
             segment.add_(grad.reshape(-1).to(segment.device))
@@ -166,7 +173,7 @@ class GradientPath:
                 )
             target = self.reducer.late_buffer(chunk)  # a late gradient
         else:
-            begin_delivery(chunk)
+            begin_delivery(self.grad_states, chunk)
             if self.reducer.staging(chunk) is None:
                 self.reducer.staging_for(chunk)
             target = self.reducer.staging(chunk)
@@ -225,13 +232,13 @@ class GradientPath:
         """
         optim = chunk.optim
         self._refuse_after_update(chunk)
-        empty = chunk.grad_state is GradState.EMPTY
+        empty = self.grad_states.of(chunk) is GradState.EMPTY
         if (optim.grads_kept or empty) and self._keeps_grads(chunk):
             return self._keep_grad(chunk, slot, grad)
         target = self.storage.memory(chunk, start=empty)
-        begin_delivery(chunk)
+        begin_delivery(self.grad_states, chunk)
         segment = target[slot.offset : slot.offset + slot.numel]
-        if chunk.grad_state is GradState.FILLING and not slot.got_grad:
+        if self.grad_states.of(chunk) is GradState.FILLING and not slot.got_grad:
             self._copy_grad(chunk, segment, grad.reshape(-1))
         elif not (
             self._copies_to_host(chunk, segment, grad)
@@ -249,7 +256,7 @@ class GradientPath:
     def _refuse_after_update(self, chunk: Chunk) -> None:
         """A gradient for a chunk whose update already ran (or is queued) in a backward of this
         step."""
-        if chunk.grad_state in (GradState.UPDATING, GradState.UPDATED):
+        if self.grad_states.of(chunk) in (GradState.UPDATING, GradState.UPDATED):
             reason = overlap_reason(self.optimizer_overlap, "had one backward pass")
             raise RuntimeError(
                 "tierwise: a gradient arrived for a chunk whose optimizer update already ran "
@@ -272,7 +279,7 @@ class GradientPath:
     def _keep_grad(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> list[Chunk]:
         """[Note: gradients without copies]: keep autograd's gradient, or add into the kept one."""
         chunk.optim.grads_kept = True
-        begin_delivery(chunk)
+        begin_delivery(self.grad_states, chunk)
         if slot.kept_grad is None:
             slot.kept_grad = grad.reshape(-1)  # a view: autograd's gradients are contiguous
         else:
@@ -332,7 +339,7 @@ class GradientPath:
         first gradient is a copy]."""
         self._land_copies(chunk)
         optim = chunk.optim
-        state = chunk.grad_state
+        state = self.grad_states.of(chunk)
         if state is GradState.EMPTY:  # no gradient at all since zero_grad
             if self._keeps_grads(chunk):
                 return  # nothing to zero, no update: [Note: gradients without copies]
@@ -342,7 +349,7 @@ class GradientPath:
                 zero_unwritten(chunk, self.storage.memory(chunk, start=False))
         elif state is not GradState.ACCUMULATING:
             return  # finished already, or nothing delivered in this backward
-        chunk.move_grads(GradState.REDUCED, _OWNER)
+        self.grad_states.move(chunk, GradState.REDUCED, _OWNER)
 
     @contextmanager
     def no_sync(self):
@@ -391,8 +398,9 @@ class GradientPath:
         }
         self._reset_pending()
         for chunk in self.index.chunks():
-            if chunk.grad_state in after:
-                chunk.move_grads(after[chunk.grad_state], _OWNER)
+            state = self.grad_states.of(chunk)
+            if state in after:
+                self.grad_states.move(chunk, after[state], _OWNER)
             for slot in chunk.slots:
                 slot.got_grad = False
 
@@ -411,7 +419,7 @@ class GradientPath:
             if self.storage.offloads(chunk):
                 self.grad_offload.drop(chunk)  # [Note: active gradient offloading]
             chunk.optim.clear_grad()  # [Note: gradient memory between steps]
-        chunk.move_grads(GradState.EMPTY, _OWNER)
+        self.grad_states.move(chunk, GradState.EMPTY, _OWNER)
         for slot in chunk.slots:
             slot.has_grad = False
             slot.kept_grad = None

@@ -14,6 +14,7 @@ from tierwise.runtime.traffic import Traffic
 
 if TYPE_CHECKING:
     from tierwise.runtime.grads.offload import GradientOffload
+    from tierwise.runtime.grads.states import GradStates
 
 _OWNER = GradOwner.GRADIENT_PATH
 
@@ -59,21 +60,25 @@ def zero_unwritten(chunk: Chunk, full: torch.Tensor) -> None:
     full[used_end:].zero_()
 
 
-def begin_delivery(chunk: Chunk) -> None:
+def begin_delivery(states: GradStates, chunk: Chunk) -> None:
     """A gradient of this backward is about to go into ``chunk``: [Note: gradient
     lifecycle]."""
-    state = chunk.grad_state
+    state = states.of(chunk)
     if state is GradState.EMPTY:
-        chunk.move_grads(GradState.FILLING, _OWNER)
+        states.move(chunk, GradState.FILLING, _OWNER)
     elif state in (GradState.HELD, GradState.REDUCED):
-        chunk.move_grads(GradState.ACCUMULATING, _OWNER)
+        states.move(chunk, GradState.ACCUMULATING, _OWNER)
 
 
 class GradStorage:
     """The chunks' gradient shards: in memory (the shard's slab), or, for a shard on a storage
     tier, a host buffer in front of it ([Note: active gradient offloading])."""
 
-    def __init__(self, *, traffic: Traffic, grad_offload: GradientOffload | None) -> None:
+    def __init__(
+        self, *, grad_states: GradStates, traffic: Traffic, grad_offload: GradientOffload | None
+    ) -> None:
+        self.grad_states = grad_states
+        """The chunks' gradient states ([Note: gradient lifecycle])."""
         self.traffic = traffic
         self.grad_offload = grad_offload
         """Host buffers of shards on a storage tier ([Note: active gradient offloading])."""
@@ -88,6 +93,7 @@ class GradStorage:
         since zero_grad is written next, nothing to keep): the shard itself, or for a shard on
         a storage tier a host buffer holding it ([Note: active gradient offloading])."""
         if self.offloads(chunk):
+            self._refuse_consumed(chunk)
             return self.grad_offload.hold(chunk, fresh=start)
         return chunk.optim.start_grad() if start else chunk.optim.grad.tensor
 
@@ -95,14 +101,14 @@ class GradStorage:
         """A reduction of ``chunk`` landed: add its shard of averaged gradients (the chunk's
         gradients of this backward are REDUCED then). A second one in the same backward (late
         gradients: [Note: one collective order]) adds to the first."""
-        begin_delivery(chunk)
+        begin_delivery(self.grad_states, chunk)
         optim = chunk.optim
         slab = optim.grad
         offloaded = self.offloads(chunk)
         tier = "host" if offloaded else slab.tier.name  # [Note: active gradient offloading]
         if tier != "device":
             self.traffic.count(f"device->{tier}", shard.numel() * shard.element_size())
-        first = chunk.grad_state is GradState.FILLING  # nothing held before this backward
+        first = self.grad_states.of(chunk) is GradState.FILLING  # nothing held before this backward
         if first and offloaded:
             self.memory(chunk, start=True).copy_(shard)
         elif first:
@@ -111,7 +117,7 @@ class GradStorage:
         else:
             target = self.memory(chunk, start=False)
             target.add_(shard.to(target.device))
-        chunk.move_grads(GradState.REDUCED, _OWNER)
+        self.grad_states.move(chunk, GradState.REDUCED, _OWNER)
 
     def read(self, chunk: Chunk) -> ChunkGrads:
         """``chunk``'s gradients to read now (a shard on a storage tier is read back, and may
@@ -123,8 +129,21 @@ class GradStorage:
         buffer until ``give_back`` ([Note: active gradient offloading])."""
         kept = chunk.optim.grads_kept
         if self.offloads(chunk):
+            self._refuse_consumed(chunk)
             return ChunkGrads(chunk, self.grad_offload.lend(chunk), kept)
         return ChunkGrads(chunk, chunk.optim.grad.tensor, kept)
+
+    def _refuse_consumed(self, chunk: Chunk) -> None:
+        """An offloaded shard whose buffer the committed (or speculative) update gave back has
+        nothing to read: [Note: active gradient offloading]."""
+        if chunk.optim.grad_buffer is None and self.grad_states.of(chunk) in (
+            GradState.UPDATED,
+            GradState.CONSUMED,
+        ):
+            raise RuntimeError(
+                f"tierwise: the gradients of chunk {chunk.key} were consumed by its optimizer "
+                "update already; call zero_grad() and run backward again before using them"
+            )
 
     def give_back(self, chunk: Chunk) -> None:
         """The update that was lent ``chunk``'s shard ran or was dropped (any thread)."""

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from tierwise.config import Config
     from tierwise.parallel.collectives import Collectives
     from tierwise.profile import Profile
+    from tierwise.runtime.grads.states import GradStates
     from tierwise.runtime.residency.rcache import RCache
     from tierwise.tiers.base import Slab, Tier
 
@@ -73,6 +74,10 @@ class LayoutParts:
     """The profile the rCache minimum is computed from (None: no minimum to check)."""
     recompute: bool
     """Some block may be recomputed in backward ([Note: the rCache minimum])."""
+    grad_states: GradStates
+    """The chunks' gradient states, read only: a re-packed group's gradients are kept when
+    its chunks hold some; the new chunks' states are carried over by the table's owner
+    (``Relayout.grad_states``)."""
 
     def payload(self, group: ChunkGroup) -> PayloadSpec:
         """What each chunk of ``group`` holds."""
@@ -98,6 +103,9 @@ class Relayout:
     """Trainable group -> the tier of each new chunk's optimizer states."""
     chunk_counts: dict[str, int] = field(default_factory=dict)
     """Group -> its number of chunks now."""
+    grad_states: dict[str, GradState] = field(default_factory=dict)
+    """Re-packed group -> the gradient state its new chunks start in, where the old ones were
+    (``GradStates.renew``: [Note: gradient lifecycle])."""
 
     def apply_to(self, plan: Plan) -> None:
         """Record the new chunks' tiers and counts in ``plan``."""
@@ -133,7 +141,10 @@ def relayout(parts: LayoutParts, order: list[str], *, before_move: Callable[[], 
         return result
     before_move()  # no state read-ahead may outlive the old slabs
     for group, chunks in moves:
-        tiers = _move_group(parts, group, chunks)
+        trainable = group.trainable
+        grad_state = parts.grad_states.carried_over(group.chunks) if trainable else GradState.EMPTY
+        result.grad_states[group.name] = grad_state
+        tiers = _move_group(parts, group, chunks, grads_filled=grad_state is GradState.HELD)
         result.moved.append(group.name)
         result.param_tiers[group.name] = list(tiers["home"])
         if group.trainable:
@@ -247,20 +258,14 @@ def _min_blocks_with(parts: LayoutParts, group: ChunkGroup, cached: list[Chunk])
     return profile_min_blocks(parts.profile, chunk_of, recompute=parts.recompute)
 
 
-def _move_group(parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk]) -> dict[str, list[str]]:
+def _move_group(
+    parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk], *, grads_filled: bool
+) -> dict[str, list[str]]:
+    """Re-pack ``group`` into ``chunks``; ``grads_filled``: its gradient shards hold gradients
+    to keep (else the next backward overwrites them: [Note: gradient lifecycle])."""
     tiers = _plan_tiers(parts, group, chunks)
     payload = parts.payload(group)
     where = {s.name: (c, s) for c in chunks for s in c.slots}
-    states = {c.grad_state for c in group.chunks} if group.trainable else set()
-    # the new chunks' gradients: [Note: gradient lifecycle]
-    grad_state = (
-        GradState.CONSUMED
-        if GradState.CONSUMED in states
-        else GradState.HELD
-        if states - {GradState.EMPTY}
-        else GradState.EMPTY
-    )
-    grads_filled = grad_state is GradState.HELD
     new_slabs: dict[str, list[Slab]] = {}
     for kind in _kinds(parts, group):
         fmt = payload.moment_format(kind)
@@ -294,7 +299,6 @@ def _move_group(parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk]) -> d
                 *(new_slabs[k][i] for k in (*OPTIM_STATES, "grad")),
                 opt_tier,
             )
-            chunk.grad_state = grad_state  # a new chunk starts where the old ones were
             if not grads_filled:
                 chunk.optim.clear_grad()
             chunk.home = new_slabs["home"][i] if "home" in new_slabs else chunk.optim.master

@@ -21,6 +21,7 @@ from tierwise.config import Config
 from tierwise.optim import DynamicLossScaler, StepCounts
 from tierwise.optim.state_formats import LowBitMoments
 from tierwise.parallel.collectives import Collectives
+from tierwise.runtime.grads.states import GradStates
 from tierwise.runtime.grads.storage import GradStorage
 from tierwise.runtime.index import ChunkIndex
 from tierwise.runtime.phases import Phases
@@ -46,6 +47,7 @@ class OptimizerStep:
         self,
         *,
         index: ChunkIndex,
+        grad_states: GradStates,
         tiers: dict[str, Tier],
         config: Config,
         optimizer_groups: list[dict],
@@ -62,7 +64,12 @@ class OptimizerStep:
         grad_offload: GradientOffload | None = None,
     ) -> None:
         self.index = index
-        self.storage = GradStorage(traffic=traffic, grad_offload=grad_offload)
+        self.grad_states = grad_states
+        """The chunks' gradient states: this part owns the transitions from REDUCED/HELD on
+        (update, speculation, rollback, commit: [Note: gradient lifecycle])."""
+        self.storage = GradStorage(
+            grad_states=grad_states, traffic=traffic, grad_offload=grad_offload
+        )
         """The chunks' gradient shards: a shard on a storage tier is lent to its update as its
         host buffer, given back when the job is done ([Note: active gradient offloading])."""
         self.tiers = tiers
@@ -94,6 +101,7 @@ class OptimizerStep:
             device=device,
         )
         self.updates = ChunkUpdates(
+            grad_states=grad_states,
             step_counts=self.step_counts,
             step_undo=self.step_undo,
             moments=self.moments,
@@ -107,6 +115,7 @@ class OptimizerStep:
         backward])."""
         self.speculation = Speculation(
             index=index,
+            grad_states=grad_states,
             config=config,
             optimizer_groups=optimizer_groups,
             decoupled=decoupled,
@@ -214,12 +223,14 @@ class OptimizerStep:
         """The step is over (committed, skipped or undone): updated chunks hold their
         gradients again, or none when the update consumed an offloaded shard ([Note: gradient
         lifecycle])."""
+        grad_states = self.grad_states
         for chunk in self.index.chunks():
-            if chunk.grad_state is GradState.UPDATING:  # a failed step's update that never ran
-                chunk.move_grads(GradState.HELD, _OWNER)
-            elif chunk.grad_state is GradState.UPDATED:
+            state = grad_states.of(chunk)
+            if state is GradState.UPDATING:  # a failed step's update that never ran
+                grad_states.move(chunk, GradState.HELD, _OWNER)
+            elif state is GradState.UPDATED:
                 consumed = self.storage.offloads(chunk) and chunk.optim.grad_buffer is None
-                chunk.move_grads(GradState.CONSUMED if consumed else GradState.HELD, _OWNER)
+                grad_states.move(chunk, GradState.CONSUMED if consumed else GradState.HELD, _OWNER)
 
     def renew_pipelines(self) -> None:
         """After chunks were re-packed: pipelines for the new optimizer-state slabs."""
@@ -237,7 +248,9 @@ class OptimizerStep:
     def _filled_chunks(self) -> list[Chunk]:
         """Trainable chunks with gradients since zero_grad."""
         return [
-            c for c in self.index.chunks() if c.trainable and c.grad_state is not GradState.EMPTY
+            c
+            for c in self.index.chunks()
+            if c.trainable and self.grad_states.of(c) is not GradState.EMPTY
         ]
 
     def _grad_shards(self, need: str):

@@ -13,6 +13,7 @@ from tierwise.chunks.grad_state import GradOwner, GradState
 from tierwise.config import Config
 from tierwise.optim import AdamHyper, DynamicLossScaler
 from tierwise.runtime.grads.path import overlap_reason
+from tierwise.runtime.grads.states import GradStates
 from tierwise.runtime.grads.storage import GradStorage
 from tierwise.runtime.index import ChunkIndex
 from tierwise.runtime.phases import Phases
@@ -47,6 +48,7 @@ class Speculation:
         self,
         *,
         index: ChunkIndex,
+        grad_states: GradStates,
         config: Config,
         optimizer_groups: list[dict],
         decoupled: bool,
@@ -60,6 +62,9 @@ class Speculation:
         host_updates: HostUpdates | None,
     ) -> None:
         self.index = index
+        self.grad_states = grad_states
+        """The chunks' gradient states (the optimizer step's transitions: [Note: gradient
+        lifecycle])."""
         self.config = config
         self.optimizer_groups = optimizer_groups
         self.decoupled = decoupled
@@ -172,7 +177,7 @@ class Speculation:
         self.step_undo.begin()
         update = self.updates.build(chunk, hyper, self.unscale())
         self.updates.count_traffic(chunk)
-        chunk.move_grads(GradState.UPDATING, _OWNER)
+        self.grad_states.move(chunk, GradState.UPDATING, _OWNER)
         self.host_updates.submit(chunk, states, update, on_done=lambda: self.updates.done(chunk))
 
     def rollback_reason(
@@ -234,7 +239,7 @@ class Speculation:
                 "or set optimizer_overlap='after-backward'"
             )
         for chunk in chunks:
-            chunk.move_grads(GradState.ROLLED_BACK, _OWNER)
+            self.grad_states.move(chunk, GradState.ROLLED_BACK, _OWNER)
 
     def end_step(
         self,

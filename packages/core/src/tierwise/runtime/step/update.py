@@ -12,6 +12,7 @@ from tierwise.chunks import Chunk
 from tierwise.chunks.grad_state import GradOwner, GradState
 from tierwise.optim import AdamHyper, StepCounts, adam_update_ranges, adam_update_tensors
 from tierwise.optim.state_formats import LowBitMoments
+from tierwise.runtime.grads.states import GradStates
 from tierwise.runtime.grads.storage import GradStorage
 from tierwise.runtime.step.undo import StepUndo
 from tierwise.runtime.traffic import Traffic
@@ -50,6 +51,7 @@ class ChunkUpdates:
     def __init__(
         self,
         *,
+        grad_states: GradStates,
         step_counts: StepCounts,
         step_undo: StepUndo,
         moments: LowBitMoments,
@@ -57,6 +59,9 @@ class ChunkUpdates:
         traffic: Traffic,
         dtype: torch.dtype,
     ) -> None:
+        self.grad_states = grad_states
+        """The chunks' gradient states (the optimizer step's transitions: [Note: gradient
+        lifecycle])."""
         self.step_counts = step_counts
         self.step_undo = step_undo
         self.moments = moments
@@ -192,11 +197,11 @@ class ChunkUpdates:
         if pipeline is not None:
             self.submit(pipeline, chunk, update)
         elif optim.tier.ADDRESSABLE:
-            chunk.move_grads(GradState.UPDATING, _OWNER)
+            self.grad_states.move(chunk, GradState.UPDATING, _OWNER)
             update([slab.tensor for slab in slabs])
-            chunk.move_grads(GradState.UPDATED, _OWNER)
+            self.grad_states.move(chunk, GradState.UPDATED, _OWNER)
         else:  # a storage tier without a pipeline: read, update, write in turn
-            chunk.move_grads(GradState.UPDATING, _OWNER)
+            self.grad_states.move(chunk, GradState.UPDATING, _OWNER)
             try:
                 states = [torch.empty(slab.numel, dtype=slab.dtype) for slab in slabs]
                 for slab, out in zip(slabs, states, strict=True):
@@ -211,15 +216,15 @@ class ChunkUpdates:
         """Queue one chunk's update; a lent gradient buffer goes back when the job is done."""
         optim = chunk.optim
         slabs = (optim.master, optim.exp_avg, optim.exp_avg_sq)
-        chunk.move_grads(GradState.UPDATING, _OWNER)
+        self.grad_states.move(chunk, GradState.UPDATING, _OWNER)
         pipeline.submit(chunk.key, slabs, update, on_done=lambda: self.done(chunk))
 
     def done(self, chunk: Chunk) -> None:
         """The update of ``chunk`` ran or was dropped (any thread): [Note: active gradient
         offloading]."""
         self.storage.give_back(chunk)
-        if chunk.grad_state is GradState.UPDATING:  # not dropped by zero_grad meanwhile
-            chunk.move_grads(GradState.UPDATED, _OWNER)
+        if self.grad_states.of(chunk) is GradState.UPDATING:  # not dropped by zero_grad meanwhile
+            self.grad_states.move(chunk, GradState.UPDATED, _OWNER)
 
     def count_traffic(self, chunk: Chunk) -> None:
         """Count what one chunk's update moves (on the calling thread, before it runs): states

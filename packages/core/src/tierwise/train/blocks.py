@@ -32,7 +32,7 @@ from tierwise.train.token_cache import TRAINED_FILE, TokenCache
 IGNORE = -100
 """The label Hugging Face's loss skips."""
 
-SCAN_TOKENS = 1 << 22
+SCAN_TOKENS = 1 << 18
 """Tokens of the loss mask read at a time when counting each row's targets."""
 
 
@@ -117,7 +117,7 @@ class Corpus:
     def _with_targets(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Which rows have a target: a trained token that is not the first of its row or of
         its document (every row of unmasked data has one)."""
-        if self.cache.trained is None or len(starts) == 0:
+        if not self.cache.masked or len(starts) == 0:
             return np.ones(len(starts), dtype=bool)
         keep = np.zeros(len(starts), dtype=bool)
         path = self.cache.path / TRAINED_FILE
@@ -146,13 +146,10 @@ class Corpus:
         cache = self.cache
         for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
             end = start + length
-            tokens = np.asarray(cache.tokens[start:end], dtype=np.int64)
+            tokens, trained = cache.read(start, end)
             position = self._positions(start, end)
-            trained = (
-                np.ones(length, dtype=bool)
-                if cache.trained is None
-                else np.asarray(cache.trained[start:end], dtype=bool)
-            )
+            if trained is None:
+                trained = np.ones(length, dtype=bool)
             ids[row, :length] = tokens
             labels[row, :length] = np.where(trained & (position > 0), tokens, IGNORE)
             positions[row, :length] = position
@@ -183,11 +180,12 @@ class Corpus:
         doc = min(doc, self.cache.n_documents - 1)
         start, end = int(doc_starts[doc]), int(doc_starts[doc + 1])
         length = max(1, min(end - start, max_tokens) // 4)
-        if self.cache.trained is not None:
-            trained = np.flatnonzero(np.asarray(self.cache.trained[start:end]))
-            if len(trained) and trained[0] > 0:
-                length = min(int(trained[0]), max_tokens)
-        return [int(t) for t in self.cache.tokens[start : start + length]]
+        tokens, trained = self.cache.read(start, end)
+        if trained is not None:
+            targets = np.flatnonzero(trained)
+            if len(targets) and targets[0] > 0:
+                length = min(int(targets[0]), max_tokens)
+        return tokens[:length].tolist()
 
 
 def _counts_within(pieces: np.ndarray) -> np.ndarray:

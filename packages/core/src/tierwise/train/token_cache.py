@@ -6,9 +6,13 @@ Tokenising a large corpus takes long and its ids, held as int64 tensors, take 8 
 appended to flat files in one directory: ``tokens.bin`` (uint16 ids when the vocabulary fits,
 else uint32), ``doc_starts.bin`` (int64: where each document starts, then the end) and, when
 some tokens are not training targets (a prompt, a user turn), ``trained.bin`` (uint8 per token).
-``meta.json`` says what is there. Nothing is held but the document being tokenised, so building
-and reading use memory independent of the corpus size; the files are read through
-``numpy.memmap``, so a batch touches only its own pages.
+``meta.json`` says what is there. Building holds only the documents of one write batch. The files
+are plain arrays ``numpy.memmap`` opens (``TokenCache.tokens``); the training loop reads its rows
+with ``os.pread`` instead (``TokenCache.read``), because a mapped page counts in the process's
+RSS once touched, and an epoch of random rows would map the whole corpus: read, a row's bytes sit
+in the kernel's page cache, which the kernel reclaims under pressure, never in the process. So
+RSS does not grow with the corpus (beyond the 8 bytes a document of ``doc_starts``, mapped, and
+the row index the sampler draws from).
 
 The directory's name is a hash of what the ids depend on: each data file's path, size and
 modification time (not its contents: hashing a corpus would read it all on every run), the
@@ -47,7 +51,7 @@ TOKENS_FILE = "tokens.bin"
 STARTS_FILE = "doc_starts.bin"
 TRAINED_FILE = "trained.bin"
 
-WRITE_BATCH_TOKENS = 1 << 20
+WRITE_BATCH_TOKENS = 1 << 18
 """Tokens gathered before they are written (bounds the build's memory)."""
 
 
@@ -81,6 +85,16 @@ class TokenCache:
     """Per token, 1 when it is a training target (uint8, memory-mapped); None: all are."""
     n_documents: int
     """How many documents went in."""
+    masked: bool = False
+    """Whether ``trained.bin`` exists (some token is not a target)."""
+
+    def read(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Tokens ``start:end`` (int64) and whether each is a target (bool; None: all are),
+        read with ``pread`` ([Note: the token cache])."""
+        ids = _pread(self.path / TOKENS_FILE, self.tokens.dtype, start, end).astype(np.int64)
+        if not self.masked:
+            return ids, None
+        return ids, _pread(self.path / TRAINED_FILE, np.dtype(np.uint8), start, end).astype(bool)
 
     @property
     def n_tokens(self) -> int:
@@ -95,13 +109,29 @@ class TokenCache:
         trained = (
             _map(path / TRAINED_FILE, np.dtype(np.uint8), n_tokens) if meta["masked"] else None
         )
-        return cls(path=path, tokens=tokens, doc_starts=starts, trained=trained, n_documents=n_docs)
+        return cls(
+            path=path,
+            tokens=tokens,
+            doc_starts=starts,
+            trained=trained,
+            n_documents=n_docs,
+            masked=meta["masked"],
+        )
 
 
 def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     if count == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+def _pread(path: Path, dtype: np.dtype, start: int, end: int) -> np.ndarray:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        raw = os.pread(fd, (end - start) * dtype.itemsize, start * dtype.itemsize)
+    finally:
+        os.close(fd)
+    return np.frombuffer(raw, dtype=dtype)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -41,7 +41,7 @@ CELL_WIDTH = 64
 def table(rows: Sequence[tuple[str, ...]], *, cell_width: int = CELL_WIDTH) -> str:
     """Left-aligned columns, the first row a header underlined with dashes; a long cell wraps
     within its column."""
-    wrapped = [[textwrap.wrap(cell, cell_width) or [""] for cell in row] for row in rows]
+    wrapped = [[_wrap(cell, cell_width) for cell in row] for row in rows]
     widths = [max(len(line) for row in wrapped for line in row[i]) for i in range(len(rows[0]))]
     lines = []
     for row in wrapped:
@@ -50,6 +50,11 @@ def table(rows: Sequence[tuple[str, ...]], *, cell_width: int = CELL_WIDTH) -> s
             lines.append("  ".join(p.ljust(w) for p, w in zip(parts, widths, strict=True)).rstrip())
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _wrap(cell: str, width: int) -> list[str]:
+    """A cell's lines: broken at spaces only (paths and hyphenated words stay whole)."""
+    return textwrap.wrap(cell, width, break_on_hyphens=False, break_long_words=False) or [""]
 
 
 MIN_BAR_COLUMNS = 20

@@ -32,8 +32,9 @@ def test_a_fine_tune_records_its_source_not_a_preset(tmp_path):
     assert fine_tune["model"] is None and fine_tune["size"] is None
     assert fine_tune["from_pretrained"] == str(tmp_path)
     assert TrainOptions().to_dict()["model"] == "gpt2"
-    with pytest.raises(TrainError, match="--from-pretrained already names the model"):
-        TrainOptions(from_pretrained=str(tmp_path), model="llama")
+    with pytest.raises(TrainError, match="--from-pretrained already gives the model's"):
+        TrainOptions(from_pretrained=str(tmp_path), size="small")
+    assert TrainOptions(from_pretrained=str(tmp_path), model="llama").model == "llama"
 
 
 def test_resuming_a_fine_tune_recorded_with_a_preset_still_works(tmp_path):

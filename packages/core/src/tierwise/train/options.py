@@ -156,11 +156,11 @@ class TrainOptions:
         if self.model_config and self.from_pretrained:
             raise TrainError("give either --model-config or --from-pretrained, not both")
         if self.model_config or self.from_pretrained:
-            if self.model is not None or self.size is not None:
+            if self.size is not None:  # --model is checked against the checkpoint's type
                 given = "--model-config" if self.model_config else "--from-pretrained"
                 raise TrainError(
-                    f"--model and --size pick a preset; {given} already names the model: leave "
-                    "them out"
+                    f"--size picks a preset's shape; {given} already gives the model's: leave "
+                    "--size out"
                 )
         else:
             object.__setattr__(self, "model", self.model or DEFAULT_MODEL)

@@ -234,10 +234,12 @@ def _build_model(options: TrainOptions, tokenizer) -> tuple[torch.nn.Module, str
     if options.from_pretrained:
         model = presets.pretrained_on_meta(options.from_pretrained)
         presets.check_vocab(model.config, tokenizer, f"--from-pretrained {options.from_pretrained}")
+        _check_family(options.model, model.config, f"--from-pretrained {options.from_pretrained}")
         return model, f"{options.from_pretrained} ({model.config.model_type})"
     if options.model_config:
         config = model_presets.config_from_file(options.model_config)
         presets.check_vocab(config, tokenizer, f"--model-config {options.model_config}")
+        _check_family(options.model, config, f"--model-config {options.model_config}")
         name = f"{options.model_config} ({config.model_type}, random init)"
     else:
         config = model_presets.preset_config(
@@ -249,6 +251,15 @@ def _build_model(options: TrainOptions, tokenizer) -> tuple[torch.nn.Module, str
         )
         name = preset_name(options.model, options.size)
     return presets.build_random(config, seed=options.seed), name
+
+
+def _check_family(family: str | None, config, where: str) -> None:
+    """--model beside a checkpoint or config file must name its model type."""
+    if family is not None and family != config.model_type:
+        raise TrainError(
+            f"--model {family}, but {where} is a {config.model_type} model: leave --model out "
+            "(the checkpoint names the model)"
+        )
 
 
 def preset_name(family: str, size: str) -> str:

@@ -16,57 +16,23 @@ import torch
 
 pytest.importorskip("transformers")
 
+from helpers.chat import CONVERSATION, chat_tokenizer_dir, chatml  # noqa: E402
 from helpers.models import _config  # noqa: E402
 from tierwise.train import blocks, data, token_cache  # noqa: E402
 from tierwise.train.errors import TrainError  # noqa: E402
 from tierwise.train.prepare import packs_apart  # noqa: E402
 from tierwise.train.tokenizers import ByteTokenizer, HFTokenizer  # noqa: E402
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-"""A ChatML template; with the byte tokenizer each character is one token, so the masks below
-can be written by hand from the text."""
-
-CONVERSATION = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "Capital of France?"},
-    {"role": "assistant", "content": "Paris."},
-    {"role": "user", "content": "And of Italy?"},
-    {"role": "assistant", "content": "Rome."},
-]
-
 
 def _chat_tokenizer(tmp_path) -> HFTokenizer:
-    """The byte tokenizer as a Hugging Face tokenizer folder with a ChatML template."""
-    from transformers import AutoTokenizer
-
-    folder = tmp_path / "chat-tokenizer"
-    ByteTokenizer().save_pretrained(folder)
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.chat_template = CHATML
-    tok.save_pretrained(folder)
-    return HFTokenizer(str(folder))
-
-
-def _chatml(messages) -> tuple[str, list[bool]]:
-    """The ChatML text of ``messages`` and, per character, whether it is an assistant's turn
-    (its content and the end-of-turn marker after it), built by hand."""
-    text, trained = "", []
-    for m in messages:
-        head = f"<|im_start|>{m['role']}\n"
-        body = f"{m['content']}<|im_end|>\n"
-        text += head + body
-        trained += [False] * len(head) + [m["role"] == "assistant"] * len(body)
-    return text, trained
+    return HFTokenizer(str(chat_tokenizer_dir(tmp_path / "chat-tokenizer")))
 
 
 def test_messages_mask_the_assistant_turns(tmp_path):
     tokenizer = _chat_tokenizer(tmp_path)
     doc = data.Document(name="x", messages=CONVERSATION)
     got = data.tokenise(doc, tokenizer, train_on_prompt=False)
-    text, trained = _chatml(CONVERSATION)
+    text, trained = chatml(CONVERSATION)
     assert got.ids.tolist() == list(text.encode())
     assert got.trained.tolist() == trained
     everything = data.tokenise(doc, tokenizer, train_on_prompt=True)
@@ -84,7 +50,7 @@ def test_prompt_completion_masks_the_prompt(tmp_path):
         name="y", prompt=CONVERSATION[:2], completion=[{"role": "assistant", "content": "Paris."}]
     )
     got = data.tokenise(chat, _chat_tokenizer(tmp_path), train_on_prompt=False)
-    text, trained = _chatml(CONVERSATION[:3])
+    text, trained = chatml(CONVERSATION[:3])
     assert got.ids.tolist() == list(text.encode()) and got.trained.tolist() == trained
 
 
@@ -252,7 +218,7 @@ def test_chat_loss_equals_the_hand_masked_reference(tmp_path):
     corpus = blocks.Corpus(cache, seq=256, pack=False, pad_id=tokenizer.pad_id, min_train_blocks=4)
     rows = []
     for r in records[:4]:
-        text, trained = _chatml(r["messages"])
+        text, trained = chatml(r["messages"])
         ids = list(text.encode())
         rows.append((ids, [t if keep else -100 for t, keep in zip(ids, trained, strict=True)]))
     with torch.no_grad():

@@ -249,6 +249,12 @@ def _bpe_tokenizer(folder, texts):
     return tokenizer
 
 
+def _without_size(flags: list[str]) -> list[str]:
+    """``flags`` less ``--size X`` (a checkpoint gives the model's shape; train refuses both)."""
+    at = flags.index("--size")
+    return [*flags[:at], *flags[at + 2 :]]
+
+
 @pytest.mark.parametrize("flag", ["--tokenizer", "--from-pretrained"])
 def test_export_copies_the_run_tokenizer(tmp_path, corpus, capsys, flag):
     texts = corpus.read_text().splitlines() + ["return the value of f", "x times two"]
@@ -256,8 +262,9 @@ def test_export_copies_the_run_tokenizer(tmp_path, corpus, capsys, flag):
     if flag == "--from-pretrained":  # a model folder that has a tokenizer
         tiny_model("llama").save_pretrained(tmp_path / "given")
     run = tmp_path / "run"
+    run_flags = RUN if flag == "--tokenizer" else _without_size(RUN)  # the checkpoint's shape
     code, _, err = cli(
-        capsys, "train", *RUN, "--data", corpus, "--out", run, flag, tmp_path / "given"
+        capsys, "train", *run_flags, "--data", corpus, "--out", run, flag, tmp_path / "given"
     )
     assert code == 0, err
     for flags in ([], ["--dtype", "bf16"]):

@@ -20,6 +20,8 @@ RUN = [
     *("--model", "llama", "--size", "tiny", "--batch", "2", "--seq", "32"),
     *("--sample-tokens", "0", "--steps", "2", "--device", "cpu", "--eval-batches", "1"),
 ]
+RUN_FROM_PRETRAINED = [f for f in RUN if f not in ("--size", "tiny")]
+"""RUN for a checkpoint, which gives the model's shape (train refuses --size beside it)."""
 TEXTS = ["def f(x):\n    return x * 2", "héllo wörld ✓\t\x00", "<|endoftext|> is text here", ""]
 
 
@@ -90,8 +92,9 @@ def test_lora_export_names_its_base_and_merges_as_peft_on_the_same_base(
     run = tmp_path / "run"
     cli(
         capsys,
-        *("train", *RUN, "--data", corpus, "--out", run, "--precision", precision),
-        *("--from-pretrained", "./hf/base", "--lora", "4", "--lora-targets", "q_proj,v_proj"),
+        *("train", *RUN_FROM_PRETRAINED, "--data", corpus, "--out", run),
+        *("--precision", precision, "--from-pretrained", "./hf/base", "--lora", "4"),
+        *("--lora-targets", "q_proj,v_proj"),
     )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -5,6 +5,7 @@ into chunks without building the model in host memory (issue 26)."""
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import safetensors.torch
 import tierwise
@@ -68,16 +69,24 @@ def _pretrained(tmp_path):
 
 def _first_batch(corpus_path, seq: int = 32, batch: int = 2) -> dict[str, torch.Tensor]:
     """The batch train's first step reads (byte tokenizer, seed 0, one rank)."""
-    from tierwise.train import data
+    from tierwise.train import blocks, data, token_cache
 
-    documents = data.read_documents([str(corpus_path)])
-    corpus = data.build_corpus(
-        documents, data.load_tokenizer(None), seq=seq, min_train_blocks=batch, max_eval_blocks=2
+    cache = token_cache.build(
+        Path(corpus_path).parent / "token-cache",
+        data.read_documents([str(corpus_path)]),
+        data.load_tokenizer(None),
+        train_on_prompt=False,
     )
-    sampler = data.BlockSampler(
-        n_blocks=len(corpus.train_blocks), batch=batch, world=1, rank=0, seed=0
+    corpus = blocks.Corpus(
+        cache,
+        seq=seq,
+        pack=True,
+        pad_id=data.ByteTokenizer.pad_id,
+        min_train_blocks=batch,
+        max_eval_blocks=2,
     )
-    return data.batch_of(corpus.train_blocks[sampler.indices(0)], torch.device("cpu"))
+    sampler = blocks.BlockSampler(n_blocks=corpus.n_train, batch=batch, world=1, rank=0, seed=0)
+    return corpus.train_batch(sampler.indices(0))
 
 
 def test_train_from_pretrained_starts_from_the_checkpoint(tmp_path, capsys):

@@ -7,12 +7,13 @@ import json
 import math
 import sys
 
+import numpy as np
 import pytest
 import tierwise
 import torch
 from tierwise import model_presets
 from tierwise.model_presets import ModelError
-from tierwise.train import data, presets, schedule
+from tierwise.train import blocks, data, presets, schedule, token_cache
 from tierwise.train.errors import TrainError
 from tierwise.train.metrics import MetricsLog, read_metrics, step_record
 from tierwise.train.options import TrainOptions
@@ -33,7 +34,7 @@ def test_default_corpus_is_the_standard_library_in_name_order():
     import sysconfig
     from pathlib import Path
 
-    docs = data.stdlib_documents()
+    docs = list(data.read_documents(()))
     expected = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     assert [d.name for d in docs] == [str(p) for p in expected]
     assert docs[0].text == expected[0].read_text(encoding="utf-8", errors="replace")
@@ -68,58 +69,70 @@ def test_sources_files_globs_jsonl_and_directories(tmp_path):
 def test_bad_jsonl_names_the_line(tmp_path, content, message):
     (tmp_path / "notes.jsonl").write_text(content)
     with pytest.raises(TrainError, match=message):
-        data.read_documents([str(tmp_path / "notes.jsonl")])
+        list(data.read_documents([str(tmp_path / "notes.jsonl")]))
 
 
 def test_missing_sources_say_what_to_give(tmp_path):
     with pytest.raises(TrainError, match="no such file or directory; give text files"):
-        data.read_documents([str(tmp_path / "nope.txt")])
+        list(data.read_documents([str(tmp_path / "nope.txt")]))
     with pytest.raises(TrainError, match="no files match this pattern"):
-        data.read_documents([str(tmp_path / "*.nothing")])
+        list(data.read_documents([str(tmp_path / "*.nothing")]))
 
 
 def test_datasets_directory_without_datasets_installed(tmp_path, monkeypatch):
     (tmp_path / "dataset_dict.json").write_text("{}")
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(TrainError, match="pip install datasets"):
-        data.read_documents([str(tmp_path)])
+        list(data.read_documents([str(tmp_path)]))
 
 
-def test_corpus_blocks_are_the_token_stream_and_eval_is_held_out():
+def _corpus(tmp_path, docs, *, seq, min_train_blocks, eval_fraction=0.05):
+    cache = token_cache.build(tmp_path / "cache", docs, data.ByteTokenizer(), train_on_prompt=False)
+    return blocks.Corpus(
+        cache,
+        seq=seq,
+        pack=True,
+        pad_id=data.ByteTokenizer.pad_id,
+        min_train_blocks=min_train_blocks,
+        eval_fraction=eval_fraction,
+    )
+
+
+def test_corpus_blocks_are_the_token_stream_and_eval_is_held_out(tmp_path):
     tokenizer = data.ByteTokenizer()
     docs = [data.Document(name=str(i), text=f"document {i} " * 20) for i in range(40)]
-    corpus = data.build_corpus(docs, tokenizer, seq=16, min_train_blocks=4, eval_fraction=0.1)
+    corpus = _corpus(tmp_path, docs, seq=16, min_train_blocks=4, eval_fraction=0.1)
     stream = []
     for doc in docs:
         stream += [*tokenizer.encode(doc.text).tolist(), tokenizer.eos_id]
     n_eval = int(len(stream) * 0.1)
-    train = corpus.train_blocks.flatten().tolist()
+    train = corpus.train_batch(np.arange(corpus.n_train))["input_ids"].flatten().tolist()
     assert train == stream[: len(train)]
     assert len(train) == (len(stream) - n_eval) // 16 * 16
     held_out = stream[-n_eval:]
-    for block in corpus.eval_blocks.tolist():
+    for block in corpus.eval_batch(0, corpus.n_eval)["input_ids"].tolist():
         starts = [i for i in range(0, len(held_out) - 15, 16) if held_out[i : i + 16] == block]
         assert starts, "every eval block comes from the held-out tail"
     assert corpus.n_tokens == len(stream)
 
 
-def test_corpus_too_small_says_what_to_change():
+def test_corpus_too_small_says_what_to_change(tmp_path):
     docs = [data.Document(name="x", text="tiny")]
     with pytest.raises(TrainError, match="lower --seq or --batch"):
-        data.build_corpus(docs, data.ByteTokenizer(), seq=64, min_train_blocks=1)
+        _corpus(tmp_path, docs, seq=64, min_train_blocks=1)
 
 
 def test_sampler_covers_each_epoch_once_and_splits_ranks():
     n_blocks, batch, world = 50, 4, 2
     samplers = [
-        data.BlockSampler(n_blocks=n_blocks, batch=batch, world=world, rank=r, seed=3)
+        blocks.BlockSampler(n_blocks=n_blocks, batch=batch, world=world, rank=r, seed=3)
         for r in range(world)
     ]
     per_epoch = n_blocks // (batch * world)
     seen = [i for step in range(per_epoch) for s in samplers for i in s.indices(step).tolist()]
     assert len(seen) == len(set(seen)) == per_epoch * batch * world
     # a fresh sampler (a resumed run) reads exactly the same micro-batches, epochs included
-    fresh = data.BlockSampler(n_blocks=n_blocks, batch=batch, world=world, rank=1, seed=3)
+    fresh = blocks.BlockSampler(n_blocks=n_blocks, batch=batch, world=world, rank=1, seed=3)
     for step in (per_epoch + 2, 0, 2 * per_epoch + 1):
         assert torch.equal(fresh.indices(step), samplers[1].indices(step))
     assert not torch.equal(samplers[0].indices(per_epoch), samplers[0].indices(0))

@@ -22,6 +22,7 @@ examples:
   tierwise train                                   # defaults: a small GPT-2 on Python's stdlib
   tierwise train --model llama --size tiny --steps 50 --device-memory 2MiB
   tierwise train --data 'notes/*.md' --tokenizer ./tok --from-pretrained ./my-model
+  tierwise train --data chat.jsonl --from-pretrained ./my-model --lora 16   # loss on assistant turns
   tierwise train --host-memory 4MiB --nvme-path /mnt/nvme/tierwise   # needs tierwise-nvme
   tierwise train --activation-offload auto --seq 2048          # keep/recompute/swap per block
   tierwise train --optimizer-states int8           # Adam moments in 8 bits: 6 B/param of states, not 12
@@ -125,7 +126,7 @@ def _add_option(
 ) -> None:
     flag = "--" + name.replace("_", "-")
     common = dict(dest=dest, help=_help(doc, default), default=argparse.SUPPRESS)
-    if hint is bool and dest.startswith(CONFIG_FLAG_PREFIX):
+    if (hint is bool and dest.startswith(CONFIG_FLAG_PREFIX)) or name == "pack":
         group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
     elif hint is bool:
         group.add_argument(flag, action="store_true", **common)
@@ -185,7 +186,10 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
         if field.name == "parallel":
             doc = "Model-parallel sizes by pattern name, e.g. expert=2 or tensor=2."
         if field.name == "device_memory":
-            doc += " Default here: half the model's data, so that host offload is exercised."
+            doc += (
+                " Default here: the whole device, except for a random-init model on the CPU: "
+                "half the model's data, so that host offload is exercised."
+            )
         _add_option(
             group,
             field.name,

@@ -39,9 +39,9 @@ from tierwise.checkpoint.reader import CheckpointReader
 from tierwise.integrations.hf_save import DTYPES, record_dtype
 from tierwise.integrations.safetensors_shards import save_safetensors
 from tierwise.train.checkpoints import CHECKPOINTS, LATEST
-from tierwise.train.data import ByteTokenizer
 from tierwise.train.errors import TrainError
 from tierwise.train.lora import MODEL_FOLDER, PEFT_PREFIX, base_name
+from tierwise.train.tokenizers import ByteTokenizer
 from tierwise.weights.safetensors_io import MAX_SHARD_BYTES, ShardedWriter
 
 ADAPTER = "default"

@@ -28,16 +28,38 @@ make, and reached the optimizer as a traceback)."""
 DEFAULT_SAVE_EVERY = 100
 """Checkpoint interval in steps when --save-every is not given."""
 
+DEFAULT_MODEL, DEFAULT_SIZE = "gpt2", "small"
+"""The preset when no model is named (a 0.86M-parameter demo model with the byte tokenizer)."""
+
+LR_RANDOM_INIT = 3e-3
+"""A small model trained from scratch for a few hundred steps learns fast at this rate."""
+LR_FULL_FINE_TUNE = 2e-5
+"""Fine-tuning every weight of a pretrained LLM: the 1e-5..2e-5 of common full fine-tuning
+recipes (Alpaca, Llama and Mistral instruction tuning), small enough to keep what pretraining
+learned."""
+LR_LORA = 2e-4
+"""LoRA adapters: ten times the full rate (the 1e-4..2e-4 of the LoRA and QLoRA papers'
+recipes), as an adapter's update is scaled by alpha/rank and starts from B = 0, while the frozen
+base cannot drift."""
+
+
+def default_lr(options: TrainOptions) -> float:
+    """The learning rate a run gets when --lr is not given."""
+    if options.from_pretrained is None:
+        return LR_RANDOM_INIT
+    return LR_LORA if options.lora else LR_FULL_FINE_TUNE
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainOptions:
     """One `tierwise train` run. The engine's own settings are a ``tierwise.Config`` beside it."""
 
     # -- model ------------------------------------------------------------------------------
-    model: str = "gpt2"
-    """Preset family: gpt2, opt, llama or mixtral (random init)."""
-    size: str = "small"
-    """Preset size: tiny, small, 125m, 350m, 1b, 3b, 7b, 13b, or a family's published size
+    model: str | None = None
+    """Preset family: gpt2, opt, llama or mixtral (random init); default: gpt2, unless
+    --from-pretrained or --model-config names the model."""
+    size: str | None = None
+    """Preset size (default: small): tiny, small, 125m, 350m, 1b, 3b, 7b, 13b, or a family's published size
     (gpt2 medium..20b, opt 1.3b..175b, llama 70b, mixtral 8x7b); a name a family published has
     that model's exact shape (llama 7b is Llama-2-7B, llama 1b Llama-3.2-1B); the same choices as
     ``tierwise profile`` and ``tierwise plan``."""
@@ -56,10 +78,20 @@ class TrainOptions:
 
     # -- data -------------------------------------------------------------------------------
     data: tuple[str, ...] = ()
-    """Text files, quoted globs, .jsonl files (field 'text') or a datasets save_to_disk directory;
-    none: the Python standard library's own source."""
+    """Text files, quoted globs, .jsonl files (a 'text' field, chat 'messages', or 'prompt' and
+    'completion') or a datasets save_to_disk directory; none: the Python standard library's own
+    source."""
     tokenizer: str | None = None
     """A local Hugging Face tokenizer directory; default: UTF-8 bytes (no download)."""
+    train_on_prompt: bool = False
+    """Take the loss on the prompt and user turns of instruction data too (default: only on the
+    completion and the assistant turns)."""
+    pack: bool | None = None
+    """Pack several documents into each row, each attending only to itself (--no-pack: one
+    document per row, padded); default: pack when the model can keep them apart."""
+    token_cache: str | None = None
+    """Directory of the on-disk token cache (the data tokenised once, reused by later runs and
+    resumes); default: tokens/ in $TIERWISE_CACHE_DIR, else ~/.cache/tierwise/tokens."""
 
     # -- training ---------------------------------------------------------------------------
     steps: int = 200
@@ -72,8 +104,9 @@ class TrainOptions:
     """Tokens per sequence."""
     grad_accum: int = 1
     """Micro-batches accumulated into each optimizer step."""
-    lr: float = 3e-3
-    """Peak learning rate (AdamW)."""
+    lr: float | None = None
+    """Peak learning rate (AdamW); default: 3e-3 for a random-init model, 2e-5 to fine-tune
+    every weight of --from-pretrained, 2e-4 for its LoRA adapters."""
     warmup: int | None = None
     """Warmup steps before the cosine decay; default: 10% of --steps."""
     lr_floor: float = 0.1
@@ -103,8 +136,9 @@ class TrainOptions:
     """Tokens generated at the end (0: no sample)."""
     temperature: float = 0.8
     """Sampling temperature of the final sample (0: greedy)."""
-    prompt: str = "def "
-    """Text the final sample starts from."""
+    prompt: str | None = None
+    """Text the final sample starts from; default: the opening (or the prompt) of the first
+    held-out document."""
     config: str | None = None
     """A .toml or .json file of tierwise.Config fields (flags override it)."""
     json: bool = False
@@ -121,7 +155,19 @@ class TrainOptions:
                 fail(name.replace("_", "-"), "must be a finite number")
         if self.model_config and self.from_pretrained:
             raise TrainError("give either --model-config or --from-pretrained, not both")
-        if self.model not in FAMILIES:
+        if self.model_config or self.from_pretrained:
+            if self.size is not None:  # --model is checked against the checkpoint's type
+                given = "--model-config" if self.model_config else "--from-pretrained"
+                raise TrainError(
+                    f"--size picks a preset's shape; {given} already gives the model's: leave "
+                    "--size out"
+                )
+        else:
+            object.__setattr__(self, "model", self.model or DEFAULT_MODEL)
+            object.__setattr__(self, "size", self.size or DEFAULT_SIZE)
+        if self.lr is None:
+            object.__setattr__(self, "lr", default_lr(self))
+        if self.model is not None and self.model not in FAMILIES:
             raise TrainError(
                 f"unknown --model {self.model!r}: choose one of {', '.join(FAMILIES)}, "
                 "or give --model-config path/to/config.json"
@@ -132,7 +178,7 @@ class TrainOptions:
             raise TrainError("--lora-alpha and --lora-targets need --lora R (the adapter rank)")
         if self.lora_alpha is not None and self.lora_alpha <= 0:
             fail("lora-alpha", "must be positive")
-        if self.size not in size_names():
+        if self.size is not None and self.size not in size_names():
             raise TrainError(
                 f"unknown --size {self.size!r}: choose one of {', '.join(size_names())}"
             )
@@ -200,6 +246,8 @@ RUN_IDENTITY = (
     "lora",
     "lora_alpha",
     "lora_targets",
+    "train_on_prompt",
+    "pack",
 )
 """Options a resumed run must keep: changing them would not continue the same run."""
 

@@ -17,7 +17,7 @@ from tierwise.model_presets import transformers_module
 from tierwise.train.errors import TrainError
 
 if TYPE_CHECKING:
-    from tierwise.train.data import Tokenizer
+    from tierwise.train.tokenizers import Tokenizer
 
 
 def config_from_pretrained(path: str):
@@ -60,5 +60,6 @@ def pretrained_on_meta(path: str) -> torch.nn.Module:
     return build_on_meta(path).train()
 
 
-def count_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def count_parameters(model: torch.nn.Module, *, trainable_only: bool = False) -> int:
+    """Parameters of ``model`` (only those that train, with ``trainable_only``)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -33,15 +34,27 @@ def tier_summary(bytes_by_tier: Mapping[str, int]) -> str:
     return " ".join(f"{name} {short_bytes(bytes_by_tier[name])}" for name in names)
 
 
-def table(rows: Sequence[tuple[str, ...]]) -> str:
-    """Left-aligned columns, the first row a header underlined with dashes."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    ]
+CELL_WIDTH = 64
+"""Cells longer than this wrap onto continuation lines (the summary's notes ran to ~190)."""
+
+
+def table(rows: Sequence[tuple[str, ...]], *, cell_width: int = CELL_WIDTH) -> str:
+    """Left-aligned columns, the first row a header underlined with dashes; a long cell wraps
+    within its column."""
+    wrapped = [[_wrap(cell, cell_width) for cell in row] for row in rows]
+    widths = [max(len(line) for row in wrapped for line in row[i]) for i in range(len(rows[0]))]
+    lines = []
+    for row in wrapped:
+        for k in range(max(len(cell) for cell in row)):
+            parts = [cell[k] if k < len(cell) else "" for cell in row]
+            lines.append("  ".join(p.ljust(w) for p, w in zip(parts, widths, strict=True)).rstrip())
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _wrap(cell: str, width: int) -> list[str]:
+    """A cell's lines: broken at spaces only (paths and hyphenated words stay whole)."""
+    return textwrap.wrap(cell, width, break_on_hyphens=False, break_long_words=False) or [""]
 
 
 MIN_BAR_COLUMNS = 20

@@ -40,6 +40,9 @@ class Request:
     """Where outputs go (not created yet)."""
     resuming: bool
     """Continue the run in run_dir."""
+    sample_given: bool = False
+    """Whether --sample-tokens was given: the final sample runs however long it takes (and a
+    --resume of a finished run only samples)."""
 
 
 def with_accumulation(config_given: dict[str, Any], options: TrainOptions) -> dict[str, Any]:
@@ -67,6 +70,7 @@ def resolve(train_given: dict[str, Any], config_given: dict[str, Any]) -> Reques
             device_memory_given=given_budget,
             run_dir=run_dir,
             resuming=False,
+            sample_given="sample_tokens" in train_given,
         )
     run_dir = Path(resume)
     if not (run_dir / OPTIONS_FILE).is_file():
@@ -97,12 +101,19 @@ def resolve(train_given: dict[str, Any], config_given: dict[str, Any]) -> Reques
             "new run with another --out to change the precision"
         )
     merged = {k: v for k, v in saved.items() if k not in NOT_PERSISTED}
+    if merged.get("from_pretrained") or merged.get("model_config"):  # runs from before the
+        merged["model"] = merged["size"] = None  # presets stopped being recorded for them
     merged.update(train_given)
     merged["out"] = str(run_dir)
     options = TrainOptions(**merged)
     config = Config.from_any(saved_config, **config_given)
     return Request(
-        options=options, config=config, device_memory_given=True, run_dir=run_dir, resuming=True
+        options=options,
+        config=config,
+        device_memory_given=True,
+        run_dir=run_dir,
+        resuming=True,
+        sample_given="sample_tokens" in train_given,
     )
 
 

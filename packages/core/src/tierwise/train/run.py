@@ -21,7 +21,8 @@ import torch
 import tierwise
 from tierwise.config import ConfigError
 from tierwise.model_presets import ModelError
-from tierwise.train import checkpoints, data, lora
+from tierwise.train import checkpoints, lora
+from tierwise.train.blocks import BlockSampler, to_device
 from tierwise.train.distributed import (
     World,
     barrier,
@@ -48,7 +49,7 @@ from tierwise.train.request import (
     check_plugins,
     resolve,
 )
-from tierwise.train.sample import generate, printable
+from tierwise.train.sample import SAMPLE_BUDGET_S, SampleTooSlow, evaluate, generate, printable
 from tierwise.train.summary import RunSummary, resume_hint
 from tierwise.train.trace import StepTracer
 
@@ -150,7 +151,9 @@ class Trainer:
         """Wall time of each step this process ran."""
         self.started = 0.0
         """``time.perf_counter()`` when the first step started."""
-        self.sampler: data.BlockSampler | None = None
+        self.sample_given = request.sample_given
+        """--sample-tokens was given: sample however long it takes."""
+        self.sampler: BlockSampler | None = None
         self.metrics: MetricsLog | None = None
         """metrics.jsonl (rank 0 only)."""
         self.agreement: Agreement | None = None
@@ -164,6 +167,9 @@ class Trainer:
         if self.resuming:
             self._resume()
         if self.step >= self.last_step:
+            if self.sample_given and self.options.sample_tokens:  # the note of a skipped sample
+                self._sample()
+                return 0
             self.console.note(f"nothing to do: the run is at step {self.step} of {self.last_step}")
             return 0
         self._start_steps()
@@ -200,8 +206,8 @@ class Trainer:
 
     def _start_steps(self) -> None:
         options, world = self.options, self.world
-        self.sampler = data.BlockSampler(
-            n_blocks=len(self.prepared.corpus.train_blocks),
+        self.sampler = BlockSampler(
+            n_blocks=self.prepared.corpus.n_train,
             batch=options.batch,
             world=world.size,
             rank=world.rank,
@@ -270,8 +276,8 @@ class Trainer:
         loss_sum = 0.0
         for _ in range(self.options.grad_accum):
             t0 = time.perf_counter()
-            blocks = self.prepared.corpus.train_blocks[self.sampler.indices(self.micro_step)]
-            batch = data.batch_of(blocks, self.device)
+            rows = self.sampler.indices(self.micro_step)
+            batch = to_device(self.prepared.corpus.train_batch(rows), self.device)
             self.micro_step += 1
             t1 = time.perf_counter()
             with tracer.forward() if tracer else contextlib.nullcontext():
@@ -307,11 +313,7 @@ class Trainer:
         less])."""
         before_eval = self.engine.stats()
         eval_loss = evaluate(
-            self.model,
-            self.prepared.corpus.eval_blocks,
-            self.options.batch,
-            self.world,
-            self.device,
+            self.model, self.prepared.corpus, self.options.batch, self.world, self.device
         )
         if self.metrics:  # [Note: the step after an eval moves less]
             moved = counter_delta(
@@ -377,18 +379,37 @@ class Trainer:
         return 0
 
     def _sample(self) -> None:
+        """The final sample, from --prompt or the data's first held-out prompt; skipped with a
+        note when its first token shows the rest would take over a minute (and --sample-tokens
+        was not given)."""
         options, tokenizer = self.options, self.prepared.tokenizer
-        ids = generate(
-            self.model,
-            list(tokenizer.encode(options.prompt)),
-            new_tokens=options.sample_tokens,
-            temperature=options.temperature,
-            context=options.seq,
-            seed=options.seed,
-            device=self.device,
+        prompt = (
+            list(tokenizer.encode(options.prompt))
+            if options.prompt is not None
+            else self.prepared.corpus.sample_prompt(options.seq)
         )
+        try:
+            ids = generate(
+                self.model,
+                prompt,
+                new_tokens=options.sample_tokens,
+                temperature=options.temperature,
+                context=options.seq,
+                seed=options.seed,
+                device=self.device,
+                max_seconds=None if self.sample_given else SAMPLE_BUDGET_S,
+            )
+        except SampleTooSlow as slow:
+            self.console.note(slow.note(self.run_dir), predicted_s=slow.predicted_s)
+            return
         text = tokenizer.decode(ids)
-        self.console.block("sample", printable(text), text=text, temperature=options.temperature)
+        self.console.block(
+            "sample",
+            printable(text),
+            text=text,
+            temperature=options.temperature,
+            prompt=tokenizer.decode(prompt),
+        )
 
     def _summary(self, elapsed: float) -> None:
         """Rank 0: the memory and training plots, then the summary."""
@@ -413,7 +434,7 @@ class Trainer:
             step=self.step,
             train_lines=lines,
             evals=[line["eval_loss"] for line in eval_lines],
-            n_eval_blocks=len(prepared.corpus.eval_blocks),
+            n_eval_blocks=prepared.corpus.n_eval,
             step_seconds=self.step_seconds,
             tokens_per_step=self.tokens_per_step,
             elapsed_s=elapsed,
@@ -421,25 +442,6 @@ class Trainer:
             plan=self.engine.plan,
             budgets=self.budgets,
         ).show(self.console)
-
-
-@torch.no_grad()
-def evaluate(
-    model: torch.nn.Module, blocks: torch.Tensor, batch: int, world: World, device: torch.device
-) -> float:
-    """Mean loss over the held-out blocks; every rank runs the same number of forwards."""
-    per_rank = len(blocks) // world.size
-    mine = blocks[world.rank * per_rank : (world.rank + 1) * per_rank]
-    model.eval()
-    total, count = 0.0, 0
-    try:
-        for start in range(0, len(mine), batch):
-            part = mine[start : start + batch]
-            total += model(**data.batch_of(part, device)).loss.item() * len(part)
-            count += len(part)
-    finally:
-        model.train()
-    return mean_over_ranks(total / count, world)
 
 
 def _write_json(path: Path, value: Any) -> None:

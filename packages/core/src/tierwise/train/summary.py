@@ -10,6 +10,7 @@ from typing import Any
 
 from tierwise.plan import Plan
 from tierwise.train import checkpoints
+from tierwise.train.lora import MODEL_FOLDER
 from tierwise.train.options import TrainOptions
 from tierwise.train.report import Console, overlap_row, summary_rows, table
 from tierwise.train.request import (
@@ -65,7 +66,8 @@ class RunSummary:
             "summary",
             table(rows) + "\n\n" + table(memory_rows) + f"\n\noutputs in {run_dir}/: "
             f"{OPTIONS_FILE}, {CONFIG_FILE}, {PLAN_FILE}, metrics.jsonl, checkpoints/, "
-            f"{PLOT_FILE}, {TRAINING_PLOT_FILE}\n" + next_command(run_dir, options, step),
+            f"{MODEL_FOLDER}/, {PLOT_FILE}, {TRAINING_PLOT_FILE}\n"
+            + next_command(run_dir, options, step),
             steps=step,
             first_step=self.first_step,
             tokens_per_s=self.tokens_per_step / statistics.median(self._steady_seconds()),

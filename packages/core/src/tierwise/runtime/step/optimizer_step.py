@@ -283,6 +283,14 @@ class OptimizerStep:
         self.policy.clipped(float(total), max_norm)
         return total
 
+    def _why_no_decision(self) -> str:
+        """Why a step whose backward decided nothing updates after it: no backward ran, or no
+        chunk's update could run in backward (every optimizer state is on the compute device
+        and no storage tier has a pipeline, e.g. a LoRA run's few adapter chunks)."""
+        if self.phases.backwards_this_step == 0:
+            return "no backward ran"
+        return "every optimizer state is on the compute device: updated in step()"
+
     def _found_overflow(self) -> bool:
         return self.checks.found_overflow(
             grad.finite if isinstance(grad, EarlyUpdate) else grad.all_finite()
@@ -319,7 +327,7 @@ class OptimizerStep:
         self.step_undo.begin()
         speculated = bool(speculation.early)
         decision = speculation.decision
-        _, why = decision[1:] if decision else (False, "no backward ran")
+        why = decision[2] if decision else self._why_no_decision()
         overflow = self._found_overflow() if self.scaler is not None else False
         multiplier = None if overflow else grad_multiplier(speculation.unscale(), self._clip_coef)
         if not overflow:

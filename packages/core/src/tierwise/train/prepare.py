@@ -136,7 +136,7 @@ def _build_model(options: TrainOptions, tokenizer) -> tuple[torch.nn.Module, str
             max_positions=max(options.seq, 256),
         )
         name = f"{options.model} {options.size} (random init)"
-    return presets.build_random(config, seed=options.seed), name
+    return presets.build_random(config), name
 
 
 def _with_lora(model: torch.nn.Module, model_name: str, weights: Any, request: Request):
@@ -149,8 +149,10 @@ def _with_lora(model: torch.nn.Module, model_name: str, weights: Any, request: R
     model_name += f", LoRA rank {options.lora} (base frozen, held in {held}" + (
         "; --precision fp32 holds it in fp32)" if held != "fp32" else ")"
     )
-    if weights:  # the base comes from the checkpoint, the adapters from PEFT's init
-        lora.materialise_adapters(model, seed=options.seed)
+    # the base is on the meta device (setup fills it from the checkpoint or initialises it),
+    # the adapters take PEFT's init (B zero) here
+    lora.materialise_adapters(model, seed=options.seed)
+    if weights:
         weights = DirectoryWeights(weights, rename=lora.base_name, keep_initialised=True)
     return model, model_name, weights
 
@@ -209,6 +211,7 @@ def _set_up(model, options: TrainOptions, config: Config, corpus: data.Corpus, w
     )
     # one batch as the loop passes it: a profiler plugin sizes activations from its shape
     example_batch = data.batch_of(corpus.train_blocks[: options.batch], torch.device("cpu"))
+    presets.seed_init(options.seed)  # random init: setup initialises the meta-built model
     try:
         return tierwise.setup(
             model, optimizer, config, example_batch=example_batch, weights=weights

@@ -106,6 +106,19 @@ def _min_blocks(profile: Profile, layout, config: Config) -> int:
     return max(1, profile_min_blocks(profile, chunk_of, recompute=may_recompute(config)))
 
 
+def device_activation_bytes(profile: Profile, config: Config) -> int:
+    """Peak activation bytes on the device under ``config.activation_offload``: swapping every
+    block to host or NVMe leaves the activations outside blocks and one block's (the one
+    computing, or swapped back in for its backward) on the device; a way to fit, counted as one."""
+    sizes = [
+        sum(profile.layer_activation_bytes[x] for x in layers)
+        for layers in activation_blocks(profile).values()
+    ]
+    if config.activation_offload not in ("host", "nvme") or not sizes:
+        return profile.peak_activation_bytes
+    return max(profile.peak_activation_bytes - sum(sizes), 0) + max(sizes)
+
+
 def _auto_activations(profile: Profile, budget, budget_for, need_on_device: int, reasons: list):
     """Core's ``activation_offload="auto"``: recompute every block when keeping their
     activations would push model data off the device and recomputing lets it stay; keep them
@@ -209,7 +222,7 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
             )
         return None
 
-    budget = budget_for(profile.peak_activation_bytes)
+    budget = budget_for(device_activation_bytes(profile, config))
     activation_policy: dict[str, str] = {}
     if config.activation_offload == "auto":
         budget, activation_policy = _auto_activations(

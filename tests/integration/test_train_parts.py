@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tierwise
 import torch
+import transformers
 from tierwise import model_presets
 from tierwise.model_presets import ModelError
 from tierwise.train import blocks, data, presets, schedule, token_cache
@@ -158,22 +159,39 @@ def test_warmup_then_cosine_to_the_floor():
 
 
 # -- presets ------------------------------------------------------------------------------------
+def _random_init(config, seed: int) -> torch.nn.Module:
+    """What `tierwise train` does for random init: build on meta, seed, set up."""
+    model = presets.build_random(config)
+    assert all(p.is_meta for p in model.parameters())  # no memory for the parameters
+    presets.seed_init(seed)
+    model, _ = tierwise.setup(
+        model, torch.optim.AdamW(model.parameters()), precision="fp32", device="cpu"
+    )
+    return model
+
+
+def _plain_model(config, seed: int) -> torch.nn.Module:
+    """A random-init model in plain PyTorch (fp32 on the CPU), outside tierwise."""
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
 @pytest.mark.parametrize("family", model_presets.FAMILIES)
 def test_presets_build_a_causal_lm_with_the_tokenizer_vocabulary(family):
     tokenizer = data.ByteTokenizer()
     config = model_presets.preset_config(
         family, "tiny", vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id, max_positions=64
     )
-    model = presets.build_random(config, seed=0)
+    model = _random_init(config, seed=0)
     ids = torch.randint(0, 256, (2, 16))
     out = model(input_ids=ids, labels=ids)
     assert out.logits.shape == (2, 16, tokenizer.vocab_size)
     assert math.isfinite(out.loss.item())
-    again = presets.build_random(config, seed=0)
-    assert all(
-        torch.equal(a, b)
-        for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True)
-    )
+    again, other = _random_init(config, seed=0), _random_init(config, seed=1)
+    first, second, third = (m.state_dict() for m in (model, again, other))
+    assert first.keys() == second.keys() == third.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)  # deterministic in the seed
+    assert any(not torch.equal(first[k], third[k]) for k in first)  # and the seed matters
 
 
 def test_unknown_preset_and_size():
@@ -188,7 +206,7 @@ def test_from_pretrained_loads_the_saved_weights(tmp_path, family):
     config = model_presets.preset_config(
         family, "tiny", vocab_size=258, eos_id=256, max_positions=64
     )
-    model = presets.build_random(config, seed=1)
+    model = _plain_model(config, seed=1)
     model.save_pretrained(tmp_path)
     on_meta = presets.pretrained_on_meta(str(tmp_path))
     assert on_meta.training and all(p.is_meta for p in on_meta.parameters())
@@ -315,7 +333,7 @@ def test_trace_follows_the_blocks_and_frees_activations_in_backward():
     config = model_presets.preset_config(
         "gpt2", "tiny", vocab_size=258, eos_id=256, max_positions=64
     )
-    model = presets.build_random(config, seed=0)
+    model = _plain_model(config, seed=0)
     n_blocks = len(transformer_blocks(model))
     assert n_blocks == config.n_layer
     trace = _traced_step(model)
@@ -343,7 +361,7 @@ def test_plot_writes_a_png_or_says_why_not(tmp_path, monkeypatch):
     config = model_presets.preset_config(
         "gpt2", "tiny", vocab_size=258, eos_id=256, max_positions=64
     )
-    trace = _traced_step(presets.build_random(config, seed=0))
+    trace = _traced_step(_plain_model(config, seed=0))
     lines = [{"step": s, "moved_bytes": {"host->device": s * 1000}} for s in range(1, 5)]
     path = tmp_path / "memory.png"
     try:

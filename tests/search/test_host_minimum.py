@@ -106,11 +106,10 @@ def test_engine_trains_at_the_stated_host_minimum_and_not_below(
     engine.close()
 
 
-def test_host_budget_counts_the_load_and_save_buffers():
-    """Plan.io_buffer_bytes sit on the host beside the model data while weights load or save
-    (setup and save_pretrained reserve them there): a host budget holding the model data but not
-    the buffers is refused, naming them; one holding both is accepted and the plan carries the
-    figure it counted."""
+def test_host_budget_is_the_model_data_and_the_load_buffers_are_reported():
+    """Plan.io_buffer_bytes are taken only while weights load or save ([Note: load/save buffers
+    are not held through training]): a host budget holding the model data but not the buffers
+    trains, and the plan carries the figure and says where the buffers go."""
     from tierwise.plan import io_buffer_bytes
     from tierwise_search.activations import activation_choices
     from tierwise_search.placement import Budgets, Forced, minimum_placement
@@ -134,10 +133,7 @@ def test_host_budget_counts_the_load_and_save_buffers():
     io = io_buffer_bytes(6000, max(int(table.capacity.max()), 6000))  # largest param: the head
     assert search.io_bytes(table) == io > 0
 
-    with pytest.raises(PlanError, match="load/save buffers") as info:
-        search_plan(profile, hardware, config(data))  # the model data fits, the buffers do not
-    assert stated_host_minimum(info.value) == data + io
-    with pytest.raises(PlanError, match="load/save buffers"):
-        search_plan(profile, hardware, config(data + io - 1))
-    plan = search_plan(profile, hardware, config(data + io))
-    assert plan.io_buffer_bytes == io
+    for budget in (data, data + io):
+        plan = search_plan(profile, hardware, config(budget))  # the model data fits
+        assert plan.io_buffer_bytes == io
+        assert any("load/save buffers while weights load or save" in r for r in plan.reasons)

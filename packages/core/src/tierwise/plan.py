@@ -57,6 +57,15 @@ LOAD_PIECE = 1 << 22
 ([Note: loading pretrained weights])."""
 
 
+# [Note: load/save buffers are not held through training]
+# Loading pretrained weights (setup) and ``save_pretrained`` take host buffers of
+# ``Plan.io_buffer_bytes`` from the host tier while they run and give them back. A plan's host
+# need is what training holds, so both planners check the model data alone against
+# ``host_memory`` and report the buffers beside it; when the budget has no room for them beside
+# the model data the plan says so in a reason, and a load or save then fails with the host tier's
+# budget error before anything is written (the model is left as it was).
+
+
 def io_buffer_bytes(largest_numel: int, chunk_numel: int) -> int:
     """``Plan.io_buffer_bytes`` for a model whose largest parameter has ``largest_numel``
     elements and whose largest chunk ``chunk_numel``: that parameter twice in fp32 (the buffer

@@ -40,13 +40,13 @@ class Budgets:
     """Free NVMe bytes (None: unknown, unlimited)."""
     nvme_allowed: bool
     io_bytes: int = 0
-    """Host bytes the load/save buffers take beside the model data (``Plan.io_buffer_bytes``:
-    setup reserves them on the host tier while loading weights, ``save_pretrained`` while
-    saving), so an accepted plan also loads and saves within ``host``."""
+    """Host bytes the load/save buffers take while weights load or save
+    (``Plan.io_buffer_bytes``), reported beside the plan; not part of the training-time host
+    need ([Note: load/save buffers are not held through training] in tierwise.plan)."""
 
     def host_need(self, memory: Memory) -> int:
-        """Host bytes a placement needs: its model data and the load/save buffers."""
-        return memory.host + self.io_bytes
+        """Host bytes a placement needs while it trains: its model data."""
+        return memory.host
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,11 @@ def minimum_placement(model: CostModel, budgets: Budgets, forced: Forced) -> Pla
         memory = model.memory(candidate)
         if _fits_host(memory, budgets):
             return candidate
+        if (param, optim) == (HOST, HOST):
+            margin = _device_margin(model, candidate, budgets, forced)
+            if _fits_host(model.memory(margin), budgets):
+                return margin
+            candidate, memory = margin, model.memory(margin)  # the least host it could reach
         over = []
         host_need = budgets.host_need(memory)
         if budgets.host is not None and host_need > budgets.host:
@@ -123,11 +128,7 @@ def minimum_placement(model: CostModel, budgets: Budgets, forced: Forced) -> Pla
         # keeping everything in host memory the smallest plan: state that one
         _, tier, need, limit = tried[0]
     short = f"{format_gib(need - limit)} short"
-    buffers = (
-        f" (incl. {format_gib(budgets.io_bytes)} of load/save buffers for weights)"
-        if budgets.io_bytes and tier == "host"
-        else ""
-    )
+    buffers = ""  # load/save buffers are not a training-time need
     if tier == "nvme":
         message = (
             f"NVMe space binds: the smallest plan needs {format_gib(need)} of model data on NVMe, "
@@ -154,6 +155,34 @@ def minimum_placement(model: CostModel, budgets: Budgets, forced: Forced) -> Pla
             "set nvme_path to keep model data on NVMe"
         )
     raise PlacementError(message, tier=tier, need=need, limit=limit)
+
+
+def _device_margin(
+    model: CostModel, start: Placement, budgets: Budgets, forced: Forced
+) -> Placement:
+    """[Note: the device margin in the minimum plan] When host memory cannot hold every chunk
+    but the device has room beside its rCache, chunks (with their optimizer states) move up to
+    the device one at a time, largest first, until the host holds the rest: PatrickStar's
+    margin placement, which trains models whose model data exceeds host memory alone. Returns
+    the placement that fits, else the one with the least host bytes the device allows (``start``
+    when placements are forced); a refusal quotes that one's host need."""
+    if forced.param_tier is not None or forced.optim_tier is not None:
+        return start
+    s = model.setting
+    current = start
+    for k in np.argsort(-s.table.capacity, kind="stable"):
+        optim = DEVICE if s.table.trainable[k] else None
+        moved = current.with_chunk(int(k), param=DEVICE, optim=optim)
+        cached = s.uses_rcache(moved.param_tier)
+        if forced.n_blocks is None:
+            moved = moved.with_blocks(min(s.min_blocks, int(cached.sum())) if cached.any() else 0)
+        memory = model.memory(moved)
+        if memory.device > budgets.device:
+            return current
+        current = moved
+        if _fits_host(memory, budgets):
+            return current
+    return current
 
 
 def _moves(model: CostModel, current: Step, forced: Forced) -> Iterator[tuple[str, Placement]]:

@@ -444,10 +444,19 @@ def search_plan(
         except PlanError as err:
             errors.append(err)
     if not outcomes:
-        raise errors[0]
+        # the smallest plan is that of the activation choice needing least: swapping and
+        # recomputing are ways to fit, so a refusal quotes the one that comes closest
+        raise min(errors, key=_shortfall)
     outcomes.sort(key=lambda o: o.prediction.total)
     best = outcomes[0]
     return _to_plan(search, best, outcomes[1:])
+
+
+def _shortfall(err: PlanError) -> float:
+    """How far a refused choice is from fitting, as a share of its binding tier's limit."""
+    if err.need is None or not err.limit:
+        return float("inf")
+    return (err.need - err.limit) / err.limit
 
 
 def _host_update_reasons(search: _Search, best: Outcome) -> list[str]:

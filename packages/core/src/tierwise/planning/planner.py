@@ -106,6 +106,19 @@ def _min_blocks(profile: Profile, layout, config: Config) -> int:
     return max(1, profile_min_blocks(profile, chunk_of, recompute=may_recompute(config)))
 
 
+def device_activation_bytes(profile: Profile, config: Config) -> int:
+    """Peak activation bytes on the device under ``config.activation_offload``: swapping every
+    block to host or NVMe leaves the activations outside blocks and one block's (the one
+    computing, or swapped back in for its backward) on the device; a way to fit, counted as one."""
+    sizes = [
+        sum(profile.layer_activation_bytes[x] for x in layers)
+        for layers in activation_blocks(profile).values()
+    ]
+    if config.activation_offload not in ("host", "nvme") or not sizes:
+        return profile.peak_activation_bytes
+    return max(profile.peak_activation_bytes - sum(sizes), 0) + max(sizes)
+
+
 def _auto_activations(profile: Profile, budget, budget_for, need_on_device: int, reasons: list):
     """Core's ``activation_offload="auto"``: recompute every block when keeping their
     activations would push model data off the device and recomputing lets it stay; keep them
@@ -209,7 +222,7 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
             )
         return None
 
-    budget = budget_for(profile.peak_activation_bytes)
+    budget = budget_for(device_activation_bytes(profile, config))
     activation_policy: dict[str, str] = {}
     if config.activation_offload == "auto":
         budget, activation_policy = _auto_activations(
@@ -279,7 +292,7 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
         host_data += frozen_param_bytes if aliased else param_bytes
     if optim_tier == "host":
         host_data += optim_bytes
-    _check_host(config, host_data, io_bytes, param_tier, optim_tier)
+    _check_host(config, host_data, io_bytes, param_tier, optim_tier, reasons)
     return Plan(
         chunk_size=chunk_size,
         cache_blocks=cache_blocks,
@@ -297,22 +310,29 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
 
 
 def _check_host(
-    config: Config, host_data: int, io_bytes: int, param_tier: str, optim_tier: str
+    config: Config, host_data: int, io_bytes: int, param_tier: str, optim_tier: str, reasons: list
 ) -> None:
-    """Refuse a plan whose host model data and load/save buffers (``Plan.io_buffer_bytes``,
-    reserved on the host tier beside the model data while weights load or save) exceed
-    ``host_memory``: an accepted plan also loads and saves within it."""
-    if config.host_memory is None or host_data + io_bytes <= config.host_memory:
+    """Refuse a plan whose host model data exceeds ``host_memory``. The load/save buffers
+    (``Plan.io_buffer_bytes``) are not part of that need: they are taken only while weights
+    load or save ([Note: load/save buffers are not held through training] in tierwise.plan); a
+    reason says when the host budget has no room for them beside the model data."""
+    if config.host_memory is not None and host_data + io_bytes > config.host_memory >= host_data:
+        reasons.append(
+            f"load/save buffers: {format_gib(io_bytes)} while weights load or save do not fit "
+            f"beside {format_gib(host_data)} of host model data in host_memory "
+            f"{format_gib(config.host_memory)}: training fits; setup(weights=...) and "
+            "save_pretrained need host_memory of at least "
+            f"{format_gib(host_data + io_bytes)}"
+        )
+    if config.host_memory is None or host_data <= config.host_memory:
         return
-    need = host_data + io_bytes
     raise PlanError(
         f"host memory binds: this plan (params on {param_tier}, optimizer on {optim_tier}) "
-        f"needs {format_gib(need)} of host memory ({format_gib(host_data)} of model data + "
-        f"{format_gib(io_bytes)} of load/save buffers for weights), host_memory is "
-        f"{format_gib(config.host_memory)}: {format_gib(need - config.host_memory)} short; "
+        f"needs {format_gib(host_data)} of host memory for model data, host_memory is "
+        f"{format_gib(config.host_memory)}: {format_gib(host_data - config.host_memory)} short; "
         "raise host_memory, or set nvme_path and place model data on NVMe",
         tier="host",
-        need=need,
+        need=host_data,
         limit=config.host_memory,
     )
 

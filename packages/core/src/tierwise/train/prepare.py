@@ -250,7 +250,7 @@ def _build_model(options: TrainOptions, tokenizer) -> tuple[torch.nn.Module, str
             max_positions=max(options.seq, 256),
         )
         name = preset_name(options.model, options.size)
-    return presets.build_random(config, seed=options.seed), name
+    return presets.build_random(config), name
 
 
 def _check_family(family: str | None, config, where: str) -> None:
@@ -280,8 +280,10 @@ def _with_lora(model: torch.nn.Module, model_name: str, weights: Any, request: R
     model_name += f", LoRA rank {options.lora} (base frozen, held in {held}" + (
         "; --precision fp32 holds it in fp32)" if held != "fp32" else ")"
     )
-    if weights:  # the base comes from the checkpoint, the adapters from PEFT's init
-        lora.materialise_adapters(model, seed=options.seed)
+    # the base is on the meta device (setup fills it from the checkpoint or initialises it),
+    # the adapters take PEFT's init (B zero) here
+    lora.materialise_adapters(model, seed=options.seed)
+    if weights:
         weights = DirectoryWeights(weights, rename=lora.base_name, keep_initialised=True)
     return model, model_name, weights
 
@@ -364,6 +366,7 @@ def _set_up(model, options: TrainOptions, config: Config, corpus: blocks.Corpus,
     )
     # one batch as the loop passes it: a profiler plugin sizes activations from its shape
     example_batch = corpus.train_batch(np.arange(options.batch))
+    presets.seed_init(options.seed)  # random init: setup initialises the meta-built model
     try:
         return tierwise.setup(
             model, optimizer, config, example_batch=example_batch, weights=weights

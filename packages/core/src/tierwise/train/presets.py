@@ -1,5 +1,8 @@
-"""Models for `tierwise train`: a preset or a config file (``tierwise.model_presets``), built on
-the CPU, or a local checkpoint, built on the meta device.
+"""Models for `tierwise train`: a preset or a config file (``tierwise.model_presets``), or a local
+checkpoint, each built on the meta device: host RAM never holds the whole model.
+
+A random-init model gets its values in setup, a few modules at a time, straight into the chunks
+([Note: initialising a meta model]), deterministic in ``--seed``.
 
 ``--from-pretrained DIR`` builds the model on the meta device from ``DIR/config.json``; setup then
 reads the safetensors weights straight into the chunks, one tensor at a time
@@ -38,11 +41,19 @@ def check_vocab(config, tokenizer: Tokenizer, where: str) -> None:
         )
 
 
-def build_random(config, *, seed: int) -> torch.nn.Module:
-    """A random-init causal LM on the CPU (fp32), deterministic in ``seed``."""
+def build_random(config) -> torch.nn.Module:
+    """A causal LM for random init, built on the meta device (no memory for its parameters),
+    in training mode: ``tierwise.setup`` gives it values a few modules at a time, straight into
+    the chunks ([Note: initialising a meta model]); seed the global RNG (``seed_init``) right
+    before setup for values deterministic in ``--seed``."""
     tf = transformers_module()
+    with torch.device("meta"):
+        return tf.AutoModelForCausalLM.from_config(config).train()
+
+
+def seed_init(seed: int) -> None:
+    """Seed what gives a random-init model its values in setup: the global torch RNG."""
     torch.manual_seed(seed)
-    return tf.AutoModelForCausalLM.from_config(config).train()
 
 
 def pretrained_on_meta(path: str) -> torch.nn.Module:

@@ -51,6 +51,9 @@ def assemble_engine(
     # [Note: normalised device]: tiers, engine and plugins all see the device as tensors report it
     config = dataclasses.replace(config, device=str(normalize_device(config.device)))
     world = world_group(process_group)
+    # a meta model's values come from the RNG as the caller left it, whatever profiling drew
+    # (a cached profile draws nothing): [Note: initialising a meta model]
+    init_rng = torch.random.get_rng_state()
     resolved = open_weights(weights).resolve(model) if weights is not None else None
     pattern_list = make_patterns(config, host, world)
     restore_model = snapshot_model(model)  # [Note: atomic setup]
@@ -85,6 +88,7 @@ def assemble_engine(
     del restore_model  # drops the originals of the parameters patterns sliced
     # --- from here on the model is changed -----------------------------------------------
     device = allocation.tiers["device"].device
+    torch.random.set_rng_state(init_rng)
     write_values(
         model, groups=groups, dtype=dtype, buffers=buffers, weights=resolved, device=device
     )

@@ -78,36 +78,80 @@ def fill_payloads(groups: list[ChunkGroup], dtype: torch.dtype, model: torch.nn.
     """Write every parameter's initial values into its chunk's home and master payloads.
 
     Payloads are zeroed first (padding stays zero). Parameters on the meta device are
-    materialised one module at a time (never the whole model at once) and initialised with the
-    model's own initialiser (HF ``_init_weights``, else ``reset_parameters``).
+    materialised a few modules at a time (never the whole model at once) and initialised with
+    the model's own initialiser (HF ``_init_weights``, else ``reset_parameters``):
+    [Note: initialising a meta model].
     """
     where: dict[int, tuple[Chunk, ParamSlot]] = {}
+    zeros = torch.zeros(FILL_PIECE, dtype=torch.float32)  # in pieces: a chunk's zeros are large
     for group in groups:
         for chunk in group.chunks:
-            shard_zeros = torch.zeros(chunk.shard_size, dtype=torch.float32)
             if chunk.optim is not None:  # zero bytes: zero moments in every state precision
                 for slab in (chunk.optim.master, chunk.optim.exp_avg, chunk.optim.exp_avg_sq):
-                    slab.tier.write(slab, torch.zeros(slab.numel, dtype=slab.dtype)).wait()
+                    _write_pieces(slab, zeros, 0, slab.numel)
             if chunk.optim is None or chunk.home is not chunk.optim.master:
-                chunk.home.tier.write(chunk.home, shard_zeros.to(dtype)).wait()
+                _write_pieces(chunk.home, zeros, 0, chunk.shard_size)
             for slot in chunk.slots:
                 where[id(slot.param)] = (chunk, slot)
-    for module in model.modules():
-        own = [p for p in module.parameters(recurse=False) if id(p) in where]
-        if not own:
-            continue
-        on_meta = [p for p in own if p.is_meta]
-        for p in on_meta:  # set_data cannot move a tensor off the meta device: swap in place
-            cpu = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
-            torch.utils.swap_tensors(p, cpu)
-        if on_meta:
-            _initialise(model, module)
+    _fill_modules(model, model, where, dtype)
+
+
+INIT_UNIT_NUMEL = 1 << 26
+"""Most parameter elements materialised at once when a module and its children are initialised
+together ([Note: initialising a meta model]): 256 MiB in fp32."""
+
+# [Note: initialising a meta model]
+# A model built on the meta device gets its values here, a few modules at a time, so host memory
+# never holds the whole model in fp32 (a 70B model would need 280 GB). Hugging Face's initialiser
+# runs children before their parent (``initialize_weights``), and a parent may rewrite a child's
+# weight (GPT-2 scales ``c_proj`` from its attention and MLP modules). So a module whose children
+# are all leaves is materialised with them, as one unit, when the unit holds at most
+# ``INIT_UNIT_NUMEL`` elements: its initialisers run in that order over real tensors. Larger
+# modules go one module at a time (children first); a parent's initialiser then sees its
+# children's parameters already written and freed. The values come from the global torch RNG
+# as it was when ``setup`` was called (``assemble_engine`` restores it before this stage, so what
+# profiling draws, or a cached profile does not draw, changes nothing): ``torch.manual_seed``
+# before setup makes them deterministic (``tierwise train --seed``).
+
+
+def _fill_modules(model: torch.nn.Module, module: torch.nn.Module, where: dict, dtype) -> None:
+    """Materialise, initialise and write ``module``'s subtree ([Note: initialising a meta
+    model])."""
+    children = list(module.children())
+    leaves = all(not any(True for _ in c.children()) for c in children)
+    if children and leaves and _numel(module, where) <= INIT_UNIT_NUMEL:
+        _fill_unit(model, list(module.modules())[::-1], where, dtype)  # children first
+        return
+    for child in children:
+        _fill_modules(model, child, where, dtype)
+    _fill_unit(model, [module], where, dtype)
+
+
+def _numel(module: torch.nn.Module, where: dict) -> int:
+    return sum(p.numel() for p in module.parameters() if id(p) in where)
+
+
+def _fill_unit(model: torch.nn.Module, modules: list, where: dict, dtype: torch.dtype) -> None:
+    """Give the parameters of ``modules`` that are still on meta CPU memory, run the model's
+    initialiser on each module in the order given, write them into their chunks and free them."""
+    owned = [[p for p in m.parameters(recurse=False) if id(p) in where] for m in modules]
+    on_meta = [p for own in owned for p in own if p.is_meta]
+    for p in on_meta:  # set_data cannot move a tensor off the meta device: swap in place
+        cpu = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
+        torch.utils.swap_tensors(p, cpu)
+    if on_meta:
+        for module, own in zip(modules, owned, strict=True):
+            if own or len(modules) > 1:  # a parent may initialise its children's weights
+                _initialise(model, module, required=bool(own))
+    for own in owned:
         for p in own:
+            if id(p) not in where:  # a tied parameter, written through its first module
+                continue
             chunk, slot = where.pop(id(p))
             _write_param(chunk, slot, p.detach().reshape(-1).float(), dtype)
             slot.set_state(TensorState.HOLD)
-        for p in on_meta:  # its values are in the chunks now; bind_params makes it a view
-            p.data = torch.empty(0, dtype=p.dtype)
+    for p in on_meta:  # its values are in the chunks now; bind_params makes it a view
+        p.data = torch.empty(0, dtype=p.dtype)
 
 
 def move_buffers(model: torch.nn.Module, device: torch.device) -> None:
@@ -120,13 +164,13 @@ def move_buffers(model: torch.nn.Module, device: torch.device) -> None:
                 setattr(module, name, buffer.to(device))  # keeps the buffer's persistence
 
 
-def _initialise(model: torch.nn.Module, module: torch.nn.Module) -> None:
+def _initialise(model: torch.nn.Module, module: torch.nn.Module, *, required: bool = True) -> None:
     init = getattr(model, "_init_weights", None)
     if callable(init):
         init(module)
     elif hasattr(module, "reset_parameters"):
         module.reset_parameters()
-    else:
+    elif required:
         raise ValueError(
             f"tierwise.setup: cannot initialise {type(module).__name__} built on the meta device "
             "(no reset_parameters and the model has no _init_weights); build it on cpu instead"

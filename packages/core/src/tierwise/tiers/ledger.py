@@ -214,6 +214,25 @@ def peak_bound(report: Mapping[str, dict], memory: str = "host") -> int:
     )
 
 
+def process_memory() -> dict[str, int | None]:
+    """The process's resident memory now (``rss``) and its peak since start or the last reset
+    (``peak``), bytes: VmRSS and VmHWM of /proc/self/status on Linux; elsewhere the peak from
+    ``getrusage`` and no ``rss``."""
+    try:
+        with open("/proc/self/status") as status:
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
+        return {
+            "rss": int(fields["VmRSS"].split()[0]) * 1024,
+            "peak": int(fields["VmHWM"].split()[0]) * 1024,
+        }
+    except (OSError, KeyError, ValueError):
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return {"rss": None, "peak": peak if sys.platform == "darwin" else peak * 1024}
+
+
 __all__ = [
     "MEMORIES",
     "MemoryPool",
@@ -222,5 +241,6 @@ __all__ = [
     "memory_of",
     "memory_report",
     "peak_bound",
+    "process_memory",
     "tier_entry",
 ]

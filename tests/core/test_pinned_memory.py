@@ -8,36 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.fake_cudart import install_fake_cudart
 from tierwise.config import Config, ConfigError
 from tierwise.runtime.activations.pinned_pool import PINNED_POOL_BYTES, pinned_swap_bytes
 from tierwise.tiers import HostTier, PayloadKind, TierBudgetError
 from tierwise.tiers.arena import PAGE, SLAB_ALIGNMENT
 
 
-class FakeCudart:
-    """Records cudaHostRegister / cudaHostUnregister and answers success (0)."""
-
-    def __init__(self):
-        self.registered: dict[int, int] = {}
-        self.calls: list[str] = []
-
-    def cudaHostRegister(self, address, nbytes, flags):
-        self.calls.append("register")
-        assert address % PAGE == 0 and nbytes % PAGE == 0 and flags == 0
-        self.registered[address] = nbytes
-        return 0
-
-    def cudaHostUnregister(self, address):
-        self.calls.append("unregister")
-        del self.registered[address]
-        return 0
-
-
 @pytest.fixture
 def cudart(monkeypatch):
-    fake = FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    return fake
+    return install_fake_cudart(monkeypatch)
 
 
 def _registered_bytes(cudart) -> int:

@@ -75,7 +75,7 @@ def locked_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     address = raw.data_ptr() + skip
     check_cuda("cudaHostRegister", torch.cuda.cudart().cudaHostRegister(address, locked, 0))
     out = _own_tensor(raw, skip, nbytes // dtype.itemsize, dtype)
-    weakref.finalize(out, _unlock, address)
+    weakref.finalize(out, _unlock, address).atexit = False  # the process's end frees it all
     return out
 
 
@@ -157,7 +157,7 @@ class MemoryPool:
         except BaseException:
             self.uncount(counted)
             raise
-        weakref.finalize(out, self.uncount, counted)
+        weakref.finalize(out, self.uncount, counted).atexit = False
         return out
 
     def entry(self) -> dict:

@@ -191,8 +191,8 @@ class HostBufferPool:
         if self.pin:  # whole pages, as they are locked and counted
             nbytes = round_up(nbytes, ALIGNMENT)
         while self._free and self.counters.held_bytes + nbytes > self.capacity:
-            dropped = self._free.pop()  # the largest
-            self.counters.held_bytes -= dropped.numel()
+            # the largest, unreferenced before the new one is allocated
+            self.counters.held_bytes -= self._free.pop().numel()
         if self.counters.held_bytes + nbytes > self.capacity:
             return None
         whole = self.memory.empty(nbytes, aligned=True)

@@ -215,22 +215,25 @@ def peak_bound(report: Mapping[str, dict], memory: str = "host") -> int:
 
 
 def process_memory() -> dict[str, int | None]:
-    """The process's resident memory now (``rss``) and its peak since start or the last reset
-    (``peak``), bytes: VmRSS and VmHWM of /proc/self/status on Linux; elsewhere the peak from
-    ``getrusage`` and no ``rss``."""
+    """The process's resident memory now (``rss``), its peak since start or the last reset
+    (``peak``) and the file-backed part of ``rss`` (``file``: mapped libraries' pages, which the
+    kernel may drop and fault in again), bytes: VmRSS, VmHWM and RssFile of /proc/self/status
+    on Linux; elsewhere the peak from ``getrusage`` and None for the others."""
     try:
         with open("/proc/self/status") as status:
             fields = dict(line.split(":", 1) for line in status if ":" in line)
-        return {
-            "rss": int(fields["VmRSS"].split()[0]) * 1024,
-            "peak": int(fields["VmHWM"].split()[0]) * 1024,
-        }
+        kib = lambda name: int(fields[name].split()[0]) * 1024  # noqa: E731
+        return {"rss": kib("VmRSS"), "peak": kib("VmHWM"), "file": kib("RssFile")}
     except (OSError, KeyError, ValueError):
         import resource
         import sys
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return {"rss": None, "peak": peak if sys.platform == "darwin" else peak * 1024}
+        return {
+            "rss": None,
+            "peak": peak if sys.platform == "darwin" else peak * 1024,
+            "file": None,
+        }
 
 
 __all__ = [

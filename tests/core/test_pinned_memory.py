@@ -11,6 +11,7 @@ import torch
 from helpers.fake_cudart import install_fake_cudart
 from tierwise.config import Config, ConfigError
 from tierwise.runtime.activations.pinned_pool import PINNED_POOL_BYTES, pinned_swap_bytes
+from tierwise.runtime.step.host_updates import HostUpdates
 from tierwise.tiers import HostTier, PayloadKind, TierBudgetError
 from tierwise.tiers.arena import PAGE, SLAB_ALIGNMENT
 
@@ -102,6 +103,9 @@ def test_a_small_slab_after_setup_registers_its_own_pages_and_reserve_still_work
     late = tier.allocate(1 << 20, torch.uint8, kind=PayloadKind.GRAD_SHARD)
     assert sorted(cudart.registered.values()) == [1 << 20, arena]
     assert tier.used_bytes == _registered_bytes(cudart) == arena + (1 << 20)
+    undo = HostUpdates(tier)  # in-backward host updates' undo copies fit again
+    assert undo.reserve_undo([torch.empty(1 << 20, dtype=torch.uint8)])
+    undo.release()
     left = budget - tier.used_bytes
     tier.reserve(left, kind=PayloadKind.STAGING, what="the save buffers")  # all the room left
     with pytest.raises(TierBudgetError):

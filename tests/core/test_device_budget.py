@@ -1,8 +1,16 @@
 """Invariant 4: the compute tier never holds more model data than the plan allows."""
 
+import pytest
 import tierwise
 import torch
 from helpers.models import tiny_model
+from helpers.process_memory import (
+    GPT2_PARAMS,
+    TOLERANCE,
+    assert_within_ledger,
+    gpt2_growth,
+    linux_peak_resettable,
+)
 from helpers.train import run_reference, train
 
 
@@ -49,3 +57,15 @@ def test_moved_bytes_match_two_fetches_per_step_when_nothing_stays_cached():
     chunk_bytes = sum(c.capacity * 4 for c in engine.chunks())
     # every chunk is fetched at least once in forward and once in backward
     assert per_step >= 2 * chunk_bytes - engine.cache.block_bytes * len(engine.cache)
+
+
+@pytest.mark.skipif(not linux_peak_resettable(), reason="needs /proc/self/clear_refs (Linux)")
+def test_the_process_grows_by_the_ledger_under_a_device_budget_a_quarter_of_the_model():
+    """Invariant 4 on the process (issue 36): a GPT-2 whose model data is 4x the device budget
+    trains in a fresh process whose peak RSS grows by at most what the ledger counts (the device
+    tier within its budget, the host tier, pools, saved activations) plus a stated tolerance."""
+    budget = GPT2_PARAMS * 16 // 4
+    record = gpt2_growth(f'precision="fp32", device_memory={budget}')
+    assert record["ledger"]["device"]["peak_bytes"] <= record["device_allowance"] <= budget
+    assert record["ledger"]["host"]["peak_bytes"] > 0  # the rest went to the host tier
+    assert_within_ledger(record, tolerance=TOLERANCE, what="device budget of a quarter")

@@ -8,36 +8,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.fake_cudart import install_fake_cudart
 from tierwise.config import Config, ConfigError
 from tierwise.runtime.activations.pinned_pool import PINNED_POOL_BYTES, pinned_swap_bytes
+from tierwise.runtime.step.host_updates import HostUpdates
 from tierwise.tiers import HostTier, PayloadKind, TierBudgetError
 from tierwise.tiers.arena import PAGE, SLAB_ALIGNMENT
 
 
-class FakeCudart:
-    """Records cudaHostRegister / cudaHostUnregister and answers success (0)."""
-
-    def __init__(self):
-        self.registered: dict[int, int] = {}
-        self.calls: list[str] = []
-
-    def cudaHostRegister(self, address, nbytes, flags):
-        self.calls.append("register")
-        assert address % PAGE == 0 and nbytes % PAGE == 0 and flags == 0
-        self.registered[address] = nbytes
-        return 0
-
-    def cudaHostUnregister(self, address):
-        self.calls.append("unregister")
-        del self.registered[address]
-        return 0
-
-
 @pytest.fixture
 def cudart(monkeypatch):
-    fake = FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    return fake
+    return install_fake_cudart(monkeypatch)
 
 
 def _registered_bytes(cudart) -> int:
@@ -83,27 +64,55 @@ def test_host_slabs_on_cuda_are_slices_of_one_registered_arena(cudart):
     assert cudart.calls == ["register", "unregister"] and cudart.registered == {}
 
 
-def test_an_arena_that_is_full_grows_by_one_extent_within_the_budget(cudart):
-    """Without check_capacity (or past it) the arena registers one more extent at least as large
-    as itself, capped by the budget; over the budget it refuses and registers nothing."""
+def test_an_arena_that_is_full_grows_by_exactly_the_slab_within_the_budget(cudart):
+    """Without check_capacity (or past it) the arena registers one more extent of the slab's own
+    pages, no more; over the budget it refuses and registers nothing (issue 36: it used to grow
+    by its whole size)."""
     budget = 40 * PAGE
     tier = HostTier(device=torch.device("cuda"), budget=budget, config=Config(device="cpu"))
     first = tier.allocate(3 * PAGE, torch.uint8, kind=PayloadKind.MASTER)
     assert tier.used_bytes == _registered_bytes(cudart) == 3 * PAGE
-    second = tier.allocate(PAGE, torch.uint8, kind=PayloadKind.MASTER)
+    second = tier.allocate(PAGE - 100, torch.uint8, kind=PayloadKind.MASTER)
     assert cudart.calls == ["register", "register"]
-    assert tier.used_bytes == _registered_bytes(cudart) == 6 * PAGE  # doubled
+    assert tier.used_bytes == _registered_bytes(cudart) == 4 * PAGE  # one page more, not 3
     third = tier.allocate(30 * PAGE, torch.uint8, kind=PayloadKind.MASTER)
-    assert tier.used_bytes == _registered_bytes(cudart) == 36 * PAGE
+    assert tier.used_bytes == _registered_bytes(cudart) == 34 * PAGE
     with pytest.raises(TierBudgetError, match="host tier"):
-        tier.allocate(5 * PAGE, torch.uint8, kind=PayloadKind.MASTER)
-    assert len(cudart.calls) == 3 and tier.used_bytes == _registered_bytes(cudart) == 36 * PAGE
-    fourth = tier.allocate(2 * PAGE, torch.uint8, kind=PayloadKind.MASTER)  # the 2nd extent's rest
+        tier.allocate(7 * PAGE, torch.uint8, kind=PayloadKind.MASTER)
+    assert len(cudart.calls) == 3 and tier.used_bytes == _registered_bytes(cudart) == 34 * PAGE
+    tier.release(first)  # its room is reused without a registration
+    fourth = tier.allocate(2 * PAGE, torch.uint8, kind=PayloadKind.MASTER)
     assert len(cudart.calls) == 3
-    _slabs_are_disjoint_and_inside_the_registrations([first, second, third, fourth], cudart)
-    last = tier.allocate(4 * PAGE, torch.uint8, kind=PayloadKind.MASTER)  # exactly the rest
+    last = tier.allocate(6 * PAGE, torch.uint8, kind=PayloadKind.MASTER)  # exactly the rest
     assert tier.used_bytes == _registered_bytes(cudart) == budget
-    _slabs_are_disjoint_and_inside_the_registrations([first, second, third, fourth, last], cudart)
+    _slabs_are_disjoint_and_inside_the_registrations([second, third, fourth, last], cudart)
+    tier.close()
+    assert cudart.registered == {}
+
+
+def test_a_small_slab_after_setup_registers_its_own_pages_and_reserve_still_works(cudart):
+    """Issue 36: after setup sized the arena (256 MiB here), a 1 MiB slab (the first accumulated
+    gradient, a re-layout) registered a second 256 MiB and locked the budget's whole room, so
+    every later ``reserve`` (save buffers, undo copies) failed. Now it registers 1 MiB, and a
+    reserve of what is left in the budget succeeds."""
+    arena = 256 << 20
+    budget = arena + (64 << 20)
+    tier = HostTier(device=torch.device("cuda"), budget=budget, config=Config(device="cpu"))
+    tier.check_capacity([arena])
+    setup_slab = tier.allocate(arena, torch.uint8, kind=PayloadKind.MASTER)
+    late = tier.allocate(1 << 20, torch.uint8, kind=PayloadKind.GRAD_SHARD)
+    assert sorted(cudart.registered.values()) == [1 << 20, arena]
+    assert tier.used_bytes == _registered_bytes(cudart) == arena + (1 << 20)
+    undo = HostUpdates(tier)  # in-backward host updates' undo copies fit again
+    assert undo.reserve_undo([torch.empty(1 << 20, dtype=torch.uint8)])
+    undo.release()
+    left = budget - tier.used_bytes
+    tier.reserve(left, kind=PayloadKind.STAGING, what="the save buffers")  # all the room left
+    with pytest.raises(TierBudgetError):
+        tier.reserve(1, kind=PayloadKind.STAGING)
+    tier.unreserve(left)
+    _slabs_are_disjoint_and_inside_the_registrations([setup_slab, late], cudart)
+    assert tier.memory_pools()[0].entry()["bytes"] == _registered_bytes(cudart)
     tier.close()
     assert cudart.registered == {}
 

@@ -6,11 +6,14 @@ train a model whose full gradient is several times one rank's device budget, wit
 import pytest
 import tierwise
 import torch
+from helpers import process_memory
 from helpers.ddp_order import rank_order_hook
 from helpers.fake_nccl import RecordingNCCL
 from helpers.models import tiny_batch, tiny_model
 from helpers.multiproc import run_ranks
+from helpers.process_memory import TOLERANCE, assert_within_ledger
 from tierwise.planning.planner import reduction_blocks
+from tierwise.tiers.ledger import peak_bound
 
 pytestmark = pytest.mark.multiprocess
 STEPS = 6
@@ -208,6 +211,7 @@ def test_sharded_ranks_with_different_routes_issue_identical_sequences():
 def _budget_run(rank, world, budget, **config):
     model = tiny_model("gpt2", n_layer=8)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    process_memory.start()  # this rank's process: its peak RSS from here (issue 36)
     model, opt = tierwise.setup(
         model,
         opt,
@@ -234,6 +238,9 @@ def _budget_run(rank, world, budget, **config):
         peak=stats["peak_bytes_by_tier"]["device"],
         blocks=engine.gradients.reducer.peak_blocks,
         late=late,
+        rss_growth=process_memory.peak_growth(),
+        ledger_host_bound=peak_bound(stats["memory"], "host"),
+        ledger=stats["memory"],
     )
 
 
@@ -260,7 +267,8 @@ def _both(rank, world, budget):
 def test_four_ranks_train_a_gradient_three_times_the_device_budget():
     full_grad = sum(p.numel() for p in tiny_model("gpt2", n_layer=8).parameters()) * 4
     budget = full_grad // 3  # the full gradient is 3x what one rank's device may hold
-    for ddp, ours in run_ranks(_both, 4, budget, timeout=600):
+    results = run_ranks(_both, 4, budget, timeout=600)
+    for ddp, ours in results:
         assert ours["peak"] <= budget, (ours["peak"], budget)
         assert ours["blocks"] <= 2  # the planner's REDUCTION_BLOCKS, whatever the model
         assert ours["late"] == 0  # a static model: every chunk complete at its due point
@@ -285,6 +293,21 @@ def test_four_ranks_train_a_gradient_three_times_the_device_budget():
                 mine[key] = value[key] = 0
             diff = float((mine - value).abs().max())
             assert diff <= 1e-2 * 1e-2, (name, diff)
+    # each rank's process, measured (issue 36): KNOWN OVER, see the xfail's reason
+    over = [
+        ours for _, ours in results if ours["rss_growth"] > ours["ledger_host_bound"] + TOLERANCE
+    ]
+    if over:
+        pytest.xfail(
+            "issue 36, open: a rank's peak RSS grows by "
+            f"{max(o['rss_growth'] for o in over) / 2**20:.0f} MiB in this run against a ledger of "
+            f"{over[0]['ledger_host_bound'] / 2**20:.1f} MiB (+ {TOLERANCE >> 20} MiB); the same "
+            "setup and steps after a DDP run in a plain 4-rank script grew by about 7 MiB"
+        )
+    for _, ours in results:
+        assert_within_ledger(
+            {"growth": ours["rss_growth"], **ours}, tolerance=TOLERANCE, what="a rank of 4"
+        )
 
 
 def _rank_order(rank, world, budget):

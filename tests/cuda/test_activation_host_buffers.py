@@ -7,6 +7,8 @@ nvme case is in tests/nvme/test_activation_swap.py."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from helpers.block_stack import block_bytes, gradients
@@ -30,3 +32,42 @@ def test_host_swaps_through_the_bounded_pinned_pool_leave_the_gradients(device, 
         assert pool["unpinned_bytes"] == 0 and pool["refused"] == 0
     else:  # most swaps did not fit: unpinned, counted, and the pool stayed within its budget
         assert pool["unpinned_bytes"] > 0 and pool["refused"] > 0
+
+
+class RecordingCudart:
+    """The CUDA runtime, with the bytes page-locked through it counted (issue 36)."""
+
+    def __init__(self, real):
+        self.real, self.registered, self.peak = real, {}, 0
+
+    def cudaHostRegister(self, address, nbytes, flags):
+        self.registered[address] = nbytes
+        self.peak = max(self.peak, sum(self.registered.values()))
+        return self.real.cudaHostRegister(address, nbytes, flags)
+
+    def cudaHostUnregister(self, address):
+        self.registered.pop(address, None)
+        return self.real.cudaHostUnregister(address)
+
+
+@pytest.mark.parametrize("device", ONLY_CUDA)
+def test_swaps_lock_at_most_the_pinned_budget_and_lower_the_device_peak(device, monkeypatch):
+    """Invariant 4 on the process (issue 36): the bytes cudaHostRegister'ed for swaps never pass
+    ``pinned_memory`` and are unlocked once the pool closes (no PyTorch pinned cache keeps
+    them), and the device's peak (``max_memory_allocated`` after ``reset_peak_memory_stats``)
+    with every block swapped is no more than the plain model's."""
+    recording = RecordingCudart(torch.cuda.cudart())
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: recording)
+    peaks = {}
+    for policy in (None, "host"):
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        kwargs = {} if policy is None else {"policy": policy, "pinned_bytes": 2 * BLOCK_BYTES}
+        gradients(device, **SHAPE, **kwargs)
+        torch.cuda.synchronize(device)
+        peaks[policy] = torch.cuda.max_memory_allocated(device) - before
+    gc.collect()
+    assert 0 < recording.peak <= 2 * BLOCK_BYTES
+    assert recording.registered == {}
+    assert peaks["host"] <= peaks[None]

@@ -1,4 +1,6 @@
-"""Page-aligned host buffers (pinned when the compute device is CUDA) for O_DIRECT I/O."""
+"""Page-aligned host buffers (pinned when the compute device is CUDA) for O_DIRECT I/O, each
+allocated through a ledger pool ([Note: the memory ledger]): pinned ones are page-locked over
+exactly their pages, not taken from PyTorch's pinned allocator ([Note: page-locked buffers])."""
 
 from __future__ import annotations
 
@@ -6,16 +8,24 @@ import ctypes
 import threading
 
 import torch
+from tierwise.tiers.ledger import MemoryPool, locked_empty
 
-from tierwise_nvme.options import ALIGNMENT
+from tierwise_nvme.options import ALIGNMENT  # one page: what ledger pools align to
 
 
-def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
-    """A uint8 CPU tensor of ``nbytes`` whose first byte is ALIGNMENT-aligned.
+def aligned_empty(
+    nbytes: int, *, pin: bool = False, pool: MemoryPool | None = None
+) -> torch.Tensor:
+    """A uint8 CPU tensor of ``nbytes`` whose first byte is ALIGNMENT-aligned, counted in
+    ``pool`` (None: counted nowhere, for probes) until it is garbage.
 
-    Over-allocates by one page and slices, so it works with any allocator (pinned or not).
+    Over-allocates by one alignment unit and slices; pinned: page-locked over its own pages.
     """
-    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
+    if pool is not None:
+        return pool.empty(nbytes, aligned=True)
+    if pin:
+        return locked_empty(nbytes)
+    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
     skip = -raw.data_ptr() % ALIGNMENT
     return raw[skip : skip + nbytes]
 
@@ -47,12 +57,14 @@ class BounceCache:
 
     ``take(nbytes)`` returns an aligned buffer of exactly ``nbytes``: a view of a cached one of
     at most twice that size, or a new one. ``give`` returns it; at most ``limit`` bytes stay
-    cached (the largest are dropped first).
+    cached (the largest are dropped first). Every buffer, lent or cached, is counted in
+    ``pool`` (its size is set by the transfers at run time, so the pool has no byte budget;
+    ``limit`` bounds what it keeps between transfers).
     """
 
-    def __init__(self, *, limit: int, pin: bool = False) -> None:
+    def __init__(self, *, limit: int, pool: MemoryPool) -> None:
         self.limit = limit
-        self.pin = pin
+        self.pool = pool
         self._free: list[torch.Tensor] = []
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> whole buffer
         self._lock = threading.Lock()
@@ -63,7 +75,7 @@ class BounceCache:
             best = min(fits, key=lambda i: self._free[i].numel()) if fits else None
             whole = self._free.pop(best) if best is not None else None
         if whole is None:
-            whole = aligned_empty(nbytes, pin=self.pin)
+            whole = aligned_empty(nbytes, pool=self.pool)
         with self._lock:
             self._lent[whole.data_ptr()] = whole
         return whole[:nbytes]

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from tierwise.probe import available_host_memory
+from tierwise.tiers.arena import PAGE, round_up
+from tierwise.tiers.ledger import MemoryPool
 from tierwise.units import format_bytes
 
 from tierwise_nvme.buffers import aligned_empty
@@ -55,7 +57,9 @@ def read_pool_count(*, block_size: int, queue_depth: int, host: int | None) -> i
 class StagingPool:
     """``count`` buffers of ``buffer_bytes`` each, allocated on first use and then reused."""
 
-    def __init__(self, *, buffer_bytes: int, count: int, pin: bool = False) -> None:
+    def __init__(
+        self, *, buffer_bytes: int, count: int, pin: bool = False, memory: MemoryPool | None = None
+    ) -> None:
         if buffer_bytes <= 0 or count <= 0:
             raise ValueError(
                 f"StagingPool needs buffer_bytes > 0 and count > 0, got {buffer_bytes} and {count}"
@@ -63,6 +67,15 @@ class StagingPool:
         self.buffer_bytes = buffer_bytes
         self.count = count
         self.pin = pin
+        self.memory = memory or MemoryPool(
+            "nvme_staging",
+            memory="host",
+            pinned=pin,
+            budget=count * (round_up(buffer_bytes, PAGE) + (0 if pin else PAGE)),
+            within="host",
+        )
+        """The ledger pool its buffers are allocated through ([Note: the memory ledger]); the
+        tier's ``host_buffer_bytes`` reserves them in the host tier."""
         self._buffers: list[torch.Tensor] = []
         self._free: list[torch.Tensor] = []
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> buffer
@@ -128,7 +141,7 @@ class StagingPool:
             if self._free:
                 buffer = self._free.pop()
             else:
-                buffer = aligned_empty(self.buffer_bytes, pin=self.pin)
+                buffer = aligned_empty(self.buffer_bytes, pool=self.memory)
                 self._buffers.append(buffer)
             view = buffer[:nbytes].view(dtype)
             self._lent[view.data_ptr()] = buffer

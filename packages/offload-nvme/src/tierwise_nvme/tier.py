@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from tierwise.tiers import DONE, IOHandle, PayloadKind, Slab, Tier
+from tierwise.tiers.ledger import MemoryPool
 
 from tierwise_nvme.backends import IOBackend, open_backend
 from tierwise_nvme.options import NVMeOptions
@@ -83,6 +84,14 @@ class NVMeTier(Tier):
         self.staging = staging or StagingPool.for_reads(
             block_size=self.options.block_size, queue_depth=self.options.queue_depth, config=config
         )
+        self.pipeline_memory = MemoryPool(
+            "nvme_optimizer_staging",
+            memory="host",
+            pinned=self.device.type == "cuda",
+            within="host",
+        )
+        """The ledger pool of every optimizer pipeline's staging buffers (reserved in the host
+        tier through ``host_buffer_bytes``; [Note: the memory ledger])."""
         """Host buffers that reads into destinations O_DIRECT cannot fill in place (rCache
         chunks, device tensors) stream through; bounded, sized automatically (see
         StagingPool.for_reads and [Note: staged reads]). Only this tier's reads use it."""
@@ -307,10 +316,16 @@ class NVMeTier(Tier):
             buffer_bytes=buffer_bytes,
             count=states * (lookahead + 2),
             pin=self.device.type == "cuda",
+            memory=self.pipeline_memory,
         )
         pipeline = NVMeOptimizerPipeline(tier=self, pool=pool, lookahead=lookahead)
         self._pipelines.add(pipeline)
         return pipeline
+
+    def memory_pools(self) -> list[MemoryPool]:
+        """The staged reads', the optimizer pipelines' and the transfers' host buffers
+        ([Note: the memory ledger])."""
+        return [self.staging.memory, self.pipeline_memory, *self._transfers.memory_pools()]
 
     def host_buffer_bytes(self, *, optimizer_buffer_bytes: int = 0) -> int:
         """[Note: storage tiers' host buffers] The staged-read pool, and with

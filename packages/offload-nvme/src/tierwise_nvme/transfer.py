@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from tierwise.tiers import IOHandle
+from tierwise.tiers.ledger import MemoryPool
 
 from tierwise_nvme.backends.base import IOBackend, IORequest
 from tierwise_nvme.backends.threads import transfer as blocking_transfer
@@ -270,15 +271,29 @@ class Transfers:
         """How long a caller waits for one transfer ([Note: bounded NVMe waits])."""
         self.staged = staged
         """Reads that O_DIRECT cannot do in place go through it (None: through bounces)."""
-        self.bounces = BounceCache(limit=cache_bytes)
+        self.bounces = BounceCache(
+            limit=cache_bytes, pool=MemoryPool("nvme_bounce_buffers", memory="host")
+        )
         """Page-aligned buffers for partial pages and misaligned tensors."""
-        self.staging = BounceCache(limit=cache_bytes, pin=pin) if pin else self.bounces
+        self.staging = (
+            BounceCache(
+                limit=cache_bytes,
+                pool=MemoryPool("nvme_pinned_copies", memory="host", pinned=True),
+            )
+            if pin
+            else self.bounces
+        )
         """Host copies of non-CPU or non-contiguous tensors (pinned on CUDA)."""
         self._inflight: dict[int, InFlight] = {}
         self._lock = threading.Lock()
         self._returns: list[tuple] = []
         """(event or None, pinned buffer) of device reads: the buffer goes back to ``staging``
         once its host-to-device copy is done ([Note: storage reads into device memory])."""
+
+    def memory_pools(self) -> list[MemoryPool]:
+        """The bounce buffers' pools ([Note: the memory ledger])."""
+        pools = [self.bounces.pool]
+        return pools if self.staging is self.bounces else [*pools, self.staging.pool]
 
     def reclaim(self, *, all_: bool = False) -> None:
         """Give back the staging buffers of device reads whose copies are done (``all_``:

@@ -11,7 +11,8 @@ moments in bf16 (round to nearest). The fp32 master copy is never stored in low 
 
 A stored moment is one slab (PayloadKind.LOWBIT_STATE): bf16 elements, or for int8 the codes of
 every block followed by the blocks' fp32 scales (``MomentFormat.stored_numel``). The update of a
-chunk decodes both moments into fp32 buffers (one pair per thread, reused), runs the same fused
+chunk decodes both moments into fp32 buffers (one pair per thread, reused until the step
+ends), runs the same fused
 Adam(W) as fp32 states on them (so the parameter update uses the unrounded new moments, as
 torchao's does), and encodes them back: ``LowBitMoments.around``. Only the blocks holding
 elements the update changed are encoded again: decoding and encoding is not the identity for
@@ -45,6 +46,7 @@ import torch
 
 from tierwise.precision import QUANT_BLOCK, check_state_precision, moment_stored_bytes
 from tierwise.tiers.base import PayloadKind
+from tierwise.tiers.ledger import MemoryPool, memory_of
 
 QUANT_PIECE = 1 << 18
 """Elements quantized in one pass (the size of each thread's reused scratch tensors)."""
@@ -132,23 +134,48 @@ def _on_device(signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
     )
 
 
-_WORKSPACE = threading.local()
+class Workspaces:
+    """Scratch tensors reused by each thread (fresh temporaries of a piece's size fault their
+    pages in on every call, see [Note: updates in pieces], which cost more than the
+    arithmetic), allocated through ledger pools, one per memory ("optimizer_workspaces_host",
+    "..._device": [Note: the memory ledger]), and dropped by ``release`` after each optimizer
+    step, so they do not hold memory between steps."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._lock = threading.Lock()
+        self.pools = {
+            memory: MemoryPool(f"optimizer_workspaces_{memory}", memory=memory)
+            for memory in ("host", "device")
+        }
+
+    def get(
+        self, what: str, numel: int, dtypes: Sequence[torch.dtype], device: torch.device
+    ) -> tuple[torch.Tensor, ...]:
+        """This thread's ``what`` tensors of ``dtypes``, at least ``numel`` elements each,
+        sliced to ``numel``."""
+        key = (threading.get_ident(), what, device)
+        with self._lock:
+            held = self._held.get(key)
+        if held is None or held[0].numel() < numel:
+            with self._lock:  # the smaller ones go before the larger come
+                self._held.pop(key, None)
+            pool = self.pools[memory_of(device)]
+            held = tuple(pool.empty(numel, dtype, device=device, what=what) for dtype in dtypes)
+            with self._lock:
+                self._held[key] = held
+        return tuple(t[:numel] for t in held)
+
+    def release(self) -> None:
+        """Drop every thread's tensors (a thread still using one keeps it until it is done)."""
+        with self._lock:
+            self._held.clear()
 
 
-def _workspace(numel: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """This thread's scratch tensors for quantizing QUANT_PIECE elements, reused: fresh
-    temporaries of a piece's size fault their pages in on every call (see [Note: updates in
-    pieces]), which cost more than the arithmetic."""
-    held = getattr(_WORKSPACE, "tensors", None)
-    if held is None or held[0].device != device or held[0].numel() < numel:
-        held = (
-            torch.empty(numel, dtype=torch.float32, device=device),  # scaled values
-            torch.empty(numel, dtype=torch.int32, device=device),  # bucket of each
-            torch.empty(numel, dtype=torch.float32, device=device),  # threshold in the bucket
-            torch.empty(numel, dtype=torch.bool, device=device),  # rounds up
-        )
-        _WORKSPACE.tensors = held
-    return tuple(t[:numel] for t in held)
+WORKSPACES = Workspaces()
+"""The quantize and decode workspaces of every thread."""
+_QUANTIZE_DTYPES = (torch.float32, torch.int32, torch.float32, torch.bool)
+"""Scaled values, the bucket of each, the threshold in the bucket, whether it rounds up."""
 
 
 # index_select rather than indexing with a tensor: the same gather at a fraction of the cost
@@ -163,7 +190,9 @@ def quantize_blocks(
     _, base, inside = _on_device(signed, values.device)
     for lo in range(0, values.numel(), QUANT_PIECE):
         hi = min(lo + QUANT_PIECE, values.numel())
-        scaled, bucket, threshold, up = _workspace(hi - lo, values.device)
+        scaled, bucket, threshold, up = WORKSPACES.get(
+            "quantize", hi - lo, _QUANTIZE_DTYPES, values.device
+        )
         blocks = values[lo:hi].view(-1, QUANT_BLOCK)
         scale = blocks.abs().amax(-1).clip(1e-12)
         torch.div(blocks, scale.view(-1, 1), out=scaled.view(-1, QUANT_BLOCK))
@@ -309,17 +338,19 @@ class LowBitMoments:
         self.formats = moment_formats(optimizer_states)
         self.exact = optimizer_states == "fp32"
         """fp32 states: updates run on the stored tensors themselves (Invariant 2)."""
-        self._local = threading.local()
+        self.workspaces = WORKSPACES
 
     def _buffers(self, numel: int, device: torch.device) -> list[torch.Tensor]:
-        """Two fp32 buffers of at least ``numel`` elements for this thread, reused."""
-        held = getattr(self._local, "buffers", {})
-        self._local.buffers = held
-        buffers = held.get(device)
-        if buffers is None or buffers[0].numel() < numel:
-            buffers = [torch.empty(numel, dtype=torch.float32, device=device) for _ in range(2)]
-            held[device] = buffers
-        return [b[:numel] for b in buffers]
+        """Two fp32 buffers of ``numel`` elements for this thread, reused until ``release``."""
+        return list(self.workspaces.get("decode", numel, (torch.float32,) * 2, device))
+
+    def release(self) -> None:
+        """The step is over: the decode and quantize workspaces give their memory back."""
+        self.workspaces.release()
+
+    def pools(self) -> list[MemoryPool]:
+        """The workspaces' ledger pools ([Note: the memory ledger])."""
+        return list(self.workspaces.pools.values())
 
     def around(self, update: Update, *, numel: int, spans: Sequence[tuple[int, int]]) -> Update:
         """``update`` (which takes fp32 master, exp_avg, exp_avg_sq of ``numel`` elements) made

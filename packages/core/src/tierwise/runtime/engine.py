@@ -41,6 +41,7 @@ from tierwise.runtime.residency.rcache import RCache
 from tierwise.runtime.step.optimizer_step import OptimizerStep
 from tierwise.runtime.traffic import Traffic
 from tierwise.tiers.base import Tier
+from tierwise.tiers.ledger import MemoryPool, memory_report
 
 if TYPE_CHECKING:
     from tierwise.hardware import Hardware
@@ -429,4 +430,15 @@ class Engine:
             "optimizer_overlap": self.optimizer.overlap_stats(),
             "activations": self.activations.stats() if self.activations is not None else None,
             "non_model_peak_bytes": max((b for _, b in moments), default=0) if moments else None,
+            "memory": memory_report(self.tiers, self.memory_pools()),
         }
+
+    def memory_pools(self) -> list[MemoryPool]:
+        """Every named pool of the ledger ([Note: the memory ledger])."""
+        pools = [pool for tier in self.tiers.values() for pool in tier.memory_pools()]
+        pools += [self.gradients.reducer.pool.host_memory, *self.optimizer.moments.pools()]
+        if self.grad_offload is not None:
+            pools.append(self.grad_offload.memory)
+        if self.activations is not None:
+            pools += self.activations.memory_pools()
+        return pools

@@ -9,9 +9,12 @@ with its free neighbours and reused by later slabs).
 
 - Sizing: setup tells the tier every slab it is about to allocate (``Tier.check_capacity``), and
   the arena is made that size, so after setup it is full and nothing in it is idle.
-- Growth: an allocation that does not fit (a re-layout that fragments it, or a tier used without
-  ``check_capacity``) registers one more extent of at least the arena's size so far (at most the
-  room left in the budget), so extents stay few (logarithmic in the growth).
+- Growth: an allocation that does not fit (a re-layout that fragments it, the first accumulated
+  gradient, a tier used without ``check_capacity``) registers one more extent of exactly the
+  slab's pages, counted before it is locked: over the budget it is refused (``TierBudgetError``)
+  and nothing is registered. Growing by more (the arena's size so far, say) would lock and count
+  room nothing asked for: with a budget smaller than twice the arena every later ``reserve``
+  (undo copies, save buffers) would then fail although the budget had room (issue 36).
 - Counting: the host tier counts each extent whole, when it is registered, against
   ``host_memory`` (``Tier._account``), so what is locked and what is counted are the same bytes;
   slabs carved from it count nothing more, and a released slab's room stays counted (it is still
@@ -73,14 +76,11 @@ class PinnedArena:
     def registrations(self) -> int:
         return len(self.extents)
 
-    def extent_bytes(self, nbytes: int, *, room: int | None) -> int:
-        """Bytes of the extent to register for a request of ``nbytes`` (already aligned):
-        at least the arena's size so far, at most ``room`` (the budget left), never less than
-        the request, in whole pages."""
-        wanted = round_up(max(nbytes, self.registered_bytes), PAGE)
-        if room is not None and wanted > room:
-            wanted = max(round_up(nbytes, PAGE), room // PAGE * PAGE)
-        return wanted
+    @staticmethod
+    def extent_bytes(nbytes: int) -> int:
+        """Bytes of the extent to register for a request of ``nbytes`` (already aligned): its
+        whole pages, no more ([Note: one pinned arena])."""
+        return round_up(nbytes, PAGE)
 
     def grow(self, nbytes: int) -> None:
         """Register one more extent of ``nbytes`` (whole pages) of page-aligned memory."""

@@ -143,6 +143,11 @@ class Tier(ABC):
         it ([Note: storage tiers' host buffers]). Default: 0."""
         return 0
 
+    def memory_pools(self) -> list:
+        """The ``MemoryPool`` objects of this tier's own buffers (staging, bounce buffers, a
+        pinned arena) for the ledger ([Note: the memory ledger]). Default: none."""
+        return []
+
     def check_capacity(self, slab_bytes: list[int]) -> None:  # noqa: B027 - optional hook
         """Raise (one line) before setup allocates slabs of these sizes here when the medium
         cannot hold them; budgets are checked by ``allocate`` itself. Default: nothing."""

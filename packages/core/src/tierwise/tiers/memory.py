@@ -6,6 +6,7 @@ import torch
 
 from tierwise.tiers.arena import PAGE, SLAB_ALIGNMENT, PinnedArena, round_up
 from tierwise.tiers.base import DONE, IOHandle, PayloadKind, Slab, Tier
+from tierwise.tiers.ledger import MemoryPool
 
 
 class MemoryTier(Tier):
@@ -111,6 +112,11 @@ class HostTier(MemoryTier):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.arena = PinnedArena() if self.pin else None
+        self.arena_pool = MemoryPool("pinned_arena", memory="host", pinned=True, within="host")
+        """The arena's registered bytes in the ledger (counted whole in this tier)."""
+
+    def memory_pools(self) -> list[MemoryPool]:
+        return [self.arena_pool] if self.arena is not None else []
 
     def check_capacity(self, slab_bytes: list[int]) -> None:
         """On CUDA: the arena is sized for the slabs setup is about to allocate, once
@@ -135,8 +141,7 @@ class HostTier(MemoryTier):
         nbytes = round_up(max(slab.nbytes, 1), SLAB_ALIGNMENT)
         place = self.arena.take(nbytes)
         if place is None:
-            room = None if self.budget is None else self.budget - self.used_bytes
-            self._grow(self.arena.extent_bytes(nbytes, room=room), what=slab.what)
+            self._grow(self.arena.extent_bytes(nbytes), what=slab.what)
             place = self.arena.take(nbytes)
         slab.extra["arena"] = (*place, nbytes)
         slab.tensor = self.arena.view(*place, slab.nbytes).view(dtype)
@@ -149,6 +154,7 @@ class HostTier(MemoryTier):
         except BaseException:
             self.used_bytes -= nbytes
             raise
+        self.arena_pool.observe(self.arena.registered_bytes)
 
     def release(self, slab: Slab) -> None:
         place = slab.extra.pop("arena", None)

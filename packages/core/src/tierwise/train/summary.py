@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tierwise.plan import Plan
+from tierwise.tiers.ledger import process_memory
 from tierwise.train import checkpoints
 from tierwise.train.lora import MODEL_FOLDER
 from tierwise.train.options import TrainOptions
@@ -20,6 +21,7 @@ from tierwise.train.request import (
     PLOT_FILE,
     TRAINING_PLOT_FILE,
 )
+from tierwise.units import format_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +54,9 @@ class RunSummary:
     """The engine's plan."""
     budgets: dict[str, int | None]
     """Byte budgets per tier."""
+    start_rss_bytes: int | None = None
+    """The process's resident memory before the model was built (imports only); None: not
+    known on this system."""
 
     def show(self, console: Console) -> None:
         """The summary block: run and memory tables, the outputs, what to run next."""
@@ -61,6 +66,15 @@ class RunSummary:
             peak_bytes_by_tier=stats.get("peak_bytes_by_tier", {}),
             budgets=self.budgets,
             moved_bytes=stats.get("moved_bytes", {}),
+        )
+        peak_rss = process_memory()["peak"]
+        predicted = predicted_process_bytes(self.start_rss_bytes, stats.get("memory") or {})
+        memory_rows.append(
+            (
+                "process RAM",
+                f"{format_bytes(peak_rss)} peak RSS",
+                f"plan predicts {format_bytes(predicted)}" if predicted is not None else "",
+            )
         )
         console.block(
             "summary",
@@ -75,6 +89,9 @@ class RunSummary:
             peak_bytes_by_tier=stats.get("peak_bytes_by_tier", {}),
             budgets=self.budgets,
             moved_bytes=stats.get("moved_bytes", {}),
+            peak_rss_bytes=peak_rss,
+            predicted_process_bytes=predicted,
+            memory=stats.get("memory"),
             run_dir=str(run_dir),
             export_command=export_command(run_dir, options),
             resume_command=resume_command(run_dir) if step < options.steps else None,
@@ -117,6 +134,20 @@ class RunSummary:
         ]
 
 
+def predicted_process_bytes(start_rss: int | None, memory: dict[str, dict]) -> int | None:
+    """The process's RAM the plan predicts: what it held before the model was built, plus each
+    ledger entry in host RAM that no other entry counts ([Note: the memory ledger]) at its budget
+    (the tiers' budgets, the saved activations' allotment on a CPU device), or at its peak where
+    it has none (an unbudgeted tier, reduction buffers, workspaces). None: no start figure."""
+    if start_rss is None:
+        return None
+    return start_rss + sum(
+        entry["peak_bytes"] if entry["budget"] is None else entry["budget"]
+        for entry in memory.values()
+        if entry["memory"] == "host" and entry["within"] is None
+    )
+
+
 def resume_hint(run_dir: Path) -> str:
     """What a run stopped by a failure can do next (checkpoints are swapped in atomically, so
     the newest one is whole)."""
@@ -151,4 +182,11 @@ def export_command(run_dir: Path, options: TrainOptions) -> str:
     return f"tierwise export {run_dir} {run_dir / 'hf-model'}{merge}"
 
 
-__all__ = ["RunSummary", "export_command", "next_command", "resume_command", "resume_hint"]
+__all__ = [
+    "RunSummary",
+    "export_command",
+    "predicted_process_bytes",
+    "next_command",
+    "resume_command",
+    "resume_hint",
+]

@@ -24,6 +24,7 @@ from tierwise.runtime.activations.policy import ActivationPolicyError
 from tierwise.runtime.activations.recompute import RecomputeSwitches
 from tierwise.runtime.activations.swap_records import PackedTensor, SwapCounts, with_block
 from tierwise.runtime.activations.swaps import ActivationSwaps
+from tierwise.tiers.ledger import MemoryPool, memory_of
 
 MIN_SWAP_BYTES = 1024
 """Storages smaller than this are never swapped (the bookkeeping would cost more)."""
@@ -114,6 +115,11 @@ class ActivationManager:
             pinned_bytes=pinned_bytes,
         )
         """The swapped storages of "host" and "nvme" blocks ([Note: activation swapping])."""
+        self.saved_memory = MemoryPool(
+            "saved_activations", memory=memory_of(self.device), budget=allowance
+        )
+        """Saved activations on the device at the end of each forward, against the plan's
+        allotment, in the ledger ([Note: the memory ledger]); none between steps."""
 
     moved_bytes = property(lambda self: self.swaps.moved_bytes)
     """Activation traffic so far, keys ``act:<from>-><to>`` (cumulative, like the engine's)."""
@@ -213,6 +219,7 @@ class ActivationManager:
             return
         saved = self._kept_bytes + self.swaps.resident
         self._saved_peak = max(self._saved_peak, saved)
+        self.saved_memory.observe(saved)
         self._kept_bytes = 0  # kept activations are freed by their backward
         kept_by_block, self._kept_by_block = self._kept_by_block, Counter()
         if not self._checked:  # the warm-up forward (until one fits)
@@ -244,8 +251,13 @@ class ActivationManager:
             raise error from None
 
     # -- steps --------------------------------------------------------------------------
+    def memory_pools(self) -> list[MemoryPool]:
+        """The ledger pools of saved activations and of the swaps' pinned buffers."""
+        return [self.saved_memory] + ([self.pool.memory] if self.pool is not None else [])
+
     def end_step(self) -> None:
         """The optimizer stepped: publish this step's stats and start counting the next."""
+        self.saved_memory.observe(0)  # freed by the backward
         self.last = StepStats(
             saved_peak_bytes=self._saved_peak,
             recomputed_blocks=self._recomputed,

@@ -21,8 +21,11 @@ pool holds, lent or free, never exceed it.
   so the pool's logic is the same on every device (tests run it on CPU with pinning off and
   I/O handles).
 
-Freed pinned buffers go back to PyTorch's caching host allocator, which keeps them for later
-pinned allocations; the pool's budget bounds what it holds at once.
+Buffers are allocated through the ledger pool ``memory`` ("activation_host_buffers", counted in
+the host tier: [Note: the memory ledger]): pinned ones are page-locked over exactly their pages,
+whole pinned buffers are rounded up to a page (``ALIGNMENT``) and the pool counts them so; a dropped
+buffer is unlocked and freed, not kept by PyTorch's caching host allocator ([Note: page-locked
+buffers]).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from tierwise.tiers.arena import round_up
+from tierwise.tiers.ledger import MemoryPool
 
 ALIGNMENT = 4096
 """Host buffers start on a page boundary (O_DIRECT transfers need it)."""
@@ -50,10 +56,10 @@ def pinned_swap_bytes(config, policy: dict[str, str]) -> int:
     return PINNED_POOL_BYTES if config.pinned_memory is None else config.pinned_memory
 
 
-def aligned_empty(nbytes: int, *, pin: bool = False, alignment: int = ALIGNMENT) -> torch.Tensor:
-    """An uninitialised uint8 CPU tensor of ``nbytes`` whose first byte is ``alignment``-aligned
-    (one page more is allocated and sliced, so any allocator works, pinned or not)."""
-    raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pin)
+def aligned_empty(nbytes: int, *, alignment: int = ALIGNMENT) -> torch.Tensor:
+    """An uninitialised, pageable uint8 CPU tensor of ``nbytes`` whose first byte is
+    ``alignment``-aligned (one page more is allocated and sliced)."""
+    raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
     skip = -raw.data_ptr() % alignment
     return raw[skip : skip + nbytes]
 
@@ -97,6 +103,14 @@ class HostBufferPool:
         if capacity < 0:
             raise ValueError(f"a host buffer pool needs a budget >= 0 bytes, got {capacity}")
         self.capacity, self.pin = capacity, pin
+        self.memory = MemoryPool(
+            "activation_host_buffers",
+            memory="host",
+            pinned=pin,
+            budget=capacity if pin else None,  # unpinned: each buffer has a page of slack
+            within="host",
+        )
+        """The ledger pool the buffers are allocated through ([Note: the memory ledger])."""
         self._free: list[torch.Tensor] = []  # whole buffers, smallest first
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr of the lent view -> whole buffer
         self._pending: deque[tuple[torch.Tensor, Any]] = deque()  # (whole, handle), oldest first
@@ -174,12 +188,14 @@ class HostBufferPool:
         return None
 
     def _allocate(self, nbytes: int) -> torch.Tensor | None:
+        if self.pin:  # whole pages, as they are locked and counted
+            nbytes = round_up(nbytes, ALIGNMENT)
         while self._free and self.counters.held_bytes + nbytes > self.capacity:
-            dropped = self._free.pop()  # the largest
-            self.counters.held_bytes -= dropped.numel()
+            # the largest, unreferenced before the new one is allocated
+            self.counters.held_bytes -= self._free.pop().numel()
         if self.counters.held_bytes + nbytes > self.capacity:
             return None
-        whole = aligned_empty(nbytes, pin=self.pin)
+        whole = self.memory.empty(nbytes, aligned=True)
         self.counters.held_bytes += nbytes
         self.counters.high_water_bytes = max(
             self.counters.high_water_bytes, self.counters.held_bytes

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierwise.chunks.payload import GRAD_OFFLOAD_BUFFERS, grad_offload_buffers
+from tierwise.tiers.arena import PAGE, round_up
 from tierwise.tiers.base import PayloadKind
+from tierwise.tiers.ledger import MemoryPool
 
 if TYPE_CHECKING:
     from tierwise.chunks import Chunk
@@ -51,9 +53,20 @@ class GradientOffload:
         self.numel = numel
         self.dtype = dtype
         self.count = count
-        self.nbytes = count * numel * torch.empty((), dtype=dtype).element_size()
-        host.reserve(self.nbytes, kind=PayloadKind.GRAD_SHARD, what="gradient offload buffers")
         self._pin = host.device.type == "cuda"
+        buffer_bytes = numel * dtype.itemsize
+        self.nbytes = count * (round_up(buffer_bytes, PAGE) if self._pin else buffer_bytes)
+        """Host bytes the buffers take (page-locked ones in whole pages), counted in the host
+        tier and the budget of their ledger pool."""
+        host.reserve(self.nbytes, kind=PayloadKind.GRAD_SHARD, what="gradient offload buffers")
+        self.memory = MemoryPool(
+            "grad_offload_buffers",
+            memory="host",
+            pinned=self._pin,
+            budget=self.nbytes,
+            within="host",
+        )
+        """The ledger pool the buffers are allocated through ([Note: the memory ledger])."""
         self._free: list[torch.Tensor] = []
         self._made = 0
         self._lru: OrderedDict[Chunk, None] = OrderedDict()
@@ -160,7 +173,7 @@ class GradientOffload:
                     return self._free.pop()
                 if self._made < self.count:
                     self._made += 1
-                    return torch.empty(self.numel, dtype=self.dtype, pin_memory=self._pin)
+                    return self.memory.empty(self.numel, self.dtype, what="a gradient shard")
                 if not self._pinned:
                     break
                 self._cond.wait()  # an update in flight gives its buffer back

@@ -217,6 +217,7 @@ class OptimizerStep:
             self.speculation.early.clear()
             self.speculation.decision = None
             self._settle_grads()
+            self.moments.release()  # workspaces hold nothing between steps
             self.exposed_optimizer_s = time.perf_counter() - began
 
     def _settle_grads(self) -> None:

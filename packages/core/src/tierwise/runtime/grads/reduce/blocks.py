@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from tierwise.tiers.base import PayloadKind, Tier
+from tierwise.tiers.ledger import MemoryPool
 
 
 def base_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -42,6 +43,11 @@ class BlockPool:
         """The device slabs of the pool (at most ``blocks``)."""
         self._free_blocks: list[torch.Tensor] = []
         self._host_free: list[torch.Tensor] = []
+        self.host_memory = MemoryPool(
+            "reduction_host_buffers", memory="host", pinned=device_tier.device.type == "cuda"
+        )
+        """The ledger pool of the host buffers ([Note: the memory ledger]): as many as chunks
+        wait at once, bounded by the reduction order, not by a byte budget."""
         self._taken = 0
         self.peak_blocks = 0
         """Most device blocks taken at once (at most ``blocks``, and the receive block in rank
@@ -80,9 +86,8 @@ class BlockPool:
         for i, buffer in enumerate(self._host_free):
             if buffer.numel() >= numel:
                 return self._host_free.pop(i)[:numel]
-        pin = self.device_tier.device.type == "cuda"
         size = max(numel, self.block_numel)
-        return torch.empty(size, dtype=self.dtype, pin_memory=pin)[:numel]
+        return self.host_memory.empty(size, self.dtype, what="a gradient waiting")[:numel]
 
     def give_host(self, buffer: torch.Tensor) -> None:
         self._host_free.append(base_of(buffer))

@@ -1,0 +1,249 @@
+"""The memory ledger: every tier and named pool of memory, with its bytes, peak and budget.
+
+[Note: the memory ledger]
+Invariant 10: every byte tierwise allocates besides PyTorch's own working memory (autograd's
+saved tensors, kernels' temporaries) belongs to a tier or to a named ``MemoryPool``, and
+``Engine.stats()["memory"]`` reports each as one entry (``memory_report``):
+
+- ``bytes``: held now; ``peak_bytes``: the most held at once (since setup);
+- ``budget``: the most the entry may hold (None: bounded by its owner's logic, not by a byte
+  figure; the entry still counts what it holds);
+- ``pinned``: page-locked host memory (CUDA);
+- ``memory``: where the bytes are, "host" (the process's RAM; a CPU device tier too), "device"
+  (accelerator memory) or "disk";
+- ``within``: the entry whose budget already counts these bytes (a pool reserved in the host
+  tier: "host"), or None. Summing the entries with ``within`` None of one ``memory`` gives the
+  ledger's bound on that memory (``peak_bound``) without counting a byte twice.
+
+Pools are the objects the runtime allocates through: ``MemoryPool.empty`` makes a buffer and
+counts it until the buffer is garbage; ``count``/``uncount`` count memory a caller holds
+otherwise. A pinned pool on CUDA page-locks each buffer with ``cudaHostRegister`` over exactly
+its pages ([Note: page-locked buffers]) instead of PyTorch's pinned allocator, which rounds every
+block up to a power of two and keeps freed blocks for later: what is locked is what is counted,
+and a dropped buffer is unlocked and freed.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierwise.tiers.arena import PAGE, check_cuda, round_up
+from tierwise.tiers.base import TierBudgetError
+from tierwise.units import format_bytes
+
+if TYPE_CHECKING:
+    from tierwise.tiers.base import Tier
+
+MEMORIES = ("host", "device", "disk")
+
+
+class PoolBudgetError(TierBudgetError):
+    """A pool would hold more than its budget."""
+
+
+def memory_of(device: torch.device | str) -> str:
+    """Where memory on ``device`` is: "host" for the CPU, else "device"."""
+    return "host" if torch.device(device).type == "cpu" else "device"
+
+
+def _unlock(address: int) -> None:
+    check_cuda("cudaHostUnregister", torch.cuda.cudart().cudaHostUnregister(address))
+
+
+def _own_tensor(raw: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` ``dtype`` elements of ``raw``'s storage from byte ``offset``, as a tensor that
+    is no view (``_base`` None): owners that keep ``t._base or t`` get it back, and a finalizer
+    on it runs once it and every view of it are garbage."""
+    out = torch.empty(0, dtype=dtype, device=raw.device)
+    return out.set_(raw.untyped_storage(), offset // dtype.itemsize, (numel,))
+
+
+def locked_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """[Note: page-locked buffers]
+    An uninitialised host tensor of ``nbytes`` (``dtype`` elements), page-aligned, whose pages
+    (``round_up(nbytes, PAGE)`` bytes, no more) are registered with the CUDA driver; they are
+    unregistered when the tensor (and every view of it) is garbage, and the memory goes back to
+    the system allocator, not to PyTorch's pinned cache."""
+    locked = round_up(max(nbytes, 1), PAGE)
+    raw = torch.empty(locked + PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % PAGE
+    address = raw.data_ptr() + skip
+    check_cuda("cudaHostRegister", torch.cuda.cudart().cudaHostRegister(address, locked, 0))
+    out = _own_tensor(raw, skip, nbytes // dtype.itemsize, dtype)
+    weakref.finalize(out, _unlock, address).atexit = False  # the process's end frees it all
+    return out
+
+
+class MemoryPool:
+    """A named pool of memory with a budget: see [Note: the memory ledger]."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        memory: str,
+        pinned: bool = False,
+        budget: int | None = None,
+        within: str | None = None,
+    ) -> None:
+        if memory not in MEMORIES:
+            raise ValueError(f"a memory pool's memory is one of {MEMORIES}, got {memory!r}")
+        self.name, self.memory, self.pinned = name, memory, pinned
+        self.budget = budget
+        """Most bytes the pool may hold (None: counted, bounded by its owner)."""
+        self.within = within
+        """The ledger entry whose budget already counts this pool's bytes (None: none)."""
+        self.bytes = 0
+        self.peak_bytes = 0
+        self._lock = threading.Lock()
+
+    def count(self, nbytes: int, what: str = "") -> None:
+        """Count ``nbytes`` more as held; over the budget it refuses (PoolBudgetError) and
+        counts nothing."""
+        with self._lock:
+            if self.budget is not None and self.bytes + nbytes > self.budget:
+                raise PoolBudgetError(
+                    f"memory pool {self.name}: {format_bytes(nbytes)} more for "
+                    f"{what or 'a buffer'} would hold {format_bytes(self.bytes + nbytes)}, over "
+                    f"its budget of {format_bytes(self.budget)}"
+                )
+            self.bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+    def uncount(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes -= nbytes
+
+    def observe(self, nbytes: int) -> None:
+        """The pool holds ``nbytes`` now (memory its owner measures, not allocates)."""
+        with self._lock:
+            self.bytes = nbytes
+            self.peak_bytes = max(self.peak_bytes, nbytes)
+
+    def empty(
+        self,
+        numel: int,
+        dtype: torch.dtype = torch.uint8,
+        *,
+        device: torch.device | str = "cpu",
+        aligned: bool = False,
+        what: str = "",
+    ) -> torch.Tensor:
+        """An uninitialised buffer of ``numel`` ``dtype`` elements, counted until it (every view
+        of it included) is garbage. Host buffers of a pinned pool on CUDA are page-locked
+        ([Note: page-locked buffers]); ``aligned``: the first byte is page-aligned."""
+        nbytes = numel * dtype.itemsize
+        host = torch.device(device).type == "cpu"
+        if host and self.pinned:
+            counted = round_up(max(nbytes, 1), PAGE)
+        elif host and aligned:
+            counted = nbytes + PAGE
+        else:
+            counted = nbytes
+        self.count(counted, what)
+        try:
+            if host and self.pinned:
+                out = locked_empty(nbytes, dtype)
+            elif host and aligned:
+                whole = torch.empty(counted, dtype=torch.uint8)
+                out = _own_tensor(whole, -whole.data_ptr() % PAGE, numel, dtype)
+            else:
+                out = torch.empty(numel, dtype=dtype, device=device)
+        except BaseException:
+            self.uncount(counted)
+            raise
+        weakref.finalize(out, self.uncount, counted).atexit = False
+        return out
+
+    def entry(self) -> dict:
+        return {
+            "bytes": self.bytes,
+            "peak_bytes": self.peak_bytes,
+            "budget": self.budget,
+            "pinned": self.pinned,
+            "memory": self.memory,
+            "within": self.within,
+        }
+
+
+def tier_entry(tier: Tier) -> dict:
+    """A tier's ledger entry: its counted bytes against its budget."""
+    if not tier.ADDRESSABLE:
+        memory = "disk"
+    else:
+        memory = memory_of(getattr(tier, "storage_device", tier.device))
+    return {
+        "bytes": tier.used_bytes,
+        "peak_bytes": tier.peak_bytes,
+        "budget": tier.budget,
+        "pinned": bool(getattr(tier, "pin", False)),
+        "memory": memory,
+        "within": None,
+    }
+
+
+def memory_report(tiers: Mapping[str, Tier], pools: Iterable[MemoryPool]) -> dict[str, dict]:
+    """``stats()["memory"]``: one entry per tier (by name) and per pool (pools of one name,
+    such as two tiers' staging, are added together)."""
+    report = {name: tier_entry(tier) for name, tier in tiers.items()}
+    for pool in pools:
+        entry = pool.entry()
+        same = report.get(pool.name)
+        if same is not None:
+            for key in ("bytes", "peak_bytes"):
+                entry[key] += same[key]
+            if same["budget"] is None or entry["budget"] is None:
+                entry["budget"] = None
+            else:
+                entry["budget"] += same["budget"]
+        report[pool.name] = entry
+    return report
+
+
+def peak_bound(report: Mapping[str, dict], memory: str = "host") -> int:
+    """The ledger's bound on the peak bytes of ``memory``: the sum of the peaks of the entries
+    that no other entry's budget counts (each peak may fall at another moment, so the sum is a
+    bound, not a moment's figure)."""
+    return sum(
+        e["peak_bytes"] for e in report.values() if e["memory"] == memory and e["within"] is None
+    )
+
+
+def process_memory() -> dict[str, int | None]:
+    """The process's resident memory now (``rss``), its peak since start or the last reset
+    (``peak``) and the file-backed part of ``rss`` (``file``: mapped libraries' pages, which the
+    kernel may drop and fault in again), bytes: VmRSS, VmHWM and RssFile of /proc/self/status
+    on Linux; elsewhere the peak from ``getrusage`` and None for the others."""
+    try:
+        with open("/proc/self/status") as status:
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
+        kib = lambda name: int(fields[name].split()[0]) * 1024  # noqa: E731
+        return {"rss": kib("VmRSS"), "peak": kib("VmHWM"), "file": kib("RssFile")}
+    except (OSError, KeyError, ValueError):
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return {
+            "rss": None,
+            "peak": peak if sys.platform == "darwin" else peak * 1024,
+            "file": None,
+        }
+
+
+__all__ = [
+    "MEMORIES",
+    "MemoryPool",
+    "PoolBudgetError",
+    "locked_empty",
+    "memory_of",
+    "memory_report",
+    "peak_bound",
+    "process_memory",
+    "tier_entry",
+]

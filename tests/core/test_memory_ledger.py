@@ -1,0 +1,160 @@
+"""The memory ledger (issue 36, [Note: the memory ledger]): every buffer tierwise allocates
+outside the tiers goes through a named pool that counts it, pinned ones are page-locked over
+exactly their pages (never PyTorch's power-of-two caching pinned allocator: on this CPU-only
+torch a ``pin_memory=True`` allocation raises, so a path still using it fails these tests),
+``stats()["memory"]`` reports each tier and pool, and the process's measured peak RSS growth is
+within what the ledger counts plus a stated tolerance."""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import pytest
+import tierwise
+import torch
+from helpers.fake_cudart import install_fake_cudart
+from helpers.models import tiny_model
+from helpers.process_memory import (
+    GPT2_PARAMS,
+    TOLERANCE,
+    assert_within_ledger,
+    gpt2_growth,
+    linux_peak_resettable,
+)
+from helpers.train import train
+from tierwise.config import Config
+from tierwise.runtime.activations.pinned_pool import HostBufferPool
+from tierwise.runtime.grads.offload import GradientOffload
+from tierwise.runtime.grads.reduce.blocks import BlockPool
+from tierwise.tiers import HostTier
+from tierwise.tiers.arena import PAGE, round_up
+from tierwise.tiers.ledger import MemoryPool, PoolBudgetError, peak_bound
+
+KIB = 1024
+FIELDS = {"bytes", "peak_bytes", "budget", "pinned", "memory", "within"}
+
+
+@pytest.fixture
+def cudart(monkeypatch):
+    return install_fake_cudart(monkeypatch)
+
+
+def test_a_pinned_pool_locks_exactly_each_buffers_pages_and_unlocks_them_when_dropped(cudart):
+    pool = MemoryPool("p", memory="host", pinned=True, budget=64 * KIB)
+    first = pool.empty(5000)
+    second = pool.empty(3 * PAGE, torch.uint8)
+    wide = pool.empty(1000, torch.float32)
+    assert sorted(cudart.registered.values()) == [PAGE, 2 * PAGE, 3 * PAGE]  # no rounding up
+    assert pool.bytes == cudart.registered_bytes == 6 * PAGE
+    assert first.numel() == 5000 and wide.dtype == torch.float32 and wide.numel() == 1000
+    assert all(t.data_ptr() % PAGE == 0 for t in (first, second, wide))
+    with pytest.raises(PoolBudgetError, match="memory pool p"):
+        pool.empty(64 * KIB)
+    assert pool.bytes == cudart.registered_bytes == 6 * PAGE  # refused: nothing locked
+    view = first[10:20]
+    del first
+    gc.collect()
+    assert pool.bytes == 6 * PAGE  # a view keeps it
+    del view, second, wide
+    gc.collect()
+    assert pool.bytes == 0 and cudart.registered == {}
+    assert pool.peak_bytes == 6 * PAGE
+
+
+def test_activation_host_buffers_lock_no_more_than_the_pool_holds(cudart):
+    capacity = 64 * KIB
+    pool = HostBufferPool(capacity, pin=True)
+    lent = [pool.take(n) for n in (10 * KIB, 5000, 20 * KIB + 1)]
+    held = pool.stats()["held_bytes"]
+    assert held == round_up(10 * KIB, PAGE) + round_up(5000, PAGE) + round_up(20 * KIB + 1, PAGE)
+    assert cudart.registered_bytes == held == pool.memory.bytes <= capacity
+    for buffer in lent:
+        pool.give(buffer)
+    del lent, buffer  # the borrowers are done with them
+    big = pool.take(60 * KIB)  # free buffers are dropped (and unlocked) to make room
+    assert cudart.registered_bytes == pool.stats()["held_bytes"] == 60 * KIB <= capacity
+    pool.give(big)
+    pool.close()
+    del big
+    gc.collect()
+    assert cudart.registered == {} and pool.memory.bytes == 0
+
+
+class _Chunk:
+    """What the gradient offload reads of a chunk (hashable, as chunks are)."""
+
+    def __init__(self, shard_size: int):
+        self.shard_size = shard_size
+        self.optim = type("Optim", (), {"grad_buffer": None})()
+
+
+def test_gradient_offload_buffers_are_locked_as_the_host_tier_reserves_them(cudart):
+    host = HostTier(device=torch.device("cuda"), budget=None, config=Config(device="cpu"))
+    offload = GradientOffload(host=host, numel=3000, dtype=torch.bfloat16, count=2)
+    assert host.used_bytes == offload.nbytes == 2 * round_up(3000 * 2, PAGE)
+    buffers = [offload.hold(_Chunk(3000), fresh=True) for _ in range(2)]
+    assert all(b.dtype == torch.bfloat16 and b.numel() == 3000 for b in buffers)
+    assert cudart.registered_bytes == offload.memory.bytes == offload.nbytes
+    assert offload.memory.entry()["within"] == "host"  # counted once, in the host tier
+    offload.close()
+    assert host.used_bytes == 0
+
+
+def test_reduction_host_buffers_are_locked_and_counted(cudart):
+    device_tier = type("DeviceTier", (), {"device": torch.device("cuda")})()
+    pool = BlockPool(device_tier, torch.bfloat16, blocks=2)
+    pool.block_numel = 5000
+    waiting = [pool.host(3000), pool.host(5000)]  # each as large as a block
+    assert cudart.registered_bytes == pool.host_memory.bytes == 2 * round_up(5000 * 2, PAGE)
+    for buffer in waiting:
+        pool.give_host(buffer)
+    again = pool.host(4000)  # reused, nothing new locked
+    assert len(cudart.registered) == 2
+    pool.give_host(again)
+    pool.release()
+    del waiting, buffer, again
+    gc.collect()
+    assert cudart.registered == {} and pool.host_memory.bytes == 0
+
+
+def _engine(**config):
+    model = tiny_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(model, opt, device="cpu", **config)
+    return model, opt, tierwise.engine_of(model)
+
+
+def test_stats_report_every_tier_and_pool_and_low_bit_workspaces_are_freed_after_the_step():
+    model, opt, engine = _engine(
+        precision="bf16",
+        param_placement="host",
+        optimizer_placement="host",
+        optimizer_states="int8",
+    )
+    train(model, opt, 2)
+    memory = engine.stats()["memory"]
+    assert {"device", "host"} <= set(memory)
+    assert all(set(entry) == FIELDS for entry in memory.values())
+    assert memory["host"]["bytes"] == engine.tiers["host"].used_bytes
+    assert memory["host"]["budget"] == engine.tiers["host"].budget
+    workspaces = memory["optimizer_workspaces_host"]
+    assert workspaces["peak_bytes"] > 0  # decode buffers and quantize workspaces were used ...
+    assert workspaces["bytes"] == 0  # ... and given back after the step
+    saved = memory["saved_activations"]
+    assert saved["peak_bytes"] == engine.stats()["activations"]["saved_peak_bytes"] > 0
+    assert saved["bytes"] == 0  # freed by the backward
+    summed = sum(e["peak_bytes"] for e in memory.values() if e["within"] is None)
+    assert peak_bound(memory, "host") == summed  # a CPU run: every entry is in host RAM
+
+
+@pytest.mark.skipif(
+    not linux_peak_resettable() or sys.platform != "linux", reason="needs /proc/self/clear_refs"
+)
+@pytest.mark.parametrize("extra", ["", 'optimizer_states="int8"'])
+def test_the_ledger_explains_the_process_peak_rss_growth(extra):
+    record = gpt2_growth(
+        f'precision="bf16", param_placement="host", optimizer_placement="host", {extra}'
+    )
+    assert record["ledger_host_bound"] > 14 * GPT2_PARAMS  # the model data is there to explain
+    assert_within_ledger(record, tolerance=TOLERANCE, what=f"setup and 3 steps ({extra})")

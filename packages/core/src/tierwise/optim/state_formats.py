@@ -339,10 +339,11 @@ RangeUpdate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], Non
 """``(master, exp_avg, exp_avg_sq, lo, hi)``: the fp32 update of elements ``lo:hi`` of a shard,
 given its whole fp32 master and the fp32 moments of those elements only."""
 
-FUSED_PIECE = 1 << 16
+FUSED_PIECE = 1 << 18
 """Elements decoded, updated and encoded in one pass of a low-bit update ([Note: fused low-bit
-update]): a multiple of QUANT_BLOCK; the piece's fp32 moments, master and gradient stay in a
-core's cache (4 x 256 KiB) between the three steps."""
+update]): a multiple of QUANT_BLOCK; the piece's fp32 moments, master and gradient (4 x 1 MiB)
+stay in the cache between the three steps, and the pieces are few enough that the kernel calls
+per piece cost little (at 64K elements they cost bf16 states more than they saved)."""
 
 # [Note: fused low-bit update]
 # A chunk with low-bit moments is updated a piece of FUSED_PIECE elements at a time: both

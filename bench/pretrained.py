@@ -131,6 +131,24 @@ def read_bandwidth(path: Path, nbytes: int = 1 << 30) -> float | None:
     return count * (4 << 20) / (time.perf_counter() - begin)
 
 
+def write_bandwidth(folder: Path, nbytes: int = 1 << 30) -> float | None:
+    """Sequential O_DIRECT write bytes/s into a new file in ``folder`` (dd, 4 MiB blocks),
+    the file removed after."""
+    if shutil.which("dd") is None:
+        return None
+    target = folder / "dd-write-test"
+    begin = time.perf_counter()
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={target}", "bs=4M", f"count={nbytes // (4 << 20)}"]
+        + ["oflag=direct", "conv=fsync"],
+        check=True,
+        capture_output=True,
+    )
+    elapsed = time.perf_counter() - begin
+    target.unlink()
+    return nbytes // (4 << 20) * (4 << 20) / elapsed
+
+
 def spawn(cap: int, argv: list[str], timeout: float) -> dict:
     """Run ``python argv`` with its address space capped at ``cap``; its last JSON line (with
     its own peak RSS), exit code and wall time."""
@@ -189,6 +207,17 @@ def child_train(train_argv: list[str]) -> None:
             "chunk_size": engine.plan.chunk_size,
             "cache_blocks": engine.plan.cache_blocks,
             "nvme_bytes_written": engine.tiers["nvme"].moved_bytes.get("host->nvme"),
+            # what setup had to write: master and parameter payloads (the moments are known
+            # zero: [Note: known-zero regions])
+            "nvme_nonzero_payload_bytes": sum(
+                slab.nbytes
+                for chunk in engine.chunks()
+                for slab in {
+                    id(s): s
+                    for s in (chunk.home, chunk.optim.master if chunk.optim else chunk.home)
+                }.values()
+                if slab.tier is engine.tiers["nvme"]
+            ),
         }
         return out
 
@@ -319,12 +348,19 @@ def main() -> None:
             args.timeout,
         )
         out_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors")) if out.exists() else 0
+        written_bandwidth = write_bandwidth(root)
         emit(
             bench="pretrained",
             phase="export",
             exported_bytes=out_bytes,
             export_bytes_per_s=(
                 round(out_bytes / exported["export_s"]) if exported.get("export_s") else None
+            ),
+            disk_write_bytes_per_s=round(written_bandwidth) if written_bandwidth else None,
+            export_over_disk_write=(
+                round(out_bytes / exported["export_s"] / written_bandwidth, 3)
+                if exported.get("export_s") and written_bandwidth
+                else None
             ),
             under_cap=exported.get("peak_rss_self", math.inf) < cap and exported.get("exit") == 0,
             **exported,

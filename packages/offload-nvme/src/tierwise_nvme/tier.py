@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from tierwise.tiers import DONE, IOHandle, PayloadKind, Slab, Tier
+from tierwise.tiers.base import ZERO_PIECE
 from tierwise.tiers.ledger import MemoryPool
 
 from tierwise_nvme.backends import IOBackend, open_backend
@@ -103,6 +104,10 @@ class NVMeTier(Tier):
             timeout_s=self.options.timeout_s,
         )
         self._files: dict[str, SwapFile] = {}
+        self._known_zero: set[tuple[int, int]] = set()
+        """(id of the file, byte offset) of slab regions that hold zeros not written to disk:
+        [Note: known-zero regions]. Guarded by ``_zero_lock``."""
+        self._zero_lock = threading.Lock()
         self._lock = threading.Lock()
         self._closed = False
         self._release = weakref.finalize(self, _release_files, self.backend, self._files)
@@ -191,6 +196,9 @@ class NVMeTier(Tier):
     def release(self, slab: Slab) -> None:
         file = slab.extra.pop("file", None)
         if file is not None:
+            with self._zero_lock:  # a later slab at the same offset is not known zero
+                self._known_zero.discard((id(file), slab.offset))
+                self._known_zero.discard((id(file), slab.extra.get("next")))
             file.free(slab.offset, max(slab.nbytes, 1))
             self.used_bytes -= slab.nbytes
             spare = slab.extra.pop("next", None)
@@ -204,6 +212,9 @@ class NVMeTier(Tier):
         (see [Note: staged reads]); keep ``out`` alive and unresized until the handle is done."""
         file = self._check(slab, out, offset, "read into")
         if out.numel() == 0:
+            return DONE
+        if self._is_known_zero(file, slab.offset):  # [Note: known-zero regions]
+            out.zero_()
             return DONE
         start = slab.offset + offset * out.element_size()
         handle = self._transfers.read(file, start, out)
@@ -221,6 +232,47 @@ class NVMeTier(Tier):
         for pipeline in list(self._pipelines):  # a prefetched copy of this slab is stale now
             pipeline.slab_written(slab)
         return self._write_region(file, slab.offset, slab, src, offset, rest_is_padding)
+
+    # [Note: known-zero regions]
+    # Adam moments start at zero: setup writing them (and the first step reading them back)
+    # was most of a load's disk traffic, 8 B/param of fp32 moments against 4 of master.
+    # ``write_zeros`` only records the slab's current region (file, byte offset) as known
+    # zero. A read of a known-zero region fills the destination with zeros without I/O; a
+    # write covering the whole region (what the optimizer pipeline's ``write_next`` and
+    # checkpoint loads do) drops the flag; a write of part of it first writes the region's
+    # zeros, so the bytes around the part are what they were. ``write_next`` targets the
+    # other region, so a step's commit leaves the slab's new contents unflagged; ``release``
+    # forgets the slab's regions. The flag is per region, whatever the payload kind.
+    def write_zeros(self, slab: Slab) -> IOHandle:
+        """Record ``slab`` as all zeros, writing nothing: [Note: known-zero regions]."""
+        file = slab.extra.get("file")
+        if file is None or slab.tier is not self:
+            raise ValueError(
+                f"nvme tier: cannot zero {slab.what}: the slab was released or is not this tier's"
+            )
+        for pipeline in list(self._pipelines):  # a prefetched copy of this slab is stale now
+            pipeline.slab_written(slab)
+        with self._zero_lock:
+            self._known_zero.add((id(file), slab.offset))
+        return DONE
+
+    def _is_known_zero(self, file: SwapFile, base: int) -> bool:
+        with self._zero_lock:
+            return (id(file), base) in self._known_zero
+
+    def _unzero(self, file: SwapFile, base: int, slab: Slab, whole: bool) -> None:
+        """Before a write into region ``base``: drop its known-zero flag, first writing its
+        zeros when the write covers only part of it."""
+        with self._zero_lock:
+            if (id(file), base) not in self._known_zero:
+                return
+            self._known_zero.discard((id(file), base))
+        if whole:
+            return
+        zeros = torch.zeros(min(slab.numel, ZERO_PIECE), dtype=slab.dtype)
+        for at in range(0, slab.numel, ZERO_PIECE):
+            part = zeros[: min(ZERO_PIECE, slab.numel - at)]
+            self._write_region(file, base, slab, part, at).wait()
 
     def write_next(self, slab: Slab, src: torch.Tensor) -> IOHandle:
         """Write all of ``src`` into the region ``commit`` will make the slab's contents (the
@@ -249,6 +301,8 @@ class NVMeTier(Tier):
     ) -> IOHandle:
         if src.numel() == 0:
             return DONE
+        whole = rest_is_padding or (offset == 0 and src.numel() == slab.numel)
+        self._unzero(file, base, slab, whole)  # [Note: known-zero regions]
         start = base + offset * src.element_size()
         if rest_is_padding:  # only the written bytes are data
             floor, limit = start, start + src.nbytes

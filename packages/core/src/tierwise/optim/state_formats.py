@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tierwise.optim import lowbit_kernel
 from tierwise.precision import QUANT_BLOCK, check_state_precision, moment_stored_bytes
 from tierwise.tiers.base import PayloadKind
 from tierwise.tiers.ledger import MemoryPool, memory_of
@@ -184,10 +185,15 @@ def quantize_blocks(
     values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, signed: bool
 ) -> None:
     """int8-encode fp32 ``values`` (a multiple of QUANT_BLOCK elements) into ``codes`` (uint8,
-    same size) and ``scales`` (fp32, one per block): [Note: low-bit optimizer states]. Block
+    same size) and ``scales`` (fp32, one per block): [Note: low-bit optimizer states]; on a CPU
+    by the compiled loop of [Note: compiled int8 kernels] when it is built. Block
     scale = largest magnitude (at least 1e-12), code = nearest entry of the signed or unsigned
     map to value / scale, rounded as torchao rounds ([Note: int8 code lookup])."""
     _, base, inside = _on_device(signed, values.device)
+    kernel = lowbit_kernel.load()
+    if kernel is not None and lowbit_kernel.usable(values, codes, scales):
+        lowbit_kernel.quantize(kernel, values, codes, scales, base, inside)
+        return
     for lo in range(0, values.numel(), QUANT_PIECE):
         hi = min(lo + QUANT_PIECE, values.numel())
         scaled, bucket, threshold, up = WORKSPACES.get(
@@ -211,6 +217,10 @@ def dequantize_blocks(
 ) -> None:
     """fp32 values of int8 ``codes`` with their blocks' ``scales`` into ``out``."""
     qmap = _on_device(signed, codes.device)[0]
+    kernel = lowbit_kernel.load()
+    if kernel is not None and lowbit_kernel.usable(codes, scales, out):
+        lowbit_kernel.dequantize(kernel, codes, scales, out, qmap)
+        return
     for lo in range(0, codes.numel(), QUANT_PIECE):
         hi = min(lo + QUANT_PIECE, codes.numel())
         values = out[lo:hi]
@@ -268,6 +278,32 @@ class MomentFormat:
         for lo, hi in _block_spans(spans) if spans else [(0, values.numel())]:
             blocks = slice(lo // QUANT_BLOCK, hi // QUANT_BLOCK)
             quantize_blocks(values[lo:hi], codes[lo:hi], scales[blocks], signed=self.signed)
+
+    def decode_range(self, stored: torch.Tensor, lo: int, out: torch.Tensor) -> None:
+        """Decode ``out.numel()`` elements from element ``lo`` (int8: whole blocks, ``lo`` on a
+        block boundary) of ``stored`` into ``out``: [Note: fused low-bit update]."""
+        hi = lo + out.numel()
+        if self.precision != "int8":
+            out.copy_(stored[lo:hi])
+            return
+        codes, scales = self.split(stored)
+        blocks = scales[lo // QUANT_BLOCK : hi // QUANT_BLOCK]
+        dequantize_blocks(codes[lo:hi], blocks, out, signed=self.signed)
+
+    def encode_range(
+        self, values: torch.Tensor, stored: torch.Tensor, lo: int, spans: Sequence[tuple[int, int]]
+    ) -> None:
+        """Store the elements ``spans`` (relative to ``lo``) of fp32 ``values``, which hold
+        elements ``lo:`` of the moment (int8: whole blocks, zero past the moment's end, and
+        every block a span touches is encoded again)."""
+        if self.precision != "int8":
+            for a, b in spans:
+                stored[lo + a : lo + b].copy_(values[a:b])
+            return
+        codes, scales = self.split(stored)
+        for a, b in _block_spans(spans):
+            blocks = slice((lo + a) // QUANT_BLOCK, (lo + b) // QUANT_BLOCK)
+            quantize_blocks(values[a:b], codes[lo + a : lo + b], scales[blocks], signed=self.signed)
 
     def encoded(self, values: torch.Tensor) -> torch.Tensor:
         """A new stored tensor holding fp32 ``values`` (checkpoint loads, re-layout)."""
@@ -328,11 +364,32 @@ def moment_kind(optimizer_states: str) -> PayloadKind:
 
 
 Update = Callable[[list[torch.Tensor]], None]
+RangeUpdate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], None]
+"""``(master, exp_avg, exp_avg_sq, lo, hi)``: the fp32 update of elements ``lo:hi`` of a shard,
+given its whole fp32 master and the fp32 moments of those elements only."""
+
+FUSED_PIECE = 1 << 18
+"""Elements decoded, updated and encoded in one pass of a low-bit update ([Note: fused low-bit
+update]): a multiple of QUANT_BLOCK; the piece's fp32 moments, master and gradient (4 x 1 MiB)
+stay in the cache between the three steps, and the pieces are few enough that the kernel calls
+per piece cost little (at 64K elements they cost bf16 states more than they saved)."""
+
+# [Note: fused low-bit update]
+# A chunk with low-bit moments is updated a piece of FUSED_PIECE elements at a time: both
+# moments of the piece are decoded into two small per-thread fp32 buffers, the fused Adam(W)
+# kernel runs on the piece (``RangeUpdate``), and the piece is encoded back, before the next
+# piece is touched. Decoding the whole shard first (as before) streamed every fp32 moment
+# through main memory three times (decode, update, encode); in pieces the fp32 values never
+# leave the cache, and the buffers are small enough to stay resident. The arithmetic is the
+# same elementwise kernel on the same values and the same whole int8 blocks (pieces are
+# block-aligned), so the stored bytes are bitwise those of the whole-shard way. Pieces no
+# span touches are skipped: nothing in them changes ([Note: low-bit optimizer states]).
 
 
 class LowBitMoments:
     """Runs fp32 updates on moments stored as ``optimizer_states`` ([Note: low-bit optimizer
-    states]): decodes them into per-thread fp32 buffers and encodes them back."""
+    states]): decodes them a piece at a time into per-thread fp32 buffers and encodes them back
+    ([Note: fused low-bit update])."""
 
     def __init__(self, optimizer_states: str) -> None:
         self.formats = moment_formats(optimizer_states)
@@ -352,26 +409,46 @@ class LowBitMoments:
         """The workspaces' ledger pools ([Note: the memory ledger])."""
         return list(self.workspaces.pools.values())
 
-    def around(self, update: Update, *, numel: int, spans: Sequence[tuple[int, int]]) -> Update:
-        """``update`` (which takes fp32 master, exp_avg, exp_avg_sq of ``numel`` elements) made
-        to take the stored states; ``spans`` are the element ranges it changes."""
-        if self.exact:
-            return update
+    def around(
+        self,
+        update: RangeUpdate,
+        *,
+        numel: int,
+        spans: Sequence[tuple[int, int]],
+        finish: Callable[[torch.Tensor], None] | None = None,
+    ) -> Update:
+        """An update that takes the stored (master, exp_avg, exp_avg_sq) of a shard of
+        ``numel`` elements: ``update`` runs on pieces with fp32 moments ([Note: fused low-bit
+        update]; fp32 states: once, on the stored tensors), then ``finish(master)``; ``spans``
+        are the element ranges ``update`` changes."""
         formats = self.formats
 
         def run(states: list[torch.Tensor]) -> None:
             master, *stored = states
-            decoded = self._buffers(formats[0].padded_numel(numel), master.device)
-            for fmt, moment, out in zip(formats, stored, decoded, strict=True):
-                fmt.decode(moment, out)
-            update([master, *(d[:numel] for d in decoded)])
-            for fmt, moment, out in zip(formats, stored, decoded, strict=True):
-                fmt.encode(out, moment, spans)
+            if self.exact:
+                update(master, stored[0], stored[1], 0, numel)
+            else:
+                for lo in range(0, numel, FUSED_PIECE):
+                    hi = min(lo + FUSED_PIECE, numel)
+                    inside = [(max(a, lo), min(b, hi)) for a, b in spans if a < hi and b > lo]
+                    if not inside:
+                        continue
+                    padded = formats[0].padded_numel(hi - lo)
+                    decoded = self._buffers(padded, master.device)
+                    for fmt, moment, out in zip(formats, stored, decoded, strict=True):
+                        fmt.decode_range(moment, lo, out)
+                    update(master, decoded[0][: hi - lo], decoded[1][: hi - lo], lo, hi)
+                    local = [(a - lo, b - lo) for a, b in inside]
+                    for fmt, moment, out in zip(formats, stored, decoded, strict=True):
+                        fmt.encode_range(out, moment, lo, local)
+            if finish is not None:
+                finish(master)
 
         return run
 
 
 __all__ = [
+    "FUSED_PIECE",
     "LowBitMoments",
     "MomentFormat",
     "decode_piece",

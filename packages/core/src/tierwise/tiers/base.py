@@ -82,6 +82,9 @@ class IOHandle:
 
 DONE = IOHandle()
 
+ZERO_PIECE = 1 << 22
+"""Elements of zeros written at a time by ``Tier.write_zeros``'s default."""
+
 
 class Tier(ABC):
     """A memory or storage level with a byte budget.
@@ -181,6 +184,19 @@ class Tier(ABC):
         """Copy ``src`` into ``slab[offset : offset + src.numel()]``. ``rest_is_padding``: the
         slab's other elements hold nothing and may be overwritten (a storage tier then need not
         read back the partial blocks at either end)."""
+
+    def write_zeros(self, slab: Slab) -> IOHandle:
+        """Make every byte of ``slab`` zero (zero Adam moments in every state precision).
+        Default: addressable slabs are zeroed in place, others written a piece at a time; a
+        storage tier may instead only record the slab as known zero ([Note: known-zero
+        regions])."""
+        if slab.tensor is not None:
+            slab.tensor.zero_()
+            return DONE
+        zeros = torch.zeros(min(slab.numel, ZERO_PIECE), dtype=slab.dtype)
+        for at in range(0, slab.numel, ZERO_PIECE):
+            self.write(slab, zeros[: min(ZERO_PIECE, slab.numel - at)], offset=at).wait()
+        return DONE
 
     def optimizer_pipeline(
         self, *, buffer_bytes: int, states: int = 3, lookahead: int = 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,21 +75,27 @@ class ReadCounter:
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
+        # the loading pipeline reads on its own thread; reentrant: a collection inside the
+        # lock may run a finalizer
+        self._lock = threading.RLock()
 
     def track(self, tensor: torch.Tensor) -> torch.Tensor:
         import weakref
 
         nbytes = tensor.untyped_storage().nbytes()
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        with self._lock:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
         weakref.finalize(tensor, self._freed, nbytes)
         return tensor
 
     def _freed(self, nbytes: int) -> None:
-        self.live -= nbytes
+        with self._lock:
+            self.live -= nbytes
 
     def reset(self) -> None:
-        self.peak = self.live
+        with self._lock:
+            self.peak = self.live
 
 
 READS = ReadCounter()

@@ -259,6 +259,15 @@ class ResolvedWeights:
             if block is not None:
                 self.slices[name] = block[:3]
 
+    def reads_rows(self, name: str) -> bool:
+        """Whether ``local_value(name, lo, hi)`` reads only the rows ``lo:hi`` lie in (a stored
+        tensor taken as it is, not split by a model-parallel pattern), so a parameter can be
+        read a piece at a time without reading any byte twice."""
+        if name not in self.chosen:
+            return False
+        recipe = self.recipes[self.chosen[name]]
+        return recipe.converter is None and name not in self.slices
+
     def local_value(self, name: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
         """Elements ``lo:hi`` of this rank's (flattened) value of parameter ``name``, in the
         stored dtype; reads only the rows (and model-parallel block) they lie in."""

@@ -4,6 +4,8 @@ from pretrained weights ([Note: loading pretrained weights]); then the model's b
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from tierwise.chunks import Chunk, ChunkGroup, ParamSlot, TensorState
@@ -77,22 +79,29 @@ def off_meta(model: torch.nn.Module) -> None:
 def fill_payloads(groups: list[ChunkGroup], dtype: torch.dtype, model: torch.nn.Module) -> None:
     """Write every parameter's initial values into its chunk's home and master payloads.
 
-    Payloads are zeroed first (padding stays zero). Parameters on the meta device are
+    Padding is zeroed and the moments are known zero ([Note: known-zero regions]); each
+    parameter is written once. Parameters on the meta device are
     materialised a few modules at a time (never the whole model at once) and initialised with
     the model's own initialiser (HF ``_init_weights``, else ``reset_parameters``):
     [Note: initialising a meta model].
     """
     where: dict[int, tuple[Chunk, ParamSlot]] = {}
-    zeros = torch.zeros(FILL_PIECE, dtype=torch.float32)  # in pieces: a chunk's zeros are large
+    zeros = torch.zeros(FILL_PIECE, dtype=torch.float32)
     for group in groups:
         for chunk in group.chunks:
             if chunk.optim is not None:  # zero bytes: zero moments in every state precision
-                for slab in (chunk.optim.master, chunk.optim.exp_avg, chunk.optim.exp_avg_sq):
-                    _write_pieces(slab, zeros, 0, slab.numel)
-            if chunk.optim is None or chunk.home is not chunk.optim.master:
-                _write_pieces(chunk.home, zeros, 0, chunk.shard_size)
-            for slot in chunk.slots:
+                for slab in (chunk.optim.exp_avg, chunk.optim.exp_avg_sq):
+                    slab.tier.write_zeros(slab).wait()  # [Note: known-zero regions]
+            # only the padding is zeroed: the parameters' own writes cover the rest once
+            start, end = chunk.shard_range()
+            covered = 0
+            for slot in sorted(chunk.slots, key=lambda s: s.offset):
+                lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
+                if lo < hi:
+                    _zero_range(chunk, dtype, zeros, covered, lo - start)
+                    covered = hi - start
                 where[id(slot.param)] = (chunk, slot)
+            _zero_range(chunk, dtype, zeros, covered, chunk.shard_size)
     _fill_modules(model, model, where, dtype)
 
 
@@ -195,31 +204,57 @@ FILL_PIECE = LOAD_PIECE
 ([Note: loading pretrained weights]): 16 MiB of fp32 plus its copy in the chunk's precision."""
 
 
+# [Note: pipelined weight loading]
+# The fill reads, converts and writes in a pipeline of two stages: one reader thread reads the
+# next piece of a parameter (FILL_PIECE elements, only the rows it lies in) while this thread
+# converts the current piece (fp32 for the master, the chunk's precision for the home) and
+# writes both into their slabs, the two writes in flight together. Reading ahead stays inside
+# one parameter, so at most one parameter's bytes are read and alive at once, as [Note:
+# loading pretrained weights] promises (two pieces of a large one, the whole of a small one
+# or of one a converter or a model-parallel block gives). ``os.preadv`` and the conversions
+# release the GIL: the disk reads while the CPU converts. The values written are those of the
+# serial fill, piece for piece.
 def fill_from_weights(groups: list[ChunkGroup], dtype: torch.dtype, weights) -> None:
     """Write each parameter's pretrained values (``weights``, a
     ``tierwise.weights.ResolvedWeights``) into its chunk's home and master payloads, chunk by
-    chunk, on each slab's tier; padding and optimizer moments are zeroed. Touches nothing on the
-    model ([Note: loading pretrained weights])."""
+    chunk, on each slab's tier ([Note: pipelined weight loading]); padding is zeroed and the
+    optimizer moments are known zero. Touches nothing on the model ([Note: loading pretrained
+    weights])."""
     zeros = torch.zeros(FILL_PIECE, dtype=torch.float32)
-    for group in groups:
-        for chunk in group.chunks:
-            start, end = chunk.shard_range()
-            if chunk.optim is not None:
-                for slab in (chunk.optim.exp_avg, chunk.optim.exp_avg_sq):
-                    _write_pieces(slab, zeros, 0, chunk.shard_size)
-            covered = 0
-            for slot in sorted(chunk.slots, key=lambda s: s.offset):
-                lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
-                if lo < hi:
-                    _zero_range(chunk, dtype, zeros, covered, lo - start)
-                    values = weights.local_value(slot.name, lo - slot.offset, hi - slot.offset)
-                    for piece in range(0, hi - lo, FILL_PIECE):
-                        part = values[piece : piece + FILL_PIECE]
-                        _write_shard_part(chunk, lo - start + piece, part, dtype)
-                    del values
-                    covered = hi - start
-                slot.set_state(TensorState.HOLD)
-            _zero_range(chunk, dtype, zeros, covered, chunk.shard_size)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierwise-load") as reader:
+        for group in groups:
+            for chunk in group.chunks:
+                _fill_chunk(chunk, dtype, weights, zeros, reader)
+
+
+def _fill_chunk(chunk: Chunk, dtype: torch.dtype, weights, zeros, reader) -> None:
+    start, end = chunk.shard_range()
+    if chunk.optim is not None:  # zero bytes: zero moments in every state precision
+        for slab in (chunk.optim.exp_avg, chunk.optim.exp_avg_sq):
+            slab.tier.write_zeros(slab).wait()  # [Note: known-zero regions]
+    covered = 0
+    for slot in sorted(chunk.slots, key=lambda s: s.offset):
+        lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
+        if lo < hi:
+            _zero_range(chunk, dtype, zeros, covered, lo - start)
+            first, last = lo - slot.offset, hi - slot.offset
+            if hi - lo > FILL_PIECE and weights.reads_rows(slot.name):
+                pieces = [(a, min(a + FILL_PIECE, last)) for a in range(first, last, FILL_PIECE)]
+            else:
+                pieces = [(first, last)]
+            ahead = reader.submit(weights.local_value, slot.name, *pieces[0])
+            for i, (a, b) in enumerate(pieces):
+                values = ahead.result()
+                if i + 1 < len(pieces):  # the next piece is read while this one is written
+                    ahead = reader.submit(weights.local_value, slot.name, *pieces[i + 1])
+                at = lo - start + (a - first)
+                for piece in range(0, b - a, FILL_PIECE):
+                    part = values[piece : piece + FILL_PIECE]
+                    _write_shard_part(chunk, at + piece, part, dtype)
+                del values
+            covered = hi - start
+        slot.set_state(TensorState.HOLD)
+    _zero_range(chunk, dtype, zeros, covered, chunk.shard_size)
 
 
 def _write_pieces(slab, zeros: torch.Tensor, lo: int, hi: int) -> None:
@@ -239,8 +274,14 @@ def _zero_range(chunk: Chunk, dtype: torch.dtype, zeros: torch.Tensor, lo: int, 
 
 
 def _write_shard_part(chunk: Chunk, at: int, part: torch.Tensor, dtype: torch.dtype) -> None:
-    """Write ``part`` at element ``at`` of this rank's shard: fp32 master, home in ``dtype``."""
+    """Write ``part`` at element ``at`` of this rank's shard: fp32 master, home in ``dtype``;
+    both writes in flight at once ([Note: pipelined weight loading])."""
+    handles = []
     if chunk.optim is not None:
-        chunk.optim.tier.write(chunk.optim.master, part.float(), offset=at).wait()
+        master = part.float()
+        handles.append(chunk.optim.tier.write(chunk.optim.master, master, offset=at))
     if chunk.optim is None or chunk.home is not chunk.optim.master:
-        chunk.home.tier.write(chunk.home, part.to(dtype), offset=at).wait()
+        home = part.to(dtype)
+        handles.append(chunk.home.tier.write(chunk.home, home, offset=at))
+    for handle in handles:  # the converted pieces stay alive until their writes are done
+        handle.wait()

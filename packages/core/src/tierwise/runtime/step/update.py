@@ -99,6 +99,9 @@ class ChunkUpdates:
         grads = self.storage.lend(chunk)
         shard = grads.shard
         kept = [(s, self.step_counts[s.name]) for s in grads.kept_slots()] if grads.kept else None
+        home = chunk.home if chunk.home is not optim.master else None
+        scratch: list[torch.Tensor] = []  # one piece-sized fp32 gradient, made on first use
+        recorded: list[bool] = []  # the undo record knows the home is written
 
         def fp32_grad(grad: torch.Tensor, device: torch.device) -> torch.Tensor:
             grad = grad.to(device=device, dtype=torch.float32)
@@ -106,80 +109,107 @@ class ChunkUpdates:
                 grad = grad * factor
             return grad
 
-        def update(states: list[torch.Tensor]) -> None:
-            master, m, v = states
+        def update(
+            master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lo: int, hi: int
+        ) -> None:
+            """Elements lo:hi ([Note: fused low-bit update]); ``m``/``v`` hold just those."""
+            if home is not None and not recorded:  # before any piece may write the home
+                recorded.append(True)
+                undo.home_written(chunk)
             if kept is not None:  # [Note: gradients without copies]
-                parts = [slice(s.offset, s.offset + s.numel) for s, _ in kept]
+                parts = [
+                    (s, step, max(s.offset, lo), min(s.offset + s.numel, hi))
+                    for s, step in kept
+                    if s.offset < hi and s.offset + s.numel > lo
+                ]
                 adam_update_tensors(
-                    masters=[master[p] for p in parts],
-                    exp_avgs=[m[p] for p in parts],
-                    exp_avg_sqs=[v[p] for p in parts],
-                    grads=[fp32_grad(s.kept_grad, master.device) for s, _ in kept],
-                    steps=[step for _, step in kept],
+                    masters=[master[a:b] for _, _, a, b in parts],
+                    exp_avgs=[m[a - lo : b - lo] for _, _, a, b in parts],
+                    exp_avg_sqs=[v[a - lo : b - lo] for _, _, a, b in parts],
+                    grads=[
+                        fp32_grad(
+                            s.kept_grad.reshape(-1)[a - s.offset : b - s.offset], master.device
+                        )
+                        for s, _, a, b in parts
+                    ],
+                    steps=[step for _, step, _, _ in parts],
                     hyper=hyper,
                 )
             elif in_pieces(master, shard, multiplier):  # [Note: updates in pieces]
-                self._in_pieces(chunk, states, shard, ranges, hyper, multiplier)
-                return
+                if not scratch:
+                    size = min(UPDATE_PIECE, master.numel())
+                    scratch.append(torch.empty(size, dtype=torch.float32, device=master.device))
+                self._in_pieces(
+                    home, master, m, v, lo, hi, shard, ranges, hyper, multiplier, scratch[0]
+                )
             else:
+                inside = [
+                    (max(a, lo) - lo, min(b, hi) - lo, s) for a, b, s in ranges if a < hi and b > lo
+                ]
                 adam_update_ranges(
-                    master=master,
-                    grad=fp32_grad(shard, master.device),
+                    master=master[lo:hi],
+                    grad=fp32_grad(shard[lo:hi], master.device),
                     exp_avg=m,
                     exp_avg_sq=v,
-                    ranges=ranges,
+                    ranges=inside,
                     hyper=hyper,
                 )
-            if chunk.home is not optim.master:
+
+        def finish(master: torch.Tensor) -> None:
+            """The new parameters into their home, unless the pieces wrote them there."""
+            if home is None:
+                return
+            if not recorded:
                 undo.home_written(chunk)
-                chunk.home.tier.write(chunk.home, master.to(self.dtype)).wait()
+            if kept is None and in_pieces(master, shard, multiplier) and _direct(home, master):
+                return
+            home.tier.write(home, master.to(self.dtype)).wait()
 
         # stored moments in low precision: [Note: low-bit optimizer states]
         if kept is not None:
             spans = [(s.offset, s.offset + s.numel) for s, _ in kept]
         else:
             spans = [(a, b) for a, b, _ in ranges]
-        return self.moments.around(update, numel=chunk.shard_size, spans=spans)
+        return self.moments.around(update, numel=chunk.shard_size, spans=spans, finish=finish)
 
     def _in_pieces(
         self,
-        chunk: Chunk,
-        states: list[torch.Tensor],
+        home,
+        master: torch.Tensor,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        lo: int,
+        hi: int,
         shard: torch.Tensor,
         ranges: list[tuple[int, int, int]],
         hyper: AdamHyper,
         multiplier: list | None,
+        grad: torch.Tensor,
     ) -> None:
-        """[Note: updates in pieces]: one chunk's update, a piece of its shard at a time."""
-        master, m, v = states
-        home = chunk.home if chunk.home is not chunk.optim.master else None
-        direct = home is not None and home.tier.ADDRESSABLE and home.tensor.device == master.device
-        if home is not None:
-            self.step_undo.home_written(chunk)
-        size = master.numel()
-        grad = torch.empty(min(UPDATE_PIECE, size), dtype=torch.float32, device=master.device)
-        for lo in range(0, size, UPDATE_PIECE):
-            hi = min(lo + UPDATE_PIECE, size)
+        """[Note: updates in pieces]: elements lo:hi of one chunk's update (``m``/``v`` hold
+        just those), a piece of ``grad``'s size at a time; the new parameters go straight into
+        an addressable home on the master's device."""
+        direct = home is not None and _direct(home, master)
+        for at in range(lo, hi, grad.numel()):
+            end = min(at + grad.numel(), hi)
             inside = [
-                (max(a, lo) - lo, min(b, hi) - lo, s) for a, b, s in ranges if a < hi and b > lo
+                (max(a, at) - at, min(b, end) - at, s) for a, b, s in ranges if a < end and b > at
             ]
             if inside:
-                piece = grad[: hi - lo]
-                piece.copy_(shard[lo:hi])
+                piece = grad[: end - at]
+                piece.copy_(shard[at:end])
                 for factor in multiplier or ():  # [Note: host scalars]
                     piece.mul_(factor)
                 adam_update_ranges(
-                    master=master[lo:hi],
+                    master=master[at:end],
                     grad=piece,
-                    exp_avg=m[lo:hi],
-                    exp_avg_sq=v[lo:hi],
+                    exp_avg=m[at - lo : end - lo],
+                    exp_avg_sq=v[at - lo : end - lo],
                     ranges=inside,
                     hyper=hyper,
                 )
             if direct:  # copy_ rounds to the home's dtype exactly as .to does
-                home.tier.write(home, master[lo:hi], offset=lo).wait()
-        if home is not None and not direct:
-            home.tier.write(home, master.to(self.dtype)).wait()
+                home.tier.write(home, master[at:end], offset=at).wait()
 
     def run(
         self,
@@ -239,6 +269,12 @@ class ChunkUpdates:
         if chunk.home is not optim.master and chunk.home.tier.name != where:
             direction = f"{where}->{chunk.home.tier.name}"
             self.traffic.count(direction, chunk.home.nbytes)
+
+
+def _direct(home, master: torch.Tensor) -> bool:
+    """Whether a piece's new parameters are written straight into ``home`` (addressable
+    memory on the master's device): [Note: updates in pieces]."""
+    return home.tier.ADDRESSABLE and home.tensor.device == master.device
 
 
 def chunk_hyper(optimizer_groups: list[dict], decoupled: bool, chunk: Chunk) -> AdamHyper:

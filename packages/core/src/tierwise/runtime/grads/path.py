@@ -10,6 +10,7 @@ hands them to the optimizer step, which this part never calls. See [Note: gradie
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -87,6 +88,7 @@ class GradientPath:
         reduce_order: str = "fast",
         grad_offload: GradientOffload | None = None,
         optimizer_overlap: str = "auto",
+        before_home_write: Callable[[Chunk], None] = lambda chunk: None,
     ) -> None:
         self.index = index
         self.grad_states = grad_states
@@ -109,7 +111,10 @@ class GradientPath:
         yet."""
         self._reset_pending()
         self.storage = GradStorage(
-            grad_states=grad_states, traffic=traffic, grad_offload=grad_offload
+            grad_states=grad_states,
+            traffic=traffic,
+            grad_offload=grad_offload,
+            before_home_write=before_home_write,
         )
         """The chunks' gradient shards, and what is done to them."""
         self.host_copies = HostGradCopies(tiers.get("host"), scratch_bytes=self._chunk_grad_bytes)
@@ -271,7 +276,8 @@ class GradientPath:
         copies]."""
         optim = chunk.optim
         return (
-            not self.multi_rank
+            not optim.grads_in_home
+            and not self.multi_rank
             and optim.grad.tier is self.tiers["device"]
             and optim.tier.ADDRESSABLE  # no optimizer pipeline: those are for storage tiers
         )
@@ -416,6 +422,7 @@ class GradientPath:
         """``chunk`` has no gradient from now on (zero_grad, or a checkpoint load overwrote its
         states): its shard's memory goes back, it is EMPTY ([Note: gradient lifecycle])."""
         if chunk.optim is not None:
+            self.storage.restore_params(chunk)  # [Note: gradients in the parameter payload]
             if self.storage.offloads(chunk):
                 self.grad_offload.drop(chunk)  # [Note: active gradient offloading]
             chunk.optim.clear_grad()  # [Note: gradient memory between steps]

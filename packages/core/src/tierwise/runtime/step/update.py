@@ -131,7 +131,8 @@ class ChunkUpdates:
                     hyper=hyper,
                 )
             if chunk.home is not optim.master:
-                undo.home_written(chunk)
+                if not optim.grads_in_home:  # else the home held gradients, not last values
+                    undo.home_written(chunk)
                 chunk.home.tier.write(chunk.home, master.to(self.dtype)).wait()
 
         # stored moments in low precision: [Note: low-bit optimizer states]
@@ -154,7 +155,9 @@ class ChunkUpdates:
         master, m, v = states
         home = chunk.home if chunk.home is not chunk.optim.master else None
         direct = home is not None and home.tier.ADDRESSABLE and home.tensor.device == master.device
-        if home is not None:
+        if home is not None and not chunk.optim.grads_in_home:
+            # a home holding gradients ([Note: gradients in the parameter payload]) has no
+            # last-step values to restore: the host worker's undo record keeps its gradients
             self.step_undo.home_written(chunk)
         size = master.numel()
         grad = torch.empty(min(UPDATE_PIECE, size), dtype=torch.float32, device=master.device)

@@ -17,8 +17,8 @@ import tierwise
 from tierwise import model_presets
 from tierwise.config import Config
 from tierwise.plan import PlanError
+from tierwise.planning import totals
 from tierwise.plugins import get_plugin_host
-from tierwise.precision import optim_bytes, param_bytes
 from tierwise.tiers import TierBudgetError
 from tierwise.train import data, lora, presets
 from tierwise.train.distributed import World
@@ -102,9 +102,10 @@ def prepare_run(request: Request, world: World, console: Console) -> PreparedRun
 
 
 def model_data_bytes(n_params: int, precision: str, optimizer_states: str = "fp32") -> int:
-    """Model data before chunk padding, counted as core's planner counts it: params and grads in
-    the compute precision, fp32 master weights and two Adam states (``optimizer_states``)."""
-    return int(n_params * (2 * param_bytes(precision) + optim_bytes(optimizer_states)))
+    """Model data before chunk padding, as ``planning.totals.model_data_bytes`` counts it
+    (bf16/fp16 gradients in the parameter payload: [Note: gradients in the parameter
+    payload])."""
+    return totals.model_data_bytes(n_params, n_params, precision, optimizer_states)[-1][1]
 
 
 def _tokenizer_dir(options: TrainOptions) -> str | None:
@@ -172,7 +173,7 @@ def _note_model(console: Console, model_name: str, n_params: int, config: Config
     data_bytes = model_data_bytes(n_params, config.precision, config.optimizer_states)
     console.note(
         f"model: {model_name}, {n_params:,} parameters, model data ≈ {format_bytes(data_bytes)} "
-        f"({config.precision} params and grads, fp32 master weights, "
+        f"({config.precision} params (gradients reuse them), fp32 master weights, "
         f"{config.optimizer_states} Adam states)",
         parameters=n_params,
         model_data_bytes=data_bytes,

@@ -22,6 +22,7 @@ from tierwise.chunks.grad_state import GradOwner, GradState
 from tierwise.parallel.collectives import Collectives
 from tierwise.runtime.grads.host_copies import HostGradCopies
 from tierwise.runtime.grads.host_copies import applies as host_copy_applies
+from tierwise.runtime.grads.reduce.local_sums import NoSyncSums
 from tierwise.runtime.grads.reduce.reducer import GradientReducer
 from tierwise.runtime.grads.storage import GradStorage, begin_delivery, zero_unwritten
 from tierwise.runtime.index import ChunkIndex
@@ -128,6 +129,7 @@ class GradientPath:
             world_group=world_group,
             storage=self.storage,
             reduce_order=reduce_order,
+            local_sums=NoSyncSums(tiers.get("host"), dtype),  # [Note: no_sync buffers]
         )
         """Reduces the chunks of data-parallel groups ([Note: one collective order], [Note:
         bounded gradient blocks])."""

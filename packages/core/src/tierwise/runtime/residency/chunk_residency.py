@@ -154,7 +154,9 @@ class Residency:
         master = chunk.optim.master
         start, end = chunk.shard_range()
         shard = block[start:end]
-        shard.copy_(master.tensor)  # the master is in addressable memory: a cast on copy
+        # the master is in addressable memory (pinned on CUDA): a cast on copy, waited for by
+        # the load's event like any host read
+        shard.copy_(master.tensor, non_blocking=master.tensor.is_pinned())
         if master.tier.name != "device":
             self.traffic.count(f"{master.tier.name}->device", master.nbytes)
         if not chunk.group.sharded:

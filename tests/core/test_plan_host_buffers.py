@@ -36,8 +36,9 @@ def _plan(host_memory):
 
 
 def test_host_budget_holding_the_model_data_but_not_the_load_buffers_is_refused():
-    # bf16 params (2 B) + fp32 master and Adam moments (12 B) + bf16 gradient shard (2 B)
-    data = LAYERS * N * (2 + 12 + 2)
+    # bf16 params, which take the gradients (2 B: [Note: gradients in the parameter
+    # payload]) + fp32 master and Adam moments (12 B)
+    data = LAYERS * N * (2 + 12)
     io = io_buffer_bytes(N, N)  # largest parameter = largest chunk = N elements
     assert _plan(None).io_buffer_bytes == io
     for budget in (data, data + io - 1):  # the model data fits, the buffers do not

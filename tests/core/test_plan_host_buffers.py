@@ -37,9 +37,9 @@ def _plan(host_memory):
 
 
 def test_training_need_is_the_model_data_and_the_load_buffers_are_reported_beside_it():
-    # bf16 params (2 B) + fp32 master and Adam moments (12 B) + bf16 gradient shard (2 B, until
-    # gradients live in the parameter payload)
-    data = LAYERS * N * (2 + 12 + 2)
+    # bf16 params, which take the gradients (2 B: [Note: gradients in the parameter
+    # payload]) + fp32 master and Adam moments (12 B)
+    data = LAYERS * N * (2 + 12)
     io = io_buffer_bytes(N, N)  # largest parameter = largest chunk = N elements
     assert _plan(None).io_buffer_bytes == io
     with pytest.raises(PlanError) as info:  # the model data does not fit: refused

@@ -281,7 +281,13 @@ def run_plan(args: argparse.Namespace) -> int:
         print(
             json.dumps(
                 {
-                    **plan_totals(profile, plan, args.precision, args.optimizer_states),
+                    **plan_totals(
+                        profile,
+                        plan,
+                        args.precision,
+                        args.optimizer_states,
+                        ranks=target.hardware.world_size,
+                    ),
                     "plan": plan.to_dict(),
                 },
                 indent=1,

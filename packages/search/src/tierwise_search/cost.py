@@ -1,16 +1,23 @@
 """The cost model: bytes each tier holds and the predicted time of one training step.
 
-Model data per element: parameters ``L_c`` bytes (2 for bf16/fp16, 4 for fp32); gradients are
-written into the parameter chunks in backward (no extra memory); optimizer states of trainable
-chunks are fp32 master + exp_avg + exp_avg_sq = 12 bytes (``Setting.optim_bytes``: ~6.03 with
-int8 moments, 8 with bf16: Config.optimizer_states); frozen chunks have none. With ZeRO
+Model data per element: parameters ``L_c`` bytes (2 for bf16/fp16, 4 for fp32); optimizer
+states of trainable chunks are fp32 master + exp_avg + exp_avg_sq = 12 bytes
+(``Setting.optim_bytes``: ~6.03 with int8 moments, 8 with bf16: Config.optimizer_states); frozen
+chunks have none. Gradients take no memory of their own where core writes them into the
+parameter chunk (bf16/fp16, a home that goes through the rCache, home and optimizer states in
+memory: 14 bytes per element, [Note: gradients in the parameter payload] in
+``tierwise.chunks.payload``); elsewhere they have a shard of ``L_c`` bytes per element in the
+optimizer tier (see [Note: engine memory]). With ZeRO
 sharding over N ranks each rank's home tiers hold 1/N of every chunk, rCache blocks hold whole
 (gathered) chunks.
 
 [Note: engine memory] The byte counts are core's (``tierwise.chunks.payload.PayloadSpec``) so that
-``Plan.device_allowance`` is exactly what the device tier will be asked for: every trainable
-chunk also has a gradient shard of L_c bytes/element in its optimizer tier (on NVMe too, with
-``grad_offload_buffers`` host buffers of the largest shard in front of them); with fp32 a chunk whose params and optimizer share a tier keeps only the master copy;
+``Plan.device_allowance`` is exactly what the device tier will be asked for: a trainable chunk
+that does not keep its gradients in its parameter payload (``PayloadSpec.grads_in_home``: fp32,
+a device home the model computes in, NVMe homes or optimizer states) has a gradient shard of
+L_c bytes/element in its optimizer tier (on NVMe with ``grad_offload_buffers`` host buffers of
+the largest shard in front of them); with fp32 a chunk whose params and optimizer share a tier
+keeps only the master copy;
 every rCache block is as large as the largest chunk; with several ranks, full-chunk gradient
 staging buffers live on the device. With optimizer states on NVMe the optimizer pipeline's
 staging buffers (``PIPELINE_BUFFERS``) count as host memory: the same few buffers whatever the
@@ -295,10 +302,16 @@ class CostModel:
             copies = state_copies(TIERS[tier])  # [Note: atomic optimizer step]
             stored = sum(s.payload.state_bytes(int(n)) for n in shard[train & (o == tier)])
             totals[tier] += stored * copies
-        # gradient shards live in the optimizer tier; on NVMe, host memory holds
-        # GRAD_OFFLOAD_BUFFERS of the largest shard ([Note: active gradient offloading])
+        # gradient shards live in the optimizer tier unless the gradients are written into the
+        # parameter payload ([Note: gradients in the parameter payload]); on NVMe, host memory
+        # holds GRAD_OFFLOAD_BUFFERS of the largest shard ([Note: active gradient offloading])
+        in_home = np.array(
+            [[s.payload.grads_in_home(a, b, sharded=s.shard > 1) for b in TIERS] for a in TIERS],
+            dtype=bool,
+        )[p, o]
         for tier in (DEVICE, HOST, NVME):
-            totals[tier] += s.payload.slab_bytes("grad", int(shard[train & (o == tier)].sum()))
+            with_shard = train & (o == tier) & ~in_home
+            totals[tier] += s.payload.slab_bytes("grad", int(shard[with_shard].sum()))
         offloaded = int((train & (o == NVME)).sum())
         if offloaded:
             buffers = grad_offload_buffers(offloaded)

@@ -59,6 +59,9 @@ class OptimSlabs:
     grad_buffer: torch.Tensor | None = None
     """Host memory holding the gradient shard while ``grad`` is on a storage tier and the
     shard is in memory ([Note: active gradient offloading]); None otherwise."""
+    grads_in_home: bool = False
+    """``grad`` is the parameter payload (home): the chunk's gradients are written over its
+    parameters ([Note: gradients in the parameter payload])."""
 
     def start_grad(self) -> torch.Tensor:
         """The gradient shard, with memory again if ``clear_grad`` gave it back (the caller
@@ -83,7 +86,8 @@ class OptimSlabs:
         self.grads_kept = False
         tensor = self.grad.tensor
         if (
-            tensor is not None
+            not self.grads_in_home  # the home holds the parameters between steps
+            and tensor is not None
             and tensor._base is None
             and tensor.storage_offset() == 0
             and not tensor.is_pinned()

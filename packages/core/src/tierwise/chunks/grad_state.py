@@ -102,6 +102,13 @@ TRANSITIONS: dict[tuple[GradState, GradState], GradOwner] = {
 HOLDS_GRADIENTS = frozenset({_S.REDUCED, _S.HELD, _S.UPDATING, _S.UPDATED, _S.ROLLED_BACK})
 """States in which the chunk's gradients of finished backwards are there to read."""
 
+HOME_HOLDS_GRADS = frozenset(
+    {_S.FILLING, _S.ACCUMULATING, _S.REDUCED, _S.HELD, _S.UPDATING, _S.ROLLED_BACK}
+)
+"""States in which a chunk that keeps its gradients in its home ([Note: gradients in the
+parameter payload]) may have gradients there instead of parameters (UPDATED and CONSUMED: its
+update wrote the new parameters; EMPTY: ``drop_grads`` wrote them back from the master)."""
+
 IN_BACKWARD = frozenset({_S.FILLING, _S.ACCUMULATING})
 """States in which the running backward still delivers gradients to the chunk."""
 
@@ -123,6 +130,7 @@ def check_grad_transition(chunk: str, old: GradState, new: GradState, owner: Gra
 
 __all__ = [
     "HOLDS_GRADIENTS",
+    "HOME_HOLDS_GRADS",
     "IN_BACKWARD",
     "TRANSITIONS",
     "GradOwner",

@@ -9,13 +9,44 @@ in the compute precision) on its optimizer tier; a storage tier keeps ``STATE_CO
 each state ([Note: atomic optimizer step]) and its gradient shards have a few host buffers in
 front of them ([Note: active gradient offloading]). In fp32 a chunk whose parameters and
 optimizer states share a tier has no home of its own: the master is its parameter payload.
-:class:`PayloadSpec` says all of this once, for setup's allocation, the re-layout, checkpoints
-and the search's cost model.
+In bf16/fp16 most chunks have no gradient shard at all: their gradients are written into the
+parameter payload ([Note: gradients in the parameter payload]). :class:`PayloadSpec` says all of
+this once, for setup's allocation, the re-layout, checkpoints, the planner's and ``totals``'
+byte counts (``model_data_by_tier``) and the search's cost model.
+
+[Note: gradients in the parameter payload]
+PatrickStar's reused chunk: a bf16/fp16 trainable chunk whose home is not the buffer compute
+reads (it goes through the rCache: a host home, or a device home sharded over ranks) and whose
+home and optimizer states are both in addressable memory keeps its gradients in its home
+(``OptimSlabs.grads_in_home``; its ``grad`` slab *is* the home). Its model data is then 2 bytes
+(params, then gradients) + 12 (fp32 master, m, v) = 14 bytes per element.
+- From the first gradient since zero_grad until its update, the home holds gradients
+  (``home_holds_grads``: the gradient states FILLING .. ROLLED_BACK). Whatever needs the
+  parameters meanwhile reads the fp32 master and casts it, which is bitwise the home's values
+  (every home value is written as ``master.to(dtype)``): an rCache load (the next micro-batch's
+  forward under gradient accumulation, a chunk evicted and needed again in backward), ``zero_grad``
+  or a skipped step (fp16 overflow) rewriting the home from the master. Cached copies stay valid:
+  the gradients never go to the rCache block. Before the first gradient overwrites a home, a load
+  of that chunk still reading it is waited for.
+- The update reads a piece of gradients before it writes that piece's new parameters
+  ([Note: updates in pieces]), so the home goes straight from gradients to new parameters; a
+  committed chunk is CONSUMED (its gradients are gone, as for an offloaded shard).
+- The speculative redo ([Note: speculative updates], Invariant 9) needs the gradients after
+  the update overwrote them: a host-worker update in backward copies the home (its gradients)
+  into its undo record beside the states' undo copies, counted in the host tier the same way
+  (no room: the chunk is updated after backward). After-backward updates run after every check,
+  so nothing needs the gradients after them.
+- Other chunks keep a gradient shard (``grad`` slab): fp32 (the master is the home already, or
+  the home is on another tier and a fp32 gradient would not fit a bf16 home), a device home the
+  model computes in (single rank: its gradients are autograd's kept tensors, [Note: gradients
+  without copies]; the shard only takes them before a re-layout), and homes or optimizer states
+  on a storage tier (NVMe: the shard is on disk with host buffers in front, [Note: active
+  gradient offloading]).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,6 +77,10 @@ chunks whose optimizer states are on a storage tier: the chunk backward is filli
 whose update is queued on the optimizer pipeline (backward waits for that update before it
 fills a third chunk: the disk bounds the step anyway). Every planner counts them as host
 memory ([Note: active gradient offloading])."""
+
+MEMORY_TIERS = ("device", "host")
+"""Tiers whose slabs are tensors in memory (``Tier.ADDRESSABLE``), for counts made from tier
+names (the planner, the search)."""
 
 _PAYLOAD_KINDS = {
     "home": PayloadKind.PARAM_CHUNK,
@@ -96,11 +131,36 @@ class PayloadSpec:
         ``optim_tier`` uses its master as parameter payload."""
         return self.trainable and self.master_may_be_home and home_tier == optim_tier
 
-    def kinds(self, *, master_is_home: bool = False) -> tuple[str, ...]:
+    def grads_in_home(
+        self,
+        home_tier: str,
+        optim_tier: str,
+        *,
+        sharded: bool,
+        addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
+    ) -> bool:
+        """Whether a chunk with its parameters on ``home_tier`` (``sharded`` over ranks) and its
+        optimizer states on ``optim_tier`` keeps its gradients in its home: [Note: gradients in
+        the parameter payload]."""
+        computes_in_home = home_tier == "device" and not sharded
+        return (
+            self.trainable
+            and not self.master_may_be_home
+            and not computes_in_home
+            and addressable(home_tier)
+            and addressable(optim_tier)
+        )
+
+    def kinds(
+        self, *, master_is_home: bool = False, grads_in_home: bool = False
+    ) -> tuple[str, ...]:
         """The payload kinds a chunk has: its home unless the master is its home, then the
-        optimizer states and the gradient shard of a trainable chunk."""
+        optimizer states of a trainable chunk and its gradient shard unless its gradients are
+        kept in its home ([Note: gradients in the parameter payload])."""
         home = () if self.trainable and self.master_may_be_home and master_is_home else ("home",)
-        return home + ((*OPTIM_STATES, "grad") if self.trainable else ())
+        if not self.trainable:
+            return home
+        return home + OPTIM_STATES + (() if grads_in_home else ("grad",))
 
     @property
     def saved_kinds(self) -> tuple[str, ...]:
@@ -148,18 +208,66 @@ class PayloadSpec:
         return sum(self.slab_bytes(kind, numel) for kind in OPTIM_STATES)
 
     def slab_sizes(
-        self, shard: int, *, home_tier: str, optim_tier: str, copies: Callable[[str], int]
+        self,
+        shard: int,
+        *,
+        home_tier: str,
+        optim_tier: str,
+        copies: Callable[[str], int],
+        sharded: bool = False,
+        addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
     ) -> list[tuple[str, int]]:
         """(tier, bytes) of every slab a chunk with a ``shard``-element shard has, in
-        allocation order; ``copies(tier)`` is the tier's ``STATE_COPIES``."""
+        allocation order; ``copies(tier)`` is the tier's ``STATE_COPIES``, ``sharded`` whether
+        the chunk is sharded over ranks, ``addressable(tier)`` whether a tier's slabs are
+        tensors in memory."""
         sizes = []
         if self.trainable:
             states = [self.slab_bytes(kind, shard) for kind in OPTIM_STATES]
             sizes += [(optim_tier, n) for n in states * copies(optim_tier)]
-            sizes.append((optim_tier, self.slab_bytes("grad", shard)))
+            if not self.grads_in_home(
+                home_tier, optim_tier, sharded=sharded, addressable=addressable
+            ):
+                sizes.append((optim_tier, self.slab_bytes("grad", shard)))
         if not self.home_is_master(home_tier, optim_tier):
             sizes.append((home_tier, self.slab_bytes("home", shard)))
         return sizes
+
+
+def model_data_by_tier(
+    chunks: Iterable[tuple[int, bool, bool]],
+    *,
+    precision: str,
+    optimizer_states: str = "fp32",
+    param_tier: str,
+    optim_tier: str,
+    copies: Callable[[str], int] = lambda tier: 1,
+    addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
+) -> dict[str, int]:
+    """Tier -> bytes of model data (parameters, gradients, optimizer states as stored) that
+    ``chunks`` hold with every chunk's parameters on ``param_tier`` and its optimizer states on
+    ``optim_tier``: the one count setup allocates, ``totals`` prints and the planners check
+    ([Note: payload spec], [Note: gradients in the parameter payload]). ``chunks`` are
+    (shard elements, trainable, sharded over ranks) per chunk; ``copies(tier)`` is the tier's
+    ``STATE_COPIES`` ([Note: atomic optimizer step])."""
+    totals: dict[str, int] = {}
+    specs = {
+        trainable: PayloadSpec(
+            precision=precision, optimizer_states=optimizer_states, trainable=trainable
+        )
+        for trainable in (True, False)
+    }
+    for shard, trainable, sharded in chunks:
+        for tier, nbytes in specs[trainable].slab_sizes(
+            shard,
+            home_tier=param_tier,
+            optim_tier=optim_tier,
+            copies=copies,
+            sharded=sharded,
+            addressable=addressable,
+        ):
+            totals[tier] = totals.get(tier, 0) + nbytes
+    return totals
 
 
 def slab_of(chunk: Chunk, kind: str) -> Slab:
@@ -171,8 +279,10 @@ def slab_of(chunk: Chunk, kind: str) -> Slab:
 
 __all__ = [
     "GRAD_OFFLOAD_BUFFERS",
+    "MEMORY_TIERS",
     "MOMENT_KINDS",
     "PayloadSpec",
     "grad_offload_buffers",
+    "model_data_by_tier",
     "slab_of",
 ]

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from functools import cache
 
 from tierwise.chunks import first_use_order, pack, sharded_capacity
+from tierwise.chunks.payload import model_data_by_tier
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError, io_buffer_bytes
 from tierwise.planning.cache_minimum import min_cache_blocks, recompute_blocks
-from tierwise.precision import PARAM_BYTES, optim_stored_bytes
+from tierwise.precision import PARAM_BYTES
 from tierwise.profile import Profile, activation_blocks
 from tierwise.units import format_bytes, format_gib
 
@@ -66,6 +68,12 @@ def _layout(profile: Profile, chunk_size: int) -> dict[str, list[tuple[int, bool
             (s.capacity, info[names[0]].requires_grad, {x.name for x in s.slots}) for s in specs
         ]
     return out
+
+
+def chunk_layout(profile: Profile, chunk_size: int) -> dict[str, list[tuple[int, bool, set[str]]]]:
+    """Per chunk group: (capacity, trainable, parameter names) of each chunk the planner packs
+    (in first-use order, as setup does)."""
+    return _layout(profile, chunk_size)
 
 
 def may_recompute(config: Config) -> bool:
@@ -175,13 +183,21 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
     block_bytes = max(sharded_capacity(cap, shards, shards > 1)[0] for cap, *_, shards in caps) * lc
     n_chunks = len(caps)
     n_sharded = sum(1 for *_, shards in caps if shards > 1)
-    param_bytes = sum(-(-cap // shards) for cap, _, _, shards in caps) * lc
-    frozen_param_bytes = sum(-(-cap // shards) for cap, t, _, shards in caps if not t) * lc
-    optim_bytes = sum(  # the stored sizes ([Note: low-bit optimizer states])
-        optim_stored_bytes(-(-cap // shards), config.optimizer_states) + -(-cap // shards) * lc
-        for cap, t, _, shards in caps
-        if t
-    )
+    chunk_shards = [(-(-cap // shards), t, shards > 1) for cap, t, _, shards in caps]
+
+    @cache
+    def model_data(param_tier: str, optim_tier: str) -> dict[str, int]:
+        """Tier -> model data bytes as setup allocates them ([Note: payload spec], [Note:
+        gradients in the parameter payload]; Adam moments as stored: [Note: low-bit
+        optimizer states])."""
+        return model_data_by_tier(
+            chunk_shards,
+            precision=config.precision,
+            optimizer_states=config.optimizer_states,
+            param_tier=param_tier,
+            optim_tier=optim_tier,
+        )
+
     # gradients in flight between ranks: a fixed pool, [Note: bounded gradient blocks], and
     # the receive block of a reduction in rank order, [Note: reduction in rank order]
     reduced = [(cap, dp) for cap, t, dp, _ in caps if t and dp > 1]
@@ -194,14 +210,11 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
     reasons = []
 
     def device_need(param_tier: str, optim_tier: str, blocks: int) -> int:
-        need = blocks * block_bytes + staging_bytes
-        if param_tier == "device":
-            # fp32 with params and optimizer together: a trainable chunk's home is its master
-            aliased = config.precision == "fp32" and optim_tier == "device"
-            need += frozen_param_bytes if aliased else param_bytes
-        if optim_tier == "device":
-            need += optim_bytes
-        return need
+        return (
+            blocks * block_bytes
+            + staging_bytes
+            + model_data(param_tier, optim_tier).get("device", 0)
+        )
 
     def blocks_for(param_tier: str) -> int:
         if param_tier == "device":  # sharded chunks: keep every gathered one (ZeRO-2-like)
@@ -248,7 +261,8 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
                 break
         param_tier, optim_tier = p_tier, o_tier
         reasons.append(
-            f"model data {format_bytes(param_bytes + optim_bytes)} vs device budget "
+            f"model data {format_bytes(sum(model_data(param_tier, optim_tier).values()))} vs "
+            "device budget "
             f"{format_bytes(budget) if budget is not None else 'unlimited'}: params on {param_tier}, "
             f"optimizer states on {optim_tier}"
         )
@@ -286,12 +300,7 @@ def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Pla
     )
     largest = max(p.numel for p in profile.params)
     io_bytes = io_buffer_bytes(largest, max(cap for cap, *_ in caps))
-    host_data = 0  # the payloads setup puts in the host tier for these tiers
-    if param_tier == "host":
-        aliased = config.precision == "fp32" and optim_tier == "host"
-        host_data += frozen_param_bytes if aliased else param_bytes
-    if optim_tier == "host":
-        host_data += optim_bytes
+    host_data = model_data(param_tier, optim_tier).get("host", 0)  # what setup puts there
     _check_host(config, host_data, io_bytes, param_tier, optim_tier, reasons)
     return Plan(
         chunk_size=chunk_size,

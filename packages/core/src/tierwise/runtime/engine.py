@@ -115,6 +115,7 @@ class Engine:
             collectives=self.collectives,
             traffic=self.traffic,
             device=self.device,
+            home_holds_grads=self.grad_states.home_holds_grads,
         )
         self.loads = self.residency.loads
         self._relayout_checked = False
@@ -161,6 +162,7 @@ class Engine:
             reduce_order=config.reduce_order,
             grad_offload=grad_offload,
             optimizer_overlap=config.optimizer_overlap,
+            before_home_write=lambda chunk: self.loads.wait_reads(chunk.key),
         )
         self.backward_failed: str | None = None
         """Why the last backward stopped on an error (None: it did not); cleared by zero_grad.

@@ -22,8 +22,8 @@ import tierwise
 from tierwise import model_presets
 from tierwise.config import Config
 from tierwise.plan import PlanError
+from tierwise.planning import totals
 from tierwise.plugins import get_plugin_host
-from tierwise.precision import optim_bytes, param_bytes
 from tierwise.tiers import TierBudgetError
 from tierwise.train import blocks, lora, presets, token_cache
 from tierwise.train.data import read_documents
@@ -118,14 +118,11 @@ def prepare_run(request: Request, world: World, console: Console) -> PreparedRun
 def model_data_bytes(
     n_params: int, precision: str, optimizer_states: str = "fp32", *, n_trainable: int | None = None
 ) -> int:
-    """Model data before chunk padding, counted as core's planner counts it: trainable params
-    and grads in the compute precision, fp32 master weights and two Adam states
-    (``optimizer_states``); frozen params (a LoRA base) in the compute precision alone, with no
-    gradient or optimizer state."""
+    """Model data before chunk padding, as ``planning.totals.model_data_bytes`` counts it
+    (bf16/fp16 gradients in the parameter payload: [Note: gradients in the parameter
+    payload]); frozen params (a LoRA base) in the compute precision alone."""
     trainable = n_params if n_trainable is None else n_trainable
-    frozen = n_params - trainable
-    per_trainable = 2 * param_bytes(precision) + optim_bytes(optimizer_states)
-    return int(trainable * per_trainable + frozen * param_bytes(precision))
+    return totals.model_data_bytes(n_params, trainable, precision, optimizer_states)[-1][1]
 
 
 def packs_apart(model: torch.nn.Module) -> bool:
@@ -318,13 +315,15 @@ def _note_model(
     precision, states = config.precision, config.optimizer_states
     data_bytes = model_data_bytes(n_params, precision, states, n_trainable=n_trainable)
     if n_trainable == n_params:
-        what = f"{precision} params and grads, fp32 master weights, {states} Adam states"
+        what = (
+            f"{precision} params (gradients reuse them), fp32 master weights, {states} Adam states"
+        )
     else:
         frozen = model_data_bytes(n_params - n_trainable, precision, states, n_trainable=0)
         what = (
             f"frozen {n_params - n_trainable:,} in {precision} ≈ {format_bytes(frozen)}; "
             f"trainable {n_trainable:,} ≈ {format_bytes(data_bytes - frozen)}: {precision} "
-            f"params and grads, fp32 master weights, {states} Adam states"
+            f"params (gradients reuse them), fp32 master weights, {states} Adam states"
         )
     console.note(
         f"model: {model_name}, {n_params:,} parameters, model data ≈ {format_bytes(data_bytes)} "

@@ -10,6 +10,7 @@ hands them to the optimizer step, which this part never calls. See [Note: gradie
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from tierwise.chunks.grad_state import GradOwner, GradState
 from tierwise.parallel.collectives import Collectives
 from tierwise.runtime.grads.host_copies import HostGradCopies
 from tierwise.runtime.grads.host_copies import applies as host_copy_applies
+from tierwise.runtime.grads.reduce.local_sums import NoSyncSums
 from tierwise.runtime.grads.reduce.reducer import GradientReducer
 from tierwise.runtime.grads.storage import GradStorage, begin_delivery, zero_unwritten
 from tierwise.runtime.index import ChunkIndex
@@ -87,6 +89,7 @@ class GradientPath:
         reduce_order: str = "fast",
         grad_offload: GradientOffload | None = None,
         optimizer_overlap: str = "auto",
+        before_home_write: Callable[[Chunk], None] = lambda chunk: None,
     ) -> None:
         self.index = index
         self.grad_states = grad_states
@@ -109,7 +112,10 @@ class GradientPath:
         yet."""
         self._reset_pending()
         self.storage = GradStorage(
-            grad_states=grad_states, traffic=traffic, grad_offload=grad_offload
+            grad_states=grad_states,
+            traffic=traffic,
+            grad_offload=grad_offload,
+            before_home_write=before_home_write,
         )
         """The chunks' gradient shards, and what is done to them."""
         self.host_copies = HostGradCopies(tiers.get("host"), scratch_bytes=self._chunk_grad_bytes)
@@ -123,6 +129,7 @@ class GradientPath:
             world_group=world_group,
             storage=self.storage,
             reduce_order=reduce_order,
+            local_sums=NoSyncSums(tiers.get("host"), dtype),  # [Note: no_sync buffers]
         )
         """Reduces the chunks of data-parallel groups ([Note: one collective order], [Note:
         bounded gradient blocks])."""
@@ -271,7 +278,8 @@ class GradientPath:
         copies]."""
         optim = chunk.optim
         return (
-            not self.multi_rank
+            not optim.grads_in_home
+            and not self.multi_rank
             and optim.grad.tier is self.tiers["device"]
             and optim.tier.ADDRESSABLE  # no optimizer pipeline: those are for storage tiers
         )
@@ -416,6 +424,7 @@ class GradientPath:
         """``chunk`` has no gradient from now on (zero_grad, or a checkpoint load overwrote its
         states): its shard's memory goes back, it is EMPTY ([Note: gradient lifecycle])."""
         if chunk.optim is not None:
+            self.storage.restore_params(chunk)  # [Note: gradients in the parameter payload]
             if self.storage.offloads(chunk):
                 self.grad_offload.drop(chunk)  # [Note: active gradient offloading]
             chunk.optim.clear_grad()  # [Note: gradient memory between steps]

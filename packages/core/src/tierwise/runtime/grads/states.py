@@ -12,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from tierwise.chunks import Chunk
-from tierwise.chunks.grad_state import GradOwner, GradState, check_grad_transition
+from tierwise.chunks.grad_state import (
+    HOME_HOLDS_GRADS,
+    GradOwner,
+    GradState,
+    check_grad_transition,
+)
 
 
 class GradStates:
@@ -23,6 +28,12 @@ class GradStates:
 
     def of(self, chunk: Chunk) -> GradState:
         return self._states[chunk.key]
+
+    def home_holds_grads(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s home may hold gradients now, not parameters: [Note: gradients in
+        the parameter payload]."""
+        optim = chunk.optim
+        return optim is not None and optim.grads_in_home and self.of(chunk) in HOME_HOLDS_GRADS
 
     def move(self, chunk: Chunk, new: GradState, owner: GradOwner) -> None:
         """The one way a chunk's state changes: checked against the transition's owner (a

@@ -3,6 +3,7 @@ optimizer step share: [Note: gradients without copies], [Note: active gradient o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -75,8 +76,16 @@ class GradStorage:
     tier, a host buffer in front of it ([Note: active gradient offloading])."""
 
     def __init__(
-        self, *, grad_states: GradStates, traffic: Traffic, grad_offload: GradientOffload | None
+        self,
+        *,
+        grad_states: GradStates,
+        traffic: Traffic,
+        grad_offload: GradientOffload | None,
+        before_home_write: Callable[[Chunk], None] = lambda chunk: None,
     ) -> None:
+        self.before_home_write = before_home_write
+        """Called before a chunk's first gradient overwrites its home: waits for a load still
+        reading it ([Note: gradients in the parameter payload])."""
         self.grad_states = grad_states
         """The chunks' gradient states ([Note: gradient lifecycle])."""
         self.traffic = traffic
@@ -95,7 +104,15 @@ class GradStorage:
         if self.offloads(chunk):
             self._refuse_consumed(chunk)
             return self.grad_offload.hold(chunk, fresh=start)
-        return chunk.optim.start_grad() if start else chunk.optim.grad.tensor
+        if chunk.optim.grads_in_home:
+            self._refuse_consumed(chunk)
+        return self._start(chunk) if start else chunk.optim.grad.tensor
+
+    def _start(self, chunk: Chunk) -> torch.Tensor:
+        """The gradient shard, about to get the first gradient since zero_grad."""
+        if chunk.optim.grads_in_home:
+            self.before_home_write(chunk)  # [Note: gradients in the parameter payload]
+        return chunk.optim.start_grad()
 
     def add_reduced(self, chunk: Chunk, shard: torch.Tensor) -> None:
         """A reduction of ``chunk`` landed: add its shard of averaged gradients (the chunk's
@@ -112,7 +129,7 @@ class GradStorage:
         if first and offloaded:
             self.memory(chunk, start=True).copy_(shard)
         elif first:
-            optim.start_grad()
+            self._start(chunk)
             slab.tier.write(slab, shard).wait()
         else:
             target = self.memory(chunk, start=False)
@@ -134,8 +151,9 @@ class GradStorage:
         return ChunkGrads(chunk, chunk.optim.grad.tensor, kept)
 
     def _refuse_consumed(self, chunk: Chunk) -> None:
-        """An offloaded shard whose buffer the committed (or speculative) update gave back has
-        nothing to read: [Note: active gradient offloading]."""
+        """An offloaded shard whose buffer the committed (or speculative) update gave back, or
+        a home the update wrote new parameters into, has nothing to read: [Note: active
+        gradient offloading], [Note: gradients in the parameter payload]."""
         if chunk.optim.grad_buffer is None and self.grad_states.of(chunk) in (
             GradState.UPDATED,
             GradState.CONSUMED,
@@ -144,6 +162,14 @@ class GradStorage:
                 f"tierwise: the gradients of chunk {chunk.key} were consumed by its optimizer "
                 "update already; call zero_grad() and run backward again before using them"
             )
+
+    def restore_params(self, chunk: Chunk) -> None:
+        """A home holding gradients gets its parameters back from the fp32 master (zero_grad, a
+        dropped backward): [Note: gradients in the parameter payload]. The cast is bitwise the
+        values it had, so cached copies stay valid."""
+        if chunk.optim is not None and chunk.optim.grads_in_home:
+            if self.grad_states.of(chunk) not in (GradState.EMPTY, GradState.CONSUMED):
+                chunk.home.tensor.copy_(chunk.optim.master.tensor)
 
     def give_back(self, chunk: Chunk) -> None:
         """The update that was lent ``chunk``'s shard ran or was dropped (any thread)."""

@@ -175,7 +175,30 @@ def _tiers_for(group: ChunkGroup, chunks: list[Chunk], tier_of) -> list[str]:
 
 
 def _kinds(parts: LayoutParts, group: ChunkGroup) -> tuple[str, ...]:
-    return parts.payload(group).kinds(master_is_home=group.trainable and _aliased(group))
+    return parts.payload(group).kinds(
+        master_is_home=group.trainable and _aliased(group), grads_in_home=_grads_in_home(group)
+    )
+
+
+def _grads_in_home(group: ChunkGroup) -> bool:
+    """[Note: gradients in the parameter payload] (a group whose chunks differ is not moved)."""
+    return group.trainable and all(c.optim.grads_in_home for c in group.chunks)
+
+
+def _new_grads_in_home(parts: LayoutParts, group: ChunkGroup, tiers: dict) -> list[bool]:
+    """Per new chunk: whether its gradients go in its home, from its new tiers."""
+    if not group.trainable:
+        return [False] * len(tiers["home"])
+    payload = parts.payload(group)
+    return [
+        payload.grads_in_home(
+            home,
+            optim,
+            sharded=group.sharded,
+            addressable=lambda name: parts.tiers[name].ADDRESSABLE,
+        )
+        for home, optim in zip(tiers["home"], tiers["master"], strict=True)
+    ]
 
 
 def _aliased(group: ChunkGroup) -> bool:
@@ -188,7 +211,7 @@ def _plan_tiers(parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk]) -> d
     tiers = {"home": home}
     if group.trainable:
         optim = _tiers_for(group, chunks, lambda c: c.optim.tier.name)
-        grad = _tiers_for(group, chunks, lambda c: c.optim.grad.tier.name)
+        grad = _tiers_for(group, chunks, lambda c: c.optim.grad.tier.name)  # unused in home
         tiers.update({k: optim for k in OPTIM_STATES}, grad=grad)
         if parts.config.precision == "fp32" and _aliased(group):
             tiers["home"] = optim
@@ -198,6 +221,12 @@ def _plan_tiers(parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk]) -> d
 def _cannot_move(parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk]) -> str | None:
     """Why ``group`` cannot be re-packed into ``chunks`` (None when it can)."""
     tiers = _plan_tiers(parts, group, chunks)
+    if group.trainable:  # [Note: gradients in the parameter payload]
+        in_home = {c.optim.grads_in_home for c in group.chunks}
+        if in_home | set(_new_grads_in_home(parts, group, tiers)) != {_grads_in_home(group)}:
+            return "some of its chunks keep their gradients in their parameter payload and some not"
+        if any(parts.grad_states.home_holds_grads(c) for c in group.chunks):
+            return "its parameter payloads hold gradients (a step that was skipped)"
     payload = parts.payload(group)
     growth: Counter[str] = Counter()
     largest_kind = 0
@@ -295,9 +324,10 @@ def _move_group(
     for i, chunk in enumerate(chunks):
         if group.trainable:
             opt_tier = parts.tiers[tiers["master"][i]]
+            in_home = "grad" not in new_slabs  # [Note: gradients in the parameter payload]
+            grad = new_slabs["home"][i] if in_home else new_slabs["grad"][i]
             chunk.optim = OptimSlabs(
-                *(new_slabs[k][i] for k in (*OPTIM_STATES, "grad")),
-                opt_tier,
+                *(new_slabs[k][i] for k in OPTIM_STATES), grad, opt_tier, grads_in_home=in_home
             )
             if not grads_filled:
                 chunk.optim.clear_grad()

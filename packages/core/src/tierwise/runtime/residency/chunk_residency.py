@@ -9,7 +9,7 @@ is kept here and in the rCache, keyed by chunk key, never on the chunk.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -36,6 +36,7 @@ class Residency:
         collectives: Collectives,
         traffic: Traffic,
         device: torch.device,
+        home_holds_grads: Callable[[Chunk], bool] = lambda chunk: False,
     ) -> None:
         self.index = index
         self.cache = cache
@@ -44,6 +45,9 @@ class Residency:
         """How many chunks ahead of use to start loading (``Plan.prefetch``)."""
         self.collectives = collectives
         self.traffic = traffic
+        self.home_holds_grads = home_holds_grads
+        """Whether a chunk's home holds its gradients now: its parameters are loaded from its
+        fp32 master ([Note: gradients in the parameter payload])."""
         self.trace = ChunkAccessTrace()
         """Chunk accesses: recorded in the warm-up step, replayed after it."""
         self.loads = ChunkLoads(device)
@@ -113,6 +117,8 @@ class Residency:
 
     def _issue_load(self, chunk: Chunk, block: torch.Tensor) -> tuple[list, list]:
         """Issue the transfer of ``chunk``'s values into ``block``; (handles, tensors in use)."""
+        if self.home_holds_grads(chunk):
+            return self._issue_load_from_master(chunk, block)
         home = chunk.home
         src_tier = home.tier.name
         if chunk.group.sharded:
@@ -140,6 +146,23 @@ class Residency:
         if src_tier != "device":
             self.traffic.count(f"{src_tier}->device", nbytes)
         return handles, keep
+
+    def _issue_load_from_master(self, chunk: Chunk, block: torch.Tensor) -> tuple[list, list]:
+        """[Note: gradients in the parameter payload]: the home holds gradients, so this rank's
+        shard of parameters is the fp32 master cast (bitwise the values the home had), written
+        into its own slice of the block and gathered in place when sharded."""
+        master = chunk.optim.master
+        start, end = chunk.shard_range()
+        shard = block[start:end]
+        # the master is in addressable memory (pinned on CUDA): a cast on copy, waited for by
+        # the load's event like any host read
+        shard.copy_(master.tensor, non_blocking=master.tensor.is_pinned())
+        if master.tier.name != "device":
+            self.traffic.count(f"{master.tier.name}->device", master.nbytes)
+        if not chunk.group.sharded:
+            return [], []
+        work = self.collectives.all_gather(block, shard, chunk.group.process_group, async_op=True)
+        return [work], [shard]
 
     def evict(self, chunk: Chunk) -> None:
         """Drop a cached chunk: it is an unchanged copy, so nothing is written back."""

@@ -90,6 +90,16 @@ class ChunkLoads:
         if pending.event is not None:
             torch.accelerator.current_stream(self.device).wait_event(pending.event)
 
+    def wait_reads(self, key: Hashable) -> None:
+        """The source of chunk ``key``'s load in flight (its home) is about to be overwritten
+        ([Note: gradients in the parameter payload]): wait until the load has read it. On CPU
+        loads read their source when issued; on an accelerator the side stream's copy is waited
+        for on the host (only when a load of the chunk meets its first gradient). Its
+        all-gather, if any, is left for ``finish`` (collectives are issued in trace order)."""
+        pending = self._pending.get(key)
+        if pending is not None and pending.event is not None:
+            pending.event.synchronize()
+
     def finish_all(self) -> None:
         for key in list(self._pending):
             self.finish(key)

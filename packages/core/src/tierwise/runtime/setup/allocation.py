@@ -112,6 +112,8 @@ def payload_sizes(
                 home_tier=plan.param_tier_of(group.name, chunk.index),
                 optim_tier=plan.optim_tier_of(group.name, chunk.index) if group.trainable else "",
                 copies=lambda name: tiers[name].STATE_COPIES,  # [Note: atomic optimizer step]
+                sharded=group.sharded,
+                addressable=lambda name: tiers[name].ADDRESSABLE,
             )
             for tier, nbytes in slabs:
                 sizes.setdefault(tier, []).append(nbytes)
@@ -135,8 +137,17 @@ def allocate_payloads(
             for chunk in group.chunks:
                 home = plan.param_tier_of(group.name, chunk.index)
                 optim = plan.optim_tier_of(group.name, chunk.index) if group.trainable else home
-                # fp32 with params and optimizer in one tier: the master is the home payload
-                kinds = payload.kinds(master_is_home=payload.home_is_master(home, optim))
+                # fp32 with params and optimizer in one tier: the master is the home payload;
+                # bf16/fp16: [Note: gradients in the parameter payload]
+                in_home = payload.grads_in_home(
+                    home,
+                    optim,
+                    sharded=group.sharded,
+                    addressable=lambda name: tiers[name].ADDRESSABLE,
+                )
+                kinds = payload.kinds(
+                    master_is_home=payload.home_is_master(home, optim), grads_in_home=in_home
+                )
                 slabs = {}
                 for kind in sorted(kinds, key=_ALLOCATION_ORDER.index):
                     slabs[kind] = _allocate_slab(
@@ -147,9 +158,13 @@ def allocate_payloads(
                         f"{group.name}#{chunk.index} {'params' if kind == 'home' else kind}",
                     )
                     allocated.append(slabs[kind])
+                if in_home:  # [Note: gradients in the parameter payload]
+                    slabs["grad"] = slabs["home"]
                 if group.trainable:  # the gradient shard: [Note: active gradient offloading]
                     chunk.optim = OptimSlabs(
-                        *(slabs[k] for k in (*OPTIM_STATES, "grad")), tiers[optim]
+                        *(slabs[k] for k in (*OPTIM_STATES, "grad")),
+                        tiers[optim],
+                        grads_in_home=in_home,
                     )
                     chunk.optim.clear_grad()  # [Note: gradient memory between steps]
                 chunk.home = slabs["home"] if "home" in slabs else chunk.optim.master

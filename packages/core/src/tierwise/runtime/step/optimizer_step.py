@@ -230,7 +230,9 @@ class OptimizerStep:
             if state is GradState.UPDATING:  # a failed step's update that never ran
                 grad_states.move(chunk, GradState.HELD, _OWNER)
             elif state is GradState.UPDATED:
-                consumed = self.storage.offloads(chunk) and chunk.optim.grad_buffer is None
+                consumed = chunk.optim.grads_in_home or (  # [Note: gradients in the
+                    self.storage.offloads(chunk) and chunk.optim.grad_buffer is None
+                )  # parameter payload]: the update wrote new parameters over them
                 grad_states.move(chunk, GradState.CONSUMED if consumed else GradState.HELD, _OWNER)
 
     def renew_pipelines(self) -> None:
@@ -262,8 +264,10 @@ class OptimizerStep:
         "finite") says what the caller reads of a record."""
         for chunk in self._filled_chunks():
             early = self.speculation.early.get(chunk.key)
-            offloads = self.storage.offloads(chunk)
-            if early is not None and offloads:
+            # its update consumed the gradients: an offloaded shard given back, or a home
+            # holding new parameters ([Note: gradients in the parameter payload])
+            consumed = self.storage.offloads(chunk) or chunk.optim.grads_in_home
+            if early is not None and consumed:
                 if getattr(early, need) is None:  # consumed and not recorded
                     raise self.speculation.clipped_too_late()
                 yield chunk, early

@@ -167,18 +167,30 @@ class Speculation:
             return  # [Note: unused parameters are skipped]: nothing to update
         optim = chunk.optim
         states = [slab.tensor for slab in (optim.master, optim.exp_avg, optim.exp_avg_sq)]
-        if not self.host_updates.reserve_undo(states):
+        # [Note: gradients in the parameter payload]: the update writes new parameters over
+        # the gradients a redo needs, so the undo record keeps them too
+        undone = states + ([optim.grad.tensor] if optim.grads_in_home else [])
+        if not self.host_updates.reserve_undo(undone):
             self.undo_room_short = True
             return
         hyper = self._hyper(chunk)
-        self.early[chunk.key] = EarlyUpdate(
-            hyper=hyper, has_grad=tuple(s.has_grad for s in chunk.slots)
-        )
+        early = EarlyUpdate(hyper=hyper, has_grad=tuple(s.has_grad for s in chunk.slots))
+        if optim.grads_in_home:  # what the step's checks read of them, before they go
+            grads = self.storage.read(chunk)
+            early.norms = self.checks.norm_parts(chunk, grads)
+            if self.scaler is not None:
+                early.finite = grads.all_finite()
+        self.early[chunk.key] = early
         self.step_undo.begin()
         update = self.updates.build(chunk, hyper, self.unscale())
         self.updates.count_traffic(chunk)
         self.grad_states.move(chunk, GradState.UPDATING, _OWNER)
-        self.host_updates.submit(chunk, states, update, on_done=lambda: self.updates.done(chunk))
+        self.host_updates.submit(
+            chunk,
+            undone,
+            lambda tensors: update(tensors[:3]),
+            on_done=lambda: self.updates.done(chunk),
+        )
 
     def rollback_reason(
         self, overflow: bool, clip_coef: torch.Tensor | None, filled: list[Chunk]

@@ -100,6 +100,9 @@ class ChunkUpdates:
         shard = grads.shard
         kept = [(s, self.step_counts[s.name]) for s in grads.kept_slots()] if grads.kept else None
         home = chunk.home if chunk.home is not optim.master else None
+        # a home holding gradients ([Note: gradients in the parameter payload]) has no last-step
+        # values to restore: the host worker's undo record keeps its gradients instead
+        records_home = home is not None and not optim.grads_in_home
         scratch: list[torch.Tensor] = []  # one piece-sized fp32 gradient, made on first use
         recorded: list[bool] = []  # the undo record knows the home is written
 
@@ -113,7 +116,7 @@ class ChunkUpdates:
             master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lo: int, hi: int
         ) -> None:
             """Elements lo:hi ([Note: fused low-bit update]); ``m``/``v`` hold just those."""
-            if home is not None and not recorded:  # before any piece may write the home
+            if records_home and not recorded:  # before any piece may write the home
                 recorded.append(True)
                 undo.home_written(chunk)
             if kept is not None:  # [Note: gradients without copies]
@@ -159,7 +162,7 @@ class ChunkUpdates:
             """The new parameters into their home, unless the pieces wrote them there."""
             if home is None:
                 return
-            if not recorded:
+            if records_home and not recorded:
                 undo.home_written(chunk)
             if kept is None and in_pieces(master, shard, multiplier) and _direct(home, master):
                 return

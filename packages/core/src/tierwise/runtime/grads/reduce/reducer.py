@@ -68,6 +68,7 @@ from tierwise.chunks import Chunk
 from tierwise.parallel.collectives import Collectives
 from tierwise.planning.planner import receive_block_numel
 from tierwise.runtime.grads.reduce.blocks import BlockPool
+from tierwise.runtime.grads.reduce.local_sums import NoSyncSums
 from tierwise.runtime.grads.reduce.rank_order import reduce_in_rank_order
 from tierwise.runtime.grads.reduce.schedule import END, DuePoints
 from tierwise.runtime.grads.storage import GradStorage, zero_unwritten
@@ -90,6 +91,7 @@ class GradientReducer:
         world_group: dist.ProcessGroup | None,
         storage: GradStorage,
         reduce_order: str = "fast",
+        local_sums: NoSyncSums | None = None,
     ) -> None:
         if blocks < 1:
             raise ValueError(f"GradientReducer needs at least one device block, got {blocks}")
@@ -117,9 +119,9 @@ class GradientReducer:
         self._late: dict[Hashable, torch.Tensor] = {}
         self._staging: dict[Hashable, torch.Tensor] = {}
         """Per chunk, its staging until its reduction is launched (this part alone sets it)."""
-        self._local: dict[Hashable, torch.Tensor] = {}
-        """Full-chunk gradients accumulated under ``no_sync``, not yet reduced (host memory):
-        added to the chunk's staging when it is next launched."""
+        self.local_sums = local_sums if local_sums is not None else NoSyncSums(None, dtype)
+        """Whole-chunk gradients summed under ``no_sync``, counted in the host tier, added to
+        the chunk's staging when it is next launched ([Note: no_sync buffers])."""
         self._on_host: set[Hashable] = set()
         """Chunks whose staging is a host buffer."""
         self._holding: dict[Hashable, Chunk] = {}
@@ -201,14 +203,12 @@ class GradientReducer:
 
     def local_buffer(self, chunk: Chunk) -> torch.Tensor:
         """The host buffer ``no_sync`` accumulates ``chunk``'s unreduced gradients in (zeros
-        where none arrived); added to its staging at its next launch."""
-        if chunk.key not in self._local:
-            self._local[chunk.key] = torch.zeros(chunk.capacity, dtype=self.dtype)
-        return self._local[chunk.key]
+        where none arrived); added to its staging at its next launch ([Note: no_sync buffers])."""
+        return self.local_sums.buffer(chunk)
 
     def drop_local(self) -> None:
         """zero_grad: what ``no_sync`` accumulated is dropped."""
-        self._local.clear()
+        self.local_sums.drop()
 
     def completed(self, chunk: Chunk) -> None:
         """Every gradient of ``chunk`` arrived on this rank."""
@@ -276,9 +276,10 @@ class GradientReducer:
             self._holding[key] = chunk
         # zeros where no gradient arrived, plus what no_sync accumulated
         zero_unwritten(chunk, staging)
-        local = self._local.pop(key, None)
+        local = self.local_sums.pop(key)
         if local is not None:
             staging.add_(local.to(staging.device))
+            self.local_sums.release(local)
         full = staging
         if key in self._on_host:
             self._on_host.discard(key)

@@ -1,0 +1,80 @@
+"""The whole-chunk gradient sums ``no_sync`` keeps on each rank, counted in the host tier.
+
+[Note: no_sync buffers]
+Under ``tierwise.no_sync`` with several ranks nothing is communicated, so each rank keeps the
+unreduced gradients of every chunk a backward reaches: a whole chunk (not a shard) in the
+compute precision, as DDP keeps every parameter's whole ``.grad``. They are added to the
+chunk's staging when it is next reduced (the first backward outside ``no_sync``), so the sum is
+DDP's: this rank's micro-batches added in order, then averaged across ranks. These buffers are
+host memory like any slab: each is reserved in the host tier when made (kind STAGING, "no_sync
+gradient sums") and given back when its chunk is reduced or at zero_grad, so ``host_memory``
+bounds them and ``stats()`` shows them in the host tier's bytes and peak. A budget without room
+fails the backward with the host tier's error and what to change: ``Config.accumulation_steps``
+accumulates into the rank's own gradient shards (a reduction per micro-batch, no whole-chunk
+buffers), or a larger ``host_memory``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from tierwise.chunks import Chunk
+from tierwise.tiers.base import PayloadKind, Tier, TierBudgetError
+
+
+class NoSyncSums:
+    """Chunk key -> the rank's unreduced gradient sum under ``no_sync`` ([Note: no_sync
+    buffers])."""
+
+    def __init__(self, host: Tier | None, dtype: torch.dtype) -> None:
+        self.host = host
+        """The host tier the sums are counted in (None: uncounted, a tier-less test rig)."""
+        self.dtype = dtype
+        self._sums: dict[Hashable, torch.Tensor] = {}
+
+    def buffer(self, chunk: Chunk) -> torch.Tensor:
+        """``chunk``'s sum (zeros when it has none yet): reserved in the host tier first."""
+        if chunk.key not in self._sums:
+            nbytes = chunk.capacity * self.dtype.itemsize
+            if self.host is not None:
+                try:
+                    self.host.reserve(
+                        nbytes, kind=PayloadKind.STAGING, what="no_sync gradient sums"
+                    )
+                except TierBudgetError as err:
+                    err.add_note(
+                        f"tierwise: no_sync with {chunk.group.world} ranks keeps a whole "
+                        f"unreduced chunk of gradients per chunk on each rank ({nbytes} bytes "
+                        f"for chunk {chunk.group.name}#{chunk.index}); use "
+                        "Config.accumulation_steps instead (gradients are reduced into each "
+                        "rank's shard every micro-batch) or raise host_memory"
+                    )
+                    raise
+            self._sums[chunk.key] = torch.zeros(chunk.capacity, dtype=self.dtype)
+        return self._sums[chunk.key]
+
+    def pop(self, key: Hashable) -> torch.Tensor | None:
+        """Take ``key``'s sum for its reduction (its bytes go back to the host tier once the
+        caller has added it: ``release``)."""
+        return self._sums.pop(key, None)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        """A popped sum was used."""
+        if self.host is not None:
+            self.host.unreserve(buffer.numel() * buffer.element_size())
+
+    def drop(self) -> None:
+        """zero_grad: every sum is dropped."""
+        for buffer in self._sums.values():
+            self.release(buffer)
+        self._sums.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the sums hold now."""
+        return sum(b.numel() * b.element_size() for b in self._sums.values())
+
+
+__all__ = ["NoSyncSums"]

@@ -478,7 +478,8 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
     optim_tiers: dict[str, list[str]] = {}
     for chunk, group in enumerate(table.group_of_chunk):
         param_tiers.setdefault(group, []).append(TIERS[placement.param_tier[chunk]])
-        optim_tiers.setdefault(group, []).append(TIERS[placement.optim_tier[chunk]])
+        if table.trainable[chunk]:  # a frozen chunk has no optimizer states
+            optim_tiers.setdefault(group, []).append(TIERS[placement.optim_tier[chunk]])
     all_params = [t for tiers in param_tiers.values() for t in tiers]
     all_optims = [t for tiers in optim_tiers.values() for t in tiers]
     n_device = all_params.count("device")

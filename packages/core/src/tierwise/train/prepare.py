@@ -6,6 +6,7 @@ before the run directory is written."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,7 +215,10 @@ def _set_up(model, options: TrainOptions, config: Config, corpus: data.Corpus, w
             model, optimizer, config, example_batch=example_batch, weights=weights
         )
     except (PlanError, TierBudgetError) as err:
-        raise TrainError(f"the plan does not fit: {err}") from None
+        from tierwise.cli import config_flags, name_flags
+
+        flags = config_flags(f.name for f in dataclasses.fields(Config) if "_" in f.name)
+        raise TrainError(f"the plan does not fit: {name_flags(str(err), flags)}") from None
     except WeightsError as err:
         raise TrainError(f"--from-pretrained {options.from_pretrained}: {err}") from None
 

@@ -26,7 +26,6 @@ import types
 from pathlib import Path
 
 import torch
-
 from _common import emit
 
 BATCH, SEQ = 8, 128
@@ -101,11 +100,10 @@ def measure(path: Path, steps: int) -> list[dict]:
 
 def profile_and_hardware(path: Path):
     """The profiler's profile and the probe's figures, both timed by CPU time."""
-    import transformers
-    from tierwise.hardware import Hardware
-
     import tierwise_profiler.hardware_probe as hardware_probe
     import tierwise_profiler.op_timing as op_timing
+    import transformers
+    from tierwise.hardware import Hardware
     from tierwise_profiler.model_profile import profile_model
 
     op_timing.CLOCK = time.process_time

@@ -171,15 +171,17 @@ def test_host_binding_error_names_the_tier_and_the_remedies(run_plan, config_jso
     assert code == 2
     first, *remedies = err.strip().splitlines()
     assert re.search(
-        r"host memory binds: .* needs [\d.]+ \w+ .* load/save buffers.* host_memory is "
+        r"host memory binds: .* needs [\d.]+ \w+ .* load/save buffers.* --host-memory is "
         r"300\.00 KiB: 243\.25 KiB short",  # 117.25 KiB of it: load/save buffers
         first,
     )
     assert "bytes" not in first  # sizes for people, not raw byte counts
+    # the remedy names tierwise plan's flags, not Config fields (issue 38)
+    assert "--nvme-path" in first and "nvme_path" not in first and "host_memory" not in first
     text = "\n".join(remedies)
     assert "what would make it fit" in text
     assert re.search(
-        r"--nvme DIR: fits; the search would pick: chunk size [\d,]+, \d+ rCache blocks", text
+        r"--nvme-path DIR: fits; the search would pick: chunk size [\d,]+, \d+ rCache blocks", text
     )
 
 

@@ -209,6 +209,8 @@ class Plan(JsonDataclass):
             rows.append(("activation allowance", format_bytes(self.activation_allowance)))
         for key, value in self.predicted_step_s.items():
             rows.append((f"predicted {key}", f"{value * 1e3:.4g} ms"))
+        if not self.predicted_step_s and self.planner != "core":
+            rows.append(("predicted step", "- (no batch shape: give setup() an example_batch)"))
         if self.predicted_tflops is not None:
             rows.append(("predicted TFLOPS per rank", f"{self.predicted_tflops:.1f}"))
         if self.predicted_tokens_per_s is not None:
@@ -236,7 +238,9 @@ def collapse_runs(lines: list[str]) -> list[str]:
         parts, numbers = _NUMBER.split(line), _NUMBER.findall(line)
         run = runs[-1] if runs else None
         if run is not None and run["parts"] == parts and len(run["last"]) == len(numbers):
-            differ = [i for i, (a, b) in enumerate(zip(run["last"], numbers)) if a != b]
+            differ = [
+                i for i, (a, b) in enumerate(zip(run["last"], numbers, strict=True)) if a != b
+            ]
             if (
                 len(differ) == 1
                 and run["index"] in (None, differ[0])

@@ -546,6 +546,14 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
             }
         )
     total_s = best.prediction.total
+    predicted_s = best.prediction.seconds
+    if search.times.forward_s <= 0:  # no compute known: a step time without it would be made up
+        predicted_s, total_s = {}, 0.0
+        reasons.append(
+            "no step-time prediction: the profile has no batch shape (setup() got no "
+            "example_batch); setup(model, optimizer, example_batch=batch) profiles one step and "
+            "predicts it"
+        )
     step_flops = (1 + BACKWARD_OVER_FORWARD) * sum(search.profile.layer_flops.values())
     tokens = (search.profile.batch_size or 0) * (search.profile.seq_len or 0)
     return Plan(
@@ -566,7 +574,7 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
             and search.profile.peak_activation_bytes > 0  # activations profiled
             else None
         ),
-        predicted_step_s=best.prediction.seconds,
+        predicted_step_s=predicted_s,
         predicted_bytes=best.prediction.bytes,
         predicted_tflops=step_flops / total_s / 1e12 if step_flops and total_s > 0 else None,
         predicted_tokens_per_s=(

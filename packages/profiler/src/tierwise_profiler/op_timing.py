@@ -32,7 +32,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,8 +62,9 @@ class TensorSpec:
     stride: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
-    requires_grad: bool = False
-    """The tensor needed a gradient in the step ([Note: backward timing])."""
+    requires_grad: bool = field(default=False, repr=False)
+    """The tensor needed a gradient in the step ([Note: backward timing]); not part of the
+    forward signature (the forward runs the same whether or not it did)."""
 
     @property
     def storage_numel(self) -> int:
@@ -103,12 +104,17 @@ class OpLog:
         """Layer -> signature key -> calls."""
         self.ops: dict[str, tuple[Any, Any, Any]] = {}
         """Signature key -> (op, args, kwargs) with tensors as TensorSpecs."""
+        self.forward_key: dict[str, str] = {}
+        """Signature key -> its forward signature (without which inputs needed a gradient)."""
 
     def add(self, layer: str, func: Any, args: tuple, kwargs: dict) -> None:
         specs = tree_map(_spec, (args, kwargs))
-        key = f"{func}{specs!r}"
+        forward_key = f"{func}{specs!r}"
+        needs = [x.requires_grad for x in tree_flatten(specs)[0] if isinstance(x, TensorSpec)]
+        key = forward_key + "|grad:" + "".join("1" if need else "0" for need in needs)
         if key not in self.ops:
             self.ops[key] = (func, *specs)
+            self.forward_key[key] = forward_key
         counts = self.calls.setdefault(layer, {})
         counts[key] = counts.get(key, 0) + 1
 
@@ -152,7 +158,10 @@ def layer_forward_seconds(log: OpLog) -> dict[str, float]:
     [Note: layer timing]); the caller checks that those are the compute device."""
     if sum(_op_bytes(args, kwargs) for _, args, kwargs in log.ops.values()) > REPLAY_MAX_BYTES:
         return {}
-    todo = {key: op for key, op in log.ops.items() if key not in _MEASURED}
+    todo = {}
+    for key, op in log.ops.items():
+        if log.forward_key[key] not in _MEASURED:
+            todo.setdefault(log.forward_key[key], op)
     times: dict[str, list[float]] = {key: [] for key in todo}
     try:
         calls = {key: _ready_call(*op) for key, op in todo.items()}
@@ -171,7 +180,7 @@ def layer_forward_seconds(log: OpLog) -> dict[str, float]:
         return {}
     _MEASURED.update({key: statistics.median(values) for key, values in times.items()})
     return {
-        layer: sum(_MEASURED[key] * calls for key, calls in counts.items())
+        layer: sum(_MEASURED[log.forward_key[key]] * calls for key, calls in counts.items())
         for layer, counts in log.calls.items()
     }
 
@@ -261,9 +270,9 @@ def layer_matmul_seconds(log: OpLog, measured: dict[str, float]) -> dict[str, fl
         return {}
     return {
         layer: sum(
-            _MEASURED[key] * calls
+            _MEASURED[log.forward_key[key]] * calls
             for key, calls in counts.items()
-            if key in _MEASURED and counts_flops(log.ops[key][0])
+            if log.forward_key[key] in _MEASURED and counts_flops(log.ops[key][0])
         )
         for layer, counts in log.calls.items()
     }

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import typing
 from dataclasses import asdict
@@ -75,20 +74,6 @@ def build_parser() -> Parser:
         add_export_command(subparsers)
     get_plugin_host().add_cli_commands(subparsers=subparsers)
     return parser
-
-
-def name_flags(message: str, flags: dict[str, str]) -> str:
-    """``message`` with the Config fields it names (``host_memory``, ``Config.nvme_path``) put as
-    the command's flags (``flags``: field -> flag, e.g. "nvme_path" -> "--nvme-path"): errors
-    written for ``setup()`` callers, shown to a command-line user."""
-    for field, flag in flags.items():
-        message = re.sub(rf"(?<![\w-])(?:Config\.)?{field}(?![\w-])", flag, message)
-    return message
-
-
-def config_flags(fields) -> dict[str, str]:
-    """field -> ``--field-name`` for the Config ``fields`` a command takes as flags."""
-    return {field: "--" + field.replace("_", "-") for field in fields}
 
 
 def main(argv: list[str] | None = None) -> int:

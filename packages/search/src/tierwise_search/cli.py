@@ -7,8 +7,7 @@ import json
 import shlex
 import sys
 
-from tierwise.cli import config_flags, name_flags
-from tierwise.config import REDUCE_ORDERS, Config, ConfigError
+from tierwise.config import REDUCE_ORDERS, Config, ConfigError, config_flags, name_flags
 from tierwise.hardware import HardwareError
 from tierwise.plan import PlanError, fill_io_buffer_bytes
 from tierwise.units import parse_bytes

@@ -16,7 +16,7 @@ import torch
 
 import tierwise
 from tierwise import model_presets
-from tierwise.config import Config
+from tierwise.config import Config, config_flags, name_flags
 from tierwise.plan import PlanError
 from tierwise.plugins import get_plugin_host
 from tierwise.precision import optim_bytes, param_bytes
@@ -215,8 +215,6 @@ def _set_up(model, options: TrainOptions, config: Config, corpus: data.Corpus, w
             model, optimizer, config, example_batch=example_batch, weights=weights
         )
     except (PlanError, TierBudgetError) as err:
-        from tierwise.cli import config_flags, name_flags
-
         flags = config_flags(f.name for f in dataclasses.fields(Config) if "_" in f.name)
         raise TrainError(f"the plan does not fit: {name_flags(str(err), flags)}") from None
     except WeightsError as err:

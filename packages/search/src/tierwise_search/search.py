@@ -547,7 +547,8 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
         )
     total_s = best.prediction.total
     predicted_s = best.prediction.seconds
-    if search.times.forward_s <= 0:  # no compute known: a step time without it would be made up
+    if search.times.forward_s <= 0 and search.profile.source == "static":
+        # setup() without an example batch: no compute known, a step time would be made up
         predicted_s, total_s = {}, 0.0
         reasons.append(
             "no step-time prediction: the profile has no batch shape (setup() got no "

@@ -27,6 +27,7 @@ PUBLISHED_PARAMETERS = {
     ("llama", "1b"): 1_235_814_400,  # Llama-3.2-1B
     ("llama", "3b"): 3_212_749_824,  # Llama-3.2-3B
     ("llama", "7b"): 6_738_415_616,  # Llama-2-7b
+    ("llama", "8b"): 8_030_261_248,  # Llama-3.1-8B
     ("llama", "13b"): 13_015_864_320,  # Llama-2-13b
     ("llama", "70b"): 68_976_648_192,  # Llama-2-70b
     ("mixtral", "8x7b"): 46_702_792_704,  # Mixtral-8x7B-v0.1

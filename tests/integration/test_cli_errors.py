@@ -67,7 +67,7 @@ def test_plan_blames_the_nvme_disk_when_its_free_space_binds(tmp_path):
     first = error_lines(done.stderr)[0]
     assert first.startswith("tierwise plan: NVMe space binds:"), first
     assert "disk the free space is 77.00 GiB" in first and "free space on the NVMe disk" in first
-    assert "raise host_memory to" in first  # the other way out, with the size it needs
+    assert "raise --host-memory to" in first  # the other way out, with its flag (issue 38)
 
 
 def _mount_tmpfs(path, options: str) -> bool:
@@ -132,7 +132,7 @@ def test_train_blames_the_nvme_disk_when_its_free_space_binds(tmp_path, small_di
     line = assert_one_line_error(
         done, "train", "NVMe space binds", "free space on the NVMe disk", notes=("nvme tier: ",)
     )
-    assert "disk the free space is 1.00 MiB" in line and "raise host_memory to" in line
+    assert "disk the free space is 1.00 MiB" in line and "raise --host-memory to" in line
     notes = [note for note in error_lines(done.stderr)[:-1] if "Linux AIO is unavailable" in note]
     without = aio == "missing" or (aio == "this machine" and not _libaio_loads())
     # the AIO note comes where O_DIRECT works (else buffered I/O, noted instead, needs no AIO)

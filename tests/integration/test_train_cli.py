@@ -210,7 +210,7 @@ def test_nvme_tier_run_matches_in_memory_run(train, tmp_path):
 BAD_INPUTS = {
     "missing data": (["--data", "no/such/corpus.txt"], {}, "no such file or directory"),
     "unknown preset": (["--model", "gpt5"], {}, "choose one of gpt2, opt, llama, mixtral"),
-    "budget below the minimum plan": (["--device-memory", "1KiB"], {}, "raise device_memory"),
+    "budget below the minimum plan": (["--device-memory", "1KiB"], {}, "raise --device-memory"),
     "nvme without the plugin": (
         ["--nvme-path", "."],
         {"TIERWISE_DISABLE_PLUGINS": "nvme"},

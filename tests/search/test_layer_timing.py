@@ -70,3 +70,32 @@ def test_an_op_the_real_kernel_refuses_means_no_times():
     # addmm refuses them (as the real forward would)
     profile = profile_model(Twice(), torch.randn(8, 96), precision="bf16", time_layers=True)
     assert profile.layer_flops and profile.layer_forward_s == {}
+
+
+def test_each_layer_gets_a_measured_backward_and_a_frozen_weight_needs_no_gradient():
+    """[Note: backward timing]: autograd's backward of each forward op, with the inputs that
+    required a gradient in the step; a frozen layer's weight is recorded as needing none."""
+    model = Twice()
+    model.once.requires_grad_(False)
+    profile = profile_model(
+        model, torch.randn(8, 96), precision="fp32", device="cpu", time_layers=True
+    )
+    backward = profile.layer_backward_s
+    assert {"once", "twice", "norm"} <= set(backward)
+    assert backward["twice"] > 0 and backward["norm"] > 0
+    assert set(backward) == set(profile.layer_forward_s)
+    # once is frozen and its input is the batch (no gradient): nothing to run backward for
+    assert backward["once"] == 0
+
+
+def test_the_search_takes_the_measured_backward():
+    from tierwise.hardware import Hardware
+    from tierwise_search.compute import layer_times
+    from tierwise_search.rates import resolve_rates
+
+    profile = profile_model(
+        Twice(), torch.randn(8, 96), precision="fp32", device="cpu", time_layers=True
+    )
+    times = layer_times(profile, resolve_rates(Hardware(device_type="cpu")).compute)
+    assert times.backward == pytest.approx(sum(profile.layer_backward_s.values()))
+    assert "measured per layer" in times.source

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -101,11 +102,16 @@ def test_plan_command_prints_each_blocks_activation_choice(run_plan, config_json
     import transformers
 
     layers = transformers.AutoConfig.from_pretrained(config_json.parent).num_hidden_layers
-    for index in range(layers):  # one row per decoder layer, with the action the search chose
-        row = next(
-            line for line in out.splitlines() if line.split()[:1] == [f"model.layers.{index}"]
-        )
-        assert row.split()[-1] in ("host", "recompute")
+    # every decoder layer has the action the search chose, in a row of its own or in a run of
+    # consecutive layers with the same action ("model.layers.0–3  host", issue 38)
+    covered = []
+    for line in out.splitlines():
+        match = re.fullmatch(r"\s*model\.layers\.(\d+)(?:–(\d+))?\s+(\S+)", line)
+        if match:
+            first, last = int(match[1]), int(match[2] or match[1])
+            assert match[3] in ("host", "recompute")
+            covered += range(first, last + 1)
+    assert covered == list(range(layers))
 
 
 def test_plan_reports_the_host_buffers_of_loading_and_saving_weights(capsys):

@@ -174,15 +174,17 @@ def test_host_binding_error_names_the_tier_and_the_remedies(run_plan, config_jso
         # the model data left in host memory once the device's room beside its rCache holds
         # what it can ([Note: the device margin in the minimum plan]); load/save buffers are not
         # a training-time need ([Note: load/save buffers are not held through training])
-        r"host memory binds: .* needs [\d.]+ \w+ of model data in host memory, host_memory is "
+        r"host memory binds: .* needs [\d.]+ \w+ of model data in host memory, --host-memory is "
         r"300\.00 KiB: 63\.00 KiB short",
         first,
     )
     assert "bytes" not in first  # sizes for people, not raw byte counts
+    # the remedy names tierwise plan's flags, not Config fields (issue 38)
+    assert "--nvme-path" in first and "nvme_path" not in first and "host_memory" not in first
     text = "\n".join(remedies)
     assert "what would make it fit" in text
     assert re.search(
-        r"--nvme DIR: fits; the search would pick: chunk size [\d,]+, \d+ rCache blocks", text
+        r"--nvme-path DIR: fits; the search would pick: chunk size [\d,]+, \d+ rCache blocks", text
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -451,3 +452,17 @@ def _read_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: expected a table/object of Config fields")
     return data
+
+
+def name_flags(message: str, flags: dict[str, str]) -> str:
+    """``message`` with the Config fields it names (``host_memory``, ``Config.nvme_path``) put as
+    the command's flags (``flags``: field -> flag, e.g. "nvme_path" -> "--nvme-path"): errors
+    written for ``setup()`` callers, shown to a command-line user."""
+    for name, flag in flags.items():
+        message = re.sub(rf"(?<![\w-])(?:Config\.)?{name}(?![\w-])", flag, message)
+    return message
+
+
+def config_flags(fields) -> dict[str, str]:
+    """field -> ``--field-name`` for the Config ``fields`` a command takes as flags."""
+    return {name: "--" + name.replace("_", "-") for name in fields}

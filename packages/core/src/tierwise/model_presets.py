@@ -79,7 +79,7 @@ FAMILY_SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "66b": dict(hidden_size=9216, num_hidden_layers=64, num_attention_heads=72),
         "175b": dict(hidden_size=12288, num_hidden_layers=96, num_attention_heads=96),
     },
-    "llama": {  # Llama 3.2 1B and 3B, Llama 2 7B, 13B and 70B (their config.json)
+    "llama": {  # Llama 3.2 1B and 3B, Llama 3.1 8B, Llama 2 7B, 13B and 70B (their config.json)
         "1b": dict(
             hidden_size=2048,
             intermediate_size=8192,
@@ -95,6 +95,14 @@ FAMILY_SIZES: dict[str, dict[str, dict[str, Any]]] = {
             num_attention_heads=24,
             num_key_value_heads=8,
             tie_word_embeddings=True,
+        ),
+        "8b": dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            rope_theta=500000.0,
         ),
         "7b": dict(
             hidden_size=4096,
@@ -138,8 +146,44 @@ name in both, this wins over ``SIZES``. ``--size`` takes either, the same choice
 FAMILY_VOCAB = {"gpt2": 50257, "opt": 50272, "llama": 32000, "mixtral": 32000}
 """Vocabulary size of each family's released tokenizer (Llama 2's for llama)."""
 
-SIZE_VOCAB = {("llama", "1b"): 128256, ("llama", "3b"): 128256}
-"""Published sizes whose tokenizer differs from the family's (Llama 3.2's)."""
+SIZE_VOCAB = {("llama", "1b"): 128256, ("llama", "3b"): 128256, ("llama", "8b"): 128256}
+"""Published sizes whose tokenizer differs from the family's (Llama 3's)."""
+
+PUBLISHED_NAMES: dict[str, dict[str, str]] = {
+    "gpt2": {
+        "125m": "GPT-2 small",
+        "350m": "GPT-2 medium",
+        "medium": "GPT-2 medium",
+        "large": "GPT-2 large",
+        "xl": "GPT-2 XL",
+        "4b": "Elixir's GPT-2 4B",
+        "10b": "Elixir's GPT-2 10B",
+        "15b": "Elixir's GPT-2 15B",
+        "20b": "Elixir's GPT-2 20B",
+    },
+    "opt": {
+        "125m": "OPT-125m",
+        "350m": "OPT-350m",
+        "1.3b": "OPT-1.3b",
+        "2.7b": "OPT-2.7b",
+        "6.7b": "OPT-6.7b",
+        "13b": "OPT-13b",
+        "30b": "OPT-30b",
+        "66b": "OPT-66b",
+        "175b": "OPT-175b",
+    },
+    "llama": {
+        "1b": "Llama-3.2-1B",
+        "3b": "Llama-3.2-3B",
+        "7b": "Llama-2-7B",
+        "8b": "Llama-3.1-8B",
+        "13b": "Llama-2-13B",
+        "70b": "Llama-2-70B",
+    },
+    "mixtral": {"8x7b": "Mixtral-8x7B"},
+}
+"""The model (or paper shape) each family's published ``--size`` names stands for; the family's
+other choices are tierwise's own shapes (``SIZES``)."""
 
 
 def released_vocab(family: str, size: str) -> int:
@@ -149,11 +193,51 @@ def released_vocab(family: str, size: str) -> int:
 
 
 def size_names() -> list[str]:
-    """Every ``--size`` choice: the shared sizes, then each family's published ones."""
+    """Every ``--size`` name of any family: the shared sizes, then each family's published ones."""
     names = list(SIZES)
     for sizes in FAMILY_SIZES.values():
         names += [name for name in sizes if name not in names]
     return names
+
+
+def family_size_names(family: str) -> list[str]:
+    """The ``--size`` choices of ``family``: the sizes named after its published models first
+    (in ``PUBLISHED_NAMES`` order), then tierwise's own shapes of the other names."""
+    published = list(PUBLISHED_NAMES.get(family, {}))
+    return published + [name for name in SIZES if name not in published]
+
+
+def describe_sizes(family: str) -> str:
+    """The choices of ``family`` for a message or ``--help``: "1b (Llama-3.2-1B), ...; tierwise's
+    own shapes: tiny, small, ..."."""
+    published = PUBLISHED_NAMES.get(family, {})
+    named = ", ".join(f"{size} ({model})" for size, model in published.items())
+    own = ", ".join(name for name in family_size_names(family) if name not in published)
+    return "; ".join(
+        part for part in (named, f"tierwise's own shapes: {own}" if own else "") if part
+    )
+
+
+def size_help() -> str:
+    """``--help`` of ``--size``: each family's choices."""
+    per_family = "; ".join(
+        f"{family}: {', '.join(family_size_names(family))}" for family in FAMILIES
+    )
+    return (
+        f"preset size of --model's family (default 125m): {per_family}; a size named after a "
+        "published model has its exact shape (llama 8b is Llama-3.1-8B)"
+    ).replace("%", "%%")
+
+
+def check_size(family: str, size: str, *, flag: str = "--size") -> None:
+    """Refuse a ``size`` that ``family`` does not have, listing that family's choices."""
+    if family in FAMILIES and size not in family_size_names(family):
+        close = difflib.get_close_matches(size, family_size_names(family), n=1, cutoff=0.5)
+        raise ModelError(
+            f"unknown {flag} {size!r} for --model {family}"
+            + (f" (did you mean {close[0]}?)" if close else "")
+            + f": choose one of {describe_sizes(family)}"
+        )
 
 
 class ModelError(Exception):
@@ -172,6 +256,33 @@ def transformers_module():
     return transformers
 
 
+def add_lora(model, *, rank: int, alpha: float | None = None, targets: str | None = None):
+    """``model`` (on any device, the meta device included) with PEFT LoRA adapters of ``rank``
+    on ``targets`` (comma-separated module names; None: PEFT's default for the model type),
+    everything else frozen: what ``tierwise train --lora`` trains and ``tierwise plan --lora``
+    plans. A ``ModelError`` when peft is missing or no target matches."""
+    try:
+        import peft
+    except ImportError:
+        raise ModelError("--lora needs peft: pip install 'tierwise[peft]'") from None
+    target_modules = [t.strip() for t in targets.split(",") if t.strip()] if targets else None
+    config = peft.LoraConfig(
+        r=rank,
+        lora_alpha=alpha if alpha is not None else 2 * rank,
+        lora_dropout=0.0,
+        target_modules=target_modules,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as err:  # no target module found, or no default for this model type
+        first = str(err).strip().splitlines()[0]
+        raise ModelError(
+            f"--lora-targets {targets or '(PEFT default)'}: {first}; name the model's linear "
+            "layers, e.g. --lora-targets q_proj,v_proj"
+        ) from None
+
+
 def preset_config(family: str, size: str, *, vocab_size: int, eos_id: int, max_positions: int):
     """The HF config of a preset (dropout off, vocabulary of the tokenizer)."""
     if family not in FAMILIES:
@@ -179,11 +290,8 @@ def preset_config(family: str, size: str, *, vocab_size: int, eos_id: int, max_p
             f"unknown --model {family!r}: choose one of {', '.join(FAMILIES)}, "
             "or give --model-config path/to/config.json"
         )
+    check_size(family, size)
     published = FAMILY_SIZES.get(family, {})
-    if size not in SIZES and size not in published:
-        raise ModelError(
-            f"unknown --size {size!r} for {family}: choose one of {', '.join([*SIZES, *published])}"
-        )
     tf = transformers_module()
     ids = dict(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
     if size in published:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,24 +210,67 @@ class Plan(JsonDataclass):
             rows.append((f"group {group}", where))
         if self.activation_policy:
             rows.append(("activations", _count(list(self.activation_policy.values()))))
-            rows += [(f"  {name}", action) for name, action in self.activation_policy.items()]
+            lines = [f"{name}\t{action}" for name, action in self.activation_policy.items()]
+            for line in collapse_runs(lines):
+                name, _, action = line.partition("\t")
+                rows.append((f"  {name}", action))
         if self.activation_allowance is not None:
             rows.append(("activation allowance", format_bytes(self.activation_allowance)))
         for key, value in self.predicted_step_s.items():
             rows.append((f"predicted {key}", f"{value * 1e3:.4g} ms"))
+        if not self.predicted_step_s and self.planner != "core":
+            rows.append(("predicted step", "- (no batch shape: give setup() an example_batch)"))
         if self.predicted_tflops is not None:
             rows.append(("predicted TFLOPS per rank", f"{self.predicted_tflops:.1f}"))
         if self.predicted_tokens_per_s is not None:
             rows.append(("predicted tokens/s", f"{self.predicted_tokens_per_s:,.0f}"))
         width = max(len(k) for k, _ in rows)
         lines = [f"{k:<{width}}  {v}" for k, v in rows]
-        lines += [f"  why: {r}" for r in self.reasons]
+        lines += [f"  why: {r}" for r in collapse_runs(self.reasons)]
         for alt in self.alternatives:
             lines.append(f"  rejected: {alt.get('summary', '?')} — {alt.get('why', '')}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
+
+
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def collapse_runs(lines: list[str]) -> list[str]:
+    """Consecutive lines that differ only in one number counting up by one (the same text for
+    ``model.layers.0`` .. ``model.layers.31``) as one line with the range: "model.layers.0–31
+    keep". Lines differing in anything else stay apart."""
+    runs: list[dict[str, Any]] = []
+    for line in lines:
+        parts, numbers = _NUMBER.split(line), _NUMBER.findall(line)
+        run = runs[-1] if runs else None
+        if run is not None and run["parts"] == parts and len(run["last"]) == len(numbers):
+            differ = [
+                i for i, (a, b) in enumerate(zip(run["last"], numbers, strict=True)) if a != b
+            ]
+            if (
+                len(differ) == 1
+                and run["index"] in (None, differ[0])
+                and numbers[differ[0]].isdigit()
+                and run["last"][differ[0]].isdigit()
+                and int(numbers[differ[0]]) == int(run["last"][differ[0]]) + 1
+            ):
+                run.update(index=differ[0], last=numbers)
+                continue
+        runs.append(
+            {"line": line, "parts": parts, "first": numbers, "last": numbers, "index": None}
+        )
+    out = []
+    for run in runs:
+        if run["index"] is None:
+            out.append(run["line"])
+            continue
+        numbers = list(run["first"])
+        numbers[run["index"]] += "–" + run["last"][run["index"]]
+        out.append("".join(p + n for p, n in zip(run["parts"], [*numbers, ""], strict=True)))
+    return out
 
 
 def _count(tiers: list[str]) -> str:

@@ -58,6 +58,10 @@ class Profile(JsonDataclass):
     layer_matmul_s: dict[str, float] = field(default_factory=dict)
     """Of ``layer_forward_s``, the seconds of matrix products and attention kernels (whose
     backward runs two products per forward one; the rest is memory-bound)."""
+    layer_backward_s: dict[str, float] = field(default_factory=dict)
+    """Measured backward time per layer on the compute device, seconds: autograd's backward of
+    each of its forward ops (empty when unknown: the search then prices backward from the
+    forward)."""
     layer_ops: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     """Forward ops per layer by op class ("matmul", "attention", "memory": element-wise, norms,
     softmax, copies): ``[flops, bytes, count]`` per distinct shape, bytes being what the op reads

@@ -15,7 +15,9 @@ TOP = 5
 
 
 def add_commands(subparsers: Any) -> None:
-    from tierwise_profiler.presets import FAMILIES, size_names
+    from tierwise.model_presets import size_help
+
+    from tierwise_profiler.presets import FAMILIES
 
     profile = subparsers.add_parser(
         "profile",
@@ -28,9 +30,7 @@ def add_commands(subparsers: Any) -> None:
         required=True,
         help=f"a preset family ({', '.join(FAMILIES)}) or the path of an HF config.json",
     )
-    profile.add_argument(
-        "--size", default="125m", choices=size_names(), help="preset size (default 125m)"
-    )
+    profile.add_argument("--size", default="125m", help=size_help())
     profile.add_argument("--seq", type=int, default=1024, help="sequence length")
     profile.add_argument("--batch", type=int, default=1, help="batch size")
     profile.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))

@@ -23,7 +23,12 @@ from tierwise.profile import ParamInfo, Profile
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from tierwise_profiler.op_timing import OpLog, layer_forward_seconds, layer_matmul_seconds
+from tierwise_profiler.op_timing import (
+    OpLog,
+    layer_backward_seconds,
+    layer_forward_seconds,
+    layer_matmul_seconds,
+)
 from tierwise_profiler.recorder import StepRecorder
 
 DTYPES = {p: compute_dtype(p) for p in PRECISIONS}
@@ -64,7 +69,8 @@ def profile_model(
     parameters (and so of activations). ``activation_checkpointing`` turns on Hugging Face
     activation checkpointing for the step when the model supports it and has it off.
     ``time_layers`` also measures ``layer_forward_s`` on ``device`` by running each distinct
-    forward op once for real (see [Note: layer timing]: about one block's forward).
+    forward op once for real (see [Note: layer timing]: about one block's forward), and
+    ``layer_backward_s`` by running autograd's backward of each ([Note: backward timing]).
 
     Raises :class:`MetaProfileError` naming the op when the step cannot run on fake tensors
     (it needs tensor values, or the op has no fake implementation).
@@ -107,6 +113,7 @@ def profile_model(
         record = recorder.result()
     layer_forward_s = layer_forward_seconds(op_log) if op_log is not None else {}
     layer_matmul_s = layer_matmul_seconds(op_log, layer_forward_s) if op_log is not None else {}
+    layer_backward_s = layer_backward_seconds(op_log) if layer_forward_s else {}
     batch_size, seq_len = _batch_shape(example_batch)
     forward_counts: dict[str, int] = {}
     for name in record.forward_order:
@@ -123,6 +130,7 @@ def profile_model(
         layer_ops=record.layer_ops,
         layer_forward_s=layer_forward_s,
         layer_matmul_s=layer_matmul_s,
+        layer_backward_s=layer_backward_s,
         peak_activation_bytes=record.peak_bytes,
         buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
         batch_size=batch_size,

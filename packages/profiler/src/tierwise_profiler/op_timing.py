@@ -14,6 +14,13 @@ the rest of the process (another profile of the same shapes reuses it). Transfor
 blocks repeat the same signatures, so a round costs about one block's forward (plus the
 embedding, head and loss). A layer's forward time is the sum over its ops.
 
+[Note: backward timing] A layer's backward is timed the same way, not taken as a multiple of its
+forward: each distinct op runs again with the floating inputs that required a gradient in the
+step (``TensorSpec.requires_grad``: a frozen weight gets none) as leaves, and autograd's own
+backward of that op (``torch.autograd.grad``) is timed. The ratio is far from the textbook 2x
+on some devices: on an AVX2 CPU without bf16 instructions a bf16 matmul's input gradient ran
+7x its forward (bench/results/cpu-2026-11-27b), and a frozen weight's missing product is ~1x.
+
 No times (an empty dict) when the compute device is not the one fake tensors stood in for (a
 CUDA profile on a CPU-only machine), when the made-up inputs would exceed ``REPLAY_MAX_BYTES``
 (a model too large to time cheaply), or when an op cannot run on made-up values. Python and
@@ -25,7 +32,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +44,10 @@ MAX_SECONDS = 2.0
 """... or fewer, once this long has passed (at least one)."""
 REPLAY_MAX_BYTES = 1 << 30
 """Most bytes of made-up inputs (all distinct ops together); a model needing more is not timed."""
+
+CLOCK = time.perf_counter
+"""What op times are read with: wall time. A reference measured on a shared machine may set
+``time.process_time`` with one thread, the time of an idle core (tests/search/fixtures)."""
 
 _MEASURED: dict[str, float] = {}
 """Op signature -> seconds, measured once per process: profiling the same model again (another
@@ -51,6 +62,9 @@ class TensorSpec:
     stride: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    requires_grad: bool = field(default=False, repr=False)
+    """The tensor needed a gradient in the step ([Note: backward timing]); not part of the
+    forward signature (the forward runs the same whether or not it did)."""
 
     @property
     def storage_numel(self) -> int:
@@ -76,7 +90,9 @@ class TensorSpec:
 
 def _spec(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return TensorSpec(tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+        return TensorSpec(
+            tuple(x.shape), tuple(x.stride()), x.dtype, x.device, bool(x.requires_grad)
+        )
     return x
 
 
@@ -88,12 +104,17 @@ class OpLog:
         """Layer -> signature key -> calls."""
         self.ops: dict[str, tuple[Any, Any, Any]] = {}
         """Signature key -> (op, args, kwargs) with tensors as TensorSpecs."""
+        self.forward_key: dict[str, str] = {}
+        """Signature key -> its forward signature (without which inputs needed a gradient)."""
 
     def add(self, layer: str, func: Any, args: tuple, kwargs: dict) -> None:
         specs = tree_map(_spec, (args, kwargs))
-        key = f"{func}{specs!r}"
+        forward_key = f"{func}{specs!r}"
+        needs = [x.requires_grad for x in tree_flatten(specs)[0] if isinstance(x, TensorSpec)]
+        key = forward_key + "|grad:" + "".join("1" if need else "0" for need in needs)
         if key not in self.ops:
             self.ops[key] = (func, *specs)
+            self.forward_key[key] = forward_key
         counts = self.calls.setdefault(layer, {})
         counts[key] = counts.get(key, 0) + 1
 
@@ -120,32 +141,122 @@ def _ready_call(func: Any, args: Any, kwargs: Any) -> Callable[[], Any]:
     return call
 
 
+def _enough(times: dict[str, list[float]], round_index: int, elapsed: float) -> bool:
+    """Whether to stop after round ``round_index`` (0: the warm-up). Past ``MAX_SECONDS`` the
+    timed rounds so far are kept; a warm-up round that alone took that long is the measurement
+    (another round would double a long profile for little), otherwise it is dropped."""
+    if elapsed > MAX_SECONDS:
+        return True
+    if round_index == 0:
+        for values in times.values():
+            values.clear()
+    return False
+
+
 def layer_forward_seconds(log: OpLog) -> dict[str, float]:
     """Seconds of each layer's forward ops on the devices the ops named (see
     [Note: layer timing]); the caller checks that those are the compute device."""
     if sum(_op_bytes(args, kwargs) for _, args, kwargs in log.ops.values()) > REPLAY_MAX_BYTES:
         return {}
-    todo = {key: op for key, op in log.ops.items() if key not in _MEASURED}
+    todo = {}
+    for key, op in log.ops.items():
+        if log.forward_key[key] not in _MEASURED:
+            todo.setdefault(log.forward_key[key], op)
     times: dict[str, list[float]] = {key: [] for key in todo}
     try:
         calls = {key: _ready_call(*op) for key, op in todo.items()}
-        started = time.perf_counter()
+        started = CLOCK()
         with torch.no_grad():
             for round_index in range(1 + ROUNDS):  # the first round warms up
                 outputs = []  # alive until the round ends, as a forward keeps its activations
                 for key, call in calls.items():
-                    begin = time.perf_counter()
+                    begin = CLOCK()
                     outputs.append(call())
-                    if round_index:
-                        times[key].append(time.perf_counter() - begin)
+                    times[key].append(CLOCK() - begin)
                 del outputs
-                if round_index and time.perf_counter() - started > MAX_SECONDS:
+                if _enough(times, round_index, CLOCK() - started):
                     break
     except Exception:  # noqa: BLE001 - an op that needs real values: no measurement at all
         return {}
     _MEASURED.update({key: statistics.median(values) for key, values in times.items()})
     return {
-        layer: sum(_MEASURED[key] * calls for key, calls in counts.items())
+        layer: sum(_MEASURED[log.forward_key[key]] * calls for key, calls in counts.items())
+        for layer, counts in log.calls.items()
+    }
+
+
+_MEASURED_BACKWARD: dict[str, float] = {}
+"""Op signature -> seconds of its backward, measured once per process."""
+
+
+def _ready_backward(func: Any, args: Any, kwargs: Any) -> Callable[[], Any] | None:
+    """A call that runs ``func`` forward on made-up inputs, untimed, and returns the timed part:
+    autograd's backward of it (None when no input needs a gradient)."""
+    specs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, TensorSpec)]
+    if not any(x.requires_grad and x.dtype.is_floating_point for x in specs):
+        return None
+
+    def make(x: Any) -> Any:
+        if not isinstance(x, TensorSpec):
+            return x
+        tensor = x.make()
+        if x.requires_grad and x.dtype.is_floating_point:
+            tensor = tensor.detach().requires_grad_()
+        return tensor
+
+    real_args, real_kwargs = tree_map(make, (args, kwargs))
+    leaves = [x for x in tree_flatten((real_args, real_kwargs))[0] if isinstance(x, torch.Tensor)]
+    inputs = [x for x in leaves if x.requires_grad]
+    cuda = {x.device for x in leaves if x.device.type == "cuda"}
+
+    def forward() -> Callable[[], Any] | None:
+        with torch.enable_grad():
+            out = func(*real_args, **real_kwargs)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outs:
+            return None
+        grads = [torch.rand_like(t) for t in outs]
+
+        def backward() -> Any:
+            result = torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+            for device in cuda:
+                torch.cuda.synchronize(device)
+            return result
+
+        return backward
+
+    return forward
+
+
+def layer_backward_seconds(log: OpLog) -> dict[str, float]:
+    """Seconds of each layer's backward: autograd's backward of each of its forward ops ([Note:
+    backward timing]); empty when the forward was not timed or an op cannot be replayed."""
+    if sum(_op_bytes(args, kwargs) for _, args, kwargs in log.ops.values()) > REPLAY_MAX_BYTES:
+        return {}
+    todo = {key: op for key, op in log.ops.items() if key not in _MEASURED_BACKWARD}
+    times: dict[str, list[float]] = {key: [] for key in todo}
+    try:
+        forwards = {key: _ready_backward(*op) for key, op in todo.items()}
+        started = CLOCK()
+        for round_index in range(1 + ROUNDS):  # the first round warms up
+            outputs = []
+            for key, forward in forwards.items():
+                backward = forward() if forward is not None else None
+                if backward is None:
+                    continue
+                begin = CLOCK()
+                outputs.append(backward())
+                times[key].append(CLOCK() - begin)
+            del outputs
+            if _enough(times, round_index, CLOCK() - started):
+                break
+    except Exception:  # noqa: BLE001 - an op that needs real values: no measurement at all
+        return {}
+    _MEASURED_BACKWARD.update(
+        {key: statistics.median(values) if values else 0.0 for key, values in times.items()}
+    )
+    return {
+        layer: sum(_MEASURED_BACKWARD[key] * calls for key, calls in counts.items())
         for layer, counts in log.calls.items()
     }
 
@@ -159,9 +270,9 @@ def layer_matmul_seconds(log: OpLog, measured: dict[str, float]) -> dict[str, fl
         return {}
     return {
         layer: sum(
-            _MEASURED[key] * calls
+            _MEASURED[log.forward_key[key]] * calls
             for key, calls in counts.items()
-            if key in _MEASURED and counts_flops(log.ops[key][0])
+            if log.forward_key[key] in _MEASURED and counts_flops(log.ops[key][0])
         )
         for layer, counts in log.calls.items()
     }
@@ -173,6 +284,7 @@ __all__ = [
     "ROUNDS",
     "OpLog",
     "TensorSpec",
+    "layer_backward_seconds",
     "layer_forward_seconds",
     "layer_matmul_seconds",
 ]

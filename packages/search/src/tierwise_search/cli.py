@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
-from tierwise.config import REDUCE_ORDERS, Config, ConfigError
+from tierwise.config import REDUCE_ORDERS, Config, ConfigError, config_flags, name_flags
 from tierwise.hardware import HardwareError
 from tierwise.plan import PlanError, fill_io_buffer_bytes
 from tierwise.units import parse_bytes
@@ -14,7 +15,7 @@ from tierwise.units import parse_bytes
 
 def add_plan_command(subparsers) -> None:
     from tierwise.hardware import preset_names
-    from tierwise.model_presets import FAMILIES, size_names
+    from tierwise.model_presets import FAMILIES, size_help
 
     parser = subparsers.add_parser(
         "plan",
@@ -27,9 +28,7 @@ def add_plan_command(subparsers) -> None:
     parser.add_argument(
         "--model", required=True, help=f"{' | '.join(FAMILIES)} | path/to/config.json"
     )
-    parser.add_argument(
-        "--size", default="125m", choices=size_names(), help="preset size (default 125m)"
-    )
+    parser.add_argument("--size", default="125m", help=size_help())
     parser.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
     parser.add_argument("--batch", type=int, default=1, help="batch size per rank (default 1)")
     parser.add_argument(
@@ -59,7 +58,14 @@ def add_plan_command(subparsers) -> None:
         help="host budget of one node, shared by its ranks, e.g. 64GiB (default: this "
         "machine's when probing, unlimited with --hardware)",
     )
-    parser.add_argument("--nvme", default=None, metavar="PATH", help="directory for the NVMe tier")
+    parser.add_argument(
+        "--nvme-path",
+        "--nvme",
+        dest="nvme",
+        default=None,
+        metavar="DIR",
+        help="directory for the NVMe tier (the same flag as tierwise train's)",
+    )
     parser.add_argument(
         "--device", default=None, help="device to probe without --hardware (default cuda)"
     )
@@ -76,6 +82,21 @@ def add_plan_command(subparsers) -> None:
         choices=REDUCE_ORDERS,
         help="how gradients are summed across ranks (Config.reduce_order; default fast): "
         "rank counts one more device block with --gpus > 1",
+    )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=None,
+        metavar="R",
+        help="plan a LoRA fine-tune: PEFT adapters of rank R on the frozen model, as tierwise "
+        "train --lora builds it (the base gets no gradients and no optimizer states)",
+    )
+    parser.add_argument(
+        "--lora-targets",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated module names LoRA adapts (e.g. q_proj,v_proj); default: PEFT's "
+        "choice for the model type",
     )
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     parser.add_argument(
@@ -121,6 +142,26 @@ def add_plan_command(subparsers) -> None:
     parser.set_defaults(func=run_plan)
 
 
+PLAN_FLAGS = {
+    **config_flags(
+        (
+            "device_memory",
+            "host_memory",
+            "nvme_path",
+            "activation_offload",
+            "param_placement",
+            "optimizer_placement",
+            "optimizer_states",
+            "reduce_order",
+        )
+    ),
+    "activation_checkpointing": "--checkpointing",
+    "accumulation_steps": "--grad-accum",
+}
+"""Config fields ``tierwise plan`` takes as flags: its messages name the flag
+([tierwise.cli.name_flags])."""
+
+
 def plan_profile(args, config: Config):
     """The Profile to plan with. A deep model of identical layers is profiled as two short copies
     and replicated, as ``tierwise profile`` does ([Note: layer replication] in tierwise.planning.replicate);
@@ -147,6 +188,13 @@ def _profile_of(args, config: Config, cfg):
     from tierwise_search.hf_profile import meta_model, profile_hf_config
 
     model = meta_model(cfg)
+    if getattr(args, "lora", None) is not None:  # as tierwise train --lora builds it
+        from tierwise.model_presets import ModelError, add_lora
+
+        try:
+            model = add_lora(model, rank=args.lora, targets=args.lora_targets)
+        except ModelError as err:
+            raise ValueError(str(err)) from None
     ids = torch.zeros((args.batch, args.seq), dtype=torch.long, device="meta")
     try:
         profile = get_plugin_host().profile_model(
@@ -238,6 +286,12 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         if args.seq < 1 or args.batch < 1:
             raise ValueError(f"--seq {args.seq} --batch {args.batch}: both must be ≥ 1")
+        if args.lora is not None and args.lora < 1:
+            raise ValueError(f"--lora {args.lora}: the adapter rank must be at least 1")
+        if args.lora is None and args.lora_targets is not None:
+            raise ValueError("--lora-targets needs --lora R (the adapter rank)")
+        if args.lora is not None and args.validate:
+            raise ValueError("--validate runs full training: drop --lora to validate")
         if args.validate:
             if args.clip or args.rollback_rate or args.grad_accum not in (None, 1):
                 raise ValueError(
@@ -268,12 +322,12 @@ def run_plan(args: argparse.Namespace) -> int:
                 rollback_rate=args.rollback_rate,
             )
         except PlanError as err:
-            print(f"tierwise plan: {err}", file=sys.stderr)
+            print(f"tierwise plan: {name_flags(str(err), PLAN_FLAGS)}", file=sys.stderr)
             for line in remedies(args, target.hardware, err):
-                print(f"  {line}", file=sys.stderr)
+                print(f"  {name_flags(line, PLAN_FLAGS)}", file=sys.stderr)
             return 2
     except (ConfigError, HardwareError, PlanError, ValueError) as err:
-        print(f"tierwise plan: {err}", file=sys.stderr)
+        print(f"tierwise plan: {name_flags(str(err), PLAN_FLAGS)}", file=sys.stderr)
         return 2
     plan.reasons += target.notes
     fill_io_buffer_bytes(plan, profile)  # the host buffers loading and saving weights take
@@ -289,6 +343,7 @@ def run_plan(args: argparse.Namespace) -> int:
                         ranks=target.hardware.world_size,
                     ),
                     "plan": plan.to_dict(),
+                    "train_command": train_command(args),
                 },
                 indent=1,
             )
@@ -300,7 +355,50 @@ def run_plan(args: argparse.Namespace) -> int:
             f"{args.gpus} rank(s) on {target.hardware.nodes} node(s) · profile {profile.source}"
         )
         print(plan.table())
+        where = " (on the machine planned for)" if args.hardware else ""
+        print(f"\ntrain with this plan{where}:\n  {train_command(args)}")
     return 0
+
+
+def train_command(args: argparse.Namespace) -> str:
+    """The ``tierwise train`` command that runs what ``args`` planned: the same model, batch,
+    budgets and settings, as train's flags (torchrun for several ranks on a node)."""
+    from tierwise.model_presets import FAMILIES
+
+    if args.model in FAMILIES:
+        parts = ["--model", args.model, "--size", args.size]
+    else:
+        parts = ["--model-config", args.model]
+    parts += ["--seq", str(args.seq), "--batch", str(args.batch)]
+    optional = [
+        ("--lora", args.lora, None),
+        ("--lora-targets", args.lora_targets, None),
+        ("--grad-accum", args.grad_accum, None),
+        ("--precision", args.precision, "bf16"),
+        ("--optimizer-states", args.optimizer_states, "fp32"),
+        ("--device", args.device, None),
+        ("--device-memory", args.device_memory, None),
+        ("--host-memory", args.host_memory, None),
+        ("--nvme-path", args.nvme, None),
+        ("--activation-offload", args.activation_offload, "none"),
+        ("--param-placement", args.param_placement, "auto"),
+        ("--optimizer-placement", args.optimizer_placement, "auto"),
+        ("--reduce-order", args.reduce_order, "fast"),
+    ]
+    parts += [
+        str(x) for flag, value, default in optional if value != default for x in (flag, value)
+    ]
+    if args.checkpointing:
+        parts.append("--activation-checkpointing")
+    ranks = min(args.gpus, args.gpus_per_node or 8)
+    if args.gpus > 1:
+        launch = f"torchrun --nproc-per-node {ranks}"
+        if args.gpus > ranks:
+            launch += f" --nnodes {-(-args.gpus // ranks)} --node-rank N --master-addr HOST"
+        head = f"{launch} -m tierwise.cli train"
+    else:
+        head = "tierwise train"
+    return " ".join([head, *(shlex.quote(p) for p in parts)])
 
 
 def _families():
@@ -309,4 +407,4 @@ def _families():
     return FAMILIES
 
 
-__all__ = ["add_plan_command", "plan_config", "plan_profile", "run_plan"]
+__all__ = ["add_plan_command", "plan_config", "plan_profile", "run_plan", "train_command"]

@@ -2,7 +2,9 @@
 
 [Note: achievable compute] Three sources, best first:
 1. measured: ``Profile.layer_forward_s``, the profiler ran each distinct forward op on the
-   compute device (its [Note: layer timing]); what this machine really does.
+   compute device (its [Note: layer timing]); what this machine really does. The backward is
+   measured too when the profile has ``layer_backward_s`` (the profiler's [Note: backward
+   timing]); the ratios below price it otherwise.
 2. op classes: ``Profile.layer_ops`` lists each layer's forward ops as matmuls, fused attention
    and memory-bound ops (element-wise, norms, softmax, copies) with their FLOPs and bytes. An
    op's time is its roofline at what the device achieves, not at its datasheet peak:
@@ -105,10 +107,21 @@ def layer_times(profile: Profile, rates: ComputeRates) -> LayerTimes:
             for layer, seconds in layers.items()
         )
         forward = sum(layers.values())
+        how = f"{BACKWARD_OVER_FORWARD:g} x matmuls, {MEMORY_BACKWARD_OVER_FORWARD:g} x the rest"
+        if profile.layer_backward_s:  # measured too: profiler's [Note: backward timing]
+            backward = sum(
+                profile.layer_backward_s.get(
+                    layer,
+                    BACKWARD_OVER_FORWARD * matmul[layer]
+                    + MEMORY_BACKWARD_OVER_FORWARD * max(seconds - matmul[layer], 0.0),
+                )
+                for layer, seconds in layers.items()
+            )
+            how = "measured per layer"
         source = (
             f"compute: forward {forward * 1e3:.4g} ms measured per layer by the profiler "
             f"({sum(matmul.values()) * 1e3:.4g} ms of it matmuls), backward {backward * 1e3:.4g} "
-            f"ms ({BACKWARD_OVER_FORWARD:g} x matmuls, {MEMORY_BACKWARD_OVER_FORWARD:g} x the rest)"
+            f"ms ({how})"
         )
         return LayerTimes(forward, layers, source, backward_s=backward)
     ceiling = (

@@ -120,7 +120,12 @@ def profile_hf_config(
             info.aliases = (*info.aliases, name)
             continue
         first_name[key] = name
-        params[name] = ParamInfo(name=name, shape=tuple(param.shape), numel=param.numel())
+        params[name] = ParamInfo(
+            name=name,
+            shape=tuple(param.shape),
+            numel=param.numel(),
+            requires_grad=param.requires_grad,
+        )
     modules = {name: module for name, module in model.named_modules()}
     module_params = {
         name: [first_name[id(p)] for _, p in module.named_parameters(recurse=False)]

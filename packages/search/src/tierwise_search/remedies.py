@@ -17,7 +17,7 @@ from tierwise.plan import Plan, PlanError
 from tierwise.units import format_gib
 
 NVME_PLACEHOLDER = "DIR"
-"""The directory shown in ``--nvme DIR`` (only its presence changes the plan)."""
+"""The directory shown in ``--nvme-path DIR`` (only its presence changes the plan)."""
 MAX_GPUS_FACTOR = 8
 """More GPUs are tried at 2x, 4x, ... up to this factor of --gpus."""
 
@@ -25,7 +25,7 @@ MAX_GPUS_FACTOR = 8
 def candidates(args: argparse.Namespace, error: PlanError) -> Iterator[tuple[str, dict]]:
     """(flag as the user would type it, changed arguments) for each remedy that applies."""
     if not args.nvme and error.tier in ("host", None):
-        yield f"--nvme {NVME_PLACEHOLDER}", {"nvme": NVME_PLACEHOLDER}
+        yield f"--nvme-path {NVME_PLACEHOLDER}", {"nvme": NVME_PLACEHOLDER}
     if error.tier in ("device", None):
         if not args.checkpointing:
             yield "--checkpointing", {"checkpointing": True}
@@ -39,8 +39,35 @@ def candidates(args: argparse.Namespace, error: PlanError) -> Iterator[tuple[str
         yield f"--batch {args.batch // 2}", {"batch": args.batch // 2}
 
 
-def summary(plan: Plan) -> str:
-    """One line: the plan's chunk size, rCache, tiers and prediction."""
+def assumptions(plan: Plan, hardware: Hardware) -> str:
+    """The hardware figures behind the plan's predicted step, where they came from: the NVMe
+    rates when the plan uses NVMe, and any other figure the search had to assume
+    (``tierwise_search.rates.FALLBACKS``)."""
+    from tierwise_search.rates import resolve_rates
+
+    rates = resolve_rates(hardware)
+    tiers = plan.tier_names() | set(plan.activation_policy.values())
+    parts = []
+    if "nvme" in tiers:
+        known = not {"nvme_read_bandwidth", "nvme_write_bandwidth"} & set(rates.fallbacks)
+        parts.append(
+            f"NVMe {rates.nvme_read / 1e9:.3g} GB/s read, {rates.nvme_write / 1e9:.3g} GB/s "
+            + ("write" if known else "write assumed (not probed: tierwise probe --nvme-path DIR)")
+        )
+    assumed = {
+        "h2d_bandwidth": ("host->device", rates.h2d / 1e9, "GB/s"),
+        "host_adam_velocity": ("host Adam", rates.host_adam / 1e6, "M params/s"),
+        "device_flops": ("device", rates.flops / 1e12, "TFLOP/s"),
+    }
+    for name, (what, value, unit) in assumed.items():
+        if name in rates.fallbacks:
+            parts.append(f"{what} {value:.3g} {unit} assumed")
+    return "; ".join(parts)
+
+
+def summary(plan: Plan, hardware: Hardware | None = None) -> str:
+    """One line: the plan's chunk size, rCache, tiers and prediction (with the hardware figures
+    the prediction assumes when ``hardware`` is given)."""
     params = Counter(t for tiers in plan.param_tiers.values() for t in tiers)
     optim = Counter(t for tiers in plan.optim_tiers.values() for t in tiers)
     parts = [
@@ -50,7 +77,10 @@ def summary(plan: Plan) -> str:
         "optimizer " + ", ".join(f"{n}x{t}" for t, n in optim.items()),
     ]
     if plan.predicted_step_s:
-        parts.append(f"step {plan.predicted_step_s['total']:.3g} s")
+        based = assumptions(plan, hardware) if hardware is not None else ""
+        parts.append(
+            f"step {plan.predicted_step_s['total']:.3g} s" + (f" (at {based})" if based else "")
+        )
     if plan.predicted_tflops is not None:
         parts.append(f"{plan.predicted_tflops:.1f} TFLOPS/GPU")
     return ", ".join(parts)
@@ -83,9 +113,9 @@ class _Planner:
             return err
 
 
-def _outcome(result: Plan | PlanError) -> str:
+def _outcome(result: Plan | PlanError, hardware: Hardware) -> str:
     if isinstance(result, Plan):
-        return f"fits; the search would pick: {summary(result)}"
+        return f"fits; the search would pick: {summary(result, hardware)}"
     if result.tier is None:
         return f"does not fit either ({str(result).split(';')[0]})"
     return f"still short: {result.tier} by {format_gib(result.shortfall)}"
@@ -105,7 +135,7 @@ def remedies(args: argparse.Namespace, hardware: Hardware, error: PlanError) -> 
         gpus_fit |= "gpus" in changes and isinstance(result, Plan)
         if "gpus" in changes and not isinstance(result, Plan):
             continue  # only a GPU count that would fit is a remedy
-        lines.append(f"{flag}: {_outcome(result)}")
+        lines.append(f"{flag}: {_outcome(result, hardware)}")
     if not fits:  # combine: add the first remedy for whatever binds now, while one is left
         flags, changes, result = [], {}, error
         while isinstance(result, PlanError) and len(flags) < 4:
@@ -125,7 +155,7 @@ def remedies(args: argparse.Namespace, hardware: Hardware, error: PlanError) -> 
             changes.update(step[1])
             result = planner.plan(changes)
         if len(flags) > 1:
-            lines.append(f"{' '.join(flags)}: {_outcome(result)}")
+            lines.append(f"{' '.join(flags)}: {_outcome(result, hardware)}")
     return ["what would make it fit:", *(f"  {line}" for line in lines)] if lines else []
 
 

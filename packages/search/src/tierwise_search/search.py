@@ -487,7 +487,8 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
     optim_tiers: dict[str, list[str]] = {}
     for chunk, group in enumerate(table.group_of_chunk):
         param_tiers.setdefault(group, []).append(TIERS[placement.param_tier[chunk]])
-        optim_tiers.setdefault(group, []).append(TIERS[placement.optim_tier[chunk]])
+        if table.trainable[chunk]:  # a frozen chunk has no optimizer states
+            optim_tiers.setdefault(group, []).append(TIERS[placement.optim_tier[chunk]])
     all_params = [t for tiers in param_tiers.values() for t in tiers]
     all_optims = [t for tiers in optim_tiers.values() for t in tiers]
     n_device = all_params.count("device")
@@ -554,6 +555,15 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
             }
         )
     total_s = best.prediction.total
+    predicted_s = best.prediction.seconds
+    if search.times.forward_s <= 0 and search.profile.source == "static":
+        # setup() without an example batch: no compute known, a step time would be made up
+        predicted_s, total_s = {}, 0.0
+        reasons.append(
+            "no step-time prediction: the profile has no batch shape (setup() got no "
+            "example_batch); setup(model, optimizer, example_batch=batch) profiles one step and "
+            "predicts it"
+        )
     step_flops = (1 + BACKWARD_OVER_FORWARD) * sum(search.profile.layer_flops.values())
     tokens = (search.profile.batch_size or 0) * (search.profile.seq_len or 0)
     return Plan(
@@ -574,7 +584,7 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
             and search.profile.peak_activation_bytes > 0  # activations profiled
             else None
         ),
-        predicted_step_s=best.prediction.seconds,
+        predicted_step_s=predicted_s,
         predicted_bytes=best.prediction.bytes,
         predicted_tflops=step_flops / total_s / 1e12 if step_flops and total_s > 0 else None,
         predicted_tokens_per_s=(

@@ -193,6 +193,7 @@ def expand(short: Profile, prefix: str, layers: int, longer: Profile) -> Profile
         layer_flops=grow_dict(short.layer_flops, longer.layer_flops),
         layer_forward_s=grow_dict(short.layer_forward_s, longer.layer_forward_s),
         layer_matmul_s=grow_dict(short.layer_matmul_s, longer.layer_matmul_s),
+        layer_backward_s=grow_dict(short.layer_backward_s, longer.layer_backward_s),
         layer_ops=grow_dict(short.layer_ops),
         peak_activation_bytes=peak,
         buffer_bytes=short.buffer_bytes + extra * per_layer_buffers,

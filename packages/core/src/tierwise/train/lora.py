@@ -12,42 +12,23 @@ from pathlib import Path
 
 import torch
 
+from tierwise.model_presets import ModelError, add_lora
 from tierwise.train.errors import TrainError
 
 MODEL_FOLDER = "hf"
 """Run sub-folder describing the model: its config.json and, for LoRA, adapter_config.json."""
 
 
-def _peft():
-    try:
-        import peft
-    except ImportError:
-        raise TrainError("--lora needs peft: pip install 'tierwise[peft]'") from None
-    return peft
-
-
 def apply_lora(
     model: torch.nn.Module, *, rank: int, alpha: float | None, targets: str | None
 ) -> torch.nn.Module:
     """``model`` with LoRA adapters of ``rank`` on ``targets`` (comma-separated module names;
-    None: PEFT's default for the model type); everything else frozen."""
-    peft = _peft()
-    target_modules = [t.strip() for t in targets.split(",") if t.strip()] if targets else None
-    config = peft.LoraConfig(
-        r=rank,
-        lora_alpha=alpha if alpha is not None else 2 * rank,
-        lora_dropout=0.0,
-        target_modules=target_modules,
-        task_type="CAUSAL_LM",
-    )
+    None: PEFT's default for the model type); everything else frozen (core's
+    ``model_presets.add_lora``, which ``tierwise plan --lora`` plans with too)."""
     try:
-        return peft.get_peft_model(model, config)
-    except ValueError as err:  # no target module found, or no default for this model type
-        first = str(err).strip().splitlines()[0]
-        raise TrainError(
-            f"--lora-targets {targets or '(PEFT default)'}: {first}; name the model's linear "
-            "layers, e.g. --lora-targets q_proj,v_proj"
-        ) from None
+        return add_lora(model, rank=rank, alpha=alpha, targets=targets)
+    except ModelError as err:
+        raise TrainError(str(err)) from None
 
 
 PEFT_PREFIX = "base_model.model."

@@ -10,7 +10,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-from tierwise.model_presets import FAMILIES, size_names
+from tierwise.model_presets import FAMILIES, ModelError, check_size
 from tierwise.train.errors import TrainError
 
 FINITE_NUMBERS = (
@@ -59,10 +59,10 @@ class TrainOptions:
     """Preset family: gpt2, opt, llama or mixtral (random init); default: gpt2, unless
     --from-pretrained or --model-config names the model."""
     size: str | None = None
-    """Preset size (default: small): tiny, small, 125m, 350m, 1b, 3b, 7b, 13b, or a family's published size
-    (gpt2 medium..20b, opt 1.3b..175b, llama 70b, mixtral 8x7b); a name a family published has
-    that model's exact shape (llama 7b is Llama-2-7B, llama 1b Llama-3.2-1B); the same choices as
-    ``tierwise profile`` and ``tierwise plan``."""
+    """Preset size of the family (default: small): tiny, small, 125m, 350m, 1b, 3b, 7b, 13b, or a
+    family's published size (gpt2 medium..20b, opt 1.3b..175b, llama 8b and 70b, mixtral 8x7b); a
+    name a family published has that model's exact shape (llama 8b is Llama-3.1-8B, llama 1b
+    Llama-3.2-1B); the same choices as ``tierwise profile`` and ``tierwise plan``."""
     model_config: str | None = None
     """A Hugging Face config.json to build the model from (random init) instead of a preset."""
     from_pretrained: str | None = None
@@ -178,10 +178,11 @@ class TrainOptions:
             raise TrainError("--lora-alpha and --lora-targets need --lora R (the adapter rank)")
         if self.lora_alpha is not None and self.lora_alpha <= 0:
             fail("lora-alpha", "must be positive")
-        if self.size is not None and self.size not in size_names():
-            raise TrainError(
-                f"unknown --size {self.size!r}: choose one of {', '.join(size_names())}"
-            )
+        if self.size is not None and self.model_config is None and self.from_pretrained is None:
+            try:
+                check_size(self.model or "gpt2", self.size)
+            except ModelError as err:
+                raise TrainError(str(err)) from None
         for flag in ("steps", "batch", "grad-accum", "eval-batches"):
             if getattr(self, flag.replace("-", "_")) < 1:
                 fail(flag, "must be at least 1")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import functools
 import inspect
 import sys
@@ -20,7 +21,7 @@ import torch
 
 import tierwise
 from tierwise import model_presets
-from tierwise.config import Config
+from tierwise.config import Config, config_flags, name_flags
 from tierwise.plan import PlanError
 from tierwise.planning import totals
 from tierwise.plugins import get_plugin_host
@@ -371,7 +372,8 @@ def _set_up(model, options: TrainOptions, config: Config, corpus: blocks.Corpus,
             model, optimizer, config, example_batch=example_batch, weights=weights
         )
     except (PlanError, TierBudgetError) as err:
-        raise TrainError(f"the plan does not fit: {err}") from None
+        flags = config_flags(f.name for f in dataclasses.fields(Config) if "_" in f.name)
+        raise TrainError(f"the plan does not fit: {name_flags(str(err), flags)}") from None
     except WeightsError as err:
         raise TrainError(f"--from-pretrained {options.from_pretrained}: {err}") from None
 

@@ -117,3 +117,38 @@ def test_loss_scale_and_clip_factors_are_not_copied_per_chunk(precision):
         assert copies.count == 0
     finally:
         engine.close()
+
+
+def _stub_cuda(monkeypatch, *, count: int, current: int = 0) -> None:
+    """torch.cuda as on a node with ``count`` GPUs and device ``current`` current (no GPU is
+    touched: every other call fails the test)."""
+    forbid_cuda_calls(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+
+
+def test_cuda_under_torchrun_means_the_local_ranks_device(monkeypatch):
+    """Issue 37 ([Note: one GPU per rank]): under torchrun (LOCAL_RANK set) "cuda" is
+    cuda:LOCAL_RANK, not the current device 0 every rank starts with; so is an NCCL group's
+    device for an index-less compute device."""
+    from tierwise.parallel import collectives
+
+    _stub_cuda(monkeypatch, count=2, current=0)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert normalize_device("cuda") == torch.device("cuda", 1)
+    assert normalize_device("cuda:0") == torch.device("cuda", 0)  # explicit index kept
+    monkeypatch.setattr(collectives.dist, "get_backend", lambda group=None: "nccl")
+    backend = collectives.TorchDistributed()
+    assert backend.device(None, torch.device("cuda")) == torch.device("cuda", 1)
+    assert backend.device(None, None) == torch.device("cuda", 1)
+    assert backend.device(None, torch.device("cuda", 0)) == torch.device("cuda", 0)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert normalize_device("cuda") == torch.device("cuda", 0)  # no launcher: current device
+
+
+def test_ranks_of_a_node_sharing_a_gpu_is_an_error(monkeypatch):
+    _stub_cuda(monkeypatch, count=1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=1.*1 cuda device\(s\).*share"):
+        normalize_device("cuda")

@@ -23,6 +23,8 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+from tierwise.devices import normalize_device
+
 # torch 2.13 renamed the tensor collectives; keep torch>=2.4 working with the old names
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -34,11 +36,12 @@ class TorchDistributed:
 
     def device(self, group, compute: torch.device | None) -> torch.device:
         """The device ``group``'s collectives take tensors on: for NCCL the rank's CUDA device
-        (``compute`` when it is a CUDA device, else the current one), for gloo the CPU."""
+        (``compute`` when it is a CUDA device, else "cuda" as setup resolves it: [Note: one GPU
+        per rank]), for gloo the CPU."""
         if "nccl" in str(dist.get_backend(group)):
-            if compute is not None and compute.type == "cuda":
-                return compute if compute.index is not None else torch.device("cuda", 0)
-            return torch.device("cuda", torch.cuda.current_device())
+            if compute is not None and compute.type == "cuda" and compute.index is not None:
+                return compute
+            return normalize_device("cuda")
         return torch.device("cpu")
 
     def move(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

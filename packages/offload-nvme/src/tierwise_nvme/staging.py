@@ -23,6 +23,7 @@ import threading
 from typing import TYPE_CHECKING
 
 import torch
+from tierwise.parallel.timeouts import waited_too_long
 from tierwise.probe import available_host_memory
 from tierwise.units import format_bytes
 
@@ -55,7 +56,9 @@ def read_pool_count(*, block_size: int, queue_depth: int, host: int | None) -> i
 class StagingPool:
     """``count`` buffers of ``buffer_bytes`` each, allocated on first use and then reused."""
 
-    def __init__(self, *, buffer_bytes: int, count: int, pin: bool = False) -> None:
+    def __init__(
+        self, *, buffer_bytes: int, count: int, pin: bool = False, timeout_s: float = 600.0
+    ) -> None:
         if buffer_bytes <= 0 or count <= 0:
             raise ValueError(
                 f"StagingPool needs buffer_bytes > 0 and count > 0, got {buffer_bytes} and {count}"
@@ -63,6 +66,8 @@ class StagingPool:
         self.buffer_bytes = buffer_bytes
         self.count = count
         self.pin = pin
+        self.timeout_s = timeout_s
+        """Seconds ``acquire`` waits for a buffer to come back ([Note: bounded waits])."""
         self._buffers: list[torch.Tensor] = []
         self._free: list[torch.Tensor] = []
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> buffer
@@ -124,7 +129,11 @@ class StagingPool:
             while not self._free and len(self._buffers) == self.count:
                 if not block:
                     return None
-                self._cond.wait()
+                if not self._cond.wait(timeout=self.timeout_s):  # [Note: bounded waits]
+                    raise waited_too_long(
+                        f"a staging buffer to come back ({len(self._lent)} of {self.count} lent)",
+                        self.timeout_s,
+                    )
             if self._free:
                 buffer = self._free.pop()
             else:

@@ -307,6 +307,7 @@ class NVMeTier(Tier):
             buffer_bytes=buffer_bytes,
             count=states * (lookahead + 2),
             pin=self.device.type == "cuda",
+            timeout_s=self.options.timeout_s,
         )
         pipeline = NVMeOptimizerPipeline(tier=self, pool=pool, lookahead=lookahead)
         self._pipelines.add(pipeline)

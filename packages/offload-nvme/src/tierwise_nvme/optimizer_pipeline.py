@@ -250,6 +250,8 @@ class NVMeOptimizerPipeline:
         return self._queue.popleft()
 
     def _process(self, job: _Job, upcoming: list[_Job]) -> None:
+        # the worker touches host memory only: the update posts a device home's new values to
+        # the engine's thread ([Note: CUDA threading model] in tierwise.runtime.step.home_writes)
         if job.buffers is None:
             self._wait_for_buffers(job)
             self._start_reads(job)

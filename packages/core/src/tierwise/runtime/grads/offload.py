@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 class GradientOffload:
     """See [Note: active gradient offloading]. Owned by the engine; the optimizer pipeline's
-    worker thread calls ``consumed``."""
+    worker thread calls ``consumed`` (host buffers only: [Note: CUDA threading model])."""
 
     def __init__(
         self,

@@ -9,6 +9,8 @@ back (clipping seen, fp16, the first step), the worker first copies the chunk's 
 counted in the host tier: when the budget has no room for one, that chunk is updated after
 backward instead (``submit`` says False). ``wait`` is called before anything reads the states
 (the step's checks, a rollback, a checkpoint), and re-raises the first error of an update.
+The worker touches host memory only: a device home's new values go to the engine's thread
+([Note: CUDA threading model]); ``wait`` is bounded ([Note: bounded waits]).
 """
 
 from __future__ import annotations

@@ -123,7 +123,9 @@ class Speculation:
     ) -> None:
         """A chunk's gradients for this backward are in its gradient storage: start its update
         on its tier's ``pipeline`` (LoHan's active gradient offloading, speculative: [Note:
-        speculative updates]) or at least the read of its optimizer states."""
+        speculative updates]) or at least the read of its optimizer states. Issues the device
+        home writes that workers posted so far ([Note: CUDA threading model])."""
+        self.updates.home_writes.flush()
         if pipeline is None:
             if self._host_resident(chunk) and self._speculation(in_no_sync)[0]:
                 self._update_on_host_worker(chunk)
@@ -147,7 +149,8 @@ class Speculation:
         self.step_undo.begin()  # the step begins here: [Note: atomic optimizer step]
         # its cached copy goes stale, but nothing reads it again in this backward: all of
         # its gradients are in; step() drops every cached copy
-        self.updates.submit(pipeline, chunk, self.updates.build(chunk, hyper, self.unscale()))
+        update = self.updates.build(chunk, hyper, self.unscale(), on_worker=True)
+        self.updates.submit(pipeline, chunk, update)
         self.updates.count_traffic(chunk)
 
     def _host_resident(self, chunk: Chunk) -> bool:
@@ -175,7 +178,7 @@ class Speculation:
             hyper=hyper, has_grad=tuple(s.has_grad for s in chunk.slots)
         )
         self.step_undo.begin()
-        update = self.updates.build(chunk, hyper, self.unscale())
+        update = self.updates.build(chunk, hyper, self.unscale(), on_worker=True)
         self.updates.count_traffic(chunk)
         self.grad_states.move(chunk, GradState.UPDATING, _OWNER)
         self.host_updates.submit(chunk, states, update, on_done=lambda: self.updates.done(chunk))
@@ -200,13 +203,16 @@ class Speculation:
         return None
 
     def drop_host_updates(self) -> None:
-        """Wait for the host worker's updates and put their states back (none is kept)."""
+        """Wait for the host worker's updates and put their states back (none is kept); issue
+        the home writes workers posted ([Note: CUDA threading model])."""
+        if self.host_updates is not None:
+            try:
+                self.host_updates.wait()
+            except Exception:  # noqa: S110 - nothing of these updates is kept, failed or not
+                pass
+        self.updates.home_writes.flush()  # pipelines' too: before StepUndo puts homes back
         if self.host_updates is None:
             return
-        try:
-            self.host_updates.wait()
-        except Exception:  # noqa: S110 - nothing of these updates is kept, failed or not
-            pass
         self.host_updates.restore()
         self.host_updates.release()
 
@@ -221,6 +227,7 @@ class Speculation:
             self.host_updates.wait()
             self.host_updates.restore()
             self.host_updates.release()
+        self.updates.home_writes.flush()  # before StepUndo puts the homes back
         self.step_undo.restore()
         offload = self.storage.grad_offload
         lost = [

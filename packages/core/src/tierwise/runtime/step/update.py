@@ -14,6 +14,7 @@ from tierwise.optim import AdamHyper, StepCounts, adam_update_ranges, adam_updat
 from tierwise.optim.state_formats import LowBitMoments
 from tierwise.runtime.grads.states import GradStates
 from tierwise.runtime.grads.storage import GradStorage
+from tierwise.runtime.step.home_writes import HomeWrites, host_values, written_by_engine
 from tierwise.runtime.step.undo import StepUndo
 from tierwise.runtime.traffic import Traffic
 
@@ -70,6 +71,9 @@ class ChunkUpdates:
         self.traffic = traffic
         self.dtype = dtype
         """The parameters' (home's) dtype."""
+        self.home_writes = HomeWrites()
+        """New values of device homes computed on worker threads, written by the engine's
+        thread ([Note: CUDA threading model])."""
 
     def ranges(self, chunk: Chunk) -> list[tuple[int, int, int]]:
         """Advance the step counts of the chunk's parameters that have a gradient and return
@@ -88,9 +92,13 @@ class ChunkUpdates:
                 ranges.append((lo - start, hi - start, self.step_counts[slot.name]))
         return ranges
 
-    def build(self, chunk: Chunk, hyper: AdamHyper, multiplier: list | None):
+    def build(
+        self, chunk: Chunk, hyper: AdamHyper, multiplier: list | None, *, on_worker: bool = False
+    ):
         """The update of one chunk, given its (master, exp_avg, exp_avg_sq) tensors as stored
-        (it advances the step counts now, on the calling thread)."""
+        (it advances the step counts now, on the calling thread). ``on_worker``: it runs on a
+        worker thread, which hands new values for a device home to ``home_writes``
+        ([Note: CUDA threading model])."""
         optim = chunk.optim
         ranges = self.ranges(chunk)
         undo = self.step_undo
@@ -119,7 +127,7 @@ class ChunkUpdates:
                     hyper=hyper,
                 )
             elif in_pieces(master, shard, multiplier):  # [Note: updates in pieces]
-                self._in_pieces(chunk, states, shard, ranges, hyper, multiplier)
+                self._in_pieces(chunk, states, shard, ranges, hyper, multiplier, on_worker)
                 return
             else:
                 adam_update_ranges(
@@ -132,7 +140,7 @@ class ChunkUpdates:
                 )
             if chunk.home is not optim.master:
                 undo.home_written(chunk)
-                chunk.home.tier.write(chunk.home, master.to(self.dtype)).wait()
+                self._write_home(chunk.home, master, on_worker)
 
         # stored moments in low precision: [Note: low-bit optimizer states]
         if kept is not None:
@@ -149,11 +157,17 @@ class ChunkUpdates:
         ranges: list[tuple[int, int, int]],
         hyper: AdamHyper,
         multiplier: list | None,
+        on_worker: bool,
     ) -> None:
         """[Note: updates in pieces]: one chunk's update, a piece of its shard at a time."""
         master, m, v = states
         home = chunk.home if chunk.home is not chunk.optim.master else None
-        direct = home is not None and home.tier.ADDRESSABLE and home.tensor.device == master.device
+        direct = (
+            home is not None
+            and home.tier.ADDRESSABLE
+            and home.tensor.device == master.device
+            and not (on_worker and written_by_engine(home))  # [Note: CUDA threading model]
+        )
         if home is not None:
             self.step_undo.home_written(chunk)
         size = master.numel()
@@ -179,6 +193,14 @@ class ChunkUpdates:
             if direct:  # copy_ rounds to the home's dtype exactly as .to does
                 home.tier.write(home, master[lo:hi], offset=lo).wait()
         if home is not None and not direct:
+            self._write_home(home, master, on_worker)
+
+    def _write_home(self, home, master: torch.Tensor, on_worker: bool) -> None:
+        """Write ``master`` rounded to the parameters' dtype into ``home``: a worker posts the
+        values of a device home to ``home_writes`` ([Note: CUDA threading model])."""
+        if on_worker and written_by_engine(home):
+            self.home_writes.post(home, host_values(master, self.dtype, home))
+        else:
             home.tier.write(home, master.to(self.dtype)).wait()
 
     def run(
@@ -191,7 +213,7 @@ class ChunkUpdates:
         """Update ``chunk`` now: queued on its tier's optimizer ``pipeline``, in place in
         addressable memory, or read, updated and written back in turn."""
         optim = chunk.optim
-        update = self.build(chunk, hyper, multiplier)
+        update = self.build(chunk, hyper, multiplier, on_worker=pipeline is not None)
         slabs = (optim.master, optim.exp_avg, optim.exp_avg_sq)
         self.count_traffic(chunk)
         if pipeline is not None:

@@ -131,6 +131,12 @@ class Collectives:
         """The device ``group``'s collectives take tensors on."""
         return BACKEND.device(group, self.device)
 
+    def filled(self, numel: int, value: float, dtype: torch.dtype, group) -> torch.Tensor:
+        """``numel`` elements of ``value`` made on ``group``'s device (a fill there, no copy
+        from the host: [Note: control data on the device])."""
+        out = BACKEND.empty_like(torch.empty(numel, dtype=dtype), self.device_of(group))
+        return out.fill_(value)
+
     def _count(self, name: str, tensor: torch.Tensor) -> None:
         self.bytes[name] += tensor.numel() * tensor.element_size()
         self.calls[name] += 1

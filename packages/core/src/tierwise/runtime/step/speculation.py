@@ -190,8 +190,9 @@ class Speculation:
         they are bitwise the same): [Note: speculative updates]."""
         if overflow:
             return "a gradient overflowed (fp16): the step is skipped"
-        if clip_coef is not None and float(clip_coef) != 1.0:
-            return f"the gradient norm is over max_norm (clip coefficient {float(clip_coef):.6g})"
+        coef = float(clip_coef) if clip_coef is not None else 1.0  # a host scalar
+        if coef != 1.0:
+            return f"the gradient norm is over max_norm (clip coefficient {coef:.6g})"
         for chunk in filled:
             early = self.early.get(chunk.key)
             if early is None:

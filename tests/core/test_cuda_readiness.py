@@ -4,6 +4,8 @@ spelling, and a torch-function mode counting the scalar copies a CUDA step would
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import tierwise
 import torch
@@ -81,18 +83,26 @@ def test_an_indexed_device_spelling_still_lends_the_fixed_rcache_blocks(monkeypa
 
 class _ScalarCopies(TorchFunctionMode):
     """Counts copies of 0-dim tensors (``.to``/``.cuda``/``copy_``): on CUDA each copy of a host
-    scalar to the device is a blocking transfer."""
+    scalar to the device is a blocking transfer; and the other ways a scalar reaches a device or
+    the host (issue 37): ``torch.tensor(x, device=...)``, ``torch.full``, ``.item()``."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.made: Counter[str] = Counter()
+        """``torch.tensor(..., device=...)``, ``torch.full`` and ``.item()`` calls."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        kwargs = kwargs or {}
         if name in ("to", "cuda", "copy_") and args and isinstance(args[0], torch.Tensor):
             if args[0].dim() == 0:
                 self.count += 1
-        return func(*args, **(kwargs or {}))
+        if name == "tensor" and kwargs.get("device") is not None:
+            self.made["tensor(device=...)"] += 1
+        if name in ("full", "item"):
+            self.made[name] += 1
+        return func(*args, **kwargs)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "fp32"])
@@ -115,6 +125,8 @@ def test_loss_scale_and_clip_factors_are_not_copied_per_chunk(precision):
             opt.step()
         opt.zero_grad()
         assert copies.count == 0
+        # one torch.full: the step count the fused kernel reads, once per step, not per chunk
+        assert copies.made == {"full": 1}, copies.made
     finally:
         engine.close()
 

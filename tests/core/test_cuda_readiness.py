@@ -125,8 +125,9 @@ def test_loss_scale_and_clip_factors_are_not_copied_per_chunk(precision):
             opt.step()
         opt.zero_grad()
         assert copies.count == 0
-        # one torch.full: the step count the fused kernel reads, once per step, not per chunk
-        assert copies.made == {"full": 1}, copies.made
+        # at most one torch.full: the step count the fused kernel reads, made once per step
+        # and device (none when an earlier engine made this step's), not per chunk
+        assert copies.made.get("full", 0) <= 1 and set(copies.made) <= {"full"}, copies.made
     finally:
         engine.close()
 

@@ -4,6 +4,8 @@ spelling, and a torch-function mode counting the scalar copies a CUDA step would
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import tierwise
 import torch
@@ -81,18 +83,26 @@ def test_an_indexed_device_spelling_still_lends_the_fixed_rcache_blocks(monkeypa
 
 class _ScalarCopies(TorchFunctionMode):
     """Counts copies of 0-dim tensors (``.to``/``.cuda``/``copy_``): on CUDA each copy of a host
-    scalar to the device is a blocking transfer."""
+    scalar to the device is a blocking transfer; and the other ways a scalar reaches a device or
+    the host (issue 37): ``torch.tensor(x, device=...)``, ``torch.full``, ``.item()``."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.made: Counter[str] = Counter()
+        """``torch.tensor(..., device=...)``, ``torch.full`` and ``.item()`` calls."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        kwargs = kwargs or {}
         if name in ("to", "cuda", "copy_") and args and isinstance(args[0], torch.Tensor):
             if args[0].dim() == 0:
                 self.count += 1
-        return func(*args, **(kwargs or {}))
+        if name == "tensor" and kwargs.get("device") is not None:
+            self.made["tensor(device=...)"] += 1
+        if name in ("full", "item"):
+            self.made[name] += 1
+        return func(*args, **kwargs)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "fp32"])
@@ -115,5 +125,43 @@ def test_loss_scale_and_clip_factors_are_not_copied_per_chunk(precision):
             opt.step()
         opt.zero_grad()
         assert copies.count == 0
+        # at most one torch.full: the step count the fused kernel reads, made once per step
+        # and device (none when an earlier engine made this step's), not per chunk
+        assert copies.made.get("full", 0) <= 1 and set(copies.made) <= {"full"}, copies.made
     finally:
         engine.close()
+
+
+def _stub_cuda(monkeypatch, *, count: int, current: int = 0) -> None:
+    """torch.cuda as on a node with ``count`` GPUs and device ``current`` current (no GPU is
+    touched: every other call fails the test)."""
+    forbid_cuda_calls(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+
+
+def test_cuda_under_torchrun_means_the_local_ranks_device(monkeypatch):
+    """Issue 37 ([Note: one GPU per rank]): under torchrun (LOCAL_RANK set) "cuda" is
+    cuda:LOCAL_RANK, not the current device 0 every rank starts with; so is an NCCL group's
+    device for an index-less compute device."""
+    from tierwise.parallel import collectives
+
+    _stub_cuda(monkeypatch, count=2, current=0)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert normalize_device("cuda") == torch.device("cuda", 1)
+    assert normalize_device("cuda:0") == torch.device("cuda", 0)  # explicit index kept
+    monkeypatch.setattr(collectives.dist, "get_backend", lambda group=None: "nccl")
+    backend = collectives.TorchDistributed()
+    assert backend.device(None, torch.device("cuda")) == torch.device("cuda", 1)
+    assert backend.device(None, None) == torch.device("cuda", 1)
+    assert backend.device(None, torch.device("cuda", 0)) == torch.device("cuda", 0)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert normalize_device("cuda") == torch.device("cuda", 0)  # no launcher: current device
+
+
+def test_ranks_of_a_node_sharing_a_gpu_is_an_error(monkeypatch):
+    _stub_cuda(monkeypatch, count=1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=1.*1 cuda device\(s\).*share"):
+        normalize_device("cuda")

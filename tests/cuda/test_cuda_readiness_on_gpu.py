@@ -76,6 +76,7 @@ def test_cuda_without_index_lends_the_fixed_rcache_blocks(device, monkeypatch):
     engine.close()
 
 
+@pytest.mark.combined  # needs tierwise-profiler: the `all` env runs it ([Note: one env per test])
 @pytest.mark.parametrize("device", ONLY_CUDA)
 def test_warm_up_tracing_keeps_the_users_peak_memory_statistics(device):
     """Defect 8: the profiler's tracer runs during the warm-up step and leaves the CUDA peak
@@ -101,12 +102,28 @@ def test_host_gradient_shards_are_filled_without_a_wait_per_parameter(device, mo
     from tierwise.runtime.grads.path import GradientPath
 
     blocking: list[tuple] = []
-    original_copy = torch.Tensor.copy_
+    original_copy, original_to = torch.Tensor.copy_, torch.Tensor.to
+    originals = {name: getattr(torch.Tensor, name) for name in ("cpu", "item", "tolist")}
 
     def copy_(self, src, non_blocking=False):
         if self.device.type == "cpu" and src.device.type == "cuda" and not non_blocking:
-            blocking.append(tuple(src.shape))
+            blocking.append(("copy_", tuple(src.shape)))
         return original_copy(self, src, non_blocking)
+
+    def to(self, *args, **kwargs):  # .to("cpu") / .to(host_tensor.device), blocking or not
+        out = original_to(self, *args, **kwargs)
+        if self.device.type == "cuda" and out.device.type == "cpu":
+            if not kwargs.get("non_blocking", False):
+                blocking.append(("to", tuple(self.shape)))
+        return out
+
+    def reading(name):
+        def read(self, *args, **kwargs):
+            if self.device.type == "cuda":
+                blocking.append((name, tuple(self.shape)))
+            return originals[name](self, *args, **kwargs)
+
+        return read
 
     waits: list = []
     original_land = GradientPath._land_copies
@@ -130,11 +147,14 @@ def test_host_gradient_shards_are_filled_without_a_wait_per_parameter(device, mo
     engine = tierwise.engine_of(model)
     train(model, opt, 1)  # warm-up and re-layout
     monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    for name in originals:  # any other device-to-host read in backward blocks too
+        monkeypatch.setattr(torch.Tensor, name, reading(name))
     monkeypatch.setattr(GradientPath, "_land_copies", land)
     batch = {k: v.to(device) for k, v in tiny_batch(seed=1).items()}
     model(**batch).loss.backward()
     trainable = [c for c in engine.chunks() if c.trainable]
-    assert blocking == [], "a gradient was copied to its host shard with a blocking copy"
+    assert blocking == [], f"blocking device-to-host copies in backward: {blocking[:5]}"
     assert 0 < len(waits) == len(set(waits)) <= len(trainable)
     opt.step()
     engine.close()
@@ -229,6 +249,7 @@ def test_pinned_memory_is_one_budget_counted_in_host_memory(device):
     engine.close()
 
 
+@pytest.mark.combined  # needs tierwise-nvme: the `all` env runs it ([Note: one env per test])
 @pytest.mark.parametrize("device", ONLY_CUDA)
 def test_nvme_reads_into_device_memory_copy_on_the_issuing_stream(device, tmp_path):
     """Defect 3: a read into device memory issued on a side stream (as a prefetch is) is

@@ -7,7 +7,10 @@ On CUDA, bitwise equality across plans holds only between plans that run the sam
 cuBLAS picks a GEMM kernel by the alignment of a parameter's address inside its chunk (which
 the chunk size changes, e.g. chunk-7777), and a chunk whose optimizer states are on the host is
 updated by the CPU's fused AdamW, not CUDA's. Plans with the kernel choice of the all-device plan
-are compared bitwise; the others within a tolerance (``_assert_close_across_kernels``).
+are compared bitwise with it, and every other plan bitwise with the first plan of its own kernel
+choice (a host-optimizer plan with one that runs the same CPU fused AdamW); plans of another
+kernel choice than all-device's are also within a per-tensor relative bound of it
+(``_assert_close_across_kernels``), and at least ``MIN_BITWISE`` plans compare bitwise.
 """
 
 import pytest
@@ -49,15 +52,21 @@ def _kernel_choice(model) -> dict[str, tuple[int, bool]]:
     }
 
 
+PARAM_RTOL = {"fp32": 1e-4, "bf16": 1e-3}
+"""Per tensor, ||params - base|| / ||base|| between plans whose kernels differ (issue 37: the
+old bound, 2 * lr * steps absolute on weights of std 0.02, let anything but NaN pass)."""
+MIN_BITWISE = 6
+"""Plans of the ten compared bitwise on CUDA at least (with another plan of the same kernel
+choice: device-optimizer plans with the all-device alignment, host-optimizer plans with the
+CPU fused AdamW of the first host-optimizer plan of their alignment)."""
+
+
 def _assert_close_across_kernels(precision, losses, base_losses, params, base_params, name):
     for a, b in zip(losses, base_losses, strict=True):
         assert abs(a - b) <= LOSS_RTOL[precision] * abs(b), f"{name}: losses {a} vs {b}"
-    # Adam moves an element by at most about lr per step, so two runs whose gradients differ
-    # slightly stay within 2 * lr * steps of each other, element by element
-    bound = 2 * 1e-2 * STEPS
     for key, value in base_params.items():
-        diff = (params[key].float() - value.float()).abs().max().item()
-        assert diff <= bound, f"{name}: {key} differs by {diff} > {bound}"
+        diff = (params[key].float() - value.float()).norm() / value.float().norm().clamp_min(1e-30)
+        assert diff <= PARAM_RTOL[precision], f"{name}: {key} differs by {float(diff):.3g} (rel)"
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -70,19 +79,23 @@ def test_every_plan_trains_bitwise_alike_on_device(device, precision):
         }
     base_losses, base_model = results["all-device"]
     base_params = _cpu_state(base_model)
-    base_kernels = _kernel_choice(base_model)
+    # each plan against the first plan of its kernel choice (the all-device plan first): the
+    # host-optimizer plans against one that runs the same CPU fused AdamW, bitwise
+    references: dict = {}
     bitwise = 0
     for name, (losses, model) in results.items():
         assert tierwise.engine_of(model).device.type == device
         params = _cpu_state(model)
-        if device == "cpu" or _kernel_choice(model) == base_kernels:
+        kernels = "cpu" if device == "cpu" else tuple(sorted(_kernel_choice(model).items()))
+        ref_name, ref_losses, ref_params = references.setdefault(kernels, (name, losses, params))
+        if ref_name != name or name == "all-device":
             bitwise += 1
-            assert losses == base_losses, f"{name}: losses differ from all-device"
-            for key, value in base_params.items():
-                assert torch.equal(params[key], value), f"{name}: {key} differs"
-        else:
+            assert losses == ref_losses, f"{name}: losses differ from {ref_name}"
+            for key, value in ref_params.items():
+                assert torch.equal(params[key], value), f"{name}: {key} differs from {ref_name}"
+        if ref_name != "all-device":  # other kernels than all-device's: close to it per tensor
             _assert_close_across_kernels(precision, losses, base_losses, params, base_params, name)
-    assert device != "cpu" or bitwise == len(PLANS)  # on a CPU every plan runs the same kernels
+    assert bitwise == len(PLANS) if device == "cpu" else bitwise >= MIN_BITWISE, bitwise
     prefetched = tierwise.engine_of(results["all-host-prefetch2"][1]).stats()
     assert prefetched["moved_bytes"].get("host->device", 0) > 0
 

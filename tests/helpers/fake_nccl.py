@@ -34,6 +34,10 @@ class RecordingNCCL(collectives.TorchDistributed):
         ranks must agree on ([Note: one collective order])."""
         self.misplaced: list[tuple[str, str, str]] = []
         """(phase, collective, what): tensors not on the group's device, devices not current."""
+        self.transfers: list[tuple[str, str, torch.dtype, int]] = []
+        """(phase, "up" | "copy back" | "read", dtype, elements) of every host-to-device move,
+        copy of a result back to the caller's host tensor, and host read of control data
+        ([Note: control data on the device])."""
 
     @contextlib.contextmanager
     def installed(self):
@@ -49,6 +53,7 @@ class RecordingNCCL(collectives.TorchDistributed):
 
     def move(self, tensor, device):
         assert device == FAKE_DEVICE, device
+        self.transfers.append((self.phase, "up", tensor.dtype, tensor.numel()))
         copy = tensor.detach().clone()
         self._on_device[id(copy)] = copy
         return copy
@@ -58,6 +63,18 @@ class RecordingNCCL(collectives.TorchDistributed):
         out = torch.empty_like(tensor, device="cpu")
         self._on_device[id(out)] = out
         return out
+
+    def is_on(self, tensor, device):
+        return device == FAKE_DEVICE and self._on_device.get(id(tensor)) is tensor
+
+    def copy_back(self, target, result):
+        self.transfers.append((self.phase, "copy back", result.dtype, result.numel()))
+        return super().copy_back(target, result)
+
+    def to_list(self, tensor):
+        if self._on_device.get(id(tensor)) is tensor:
+            self.transfers.append((self.phase, "read", tensor.dtype, tensor.numel()))
+        return super().to_list(tensor)
 
     @contextlib.contextmanager
     def device_context(self, device):

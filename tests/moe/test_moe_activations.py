@@ -28,7 +28,11 @@ def keep(request):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize(
+    "policy",
+    # the nvme case needs tierwise-nvme too: the `all` env runs it ([Note: one env per test])
+    [pytest.param(p, marks=pytest.mark.combined) if p == "nvme" else p for p in sorted(POLICIES)],
+)
 def test_mixtral_ep2_trains_bitwise_alike_under_every_activation_policy(policy, keep, tmp_path):
     precision, keep_ranks = keep
     settings = {**POLICIES[policy], "precision": precision}

@@ -76,3 +76,17 @@ def test_the_tier_hands_its_timeout_to_every_transfer(make_tier):
     read.wait()
     assert read.timeout_s == 45.0 and torch.equal(out, torch.ones(1024))
     tier.release(slab)
+
+
+def test_a_staging_buffer_never_released_raises_naming_it():
+    """Issue 37, [Note: bounded waits]: the pipeline's staging pool waits for a lent buffer at
+    most the tier's timeout."""
+    import torch
+    from tierwise_nvme.staging import StagingPool
+
+    pool = StagingPool(buffer_bytes=4096, count=1, timeout_s=0.01)
+    lent = pool.acquire(16, torch.float32)
+    with pytest.raises(TimeoutError, match=r"staging buffer to come back \(1 of 1 lent\)"):
+        pool.acquire(16, torch.float32)
+    pool.release(lent)
+    assert pool.acquire(16, torch.float32) is not None

@@ -4,7 +4,9 @@ reason where there is no GPU).
 
 A write from device memory must capture the tensor's values as the device stream leaves them
 (the source is the last of a queue of slow kernels when ``write`` is called); a read into
-device memory must be complete, for kernels queued after ``wait()``, when it returns.
+device memory must come after the kernels queued before it that write its target (the target
+is the last of a queue of slow kernels when ``read`` is called) and be complete, for kernels
+queued after ``wait()``, when it returns.
 """
 
 from __future__ import annotations
@@ -52,10 +54,14 @@ def test_write_from_and_read_into_device_memory(make_tier, device, backend, dtyp
     tier.write(slabs[3], patch.to(device), offset=lo).wait()
     refs[3][lo:hi] = patch
     for slab, ref in zip(slabs, refs, strict=True):
+        # the read side delayed too: ``out`` is written (zeros) by the last of a queue of slow
+        # kernels when ``read`` is called, so a copy not ordered after them is overwritten
         out = torch.zeros(slab.numel, dtype=dtype, device=device)
+        out.add_(_delayed_zero(device).to(dtype))
         tier.read(slab, out).wait()
         assert torch.equal(out.cpu(), ref), slab.what
     part = torch.zeros(hi - lo - 3, dtype=dtype, device=device)
+    part.add_(_delayed_zero(device).to(dtype))
     tier.read(slabs[3], part, offset=lo + 3).wait()
     assert torch.equal(part.cpu(), refs[3][lo + 3 : hi])
 

@@ -45,6 +45,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from tierwise.parallel.timeouts import wait_until
 from tierwise.tiers import IOHandle, Slab, Tier
 
 from tierwise_nvme.staging import StagingPool
@@ -74,6 +75,8 @@ class NVMeOptimizerPipeline:
         self.tier = tier
         self.pool = pool
         self.lookahead = lookahead
+        self.timeout_s = pool.timeout_s
+        """Seconds the engine waits for the worker's updates ([Note: bounded waits])."""
         self.timings = {"read_wait_s": 0.0, "update_s": 0.0, "write_wait_s": 0.0}
         """Worker time spent waiting for reads, updating, and waiting for writes."""
         self.updated = 0
@@ -167,9 +170,13 @@ class NVMeOptimizerPipeline:
             self._written, self._order = [], []
 
     def _finish_all(self) -> None:
-        with self._cond:
-            while self._queue or self._busy:
-                self._cond.wait()
+        with self._cond:  # [Note: bounded waits]
+            wait_until(
+                self._cond,
+                lambda: not (self._queue or self._busy),
+                f"the NVMe optimizer pipeline's updates ({len(self._queue)} queued)",
+                self.timeout_s,
+            )
         while self._finish_oldest_write():  # a write may fail here: before the error is read
             pass
         with self._cond:
@@ -243,6 +250,8 @@ class NVMeOptimizerPipeline:
         return self._queue.popleft()
 
     def _process(self, job: _Job, upcoming: list[_Job]) -> None:
+        # the worker touches host memory only: the update posts a device home's new values to
+        # the engine's thread ([Note: CUDA threading model] in tierwise.runtime.step.home_writes)
         if job.buffers is None:
             self._wait_for_buffers(job)
             self._start_reads(job)

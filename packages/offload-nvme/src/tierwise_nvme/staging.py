@@ -23,6 +23,7 @@ import threading
 from typing import TYPE_CHECKING
 
 import torch
+from tierwise.parallel.timeouts import waited_too_long
 from tierwise.probe import available_host_memory
 from tierwise.tiers.arena import PAGE, round_up
 from tierwise.tiers.ledger import MemoryPool
@@ -58,7 +59,13 @@ class StagingPool:
     """``count`` buffers of ``buffer_bytes`` each, allocated on first use and then reused."""
 
     def __init__(
-        self, *, buffer_bytes: int, count: int, pin: bool = False, memory: MemoryPool | None = None
+        self,
+        *,
+        buffer_bytes: int,
+        count: int,
+        pin: bool = False,
+        memory: MemoryPool | None = None,
+        timeout_s: float = 600.0,
     ) -> None:
         if buffer_bytes <= 0 or count <= 0:
             raise ValueError(
@@ -76,6 +83,8 @@ class StagingPool:
         )
         """The ledger pool its buffers are allocated through ([Note: the memory ledger]); the
         tier's ``host_buffer_bytes`` reserves them in the host tier."""
+        self.timeout_s = timeout_s
+        """Seconds ``acquire`` waits for a buffer to come back ([Note: bounded waits])."""
         self._buffers: list[torch.Tensor] = []
         self._free: list[torch.Tensor] = []
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> buffer
@@ -137,7 +146,11 @@ class StagingPool:
             while not self._free and len(self._buffers) == self.count:
                 if not block:
                     return None
-                self._cond.wait()
+                if not self._cond.wait(timeout=self.timeout_s):  # [Note: bounded waits]
+                    raise waited_too_long(
+                        f"a staging buffer to come back ({len(self._lent)} of {self.count} lent)",
+                        self.timeout_s,
+                    )
             if self._free:
                 buffer = self._free.pop()
             else:

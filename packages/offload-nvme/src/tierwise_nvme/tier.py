@@ -371,6 +371,7 @@ class NVMeTier(Tier):
             count=states * (lookahead + 2),
             pin=self.device.type == "cuda",
             memory=self.pipeline_memory,
+            timeout_s=self.options.timeout_s,
         )
         pipeline = NVMeOptimizerPipeline(tier=self, pool=pool, lookahead=lookahead)
         self._pipelines.add(pipeline)

@@ -6,6 +6,7 @@ per-parameter fused optimizer on the same values (Invariant 2).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +122,24 @@ def adam_update_ranges(
     )
 
 
+_STEP_TENSORS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_STEP_LOCK = threading.Lock()
+
+
+def step_tensor(step: int, device: torch.device) -> torch.Tensor:
+    """The 0-dim fp32 step count the fused kernel reads (and never writes), made once per
+    step and device instead of once per chunk ([Note: host scalars]); thread-safe (the host
+    optimizer worker updates too)."""
+    with _STEP_LOCK:
+        tensor = _STEP_TENSORS.get((device, step))
+        if tensor is None:
+            if len(_STEP_TENSORS) >= 16:  # counts of steps gone by: never read again
+                _STEP_TENSORS.clear()
+            tensor = torch.full((), float(step), dtype=torch.float32, device=device)
+            _STEP_TENSORS[(device, step)] = tensor
+        return tensor
+
+
 def adam_update_tensors(
     *,
     masters: list[torch.Tensor],
@@ -135,12 +154,8 @@ def adam_update_tensors(
     e.g. the ones autograd produced ([Note: gradients without copies])."""
     if not masters:
         return
-    step_tensors: dict[int, torch.Tensor] = {}
-    for step in steps:
-        if step not in step_tensors:
-            step_tensors[step] = torch.full(
-                (), float(step), dtype=torch.float32, device=masters[0].device
-            )
+    device = masters[0].device
+    step_tensors = {step: step_tensor(step, device) for step in set(steps)}
     kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
     kernel(
         masters,

@@ -23,6 +23,8 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+from tierwise.devices import normalize_device
+
 # torch 2.13 renamed the tensor collectives; keep torch>=2.4 working with the old names
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -34,15 +36,32 @@ class TorchDistributed:
 
     def device(self, group, compute: torch.device | None) -> torch.device:
         """The device ``group``'s collectives take tensors on: for NCCL the rank's CUDA device
-        (``compute`` when it is a CUDA device, else the current one), for gloo the CPU."""
+        (``compute`` when it is a CUDA device, else "cuda" as setup resolves it: [Note: one GPU
+        per rank]), for gloo the CPU."""
         if "nccl" in str(dist.get_backend(group)):
-            if compute is not None and compute.type == "cuda":
-                return compute if compute.index is not None else torch.device("cuda", 0)
-            return torch.device("cuda", torch.cuda.current_device())
+            if compute is not None and compute.type == "cuda" and compute.index is not None:
+                return compute
+            return normalize_device("cuda")
         return torch.device("cpu")
 
     def move(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if tensor.device.type == "cpu" and device.type == "cuda":
+            # through page-locked memory: queued on the stream, no host wait (the caching host
+            # allocator keeps the page-locked copy until the transfer is done)
+            return tensor.pin_memory().to(device, non_blocking=True)
         return tensor.to(device)
+
+    def is_on(self, tensor: torch.Tensor, device: torch.device) -> bool:
+        """Whether ``tensor`` is on ``device`` already (then used as it is)."""
+        return tensor.device == device
+
+    def copy_back(self, target: torch.Tensor, result: torch.Tensor) -> None:
+        """A collective's result copied to the caller's tensor on another device."""
+        target.copy_(result)
+
+    def to_list(self, tensor: torch.Tensor) -> list:
+        """Small control data on the host read as Python numbers."""
+        return tensor.tolist()
 
     def empty_like(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         return torch.empty_like(tensor, device=device)
@@ -94,8 +113,53 @@ class _CopyBack:
     def wait(self) -> None:
         self.work.wait()
         if not self.done:
-            self.target.copy_(self.result)
+            BACKEND.copy_back(self.target, self.result)
             self.done = True
+
+
+class HostRead:
+    """Control data on a group's device read back to the host once.
+
+    [Note: control data on the device]
+    The reducer's control data for a group (a due point's flags, the late facts and next due
+    points at the end of backward, the predicted due points) is made on the group's device in
+    one small tensor (``Collectives.upload``: one host-to-device copy, from page-locked memory,
+    queued on the stream), reduced there, and read back once (``Collectives.read_back``): on an
+    accelerator the device-to-host copy into page-locked memory is queued right after the
+    collective (the stream waits for it, the host does not) with an event recorded after it;
+    ``ready`` asks the event, ``values`` waits for it, which covers the work queued up to the
+    launch, not the compute queued since. Nothing is copied back per chunk, and the
+    collectives layer copies no control result back (no blocking ``copy_`` of a result):
+    at most one upload and one host read per due point. On the CPU (gloo) the tensor is the
+    host's and ``values`` waits for the collective itself. Checked with the recording fake
+    NCCL group by ``tests/core/test_control_data.py``.
+    """
+
+    def __init__(self, tensor: torch.Tensor, work=None) -> None:
+        self.tensor, self.work = tensor, work
+        self._host: torch.Tensor | None = None
+        self._event = None
+        if tensor.device.type not in ("cpu", "meta"):
+            if work is not None:
+                work.wait()  # the current stream waits for the collective; the host does not
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.accelerator.current_stream(tensor.device).record_event()
+
+    def ready(self) -> bool:
+        """Whether ``values`` would return without waiting."""
+        if self._event is not None:
+            return self._event.query()
+        return self.work is None or self.work.is_completed()
+
+    def values(self) -> list:
+        """The values, as Python numbers (waits for the copy's event, or the collective)."""
+        if self._event is not None:
+            self._event.synchronize()
+            return self._host.tolist()
+        if self.work is not None:
+            self.work.wait()
+        return BACKEND.to_list(self.tensor)
 
 
 def world_size(group=None) -> int:
@@ -128,6 +192,22 @@ class Collectives:
         """The device ``group``'s collectives take tensors on."""
         return BACKEND.device(group, self.device)
 
+    def upload(self, values: list, dtype: torch.dtype, group) -> torch.Tensor:
+        """Small control data (flags, due points) on ``group``'s device, in one copy: [Note:
+        control data on the device]."""
+        return self._on(torch.tensor(values, dtype=dtype), self.device_of(group))
+
+    def read_back(self, tensor: torch.Tensor, work=None) -> HostRead:
+        """Start reading ``tensor`` (control data on its group's device, the result of the
+        collective ``work``) back to the host: [Note: control data on the device]."""
+        return HostRead(tensor, work)
+
+    def filled(self, numel: int, value: float, dtype: torch.dtype, group) -> torch.Tensor:
+        """``numel`` elements of ``value`` made on ``group``'s device (a fill there, no copy
+        from the host: [Note: control data on the device])."""
+        out = BACKEND.empty_like(torch.empty(numel, dtype=dtype), self.device_of(group))
+        return out.fill_(value)
+
     def _count(self, name: str, tensor: torch.Tensor) -> None:
         self.bytes[name] += tensor.numel() * tensor.element_size()
         self.calls[name] += 1
@@ -135,7 +215,7 @@ class Collectives:
     @staticmethod
     def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         tensor = tensor.contiguous()
-        return tensor if tensor.device == device else BACKEND.move(tensor, device)
+        return tensor if BACKEND.is_on(tensor, device) else BACKEND.move(tensor, device)
 
     @staticmethod
     def _result(work, target: torch.Tensor, result: torch.Tensor, async_op: bool):
@@ -143,7 +223,7 @@ class Collectives:
             return work
         if async_op:
             return _CopyBack(work, target, result)
-        target.copy_(result)
+        BACKEND.copy_back(target, result)
         return None
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):

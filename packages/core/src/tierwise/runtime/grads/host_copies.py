@@ -5,9 +5,13 @@ without blocking and landed once per chunk.
 A gradient on an accelerator going into a pinned host shard is copied without blocking, on the
 stream that produced it (autograd's gradient may be freed after the hook returns: the caching
 allocator reuses its memory only for work queued after the copy on that stream). A chunk's
-copies land together: one event (on the stream they were queued on), waited for once, before host code reads the shard (its last
-gradient, the end of backward, an abandoned backward) instead of one blocking copy per
-parameter.
+copies land together: an event recorded on that stream right after the chunk's last copy,
+waited for once, before host code reads the shard (its last gradient, a sync point of several
+ranks, the end of backward, an abandoned backward) instead of one blocking copy per parameter.
+The event is recorded when the copy is queued, not when the host comes to wait: the wait then
+covers the work queued up to the copy, not the compute queued since, so autograd keeps queueing
+ahead ([Note: CUDA threading model]). With several ranks the same copies fill the reducer's
+host staging and late buffers, landed together (``land_all``) before the reducer reads them.
 
 - A parameter's first gradient since zero_grad is copied straight into its slot (``copy``).
 - A later gradient (the next micro-batch of gradient accumulation, a parameter used twice) has
@@ -61,8 +65,8 @@ class HostGradCopies:
         self.scratch_bytes = scratch_bytes
         """Bytes of one chunk's gradients at most (the scratch buffer's size)."""
         self.current_stream = current_stream
-        self._in_flight: dict[Hashable, list] = {}
-        """Chunk key -> the streams its copies in flight were queued on (one, in practice)."""
+        self._in_flight: dict[Hashable, dict] = {}
+        """Chunk key -> {stream its copies were queued on: the event after its last copy}."""
         self._adds: list[tuple[torch.Tensor, torch.Tensor]] = []
         """(slot of the shard, its gradient in the scratch buffer) of the chunk ``_owner``."""
         self._owner: Hashable | None = None
@@ -105,21 +109,26 @@ class HostGradCopies:
 
     def land(self, key: Hashable) -> None:
         """Wait once for the chunk's copies in flight, then run its pending adds."""
-        streams = self._in_flight.pop(key, None)
-        if streams is not None:
-            for stream in streams:  # the copies' streams: the wait covers all of them
-                stream.record_event().synchronize()
+        events = self._in_flight.pop(key, None)
+        if events is not None:
+            for event in events.values():  # one per stream the copies were queued on
+                event.synchronize()
             self.waits += 1
         if self._owner == key:
             for segment, staged in self._adds:
                 segment.add_(staged)
             self._adds, self._owner, self._used = [], None, 0
 
+    def land_all(self) -> None:
+        """Land every chunk with copies in flight (before host code reads several of them)."""
+        for key in list(self._in_flight):
+            self.land(key)
+        if self._owner is not None:
+            self.land(self._owner)
+
     def _queued(self, key: Hashable, device: torch.device) -> None:
         stream = self.current_stream(device)
-        streams = self._in_flight.setdefault(key, [])
-        if stream not in streams:
-            streams.append(stream)
+        self._in_flight.setdefault(key, {})[stream] = stream.record_event()
 
     def drop(self) -> None:
         """A backward was abandoned: wait for every copy, apply no pending add."""

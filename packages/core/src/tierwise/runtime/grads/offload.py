@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierwise.chunks.payload import GRAD_OFFLOAD_BUFFERS, grad_offload_buffers
+from tierwise.parallel.timeouts import wait_timeout_s, wait_until
 from tierwise.tiers.arena import PAGE, round_up
 from tierwise.tiers.base import PayloadKind
 from tierwise.tiers.ledger import MemoryPool
@@ -44,9 +45,17 @@ if TYPE_CHECKING:
 
 class GradientOffload:
     """See [Note: active gradient offloading]. Owned by the engine; the optimizer pipeline's
-    worker thread calls ``consumed``."""
+    worker thread calls ``consumed`` (host buffers only: [Note: CUDA threading model])."""
 
-    def __init__(self, *, host: Tier, numel: int, dtype: torch.dtype, count: int) -> None:
+    def __init__(
+        self,
+        *,
+        host: Tier,
+        numel: int,
+        dtype: torch.dtype,
+        count: int,
+        timeout_s: float | None = None,
+    ) -> None:
         if count < 1:
             raise ValueError(f"gradient offload needs at least 1 host buffer, got {count}")
         self.host = host
@@ -76,6 +85,9 @@ class GradientOffload:
         """Chunks whose shard is being (an IOHandle) or was (True, or the OSError) written to
         disk before a speculative update consumes it ([Note: speculative updates])."""
         self._cond = threading.Condition()
+        self.timeout_s = wait_timeout_s() if timeout_s is None else timeout_s
+        """Seconds a buffer request waits for an update to give one back ([Note: bounded
+        waits])."""
         self.moved_bytes: Counter[str] = Counter()
         """Gradient bytes spilled to ("host->nvme") and read back from ("nvme->host") disk."""
 
@@ -168,15 +180,19 @@ class GradientOffload:
     # -- internals ---------------------------------------------------------------------------
     def _take(self) -> torch.Tensor:
         with self._cond:
-            while True:
-                if self._free:
-                    return self._free.pop()
-                if self._made < self.count:
-                    self._made += 1
-                    return self.memory.empty(self.numel, self.dtype, what="a gradient shard")
-                if not self._pinned:
-                    break
-                self._cond.wait()  # an update in flight gives its buffer back
+            # an update in flight gives its buffer back: [Note: bounded waits]
+            wait_until(
+                self._cond,
+                lambda: self._free or self._made < self.count or not self._pinned,
+                f"an optimizer update to give back its host gradient buffer ({self._pinned} "
+                "lent, none free: [Note: active gradient offloading])",
+                self.timeout_s,
+            )
+            if self._free:
+                return self._free.pop()
+            if self._made < self.count:
+                self._made += 1
+                return self.memory.empty(self.numel, self.dtype, what="a gradient shard")
         self._spill(next(iter(self._lru)))  # nothing pinned: the LRU list holds every buffer
         with self._cond:
             return self._free.pop()

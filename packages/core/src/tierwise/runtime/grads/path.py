@@ -186,7 +186,10 @@ class GradientPath:
             target = self.reducer.staging(chunk)
         segment = target[slot.offset : slot.offset + slot.numel]
         if slot.got_grad:  # a second delivery in one backward (re-entrant checkpoint reuse)
+            self.host_copies.land_all()
             segment.add_(grad.reshape(-1).to(segment.device))
+        elif host_copy_applies(segment, grad):  # host staging or late buffer: no wait here
+            self.host_copies.copy(chunk.key, segment, grad.reshape(-1))
         else:
             segment.copy_(grad.reshape(-1))
         final = self._arrived(chunk, slot)
@@ -223,6 +226,7 @@ class GradientPath:
         """A module's backward starts: [Note: one collective order]. Returns the chunks whose
         gradients became final."""
         if self.multi_rank and not self._no_sync:
+            self.host_copies.land_all()  # the reducer reads host staging: one wait at most
             self.reducer.sync_point(self.index.by_key)
         return self.reducer.take_final()
 
@@ -380,6 +384,7 @@ class GradientPath:
         if self.multi_rank and not self._no_sync:
             # chunks no rank launched incomplete were final when they landed: [Note: one
             # collective order]
+            self.host_copies.land_all()  # [Note: one host wait per chunk]
             rest = self.reducer.finish(self.index.by_key)
             final = self.reducer.take_final() + [self.index.by_key[key] for key in rest]
         self.reducer.release_memory()

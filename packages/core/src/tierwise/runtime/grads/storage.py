@@ -45,9 +45,12 @@ class ChunkGrads:
         """The slots with a kept gradient (``kept``)."""
         return [s for s in self.chunk.slots if s.kept_grad is not None]
 
-    def all_finite(self) -> bool:
+    def all_finite(self) -> torch.Tensor:
+        """Whether every gradient is finite: a 0-dim bool tensor where the gradients are, not
+        read here (the step reads every chunk's at once: [Note: host scalars])."""
         tensors = [s.kept_grad for s in self.kept_slots()] if self.kept else [self.shard]
-        return all(bool(torch.isfinite(grad).all()) for grad in tensors)
+        flags = [torch.isfinite(grad).all() for grad in tensors]
+        return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
 
 def zero_unwritten(chunk: Chunk, full: torch.Tensor) -> None:

@@ -26,9 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
+
+from tierwise.parallel.timeouts import wait_timeout_s, waited_too_long
 
 Issue = Callable[[], tuple[list, list[torch.Tensor]]]
 """Issues a transfer; returns (handles with ``wait()``, tensors to keep alive until finished)."""
@@ -120,6 +123,11 @@ def _run_and_wait(issue: Issue) -> None:
 class _FutureHandle:
     def __init__(self, future: Future):
         self.future = future
+        self.timeout_s = wait_timeout_s()
+        """[Note: bounded waits]"""
 
     def wait(self) -> None:
-        self.future.result()
+        try:
+            self.future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise waited_too_long("a chunk load on the load thread", self.timeout_s) from None

@@ -27,10 +27,15 @@ def grad_multiplier(unscale: list | None, clip_coef: torch.Tensor | None) -> lis
     [Note: host scalars]
     The factors are 0-dim CPU tensors, made once per step. A 0-dim CPU tensor multiplies a
     tensor on any device as a kernel argument: no copy to the device, no wait, where moving
-    it to the device for each chunk would queue a blocking host-to-device copy per chunk."""
+    it to the device for each chunk would queue a blocking host-to-device copy per chunk.
+    The other way round, what the step reads of the gradients (the norm, fp16 overflow) is
+    accumulated where the gradients are and read on the host once per step: a chunk's norm
+    part and finite flag stay on its device, no per-chunk ``.cpu()``, ``bool()`` or fp64 copy
+    of a shard. The clip coefficient is computed on the host from that one read, so it is a
+    host scalar too."""
     factors = unscale or []
     if clip_coef is not None:
-        factors.append(clip_coef.cpu())
+        factors.append(clip_coef)
     return factors or None
 
 
@@ -66,7 +71,9 @@ class GradChecks:
                 for s in chunk.slots
                 if s.has_grad  # clip_grad_norm_ skips parameters whose grad is None
             ]
-        sq = grads.shard.double().pow(2).sum().cpu()
+        # an fp32 norm of the shard (no fp64 copy of it), squared and summed in fp64; on the
+        # shard's device, read once per step ([Note: host scalars])
+        sq = torch.linalg.vector_norm(grads.shard, 2.0, dtype=torch.float32).double().square()
         return sq if chunk.group.sharded else sq / chunk.group.world
 
     def all_reduce_scalar(self, value: torch.Tensor, op) -> torch.Tensor:
@@ -94,32 +101,44 @@ class GradChecks:
             # as torch.nn.utils.clip_grad_norm_ gathers them on the first gradient's
             stacked = stack_on([n for _, n in norms], self.device)
             return torch.linalg.vector_norm(stacked, 2.0).float().cpu()
-        total = torch.zeros((), dtype=torch.float64)
-        for sq in parts:  # in chunk order, recorded or not
-            total += sq
-        return self.all_reduce_scalar(total, dist.ReduceOp.SUM).sqrt().float()
+        squares = list(parts)  # in chunk order, recorded or not; on their devices
+        if squares:
+            total = stack_on(squares, self.device).sum()
+        else:
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+        # summed on the device, reduced there ([Note: collectives on the group's device]),
+        # read on the host once: [Note: host scalars]
+        return self.all_reduce_scalar(total, dist.ReduceOp.SUM).sqrt().float().cpu()
 
-    def found_overflow(self, finite: Iterable[bool]) -> bool:
-        """Whether a gradient on any rank is not finite (``finite``: per filled chunk, read
-        one at a time until one is not)."""
-        flag = torch.zeros((), dtype=torch.float32)
-        for ok in finite:
-            if not ok:
-                flag.fill_(1.0)
-                break
+    def found_overflow(self, finite: Iterable[torch.Tensor]) -> bool:
+        """Whether a gradient on any rank is not finite (``finite``: a 0-dim flag per filled
+        chunk, on its gradients' device): combined on the device, one host read per step
+        ([Note: host scalars])."""
+        flags = list(finite)
+        if flags:
+            flag = (~stack_on(flags, self.device).all()).float()
+        else:
+            flag = torch.zeros((), dtype=torch.float32, device=self.device)
         return bool(self.all_reduce_scalar(flag, dist.ReduceOp.MAX) > 0)
 
     def agree_on_grads(self) -> None:
         """Several ranks: a parameter has a gradient when it got one on any rank of its chunk's
         data-parallel group (DDP reduces it to every rank): [Note: unused parameters are
-        skipped]. One small all-reduce per replicated or sharded trainable group."""
+        skipped]. One small all-reduce per process group of the trainable groups, in group
+        order. When every slot here has a gradient the result is known (all of them, the
+        maximum over ranks): the flags are made on the device and nothing is read back; else
+        they go up once and come back once ([Note: host scalars])."""
+        by_group: dict = {}
         for group in self.index.groups:
-            if not group.trainable or group.world == 1:
+            if group.trainable and group.world > 1:
+                slots = [slot for chunk in group.chunks for slot in chunk.slots]
+                by_group.setdefault(group.process_group, []).extend(slots)
+        for process_group, slots in by_group.items():
+            if all(slot.has_grad for slot in slots):
+                flags = self.collectives.filled(len(slots), 1.0, torch.float32, process_group)
+                self.collectives.all_reduce(flags, process_group, op=dist.ReduceOp.MAX)
                 continue
-            slots = [slot for chunk in group.chunks for slot in chunk.slots]
-            flags = torch.tensor(
-                [slot.has_grad for slot in slots], dtype=torch.float32, device=self.device
-            )
-            self.collectives.all_reduce(flags, group.process_group, op=dist.ReduceOp.MAX)
+            flags = torch.tensor([slot.has_grad for slot in slots], dtype=torch.float32)
+            self.collectives.all_reduce(flags, process_group, op=dist.ReduceOp.MAX)
             for slot, flag in zip(slots, flags.tolist(), strict=True):
                 slot.has_grad = flag > 0

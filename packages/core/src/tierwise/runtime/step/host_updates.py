@@ -9,6 +9,8 @@ back (clipping seen, fp16, the first step), the worker first copies the chunk's 
 counted in the host tier: when the budget has no room for one, that chunk is updated after
 backward instead (``submit`` says False). ``wait`` is called before anything reads the states
 (the step's checks, a rollback, a checkpoint), and re-raises the first error of an update.
+The worker touches host memory only: a device home's new values go to the engine's thread
+([Note: CUDA threading model]); ``wait`` is bounded ([Note: bounded waits]).
 """
 
 from __future__ import annotations
@@ -17,20 +19,24 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
 from tierwise.chunks import Chunk
+from tierwise.parallel.timeouts import wait_timeout_s, waited_too_long
 from tierwise.tiers.base import PayloadKind, Tier, TierBudgetError
 
 
 class HostUpdates:
     """See [Note: host updates in backward]."""
 
-    def __init__(self, host: Tier) -> None:
+    def __init__(self, host: Tier, *, timeout_s: float | None = None) -> None:
         self.host = host
+        self.timeout_s = wait_timeout_s() if timeout_s is None else timeout_s
+        """Seconds ``wait`` waits for one update ([Note: bounded waits])."""
         self._pool: ThreadPoolExecutor | None = None
-        self._futures: list[Future] = []
+        self._futures: list[tuple[Chunk, Future]] = []
         self._undo: dict[Chunk, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._reserved = 0
         self._lock = threading.Lock()
@@ -70,12 +76,23 @@ class HostUpdates:
                 self.busy_s += time.perf_counter() - began
                 on_done()
 
-        self._futures.append(self._pool.submit(job))
+        self._futures.append((chunk, self._pool.submit(job)))
 
     def wait(self) -> None:
-        """Wait for every queued update; re-raise the first failure."""
+        """Wait for every queued update, each for at most ``timeout_s`` ([Note: bounded
+        waits]); re-raise the first failure."""
         futures, self._futures = self._futures, []
-        errors = [f.exception() for f in futures]
+        errors = []
+        for chunk, future in futures:
+            try:
+                errors.append(future.exception(timeout=self.timeout_s))
+            except FutureTimeout:
+                self._futures = [(c, f) for c, f in futures if not f.done()]
+                raise waited_too_long(
+                    f"the host optimizer worker's update of chunk {chunk.key} "
+                    "([Note: host updates in backward])",
+                    self.timeout_s,
+                ) from None
         for error in errors:
             if error is not None:
                 raise error

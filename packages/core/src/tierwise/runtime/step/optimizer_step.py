@@ -329,6 +329,7 @@ class OptimizerStep:
         speculation = self.speculation
         if self.host_updates is not None:  # the checks read states and gradients after it
             self.host_updates.wait()
+        self.updates.home_writes.flush()  # [Note: CUDA threading model]
         self.step_undo.begin()
         speculated = bool(speculation.early)
         decision = speculation.decision
@@ -365,6 +366,7 @@ class OptimizerStep:
                 in_memory.append((chunk, hyper))
         for pipeline in self.pipelines.values():
             pipeline.drain()
+        self.updates.home_writes.flush()
         self.step_undo.clear()  # committed: from here on a failure is not undone
         if self.host_updates is not None:
             self.host_updates.release()
@@ -405,7 +407,7 @@ class OptimizerStep:
         the engine refuses to step until a load ([Note: a step that failed part way])."""
         for pipeline in self.pipelines.values():
             pipeline.abandon()
-        self.speculation.drop_host_updates()
+        self.speculation.drop_host_updates()  # flushes the posted home writes
         self.speculation.early.clear()
         self.speculation.decision = None
         if self.step_undo.active:

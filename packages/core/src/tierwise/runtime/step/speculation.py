@@ -123,7 +123,9 @@ class Speculation:
     ) -> None:
         """A chunk's gradients for this backward are in its gradient storage: start its update
         on its tier's ``pipeline`` (LoHan's active gradient offloading, speculative: [Note:
-        speculative updates]) or at least the read of its optimizer states."""
+        speculative updates]) or at least the read of its optimizer states. Issues the device
+        home writes that workers posted so far ([Note: CUDA threading model])."""
+        self.updates.home_writes.flush()
         if pipeline is None:
             if self._host_resident(chunk) and self._speculation(in_no_sync)[0]:
                 self._update_on_host_worker(chunk)
@@ -147,7 +149,8 @@ class Speculation:
         self.step_undo.begin()  # the step begins here: [Note: atomic optimizer step]
         # its cached copy goes stale, but nothing reads it again in this backward: all of
         # its gradients are in; step() drops every cached copy
-        self.updates.submit(pipeline, chunk, self.updates.build(chunk, hyper, self.unscale()))
+        update = self.updates.build(chunk, hyper, self.unscale(), on_worker=True)
+        self.updates.submit(pipeline, chunk, update)
         self.updates.count_traffic(chunk)
 
     def _host_resident(self, chunk: Chunk) -> bool:
@@ -182,7 +185,7 @@ class Speculation:
                 early.finite = grads.all_finite()
         self.early[chunk.key] = early
         self.step_undo.begin()
-        update = self.updates.build(chunk, hyper, self.unscale())
+        update = self.updates.build(chunk, hyper, self.unscale(), on_worker=True)
         self.updates.count_traffic(chunk)
         self.grad_states.move(chunk, GradState.UPDATING, _OWNER)
         self.host_updates.submit(
@@ -199,8 +202,9 @@ class Speculation:
         they are bitwise the same): [Note: speculative updates]."""
         if overflow:
             return "a gradient overflowed (fp16): the step is skipped"
-        if clip_coef is not None and float(clip_coef) != 1.0:
-            return f"the gradient norm is over max_norm (clip coefficient {float(clip_coef):.6g})"
+        coef = float(clip_coef) if clip_coef is not None else 1.0  # a host scalar
+        if coef != 1.0:
+            return f"the gradient norm is over max_norm (clip coefficient {coef:.6g})"
         for chunk in filled:
             early = self.early.get(chunk.key)
             if early is None:
@@ -212,13 +216,16 @@ class Speculation:
         return None
 
     def drop_host_updates(self) -> None:
-        """Wait for the host worker's updates and put their states back (none is kept)."""
+        """Wait for the host worker's updates and put their states back (none is kept); issue
+        the home writes workers posted ([Note: CUDA threading model])."""
+        if self.host_updates is not None:
+            try:
+                self.host_updates.wait()
+            except Exception:  # noqa: S110 - nothing of these updates is kept, failed or not
+                pass
+        self.updates.home_writes.flush()  # pipelines' too: before StepUndo puts homes back
         if self.host_updates is None:
             return
-        try:
-            self.host_updates.wait()
-        except Exception:  # noqa: S110 - nothing of these updates is kept, failed or not
-            pass
         self.host_updates.restore()
         self.host_updates.release()
 
@@ -233,6 +240,7 @@ class Speculation:
             self.host_updates.wait()
             self.host_updates.restore()
             self.host_updates.release()
+        self.updates.home_writes.flush()  # before StepUndo puts the homes back
         self.step_undo.restore()
         offload = self.storage.grad_offload
         lost = [

@@ -14,6 +14,7 @@ from tierwise.optim import AdamHyper, StepCounts, adam_update_ranges, adam_updat
 from tierwise.optim.state_formats import LowBitMoments
 from tierwise.runtime.grads.states import GradStates
 from tierwise.runtime.grads.storage import GradStorage
+from tierwise.runtime.step.home_writes import HomeWrites, host_values, written_by_engine
 from tierwise.runtime.step.undo import StepUndo
 from tierwise.runtime.traffic import Traffic
 
@@ -70,6 +71,9 @@ class ChunkUpdates:
         self.traffic = traffic
         self.dtype = dtype
         """The parameters' (home's) dtype."""
+        self.home_writes = HomeWrites()
+        """New values of device homes computed on worker threads, written by the engine's
+        thread ([Note: CUDA threading model])."""
 
     def ranges(self, chunk: Chunk) -> list[tuple[int, int, int]]:
         """Advance the step counts of the chunk's parameters that have a gradient and return
@@ -88,9 +92,13 @@ class ChunkUpdates:
                 ranges.append((lo - start, hi - start, self.step_counts[slot.name]))
         return ranges
 
-    def build(self, chunk: Chunk, hyper: AdamHyper, multiplier: list | None):
+    def build(
+        self, chunk: Chunk, hyper: AdamHyper, multiplier: list | None, *, on_worker: bool = False
+    ):
         """The update of one chunk, given its (master, exp_avg, exp_avg_sq) tensors as stored
-        (it advances the step counts now, on the calling thread)."""
+        (it advances the step counts now, on the calling thread). ``on_worker``: it runs on a
+        worker thread, which hands new values for a device home to ``home_writes``
+        ([Note: CUDA threading model])."""
         optim = chunk.optim
         ranges = self.ranges(chunk)
         undo = self.step_undo
@@ -143,7 +151,18 @@ class ChunkUpdates:
                     size = min(UPDATE_PIECE, master.numel())
                     scratch.append(torch.empty(size, dtype=torch.float32, device=master.device))
                 self._in_pieces(
-                    home, master, m, v, lo, hi, shard, ranges, hyper, multiplier, scratch[0]
+                    home,
+                    master,
+                    m,
+                    v,
+                    lo,
+                    hi,
+                    shard,
+                    ranges,
+                    hyper,
+                    multiplier,
+                    scratch[0],
+                    on_worker,
                 )
             else:
                 inside = [
@@ -164,9 +183,13 @@ class ChunkUpdates:
                 return
             if records_home and not recorded:
                 undo.home_written(chunk)
-            if kept is None and in_pieces(master, shard, multiplier) and _direct(home, master):
+            if (
+                kept is None
+                and in_pieces(master, shard, multiplier)
+                and _direct(home, master, on_worker)
+            ):
                 return
-            home.tier.write(home, master.to(self.dtype)).wait()
+            self._write_home(home, master, on_worker)
 
         # stored moments in low precision: [Note: low-bit optimizer states]
         if kept is not None:
@@ -188,11 +211,12 @@ class ChunkUpdates:
         hyper: AdamHyper,
         multiplier: list | None,
         grad: torch.Tensor,
+        on_worker: bool,
     ) -> None:
         """[Note: updates in pieces]: elements lo:hi of one chunk's update (``m``/``v`` hold
         just those), a piece of ``grad``'s size at a time; the new parameters go straight into
         an addressable home on the master's device."""
-        direct = home is not None and _direct(home, master)
+        direct = home is not None and _direct(home, master, on_worker)
         for at in range(lo, hi, grad.numel()):
             end = min(at + grad.numel(), hi)
             inside = [
@@ -214,6 +238,14 @@ class ChunkUpdates:
             if direct:  # copy_ rounds to the home's dtype exactly as .to does
                 home.tier.write(home, master[at:end], offset=at).wait()
 
+    def _write_home(self, home, master: torch.Tensor, on_worker: bool) -> None:
+        """Write ``master`` rounded to the parameters' dtype into ``home``: a worker posts the
+        values of a device home to ``home_writes`` ([Note: CUDA threading model])."""
+        if on_worker and written_by_engine(home):
+            self.home_writes.post(home, host_values(master, self.dtype, home))
+        else:
+            home.tier.write(home, master.to(self.dtype)).wait()
+
     def run(
         self,
         chunk: Chunk,
@@ -224,7 +256,7 @@ class ChunkUpdates:
         """Update ``chunk`` now: queued on its tier's optimizer ``pipeline``, in place in
         addressable memory, or read, updated and written back in turn."""
         optim = chunk.optim
-        update = self.build(chunk, hyper, multiplier)
+        update = self.build(chunk, hyper, multiplier, on_worker=pipeline is not None)
         slabs = (optim.master, optim.exp_avg, optim.exp_avg_sq)
         self.count_traffic(chunk)
         if pipeline is not None:
@@ -274,10 +306,15 @@ class ChunkUpdates:
             self.traffic.count(direction, chunk.home.nbytes)
 
 
-def _direct(home, master: torch.Tensor) -> bool:
+def _direct(home, master: torch.Tensor, on_worker: bool) -> bool:
     """Whether a piece's new parameters are written straight into ``home`` (addressable
-    memory on the master's device): [Note: updates in pieces]."""
-    return home.tier.ADDRESSABLE and home.tensor.device == master.device
+    memory on the master's device): [Note: updates in pieces]; never a device home from a
+    worker thread ([Note: CUDA threading model])."""
+    return (
+        home.tier.ADDRESSABLE
+        and home.tensor.device == master.device
+        and not (on_worker and written_by_engine(home))
+    )
 
 
 def chunk_hyper(optimizer_groups: list[dict], decoupled: bool, chunk: Chunk) -> AdamHyper:

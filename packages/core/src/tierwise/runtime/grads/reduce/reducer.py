@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from tierwise.chunks import Chunk
-from tierwise.parallel.collectives import Collectives
+from tierwise.parallel.collectives import Collectives, HostRead
 from tierwise.planning.planner import receive_block_numel
 from tierwise.runtime.grads.reduce.blocks import BlockPool
 from tierwise.runtime.grads.reduce.local_sums import NoSyncSums
@@ -127,12 +127,10 @@ class GradientReducer:
         self._holding: dict[Hashable, Chunk] = {}
         """Chunks not launched yet whose staging is a device block."""
         self._inflight: deque[tuple[Chunk, object, torch.Tensor, torch.Tensor]] = deque()
-        self._agreeing: deque[tuple[list[Chunk], object, torch.Tensor]] = deque()
-        """Flag all-reduces in flight: one due point's chunks, the work, their flags (1: some
-        rank launched the chunk incomplete)."""
+        self._agreeing: deque[tuple[list[Chunk], object, HostRead]] = deque()
+        """Flag all-reduces in flight: chunks, work, the flags' read (1: launched incomplete)."""
         self.finalised: list[Hashable] = []
-        """Chunks made final by their flags' agreement in this backward, in order: during
-        backward, or in ``finish`` for those whose flags landed there."""
+        """Chunks made final by their flags' agreement in this backward, in order."""
         self.last_finalised: list[Hashable] = []
         """``finalised`` of the last finished backward."""
         self.peak_on_host = 0
@@ -162,11 +160,15 @@ class GradientReducer:
     def _agree_on_predicted_due(self) -> None:
         """Agree on the due points predicted from the forward ([Note: due points predicted
         from the forward]): the same collective at the same place of every rank's sequence."""
+        agree = self._max_over_ranks if self.world_group is not None else None
+        self.schedule.agree_on_predicted(agree)
 
-        def all_reduce_max(due: torch.Tensor) -> None:
-            self.collectives.all_reduce(due, self.world_group, op=dist.ReduceOp.MAX)
-
-        self.schedule.agree_on_predicted(all_reduce_max if self.world_group is not None else None)
+    def _max_over_ranks(self, values: list[int]) -> list[int]:
+        """The maximum over the ranks of each of ``values``: one upload, one all-reduce and
+        one host read ([Note: control data on the device])."""
+        tensor = self.collectives.upload(values, torch.int64, self.world_group)
+        self.collectives.all_reduce(tensor, self.world_group, op=dist.ReduceOp.MAX)
+        return self.collectives.read_back(tensor).values()
 
     @property
     def predicting(self) -> bool:
@@ -261,12 +263,13 @@ class GradientReducer:
 
     def _agree_complete(self, launched: list[tuple[Chunk, bool]]) -> None:
         """One async MAX all-reduce of one due point's flags, 1 for a chunk incomplete here
-        at its launch ([Note: one collective order])."""
-        flags = torch.tensor([incomplete for _, incomplete in launched], dtype=torch.int64)
-        work = self.collectives.all_reduce(
-            flags, self.world_group, op=dist.ReduceOp.MAX, async_op=True
-        )
-        self._agreeing.append(([chunk for chunk, _ in launched], work, flags))
+        at its launch ([Note: one collective order]), on the group's device and read back
+        once ([Note: control data on the device])."""
+        group, incomplete = self.world_group, [flag for _, flag in launched]
+        flags = self.collectives.upload(incomplete, torch.int64, group)
+        work = self.collectives.all_reduce(flags, group, op=dist.ReduceOp.MAX, async_op=True)
+        read = self.collectives.read_back(flags, work)
+        self._agreeing.append(([chunk for chunk, _ in launched], work, read))
 
     def _launch(self, chunk: Chunk) -> None:
         key = chunk.key
@@ -349,15 +352,15 @@ class GradientReducer:
         complete: they are waited for then (gloo's reduce-scatter work never reports itself
         completed until waited for)."""
         while self._agreeing:
-            chunks, work, flags = self._agreeing[0]
-            if not wait and not work.is_completed():
+            chunks, work, read = self._agreeing[0]
+            if not wait and not read.ready():
                 return
-            work.wait()
+            flags = read.values()
             self._agreeing.popleft()
             keys = {chunk.key for chunk in chunks}
             while any(entry[0].key in keys for entry in self._inflight):
                 self._land_oldest()
-            for chunk, flag in zip(chunks, flags.tolist(), strict=True):
+            for chunk, flag in zip(chunks, flags, strict=True):
                 if flag == 0:
                     self.finalised.append(chunk.key)
                     self._final.append(chunk)
@@ -378,12 +381,10 @@ class GradientReducer:
             self._agree_on_predicted_due()
         self._launch_due(END, chunks_by_key)
         n = len(self.order)
-        facts = torch.zeros(2 * n, dtype=torch.int64)
-        for i, key in enumerate(self.order):
-            facts[i] = self._completed.get(key, END - 1)
-            facts[n + i] = key in self._late
+        facts = [self._completed.get(key, END - 1) for key in self.order]
+        facts += [int(key in self._late) for key in self.order]
         if n and self.world_group is not None:
-            self.collectives.all_reduce(facts, self.world_group, op=dist.ReduceOp.MAX)
+            facts = self._max_over_ranks(facts)
         for i, key in enumerate(self.order):
             if facts[n + i]:
                 chunk = chunks_by_key[key]

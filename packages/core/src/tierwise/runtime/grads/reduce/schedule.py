@@ -21,8 +21,6 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Hashable
 
-import torch
-
 END = 2**62
 """The due point "end of backward"."""
 
@@ -104,15 +102,15 @@ class DuePoints:
     def agree_on_predicted(self, all_reduce_max) -> None:
         """The first backward without a last one to learn from: every rank predicts the due
         points from its forward, and the latest prediction of each chunk is taken (``all_reduce_max``
-        reduces an int64 tensor in place over the world, None with one rank)."""
+        returns the maximum over the world of a list of ints, None with one rank)."""
         self.predicted = True
         if not self.order:
             return
         mine = self.forward.predict(self.order)
-        due = torch.tensor([mine.get(key, END) for key in self.order], dtype=torch.int64)
+        due = [mine.get(key, END) for key in self.order]
         if all_reduce_max is not None:
-            all_reduce_max(due)
-        self.due = {key: int(d) for key, d in zip(self.order, due.tolist(), strict=True)}
+            due = all_reduce_max(due)
+        self.due = {key: int(d) for key, d in zip(self.order, due, strict=True)}
         self.restart()
 
     def take_due(self, limit: int):

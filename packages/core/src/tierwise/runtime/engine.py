@@ -236,6 +236,7 @@ class Engine:
                 self.abandon_backward(f"{type(err).__name__}: {err}")
                 raise
             self.access.release_finished_backward(param)
+            self.outside_uses.on_grad(param)
 
     def end_backward(self) -> None:
         """Runs when autograd finishes a backward: finalise every chunk, release everything."""

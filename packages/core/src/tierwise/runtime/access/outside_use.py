@@ -20,18 +20,19 @@ parameter as it is (its metadata, and its values when its chunk computes in its 
 
 How long the pin lasts follows from what may still read the values:
 - grad enabled: the use may be recorded by autograd, whose backward reads the saved parameter
-  and produces its gradient. The pin lasts to the end of that backward, where every pin ends
-  (``ModuleAccess.unpin_all``); the gradient then arrives for a parameter in COMPUTE, as for any
-  module's parameter.
+  and produces its gradient. The pin lasts until the gradients of the module's trainable
+  parameters have arrived (autograd accumulates a parameter's gradient once every node that used
+  it ran: TRL's head is released as soon as its own backward is done), a frozen module's to the end
+  of the backward, where every pin ends (``ModuleAccess.unpin_all``); the gradient arrives for a
+  parameter in COMPUTE, as for any module's parameter.
 - grad disabled (an evaluation, DPO's reference pass): nothing will read the values later. A read
   inside the root's forward is released when that forward returns; one after it (an evaluation
   loss computed outside the model) when the next forward begins, a backward ends or the
   optimizer step starts.
 A module is acquired for outside use at most once per such window, so a pin costs one module's
-chunks however often the parameter is read. The chunk is pinned from the read to the end of
-backward: with rCache blocks to spare (or chunks computing in their home, the CPU default) this
-costs nothing; an rCache too small for one more pinned chunk stops with the rCache's own message
-naming ``cache_blocks``.
+chunks however often the parameter is read. The chunk stays pinned from the read on: with rCache blocks to
+spare (or chunks computing in their home, the CPU default) this costs nothing; an rCache too small
+for one more pinned chunk stops with the rCache's own message naming ``cache_blocks``.
 """
 
 from __future__ import annotations
@@ -117,6 +118,20 @@ class OutsideUses:
             return
         held.add(module)
         self.access.acquire_outside_forward(module)
+
+    def on_grad(self, param: torch.nn.Parameter) -> None:
+        """A gradient arrived: a module read with grad enabled whose trainable parameters all
+        have theirs is released (autograd accumulates a gradient after every node that used
+        the parameter ran, so nothing left in this backward reads it)."""
+        if not self._with_grad:
+            return
+        for module in self.index.modules_of_param.get(id(param), ()):
+            if module in self._with_grad and all(
+                slot.got_grad or not slot.param.requires_grad for slot in self.index.modules[module]
+            ):
+                self._with_grad.discard(module)
+                self._without_grad.discard(module)
+                self.access.release_outside_forward(module)
 
     def release_without_grad(self) -> None:
         """End the pins of reads made with grad disabled."""

@@ -5,14 +5,13 @@ LM head projects through ``lm_head.weight`` outside ``lm_head``'s forward."""
 
 import random
 
+import datasets
+import peft
 import pytest
 import tierwise
 import torch
-from helpers.models import tiny_model
-
-import datasets
-import peft
 import trl
+from helpers.models import tiny_model
 from hf.hf_helpers import budget_config, tiny_tokenizer
 from tierwise.integrations.hf import TierwiseTrainer, TierwiseTrainerError
 from tierwise.integrations.trl import TierwiseDPOTrainer, TierwiseSFTTrainer
@@ -87,7 +86,9 @@ def assert_same_run(ours, ref, keys=("loss", "grad_norm")):
 
 def test_sft_matches_trl_bitwise(tmp_path):
     data, tok = prompt_completion(), tokenizer()
-    ref = trl.SFTTrainer(tiny_model("llama"), sft_args(tmp_path / "r"), train_dataset=data, processing_class=tok)
+    ref = trl.SFTTrainer(
+        tiny_model("llama"), sft_args(tmp_path / "r"), train_dataset=data, processing_class=tok
+    )
     ref.train()
     model = tiny_model("llama")
     ours = TierwiseSFTTrainer(
@@ -124,7 +125,11 @@ def test_sft_gradient_checkpointing_is_tierwise_recompute(tmp_path):
 def test_sft_lora_matches_trl_bitwise(tmp_path):
     data, tok = prompt_completion(), tokenizer()
     ref = trl.SFTTrainer(
-        tiny_model("llama"), sft_args(tmp_path / "r"), train_dataset=data, processing_class=tok, peft_config=lora()
+        tiny_model("llama"),
+        sft_args(tmp_path / "r"),
+        train_dataset=data,
+        processing_class=tok,
+        peft_config=lora(),
     )
     ref.train()
     model = tiny_model("llama")
@@ -147,7 +152,11 @@ def test_dpo_matches_trl_bitwise(tmp_path, reference):
     kw = dict(peft_config=lora()) if reference == "peft" else {}
     extra = dict(precompute_ref_log_probs=True) if reference == "precomputed" else {}
     ref = trl.DPOTrainer(
-        tiny_model("llama"), args=dpo_args(tmp_path / "r", **extra), train_dataset=data, processing_class=tok, **kw
+        tiny_model("llama"),
+        args=dpo_args(tmp_path / "r", **extra),
+        train_dataset=data,
+        processing_class=tok,
+        **kw,
     )
     assert ref.ref_model is None  # TRL alone uses no second model either
     ref.train()
@@ -168,7 +177,9 @@ def test_dpo_matches_trl_bitwise(tmp_path, reference):
 def test_dpo_refuses_a_second_model(tmp_path):
     with pytest.raises(TierwiseTrainerError, match="ref_model is a second full copy"):
         TierwiseDPOTrainer(tiny_model("llama"), tiny_model("llama"), args=dpo_args(tmp_path))
-    with pytest.raises(TierwiseTrainerError, match="pass peft_config .* or set precompute_ref_log_probs"):
+    with pytest.raises(
+        TierwiseTrainerError, match="pass peft_config .* or set precompute_ref_log_probs"
+    ):
         TierwiseDPOTrainer(tiny_model("llama"), args=dpo_args(tmp_path))
 
 
@@ -179,5 +190,7 @@ def test_path_model_and_the_other_class_order_are_refused(tmp_path):
     class TierwiseFirst(TierwiseTrainer, trl.SFTTrainer):
         pass
 
-    with pytest.raises(TierwiseTrainerError, match="use tierwise.integrations.trl.TierwiseSFTTrainer"):
+    with pytest.raises(
+        TierwiseTrainerError, match="use tierwise.integrations.trl.TierwiseSFTTrainer"
+    ):
         TierwiseFirst(model=tiny_model("llama"), args=sft_args(tmp_path))

@@ -56,7 +56,9 @@ def _compose(
         )
     given = config_dict(tierwise_config)
     # transformers ≥ 5.24 names it activation_checkpointing, gradient_checkpointing mirrors it
-    if args is not None and (getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing):
+    if args is not None and (
+        getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing
+    ):
         if given.get("activation_checkpointing") is False:
             raise TierwiseTrainerError(
                 f"{name}: gradient_checkpointing=True but tierwise_config sets "

@@ -6,7 +6,8 @@ Each test runs in exactly one tox env. A test that needs several plugins togethe
 ``combined`` (``pytestmark = pytest.mark.combined`` or on the test) and runs only in the ``all``
 env (``TIERWISE_TEST_SCOPE=combined``); every other test runs in the env of its package
 (``TIERWISE_TEST_SCOPE=single``). ``tests/integration`` drives ``tierwise train`` as the README's
-install leaves it, with every plugin, so it counts as combined. ``tests/plugins`` checks the plugin
+install leaves it, with every plugin, so it counts as combined. ``tests/trl`` and ``tests/fabric``
+need TRL and Lightning, which only the ``frameworks`` env installs; ``all`` leaves them out. ``tests/plugins`` checks the plugin
 set of the env it runs in, so it runs in every env. Without the variable (a developer's ``pytest tests``) everything runs.
 """
 

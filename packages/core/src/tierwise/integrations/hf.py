@@ -162,6 +162,10 @@ class TierwiseTrainer(Trainer):
     ):
         if trainer_args:
             raise TypeError("TierwiseTrainer: pass Trainer's arguments after `args` by keyword")
+        _check_class_order(type(self))
+        composed = self.__dict__.pop("_composed_options", None)  # [Note: TRL's trainers
+        if composed is not None:  # through tierwise] (integrations/trl.py)
+            tierwise_config, save_dtype = composed
         model_init = trainer_kwargs.pop("model_init", None)
         if (model is None) == (model_init is None):
             raise TierwiseTrainerError(
@@ -340,6 +344,22 @@ class TierwiseTrainer(Trainer):
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+
+def _check_class_order(cls: type) -> None:
+    """A trainer class deriving from ``TierwiseTrainer`` ahead of a TRL trainer would set the
+    model up before TRL prepares it (PEFT, reference adapters): refused, naming the class to use
+    ([Note: TRL's trainers through tierwise])."""
+    mro = cls.__mro__
+    after = mro[mro.index(TierwiseTrainer) + 1 :]
+    trl_trainer = next((c for c in after if c.__module__.split(".")[0] == "trl"), None)
+    if trl_trainer is not None:
+        name = trl_trainer.__name__
+        raise TierwiseTrainerError(
+            f"{cls.__name__} puts TierwiseTrainer before TRL's {name}, which would prepare the "
+            f"model after tierwise set it up; use tierwise.integrations.trl.Tierwise{name} "
+            f"(or class {cls.__name__}({name}, TierwiseTrainer))"
+        )
 
 
 def _is_peft(model: torch.nn.Module) -> bool:

@@ -27,6 +27,7 @@ from tierwise.precision import compute_dtype
 from tierwise.protocols import MemoryTracer
 from tierwise.runtime.access.hooks import grad_ready_hook, install_hooks
 from tierwise.runtime.access.module_access import ModuleAccess
+from tierwise.runtime.access.outside_use import OutsideUses
 from tierwise.runtime.access.warmup_tracing import WarmupTracing
 from tierwise.runtime.activations.manager import ActivationManager
 from tierwise.runtime.activations.pinned_pool import pinned_swap_bytes
@@ -180,6 +181,9 @@ class Engine:
             self.access, model, list(modules), input_dtype=self.dtype if cast_inputs else None
         )
         """Every hook tierwise put on the model and its parameters (removed by ``close``)."""
+        self.outside_uses = OutsideUses(access=self.access, index=self.index, phases=self.phases)
+        """[Note: parameters used outside their module's forward]"""
+        self.hook_handles += self.outside_uses.install(model, list(modules))
         on_grad = grad_ready_hook(self)
         for chunk in self.index.chunks():
             for slot in chunk.slots if chunk.trainable else ():
@@ -235,6 +239,7 @@ class Engine:
                 self.abandon_backward(f"{type(err).__name__}: {err}")
                 raise
             self.access.release_finished_backward(param)
+            self.outside_uses.on_grad(param)
 
     def end_backward(self) -> None:
         """Runs when autograd finishes a backward: finalise every chunk, release everything."""
@@ -248,6 +253,7 @@ class Engine:
             self.abandon_backward(f"{type(err).__name__}: {err}")
             raise
         self.access.unpin_all()
+        self.outside_uses.end_backward()
         if self.residency.trace.recording:
             self.residency.trace.freeze()
 
@@ -271,6 +277,7 @@ class Engine:
         self.loads.finish_all()
         self.gradients.abandon_backward()
         self.access.unpin_all()
+        self.outside_uses.end_backward()
         self.optimizer.drop_uncommitted_updates()
         self.zero_grad()
         self.backward_failed = reason
@@ -285,6 +292,7 @@ class Engine:
                 "were dropped; call zero_grad() and run the step's forward and backward again"
             )
         self.tracing.finish_if_ended()
+        self.outside_uses.release_without_grad()
         self.optimizer.step()
         if self.activations is not None:
             self.activations.end_step()

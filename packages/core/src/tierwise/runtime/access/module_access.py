@@ -192,6 +192,15 @@ class ModuleAccess:
         self.phases.enter_backward()
         return grad * self.scaler.scale
 
+    def acquire_outside_forward(self, module: torch.nn.Module) -> None:
+        """Pin ``module``'s chunks for a read of its parameters outside its forward ([Note:
+        parameters used outside their module's forward])."""
+        self._acquire(module)
+
+    def release_outside_forward(self, module: torch.nn.Module) -> None:
+        """End a pin of ``acquire_outside_forward`` made with grad disabled."""
+        self._release(module, TensorState.HOLD)
+
     def unpin_all(self) -> None:
         """End of a backward (finished or abandoned): nothing stays pinned."""
         for slot in self._slot_pins:

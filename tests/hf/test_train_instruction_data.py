@@ -1,7 +1,7 @@
 """`tierwise train`'s instruction data: chat messages through the tokenizer's chat template and
 prompt/completion pairs, their loss masks, packing with documents kept apart, checked against
 masks and losses built by hand with plain transformers, and against TRL's SFTTrainer on the same
-conversations (skipped where trl is not installed)."""
+conversations (tests/trl/test_instruction_loss.py, in the frameworks env)."""
 
 from __future__ import annotations
 
@@ -222,63 +222,3 @@ def test_chat_loss_equals_the_hand_masked_reference(tmp_path):
         loss = model(**corpus.train_batch(np.arange(4))).loss
         reference = _reference_loss(model, rows)
     torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
-
-
-GENERATION_CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
-    "{% generation %}{{ m['content'] }}<|im_end|>\n{% endgeneration %}{% else %}"
-    "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-"""ChatML with TRL's ``{% generation %}`` markers (what ``assistant_only_loss`` needs) around
-the same text the assistant-turn spans cover."""
-
-
-def test_chat_loss_equals_trl_sft_on_the_same_conversations(tmp_path):
-    """TRL's SFTTrainer (assistant_only_loss) and tierwise train's rows give the same loss for the
-    same four conversations through the same model."""
-    pytest.importorskip("trl")
-    import datasets
-    import transformers as tf
-    from trl import SFTConfig, SFTTrainer
-
-    folder = chat_tokenizer_dir(tmp_path / "tok")
-    hf_tokenizer = tf.AutoTokenizer.from_pretrained(folder)
-    hf_tokenizer.chat_template = GENERATION_CHATML
-    hf_tokenizer.save_pretrained(folder)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(_config("llama", vocab_size=258)).eval()
-    conversations = [
-        [{**m, "content": f"{m['content']} {i}"} for m in CONVERSATION[: 3 + 2 * (i % 2)]]
-        for i in range(8)
-    ]
-    args = SFTConfig(
-        output_dir=str(tmp_path / "trl"),
-        use_cpu=True,
-        max_length=256,
-        report_to=[],
-        packing=False,
-        assistant_only_loss=True,
-    )
-    trainer = SFTTrainer(
-        model=model,
-        args=args,
-        train_dataset=datasets.Dataset.from_list([{"messages": c} for c in conversations]),
-        processing_class=hf_tokenizer,
-    )
-    trl_batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
-    cache = _cache(tmp_path, [{"messages": c} for c in conversations], HFTokenizer(str(folder)))
-    corpus = blocks.Corpus(
-        cache, seq=256, pack=False, pad_id=257, min_train_blocks=4, eval_fraction=0.01
-    )
-    ours = corpus.train_batch(np.arange(4))
-    assert ours["input_ids"][:, : trl_batch["input_ids"].shape[1]].tolist() == [
-        [t if keep else 257 for t, keep in zip(row, mask, strict=True)]
-        for row, mask in zip(
-            trl_batch["input_ids"].tolist(), trl_batch["attention_mask"].tolist(), strict=True
-        )
-    ]
-    with torch.no_grad():
-        trl_loss = trainer.compute_loss(model, trl_batch)
-        loss = model(**ours).loss
-    torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=1e-6)

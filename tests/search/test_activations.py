@@ -3,6 +3,8 @@ at the split that minimises the predicted step."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("tierwise_search")
@@ -112,8 +114,22 @@ def test_plan_table_and_reasons_give_every_blocks_choice():
         config(activation_offload="host"),
     )
     table = plan.table()
+    # the table collapses a run of consecutive blocks with one choice into one row ("blk0–3
+    # keep", tierwise.plan.collapse_runs): expand the runs, every block's choice must be there
+    rows = {}
+    for row in table.splitlines():
+        if not row.startswith("  ") or row.startswith(("  why:", "  rejected:")):
+            continue
+        name, choice = row.strip().split(None, 1)
+        run = re.fullmatch(r"(.*?)(\d+)–(\d+)(.*)", name)
+        if run is None:
+            rows[name] = choice
+            continue
+        head, first, last, tail = run.groups()
+        for number in range(int(first), int(last) + 1):
+            rows[f"{head}{number}{tail}"] = choice
+    assert rows == plan.activation_policy
     for block, action in plan.activation_policy.items():
-        assert f"  {block}" in table
         line = next(r for r in plan.reasons if r.startswith(f"activations of {block}: "))
         assert line.startswith(f"activations of {block}: {action} (")
         assert "benefit rank" in line

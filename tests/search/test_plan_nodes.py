@@ -33,10 +33,15 @@ def test_a_nodes_cpu_and_nvme_are_shared_and_pcie_is_per_gpu():
 
 def test_each_rank_plans_with_its_share_of_the_node_and_prints_both():
     profile = make_profile([[4096] * 4 for _ in range(4)])
-    config = Config(device="cuda", device_memory=400_000, host_memory=800_000)
-    # 800 kB of host memory holds one rank's share alone (one rank per node) ...
+    # 65,536 parameters over 4 ranks: 16,384 per rank, 224 KiB at 14 B/param ([Note: gradients
+    # in the parameter payload]). 400 kB of device memory now holds all of a rank's model data
+    # ([Note: the device margin in the minimum plan]), leaving nothing for host memory to
+    # refuse; 100 kB holds 96 KiB of it, so host memory must hold the rest: at least 154 KiB
+    # per rank in the smallest plan
+    config = Config(device="cuda", device_memory=100_000, host_memory=600_000)
+    # 600 kB of host memory holds one rank's share alone (one rank per node) ...
     search_plan(profile, gpu_hardware(world_size=4, gpus_per_node=1), config)
-    # ... but not four ranks' shares on one node
+    # ... but not four ranks' shares on one node (146 KiB each, under 154 KiB)
     with pytest.raises(PlanError, match="host memory binds"):
         search_plan(profile, gpu_hardware(world_size=4), config)
     config = Config(device="cuda", device_memory=400_000, host_memory=4_000_000)

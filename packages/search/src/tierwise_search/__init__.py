@@ -31,6 +31,17 @@ def tierwise_make_plan(profile: Profile, hardware: Hardware, config: Config) -> 
     return search_plan(profile, hardware, config)
 
 
+@hookimpl(trylast=True)
+def tierwise_profile_model(model, example_batch, config: Config) -> Profile | None:
+    """setup() with an example batch and no profiler plugin: the analytic profile of a Hugging
+    Face causal LM at the batch's shape (what ``tierwise plan`` prices), so the plan predicts a
+    step; without it the profile is core's static one, which has no batch shape and gets no
+    step prediction. ``trylast``: a profiler plugin's measured profile comes first."""
+    from tierwise_search.hf_profile import profile_from_example_batch
+
+    return profile_from_example_batch(model, example_batch, config)
+
+
 @hookimpl
 def tierwise_add_cli_commands(subparsers) -> None:
     from tierwise_search.cli import add_plan_command
@@ -38,4 +49,9 @@ def tierwise_add_cli_commands(subparsers) -> None:
     add_plan_command(subparsers)
 
 
-__all__ = ["__version__", "tierwise_add_cli_commands", "tierwise_make_plan"]
+__all__ = [
+    "__version__",
+    "tierwise_add_cli_commands",
+    "tierwise_make_plan",
+    "tierwise_profile_model",
+]

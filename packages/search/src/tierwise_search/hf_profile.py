@@ -221,3 +221,35 @@ __all__ = [
     "profile_hf_config",
     "profile_hf_model_name",
 ]
+
+
+def profile_from_example_batch(model, example_batch: Any, config) -> Profile | None:
+    """The analytic profile of ``model`` at ``example_batch``'s shape (``input_ids`` of batch x
+    sequence), or None when ``model`` is not a plain Hugging Face causal LM whose parameters are
+    those its config builds (a PEFT wrapper, a custom module) or the batch has no such shape."""
+    import torch
+
+    cfg = getattr(model, "config", None)
+    ids = example_batch.get("input_ids") if isinstance(example_batch, dict) else None
+    if cfg is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return None
+    try:
+        meta = meta_model(cfg)
+    except Exception:  # noqa: BLE001 - not a config AutoModelForCausalLM builds
+        return None
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    if names != [n for n, _ in meta.named_parameters(remove_duplicate=False)]:
+        return None
+    precision = config.precision if config.precision in ("bf16", "fp16", "fp32") else "bf16"
+    profile = profile_hf_config(
+        cfg,
+        batch=int(ids.shape[0]),
+        seq_len=int(ids.shape[1]),
+        precision=precision,
+        checkpointing=bool(config.activation_checkpointing),
+        model=meta,
+    )
+    trainable = {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
+    for info in profile.params:  # the caller's frozen parameters, not the meta model's
+        info.requires_grad = trainable.get(info.name, info.requires_grad)
+    return profile

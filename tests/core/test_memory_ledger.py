@@ -156,5 +156,8 @@ def test_the_ledger_explains_the_process_peak_rss_growth(extra):
     record = gpt2_growth(
         f'precision="bf16", param_placement="host", optimizer_placement="host", {extra}'
     )
-    assert record["ledger_host_bound"] > 14 * GPT2_PARAMS  # the model data is there to explain
+    # the model data is there to explain: bf16 params holding the gradients (2 B) and the fp32
+    # master (4 B), with Adam m and v in fp32 (8 B) or int8 (2 B before block scales)
+    per_param = 2 + 4 + (2 if "int8" in extra else 8)
+    assert record["ledger_host_bound"] > per_param * GPT2_PARAMS
     assert_within_ledger(record, tolerance=TOLERANCE, what=f"setup and 3 steps ({extra})")

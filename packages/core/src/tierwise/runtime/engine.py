@@ -181,8 +181,8 @@ class Engine:
             self.access, model, list(modules), input_dtype=self.dtype if cast_inputs else None
         )
         """Every hook tierwise put on the model and its parameters (removed by ``close``)."""
+        # [Note: parameters used outside their module's forward]
         self.outside_uses = OutsideUses(access=self.access, index=self.index, phases=self.phases)
-        """[Note: parameters used outside their module's forward]"""
         self.hook_handles += self.outside_uses.install(model, list(modules))
         on_grad = grad_ready_hook(self)
         for chunk in self.index.chunks():
@@ -258,8 +258,7 @@ class Engine:
             self.residency.trace.freeze()
 
     def _hand_over(self, final: list) -> None:
-        """Chunks whose gradients the gradient path made final go to the optimizer step, in
-        that order ([Note: speculative updates])."""
+        """Final chunks go to the optimizer step in order ([Note: speculative updates])."""
         for chunk in final:
             self.optimizer.grads_final(chunk, in_no_sync=self.gradients.in_no_sync)
 
@@ -304,16 +303,14 @@ class Engine:
             self._relayout(order)
 
     def zero_grad(self) -> None:
-        """Drop the gradients; updates that already ran in this step's backward are undone
-        with them (the step was skipped: nothing of it may be committed later)."""
+        """Drop the gradients, undoing updates that ran in this step's backward (skipped)."""
         self.backward_failed = None
         if self.optimizer.has_uncommitted_updates:  # [Note: speculative updates]
             self.optimizer.drop_uncommitted_updates()
         self.gradients.zero_grad()
 
     def adopt_layout(self, order: list[str] | None, *, warmed_up: bool) -> None:
-        """Loading a checkpoint: re-pack in ``order`` (the saved run's layout; None keeps this
-        one) and, when the saved run had stepped, skip the re-layout after warm-up."""
+        """A checkpoint's layout: re-pack in ``order`` (None: keep); stepped: no re-layout."""
         if order is not None:
             self._relayout(order)
         self._relayout_checked = warmed_up
@@ -381,8 +378,7 @@ class Engine:
         self.hook_handles.append(handle)
 
     def drop_grads(self, chunk) -> None:
-        """``chunk``'s values were overwritten (a checkpoint load): it has no gradient from now
-        on, as after zero_grad ([Note: gradient lifecycle])."""
+        """``chunk``'s values were overwritten (a checkpoint load): no gradient from now on."""
         self.gradients.drop_grads(chunk)
 
     def invalidate_cache(self) -> None:

@@ -108,8 +108,7 @@ class GradientPath:
         self.multi_rank = index.multi_rank
         self._no_sync = False
         self._pending: dict = {}
-        """Per chunk key: trainable parameters whose gradient this backward has not delivered
-        yet."""
+        """Per chunk key: trainable parameters whose gradient is not in yet this backward."""
         self._reset_pending()
         self.storage = GradStorage(
             grad_states=grad_states,

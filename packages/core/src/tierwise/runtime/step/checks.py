@@ -71,9 +71,11 @@ class GradChecks:
                 for s in chunk.slots
                 if s.has_grad  # clip_grad_norm_ skips parameters whose grad is None
             ]
-        # an fp32 norm of the shard (no fp64 copy of it), squared and summed in fp64; on the
-        # shard's device, read once per step ([Note: host scalars])
-        sq = torch.linalg.vector_norm(grads.shard, 2.0, dtype=torch.float32).double().square()
+        # the shard's norm accumulated in fp64 by the reduction itself (no fp64 copy of the
+        # shard), squared; on the shard's device, read once per step ([Note: host scalars]).
+        # fp64, not fp32: the parts of differently chunked plans must sum to the same float
+        # (Invariant 1)
+        sq = torch.linalg.vector_norm(grads.shard, 2.0, dtype=torch.float64).square()
         return sq if chunk.group.sharded else sq / chunk.group.world
 
     def all_reduce_scalar(self, value: torch.Tensor, op) -> torch.Tensor:

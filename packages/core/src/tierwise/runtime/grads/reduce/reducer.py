@@ -120,8 +120,7 @@ class GradientReducer:
         self._staging: dict[Hashable, torch.Tensor] = {}
         """Per chunk, its staging until its reduction is launched (this part alone sets it)."""
         self.local_sums = local_sums if local_sums is not None else NoSyncSums(None, dtype)
-        """Whole-chunk gradients summed under ``no_sync``, counted in the host tier, added to
-        the chunk's staging when it is next launched ([Note: no_sync buffers])."""
+        """Whole-chunk sums under ``no_sync``, counted in the host tier: [Note: no_sync buffers]."""
         self._on_host: set[Hashable] = set()
         """Chunks whose staging is a host buffer."""
         self._holding: dict[Hashable, Chunk] = {}

@@ -200,22 +200,31 @@ def test_profile_predicts_what_plan_predicts(capsys):
 
 
 def test_size_choices_are_the_same_for_profile_plan_and_train():
+    """Sizes are per family ([model_presets.family_size_names]): profile and plan leave the
+    check to the presets (no flat choice list, the same help), and train takes every size of
+    every family and refuses an unknown one."""
+    from tierwise import model_presets
     from tierwise.cli import build_parser
     from tierwise.train.errors import TrainError
     from tierwise.train.options import TrainOptions
 
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
-    choices = {
-        name: next(a.choices for a in commands[name]._actions if "--size" in a.option_strings)
+    actions = {
+        name: next(a for a in commands[name]._actions if "--size" in a.option_strings)
         for name in ("profile", "plan")
         if name in commands
     }
-    assert len({tuple(c) for c in choices.values()}) == 1, choices
-    sizes = choices["profile"]
-    assert {"tiny", "125m", "13b", "10b", "175b", "70b", "8x7b"} <= set(sizes)
-    for size in sizes:  # train takes every one of them (it checks them itself)
-        TrainOptions(size=size)
+    assert {a.choices for a in actions.values()} == {None}
+    assert len({a.help for a in actions.values()}) == 1, actions
+    assert {"tiny", "125m", "13b", "8b", "70b"} <= set(model_presets.family_size_names("llama"))
+    assert {"10b", "175b"} <= set(model_presets.family_size_names("opt")) | set(
+        model_presets.family_size_names("gpt2")
+    )
+    assert "8x7b" in model_presets.family_size_names("mixtral")
+    for family in model_presets.FAMILIES:
+        for size in model_presets.family_size_names(family):
+            TrainOptions(model=family, size=size)
     with pytest.raises(TrainError, match="unknown --size 'huge'"):
         TrainOptions(size="huge")
 

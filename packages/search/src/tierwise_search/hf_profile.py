@@ -233,6 +233,8 @@ def profile_from_example_batch(model, example_batch: Any, config) -> Profile | N
     ids = example_batch.get("input_ids") if isinstance(example_batch, dict) else None
     if cfg is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return None
+    if any(p.is_meta for p in model.parameters()):
+        return None  # `tierwise plan`'s own analytic profile of a meta model: it prices that one
     try:
         meta = meta_model(cfg)
     except Exception:  # noqa: BLE001 - not a config AutoModelForCausalLM builds

@@ -6,21 +6,16 @@ padding (tests/core/test_grads_in_home.py checks the per-element count there).""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import tierwise
 import torch
 from helpers.models import tiny_batch
 from tierwise.planning.totals import plan_model_bytes
 
-
-def _meta_gpt2():
-    import transformers as tf
-
-    config = tf.GPT2Config(
-        n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=0.0
-    )
-    config.embd_pdrop = config.attn_pdrop = 0.0
-    with torch.device("meta"):
-        return tf.AutoModelForCausalLM.from_config(config)
+sys.path.insert(0, str(Path(__file__).parent.parent / "core"))
+from test_grads_in_home import _meta_gpt2  # noqa: E402
 
 
 def test_host_tier_peaks_at_14_bytes_per_parameter_after_clipped_steps():

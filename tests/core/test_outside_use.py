@@ -142,3 +142,49 @@ def test_plain_parameter_dicts_come_back_on_close():
     model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu")
     tierwise.engine_of(model).close()
     assert all(type(m._parameters) is dict for m in model.modules())
+
+
+class ReadsBeforeCalling(Backbone):
+    """Like PEFT's LoRA layer: the root reads a module's weight and then calls that module; the
+    read is a metadata query (``use=False``) or a use of its values (``use=True``)."""
+
+    def __init__(self, use: bool):
+        super().__init__()
+        self.use = use
+
+    def forward(self, ids):
+        h = torch.tanh(self.body(self.embed(ids)))
+        weight = self.body2.weight
+        if self.use:
+            h = h + 0.5 * F.linear(h, weight)  # the values: autograd saves them for backward
+        else:
+            h = h.to(weight.dtype)  # the dtype only, as LoRA's cast of its input
+        return torch.tanh(self.body2(h))
+
+
+@pytest.mark.parametrize("use", [False, True])
+@pytest.mark.parametrize("plan", ["host-min-cache", "host-prefetch"])
+def test_read_before_the_modules_own_forward_matches_pytorch(plan, use):
+    compare(lambda: ReadsBeforeCalling(use), tiled_loss, plan)
+
+
+@pytest.mark.parametrize("use", [False, True])
+def test_a_metadata_read_before_the_modules_forward_leaves_no_pin(use):
+    """[Note: a read before the module's own forward]: after the root's forward, the module
+    read only for its dtype is released by its own access; one whose values were used stays
+    pinned for the backward."""
+    model = ReadsBeforeCalling(use)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(
+        model, opt, precision="fp32", device="cpu", **PLANS["host-prefetch"]
+    )
+    engine = tierwise.engine_of(model)
+    # named_parameters reads no item: reading model.body2.weight during the step would pin it
+    slot = engine.index.slot_of[id(dict(model.named_parameters())["body2.weight"])]
+    for step in range(2):  # the warm-up step, then one replayed
+        h = model(batch(step))
+        assert (slot.state is TensorState.COMPUTE) == use
+        assert torch.overrides._get_current_function_mode_stack() == []  # the watch closed
+        h.square().mean().backward()
+        opt.step()
+        opt.zero_grad()

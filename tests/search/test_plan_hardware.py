@@ -210,14 +210,14 @@ def test_nvme_space_binding_is_blamed_on_nvme():
 # ([Note: atomic optimizer step]); without the plugin the search counts one and the host binds first
 @pytest.mark.combined
 def test_nvme_binding_error_names_nvme_and_the_remedies(run_plan, tmp_path):
-    config = tmp_path / "config.json"  # a llama of 2.4 MiB of model data (bf16 + fp32 Adam)
+    config = tmp_path / "config.json"  # a llama of about 9 MiB of model data (bf16 + fp32 Adam)
     config.write_text(
         json.dumps(
             {
                 "model_type": "llama",
                 "hidden_size": 64,
                 "intermediate_size": 128,
-                "num_hidden_layers": 2,
+                "num_hidden_layers": 8,
                 "num_attention_heads": 4,
                 "num_key_value_heads": 2,
                 "vocab_size": 200,
@@ -225,8 +225,9 @@ def test_nvme_binding_error_names_nvme_and_the_remedies(run_plan, tmp_path):
         )
     )
     disk = tmp_path / "hw.json"
-    # (gradient shards live on NVMe beside the optimizer states: [Note: active gradient
-    # offloading]; a smaller disk would make the host the tighter bound)
+    # 2 MiB of host memory holds the NVMe tier's own buffers ([Note: storage tiers' host
+    # buffers], about 1.3 MiB here) but not the model data, which the disk cannot hold either;
+    # with less host memory than the buffers the host would bind, however large the disk
     disk.write_text(json.dumps({"nvme_free": 1_200_000}))
     code, _, err = run_plan(
         "--model",
@@ -238,7 +239,7 @@ def test_nvme_binding_error_names_nvme_and_the_remedies(run_plan, tmp_path):
         "--device-memory",
         "200KiB",
         "--host-memory",
-        "10KiB",
+        "2MiB",
         "--nvme",
         str(tmp_path),
     )

@@ -29,6 +29,8 @@ How long the pin lasts follows from what may still read the values:
   inside the root's forward is released when that forward returns; one after it (an evaluation
   loss computed outside the model) when the next forward begins, a backward ends or the
   optimizer step starts.
+A read with grad enabled inside the root's forward is first only watched ([Note: a read before
+the module's own forward]); the pin above starts when the watch sees the values used.
 A module is acquired for outside use at most once per such window, so a pin costs one module's
 chunks however often the parameter is read. The chunk stays pinned from the read on: with rCache blocks to
 spare (or chunks computing in their home, the CPU default) this costs nothing; an rCache too small
@@ -41,6 +43,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from tierwise.chunks import TensorState
 from tierwise.runtime.phases import TrainingState
@@ -71,6 +74,54 @@ class ReportedParameters(dict):
         return (dict, (dict(self),))
 
 
+# [Note: a read before the module's own forward]
+# PEFT's LoRA layer reads ``lora_A.weight.dtype`` in its own forward and then calls ``lora_A``:
+# a metadata read just before the module's own forward. Pinning it until its gradient arrives
+# would hold every adapter's chunk from the forward to the backward, one rCache block more per
+# chunk than the access order's minimum ([Note: the rCache minimum]). So a read with grad enabled
+# inside the root's forward is acquired (the values are there whatever the reader does) and
+# watched: a ``TorchFunctionMode`` sees every torch call until the next managed module's forward
+# begins or the root's forward ends. If the read module's own forward begins next and no call
+# took the parameter as an argument other than a metadata query (``.dtype``, ``.shape``,
+# ``.size()``…), its own access takes over and the outside pin ends; anything else (a call that
+# used it, another module first, the root's forward ending) keeps the pin to the backward as
+# above. Mistaking metadata for a use only pins longer; the values are resident either way.
+_METADATA = frozenset(
+    {"dtype", "shape", "device", "ndim", "requires_grad", "is_cuda", "layout", "is_leaf"}
+    | {"size", "dim", "numel", "element_size", "is_floating_point", "nelement", "get_device"}
+)
+
+
+def _is_metadata_query(func) -> bool:
+    """A torch call that reads a tensor's metadata, not its values."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property: Tensor.dtype.__get__ and the like
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    return name in _METADATA
+
+
+class _UseWatch(TorchFunctionMode):
+    """Sees torch calls that take a watched parameter (see [Note: a read before the module's
+    own forward])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watched: dict[int, torch.nn.Module] = {}
+        """id of each watched parameter -> the module read."""
+        self.used: set[torch.nn.Module] = set()
+        """Watched modules a call used the values of."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.watched and not _is_metadata_query(func):
+            for arg in (*args, *kwargs.values()):
+                for item in arg if isinstance(arg, (list, tuple)) else (arg,):
+                    module = self.watched.get(id(item))
+                    if module is not None:
+                        self.used.add(module)
+        return func(*args, **kwargs)
+
+
 class OutsideUses:
     """Pins modules whose parameters are read outside their forward (see [Note: parameters used
     outside their module's forward])."""
@@ -85,6 +136,8 @@ class OutsideUses:
         """Modules acquired for a read with grad disabled: pinned until released below."""
         self._in_root_forward = False
         self._modules: list[torch.nn.Module] = []
+        self._watch: _UseWatch | None = None
+        """The watch of reads before their module's own forward, while one is open."""
 
     def install(self, model: torch.nn.Module, modules: list[torch.nn.Module]) -> list:
         """Report parameter reads of ``modules``; return handles whose ``remove`` undoes it
@@ -94,16 +147,23 @@ class OutsideUses:
         self._modules = list(modules)
 
         def root_pre_forward(_module, _args):
+            self._forget_stale_watch()
             self.release_without_grad()
             self._in_root_forward = True
 
         def root_post_forward(_module, _args, _output):
+            self.close_watch(None)
             self._in_root_forward = False
             self.release_without_grad()
+
+        def module_pre_forward(module, _args):
+            if self._watch is not None:
+                self.close_watch(module)
 
         return [
             model.register_forward_pre_hook(root_pre_forward, prepend=True),
             model.register_forward_hook(root_post_forward),
+            *(m.register_forward_pre_hook(module_pre_forward, prepend=True) for m in modules),
             _Restore(self._modules),
         ]
 
@@ -118,6 +178,52 @@ class OutsideUses:
             return
         held.add(module)
         self.access.acquire_outside_forward(module)
+        if held is self._with_grad and (self._in_root_forward or self.phases.in_backward):
+            self._open_watch(module)  # in the root's forward or a checkpoint's re-forward
+
+    def _open_watch(self, module: torch.nn.Module) -> None:
+        """Watch the module's parameters until the next module forward ([Note: a read before
+        the module's own forward])."""
+        if self._watch is not None and not self._watch_is_live():
+            return  # a watch open in another thread: this read keeps its pin
+        if self._watch is None:
+            self._watch = _UseWatch()
+            self._watch.__enter__()
+        for slot in self.index.modules[module]:
+            self._watch.watched[id(slot.param)] = module
+
+    def _watch_is_live(self) -> bool:
+        """The watch is on this thread's mode stack (autograd restores a worker's thread-local
+        state after each node, dropping a mode entered in a re-forward that did not close it)."""
+        return any(mode is self._watch for mode in _mode_stack())
+
+    def _forget_stale_watch(self) -> None:
+        """A watch no longer on this thread's stack (dropped with a node's thread-local state)
+        is forgotten; the pins it watched stay to the end of backward."""
+        if self._watch is not None and not self._watch_is_live():
+            self._watch.watched.clear()
+            self._watch = None
+
+    def close_watch(self, starting: torch.nn.Module | None) -> None:
+        """A managed module's forward begins (``starting``) or the root's ends (None): a module
+        read but unused whose own forward begins now is handed to its own access."""
+        watch = self._watch
+        if watch is None:
+            return
+        if not self._watch_is_live():
+            return  # another thread's (its pins stay to the end of backward)
+        if _mode_stack()[-1] is not watch:
+            return  # a mode entered after ours is still open: keep watching
+        watch.__exit__(None, None, None)
+        self._watch = None
+        if (
+            starting is not None
+            and starting not in watch.used
+            and starting in watch.watched.values()
+            and starting in self._with_grad
+        ):
+            self._with_grad.discard(starting)
+            self.access.release_outside_forward(starting)
 
     def on_grad(self, param: torch.nn.Parameter) -> None:
         """A gradient arrived: a module read with grad enabled whose trainable parameters all
@@ -142,8 +248,14 @@ class OutsideUses:
 
     def end_backward(self) -> None:
         """A backward ended (finished or abandoned): ``ModuleAccess.unpin_all`` ended every pin."""
+        self._forget_stale_watch()
         self._with_grad.clear()
         self._without_grad.clear()
+
+
+def _mode_stack() -> list:
+    """This thread's torch function modes, innermost last."""
+    return torch.overrides._get_current_function_mode_stack()
 
 
 class _Restore:

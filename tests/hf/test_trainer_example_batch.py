@@ -114,3 +114,31 @@ def test_the_trainers_plan_predicts_a_step(tmp_path):
     assert plan.predicted_step_s["total"] > plan.predicted_step_s["forward"]
     assert plan.predicted_tokens_per_s > 0
     assert "predicted forward" in plan.table() and "example_batch" not in plan.table()
+
+
+def test_a_tokenizers_collator_gives_setup_a_plain_dict(tmp_path, monkeypatch):
+    """Trainer collates with the tokenizer's padding collator, which returns a BatchEncoding (a
+    Mapping, no dict): setup gets its contents as a dict, which profilers call ``model(**batch)``
+    with."""
+    from hf_helpers import tiny_tokenizer
+
+    given = []
+    setup = tierwise.api.setup
+
+    def spy(*args, example_batch=None, **kwargs):
+        given.append(example_batch)
+        return setup(*args, example_batch=example_batch, **kwargs)
+
+    monkeypatch.setattr(tierwise.api, "setup", spy)
+    rows = [{"input_ids": ids.tolist(), "labels": ids.tolist()} for ids in TokenBlocks(n=4).ids]
+    model = transformers.AutoModelForCausalLM.from_config(_config("llama"))
+    TierwiseTrainer(
+        model=model,
+        args=training_args(tmp_path),
+        train_dataset=rows,
+        processing_class=tiny_tokenizer(),
+        tierwise_config=budget_config(model),
+    )
+    (example,) = given
+    assert type(example) is dict
+    assert example["input_ids"].shape == (2, TokenBlocks().ids.shape[1])

@@ -18,6 +18,7 @@ them, so training draws exactly what it drew without an example batch.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -25,14 +26,17 @@ import torch
 
 
 def first_train_batch(trainer: Any) -> Any:
-    """The first collated batch of ``trainer``'s train dataloader; None without a train dataset
+    """The first collated batch of ``trainer``'s train dataloader (a mapping as a dict); None without a train dataset
     or for an IterableDataset (it may not iterate twice). It draws random numbers: the caller
     puts the states back."""
     dataset = trainer.train_dataset
     if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset):
         return None
     loader = trainer.get_train_dataloader()
-    return next(torch.utils.data.DataLoader.__iter__(loader), None)
+    batch = next(torch.utils.data.DataLoader.__iter__(loader), None)
+    # a tokenizer's collator gives a BatchEncoding, a Mapping but no dict: profilers call
+    # ``model(**batch)`` on a dict
+    return dict(batch) if isinstance(batch, Mapping) else batch
 
 
 def rng_states() -> dict[str, Any]:

@@ -29,7 +29,7 @@ PUBLISHED_PARAMETERS = {
     ("llama", "7b"): 6_738_415_616,  # Llama-2-7b
     ("llama", "8b"): 8_030_261_248,  # Llama-3.1-8B
     ("llama", "13b"): 13_015_864_320,  # Llama-2-13b
-    ("llama", "70b"): 68_976_648_192,  # Llama-2-70b
+    ("llama", "70b"): 70_553_706_496,  # Llama-3.1-70B
     ("mixtral", "8x7b"): 46_702_792_704,  # Mixtral-8x7B-v0.1
 }
 """Parameter counts of the published models (embeddings with their own vocabularies)."""
@@ -44,6 +44,52 @@ PUBLISHED_CONFIGS = {
     ("opt", "175b"): dict(hidden_size=12288, num_hidden_layers=96, num_attention_heads=96),
 }
 """The other published OPT sizes' config.json fields (ffn_dim is 4 x hidden in all of them)."""
+
+LLAMA_3_1_ROPE = {
+    "factor": 8.0,
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+PUBLISHED_CONFIG_JSON = {
+    # huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json
+    ("llama", "8b"): dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA_3_1_ROPE,
+        rms_norm_eps=1e-05,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+    ),
+    # huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json
+    ("llama", "70b"): dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA_3_1_ROPE,
+        rms_norm_eps=1e-05,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+    ),
+}
+"""Fields of the published models' config.json (all but the token ids, dtype and bookkeeping),
+as their Hugging Face model pages give them."""
 
 LEARNED_POSITIONS = {"gpt2": 1024, "opt": 2048}
 """Position tables the published models have (llama and mixtral use rotary embeddings)."""
@@ -78,6 +124,19 @@ def test_published_opt_sizes_have_their_config_fields(family, size):
         assert getattr(config, name) == value, name
     assert config.ffn_dim == 4 * config.hidden_size
     assert config.word_embed_proj_dim == config.hidden_size
+
+
+@pytest.mark.parametrize(("family", "size"), sorted(PUBLISHED_CONFIG_JSON), ids=str)
+def test_published_llama_sizes_have_their_config_json(family, size):
+    """The preset against the published config.json read the way ``from_pretrained`` reads it:
+    every field it sets, rotary scaling included."""
+    published = transformers.AutoConfig.for_model(
+        "llama", **PUBLISHED_CONFIG_JSON[family, size]
+    ).to_dict()
+    ours = published_preset(family, size).to_dict()
+    for name in {*PUBLISHED_CONFIG_JSON[family, size], "rope_parameters", "head_dim"}:
+        if name in published:
+            assert ours[name] == published[name], name
 
 
 def test_every_published_size_is_checked_and_every_size_is_a_choice():

@@ -61,7 +61,7 @@ def test_a_wrong_size_lists_that_familys_choices(command, capsys):
             TrainOptions(model="llama", size="medium")
         err = str(info.value)
     assert "unknown --size 'medium' for --model llama" in err
-    assert "8b (Llama-3.1-8B)" in err and "70b (Llama-2-70B)" in err
+    assert "8b (Llama-3.1-8B)" in err and "70b (Llama-3.1-70B)" in err
     choices = err.split("choose one of", 1)[1]
     assert "medium" not in choices and "xl" not in choices  # gpt2's names are not llama's
 

@@ -194,3 +194,73 @@ def test_path_model_and_the_other_class_order_are_refused(tmp_path):
         TierwiseTrainerError, match="use tierwise.integrations.trl.TierwiseSFTTrainer"
     ):
         TierwiseFirst(model=tiny_model("llama"), args=sft_args(tmp_path))
+
+
+class _Recording:
+    """Records the model inputs of every batch the trainer trains on, and what setup got."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        self.seen.append({k: v.clone() for k, v in inputs.items() if torch.is_tensor(v)})
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+def _spy_setup(monkeypatch) -> list:
+    given = []
+    setup = tierwise.api.setup
+
+    def spy(*args, example_batch=None, **kwargs):
+        given.append(example_batch)
+        return setup(*args, example_batch=example_batch, **kwargs)
+
+    monkeypatch.setattr(tierwise.api, "setup", spy)
+    return given
+
+
+@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+def test_setup_gets_the_first_batch_as_the_model_is_called_with_it(tmp_path, monkeypatch, trainer):
+    """[Note: the Trainer's example batch]: the first batch TRL trains on, as its loss calls the
+    model (DPO: chosen and rejected rows, completion labels, no loss-only keys); the runs above
+    stay bitwise with TRL alone."""
+    given = _spy_setup(monkeypatch)
+    tok, model = tokenizer(), tiny_model("llama")
+    if trainer == "sft":
+        cls = type("T", (_Recording, TierwiseSFTTrainer), {})
+        args, data, kw = sft_args(tmp_path, max_steps=1), prompt_completion(), {}
+    else:
+        cls = type("T", (_Recording, TierwiseDPOTrainer), {})
+        args, data, kw = dpo_args(tmp_path, max_steps=1), preferences(), dict(peft_config=lora())
+    ours = cls(model, args=args, train_dataset=data, processing_class=tok, **kw)
+    ours.seen = []
+    ours.train()
+    (example,), first = given, ours.seen[0]
+    assert torch.equal(example["input_ids"], first["input_ids"])
+    assert torch.equal(example["attention_mask"], first["attention_mask"])
+    if trainer == "sft":
+        assert example.keys() == first.keys()
+        assert torch.equal(example["labels"], first["labels"])
+    else:
+        assert example.keys() == {"input_ids", "attention_mask", "labels"}
+        labels = first["input_ids"].masked_fill(first["completion_mask"] == 0, -100)
+        assert torch.equal(example["labels"], labels)
+        assert example["input_ids"].shape[0] == 2 * COMMON["per_device_train_batch_size"]
+
+
+def test_sft_plan_predicts_a_step(tmp_path):
+    """The step prediction is the search plugin's (not in the `frameworks` env: see the test
+    above for what setup gets there)."""
+    from tierwise.plugins import get_plugin_host
+
+    if "search" not in {info.name for info in get_plugin_host().infos()}:
+        pytest.skip("the step prediction is the search plugin's, which is not loaded")
+    model = tiny_model("llama")
+    ours = TierwiseSFTTrainer(
+        model,
+        sft_args(tmp_path),
+        train_dataset=prompt_completion(),
+        processing_class=tokenizer(),
+        tierwise_config=budget_config(model),
+    )
+    plan = tierwise.engine_of(ours.model).plan
+    assert plan.predicted_step_s["forward"] > 0
+    assert plan.predicted_step_s["total"] > plan.predicted_step_s["forward"]
+    assert "predicted forward" in plan.table()

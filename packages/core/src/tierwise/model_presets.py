@@ -7,6 +7,7 @@ Errors are ``ModelError``: one line for people, naming the flag and what to give
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import sys
@@ -53,6 +54,21 @@ OPT-125m. The other (family, size) pairs are tierwise's own shapes and claim no 
 (the parameter count ``tierwise train`` prints is the truth; with the byte tokenizer the
 embeddings are tiny, so counts come out lower)."""
 
+LLAMA_3_1: dict[str, Any] = dict(
+    rope_theta=500000.0,
+    rope_scaling=dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+)
+"""What Llama 3.1's config.json sets besides the shape, alike in 8B and 70B: the rotary base and
+its long-context scaling, 128k positions (rotary: no parameters), the norm epsilon."""
+
 FAMILY_SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "gpt2": {  # the released sizes, then Elixir's GPT-2 sizes (4B..20B)
         "medium": dict(n_embd=1024, n_layer=24, n_head=16),
@@ -79,7 +95,7 @@ FAMILY_SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "66b": dict(hidden_size=9216, num_hidden_layers=64, num_attention_heads=72),
         "175b": dict(hidden_size=12288, num_hidden_layers=96, num_attention_heads=96),
     },
-    "llama": {  # Llama 3.2 1B and 3B, Llama 3.1 8B, Llama 2 7B, 13B and 70B (their config.json)
+    "llama": {  # Llama 3.2 1B and 3B, Llama 3.1 8B and 70B, Llama 2 7B and 13B (their config.json)
         "1b": dict(
             hidden_size=2048,
             intermediate_size=8192,
@@ -102,7 +118,7 @@ FAMILY_SIZES: dict[str, dict[str, dict[str, Any]]] = {
             num_hidden_layers=32,
             num_attention_heads=32,
             num_key_value_heads=8,
-            rope_theta=500000.0,
+            **LLAMA_3_1,
         ),
         "7b": dict(
             hidden_size=4096,
@@ -124,6 +140,7 @@ FAMILY_SIZES: dict[str, dict[str, dict[str, Any]]] = {
             num_hidden_layers=80,
             num_attention_heads=64,
             num_key_value_heads=8,
+            **LLAMA_3_1,
         ),
     },
     "mixtral": {
@@ -146,7 +163,7 @@ name in both, this wins over ``SIZES``. ``--size`` takes either, the same choice
 FAMILY_VOCAB = {"gpt2": 50257, "opt": 50272, "llama": 32000, "mixtral": 32000}
 """Vocabulary size of each family's released tokenizer (Llama 2's for llama)."""
 
-SIZE_VOCAB = {("llama", "1b"): 128256, ("llama", "3b"): 128256, ("llama", "8b"): 128256}
+SIZE_VOCAB = {("llama", size): 128256 for size in ("1b", "3b", "8b", "70b")}
 """Published sizes whose tokenizer differs from the family's (Llama 3's)."""
 
 PUBLISHED_NAMES: dict[str, dict[str, str]] = {
@@ -178,7 +195,7 @@ PUBLISHED_NAMES: dict[str, dict[str, str]] = {
         "7b": "Llama-2-7B",
         "8b": "Llama-3.1-8B",
         "13b": "Llama-2-13B",
-        "70b": "Llama-2-70B",
+        "70b": "Llama-3.1-70B",
     },
     "mixtral": {"8x7b": "Mixtral-8x7B"},
 }
@@ -294,8 +311,9 @@ def preset_config(family: str, size: str, *, vocab_size: int, eos_id: int, max_p
     published = FAMILY_SIZES.get(family, {})
     tf = transformers_module()
     ids = dict(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
-    if size in published:
-        return _published_config(tf, family, published[size], ids, max_positions)
+    if size in published:  # a copy: transformers may write into nested dicts (rope_scaling)
+        fields = copy.deepcopy(published[size])
+        return _published_config(tf, family, fields, ids, max_positions)
     s = SIZES[size]
     if family == "gpt2":
         return tf.GPT2Config(

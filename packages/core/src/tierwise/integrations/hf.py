@@ -35,6 +35,7 @@ from tierwise.checkpoint.directory import load_checkpoint, save_checkpoint
 from tierwise.checkpoint.full_state import full_state
 from tierwise.config import Config, ConfigError
 from tierwise.integrations.hf_save import DTYPES, MAX_SHARD_SIZE, save_pretrained
+from tierwise.integrations.trainer_batch import first_train_batch, rng_states, set_rng_states
 from tierwise.pretrained import build_on_meta
 from tierwise.registry import engine_of
 
@@ -205,15 +206,30 @@ class TierwiseTrainer(Trainer):
         optimizer, scheduler = trainer_kwargs.pop("optimizers", (None, None))
         if optimizer is None:
             optimizer = self._adamw(model, args)
-        model, optimizer = api.setup(model, optimizer, config, weights=weights)
         # accelerate registers the model as prepared: it neither wraps it (DDP), nor moves it,
         # nor patches its forward with autocast ([Note: accelerate and a managed model])
         model._is_accelerate_prepared = True
         self.save_dtype = save_dtype
+        caller_rng = rng_states()  # [Note: the Trainer's example batch]
         super().__init__(
             model=model, args=args, optimizers=(optimizer, scheduler), **trainer_kwargs
         )
+        trainer_rng = rng_states()
+        batch = first_train_batch(self)
+        example_batch = None if batch is None else self._model_inputs(batch)
+        set_rng_states(caller_rng)
+        try:
+            model, optimizer = api.setup(
+                model, optimizer, config, weights=weights, example_batch=example_batch
+            )
+        finally:
+            set_rng_states(trainer_rng)
+        self.optimizer = self.callback_handler.optimizer = optimizer
         self.accelerator.no_sync = self._no_sync
+
+    def _model_inputs(self, batch: Any) -> Any:
+        """What the model is called with for a collated ``batch`` (``compute_loss``: all of it)."""
+        return batch
 
     # [Note: accelerate and a managed model]
     # Trainer reaches the model through accelerate: ``prepare`` (DDP wrapping, ``.to(device)``,

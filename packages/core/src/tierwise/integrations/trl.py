@@ -15,6 +15,9 @@ not, so those stay tierwise's; what TRL overrides (its losses, metrics, logging)
 TRL's losses project through ``lm_head.weight`` in tiles without calling ``lm_head``: [Note:
 parameters used outside their module's forward] makes that work.
 
+``tierwise.setup`` gets the first train batch, collated by TRL's collator, as TRL's loss calls the
+model with it (DPO's less the keys only its loss reads): [Note: the Trainer's example batch].
+
 ``gradient_checkpointing=True`` becomes tierwise's ``activation_checkpointing`` (every transformer
 block recomputed by tierwise, [Note: per-block recompute]) and is then turned off in the arguments,
 so that ``Trainer`` does not also switch on Hugging Face's own checkpointing.
@@ -37,6 +40,10 @@ try:
     from trl import DPOTrainer, SFTTrainer
 except ImportError as err:  # pragma: no cover - the trl extra is missing
     raise ImportError("tierwise.integrations.trl needs trl: pip install 'tierwise[trl]'") from err
+
+
+_DPO_LOSS_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
+"""Keys of a DPO batch that its loss reads and the model is not called with."""
 
 
 def _compose(
@@ -121,3 +128,10 @@ class TierwiseDPOTrainer(DPOTrainer, TierwiseTrainer):
             )
         _compose(self, name, model, args, tierwise_config, save_dtype)
         super().__init__(model, None, args, *trl_args, **trl_kwargs)
+
+    def _model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """DPO calls the model with the collated chosen and rejected rows less the keys only its
+        loss reads, and labels of the completion tokens (``DPOTrainer._compute_loss``)."""
+        inputs = {k: v for k, v in batch.items() if k not in _DPO_LOSS_KEYS}
+        inputs["labels"] = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+        return inputs

@@ -1,9 +1,10 @@
 """The plan search: chunk size, rCache blocks, per-chunk tiers and activation policy.
 
 1. Allowed device memory U = F_alloc * (capacity - buffers - F_frag * peak activations).
-2. Chunk size: candidates from the largest parameter upward; for each, pack every chunk group
-   (core's packing) and simulate Belady over the profiled step with an rCache of the blocks U
-   affords; keep the size that moves the fewest bytes, ties by padding.
+2. Chunk size: candidates from the largest parameter upward that waste little padding; for
+   each, pack every chunk group (core's packing) and simulate Belady over the profiled step with
+   an rCache of the blocks U affords; every size that fits gets a full placement and the
+   fastest prediction wins ([Note: chunk size choice]).
 3. Placement at that size: greedy from the minimum plan (``tierwise_search.placement``).
 4. Activation policy: per layer keep / recompute / swap (``tierwise_search.activations``).
 Settings the user forced in Config (not "auto") are taken exactly as given.
@@ -16,10 +17,12 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 import numpy as np
+from tierwise.chunks.layout import filling_sizes
 from tierwise.chunks.payload import PayloadSpec
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError, io_buffer_bytes
+from tierwise.planning.chunk_size import PADDING_LIMIT, padding_of
 from tierwise.planning.planner import (
     REDUCTION_BLOCKS,
     may_recompute,
@@ -61,7 +64,9 @@ MIN_CHUNK_SIZE = 1024
 """Core's engine refuses smaller chunks (``tierwise.runtime.setup.planning.MIN_CHUNK_SIZE``)."""
 MAX_CANDIDATES = 32
 """Chunk sizes tried between the largest parameter and the largest useful size."""
-# [Note: chunk size choice] Every chunk size that fits gets a full placement, and the fastest
+# [Note: chunk size choice] The candidates waste little ([Note: chunk padding]: sizes whose
+# padding is over ``PADDING_LIMIT`` of the parameters are tried only when no size is under it).
+# Every chunk size that fits gets a full placement, and the fastest
 # prediction wins (ties: fewer moved bytes, then less padding). Moved bytes alone ignore what
 # padding costs the optimizer and gradient traffic, and the size moving the fewest bytes changes
 # with the budget; taking the best over a candidate set that only grows with the budget keeps a
@@ -99,7 +104,10 @@ def _tier_index(placement: str) -> int | None:
 
 def chunk_size_candidates(profile: Profile, world: int) -> list[int]:
     """From the largest parameter (at least core's minimum chunk) up to the largest group's
-    size (one chunk per group), multiples of 64 elements per rank (1024 for big models)."""
+    size (one chunk per group), multiples of 64 elements per rank (1024 for big models): an
+    even grid and the sizes a run of parameters fills ([Note: chunk padding] in
+    tierwise.chunks.layout), keeping those whose padding is at most ``PADDING_LIMIT`` of the
+    parameters when any is (at most ``MAX_CANDIDATES``, spread over the range)."""
     align = world * (1024 if largest_param(profile) >= 1 << 20 else 64)
     low = math.ceil(max(largest_param(profile), MIN_CHUNK_SIZE) / align) * align
     totals: Counter[str] = Counter()
@@ -110,8 +118,21 @@ def chunk_size_candidates(profile: Profile, world: int) -> list[int]:
     if high == low:
         return [low]
     count = min(MAX_CANDIDATES, (high - low) // align + 1)
-    sizes = {low + round(i * (high - low) / (count - 1) / align) * align for i in range(count)}
-    return sorted(sizes)
+    grid = {low + round(i * (high - low) / (count - 1) / align) * align for i in range(count)}
+    groups = [
+        [slot.numel for spec in specs for slot in spec.slots]
+        for specs in build_chunks(profile, low).groups.values()
+    ]
+    limit = PADDING_LIMIT * sum(totals.values())
+    lean = sorted(
+        size
+        for size in grid | set(filling_sizes(groups, low, high, align))
+        if padding_of(groups, size) <= limit
+    )
+    if not lean:
+        return sorted(grid)
+    picks = min(MAX_CANDIDATES, len(lean))
+    return sorted({lean[round(i * (len(lean) - 1) / max(picks - 1, 1))] for i in range(picks)})
 
 
 def _allowed(capacity: int, profile: Profile, activation_bytes: int, config: Config) -> int:

@@ -65,7 +65,10 @@ MIN_CHUNK_SIZE = 1024
 MAX_CANDIDATES = 32
 """Chunk sizes tried between the largest parameter and the largest useful size."""
 # [Note: chunk size choice] The candidates waste little ([Note: chunk padding]: sizes whose
-# padding is over ``PADDING_LIMIT`` of the parameters are tried only when no size is under it).
+# padding is over ``PADDING_LIMIT`` of the parameters are tried only when no size is under it,
+# or when the host budget holds none of those: a smaller, padded size may need less host
+# memory, e.g. smaller NVMe staging buffers). A device budget never brings them in, so the
+# candidate set still only grows with the device.
 # Every chunk size that fits gets a full placement, and the fastest
 # prediction wins (ties: fewer moved bytes, then less padding). Moved bytes alone ignore what
 # padding costs the optimizer and gradient traffic, and the size moving the fewest bytes changes
@@ -108,6 +111,12 @@ def chunk_size_candidates(profile: Profile, world: int) -> list[int]:
     even grid and the sizes a run of parameters fills ([Note: chunk padding] in
     tierwise.chunks.layout), keeping those whose padding is at most ``PADDING_LIMIT`` of the
     parameters when any is (at most ``MAX_CANDIDATES``, spread over the range)."""
+    return _candidates(profile, world)[0]
+
+
+def _candidates(profile: Profile, world: int) -> tuple[list[int], list[int]]:
+    """(``chunk_size_candidates``, the grid sizes padding more: tried when none of those
+    fits, e.g. a smaller size whose NVMe staging buffers fit the host where no lean one's do)."""
     align = world * (1024 if largest_param(profile) >= 1 << 20 else 64)
     low = math.ceil(max(largest_param(profile), MIN_CHUNK_SIZE) / align) * align
     totals: Counter[str] = Counter()
@@ -116,7 +125,7 @@ def chunk_size_candidates(profile: Profile, world: int) -> list[int]:
     high = max(low, math.ceil(max(totals.values(), default=low) / align) * align)
     high = min(high, max(8 * low, low + 64 * align))
     if high == low:
-        return [low]
+        return [low], []
     count = min(MAX_CANDIDATES, (high - low) // align + 1)
     grid = {low + round(i * (high - low) / (count - 1) / align) * align for i in range(count)}
     groups = [
@@ -130,9 +139,16 @@ def chunk_size_candidates(profile: Profile, world: int) -> list[int]:
         if padding_of(groups, size) <= limit
     )
     if not lean:
-        return sorted(grid)
+        return sorted(grid), []
     picks = min(MAX_CANDIDATES, len(lean))
-    return sorted({lean[round(i * (len(lean) - 1) / max(picks - 1, 1))] for i in range(picks)})
+    spread = {lean[round(i * (len(lean) - 1) / max(picks - 1, 1))] for i in range(picks)}
+    return sorted(spread), sorted(grid - spread)
+
+
+def _shortfall(err: Exception) -> float:
+    """How far a refused plan is from fitting (unknown: infinitely)."""
+    need, limit = getattr(err, "need", None), getattr(err, "limit", None)
+    return math.inf if need is None or limit is None else need - limit
 
 
 def _allowed(capacity: int, profile: Profile, activation_bytes: int, config: Config) -> int:
@@ -313,11 +329,25 @@ class _Search:
 
     def score_sizes(self, choice: ActivationChoice, allowed: int | None):
         """Moved bytes per feasible chunk size (best first), and the least device bytes any
-        candidate's minimum plan needs."""
+        candidate's minimum plan needs: of the lean candidates, or when the host budget holds
+        none of them, of the grid sizes that pad more ([Note: chunk size choice])."""
         if isinstance(self.config.chunk_size, int):
-            candidates = [self.config.chunk_size]
-        else:
-            candidates = chunk_size_candidates(self.profile, self.rates.world_size)
+            scores, least = self._score(choice, allowed, [self.config.chunk_size])
+            return scores, least or 0
+        lean, padded = _candidates(self.profile, self.rates.world_size)
+        try:
+            scores, least = self._score(choice, allowed, lean)
+        except PlacementError as lean_error:  # the host holds no lean size's minimum plan
+            if not padded:
+                raise
+            try:
+                scores, least = self._score(choice, allowed, padded)
+            except PlacementError as err:
+                raise min(lean_error, err, key=_shortfall) from None
+        return scores, least or 0
+
+    def _score(self, choice: ActivationChoice, allowed: int | None, candidates: list[int]):
+        """``score_sizes`` over ``candidates``."""
         scores, least, too_few, host_errors = [], None, [], []
         for size in candidates:
             model = self.model(size, choice)
@@ -352,7 +382,7 @@ class _Search:
                 f'set cache_blocks >= {min(too_few)}, or leave it on "auto"'
             )
         scores.sort(key=lambda s: (s.moved_bytes, s.padding, s.chunk_size))
-        return scores, least or 0
+        return scores, least
 
     def place(self, size: int, choice: ActivationChoice, allowed: int | None) -> tuple[Step, dict]:
         model = self.model(size, choice)

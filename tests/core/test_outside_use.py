@@ -188,3 +188,30 @@ def test_a_metadata_read_before_the_modules_forward_leaves_no_pin(use):
         h.square().mean().backward()
         opt.step()
         opt.zero_grad()
+
+
+@pytest.mark.parametrize("plan", ["host-min-cache", "host-prefetch"])
+def test_weights_read_between_steps_hold_their_values(plan):
+    """A weight read between steps whose chunk is not resident is fetched for the read (its
+    storage is empty until then: reading it would crash), with grad enabled and under no_grad;
+    training goes on bitwise as plain PyTorch's."""
+
+    def run(model, opt):
+        seen = []
+        for step in range(3):
+            tiled_loss(model, batch(step)).backward()
+            opt.step()
+            opt.zero_grad()
+            seen.append(model.body.weight.detach().clone())  # grad enabled
+            with torch.no_grad():
+                seen.append(model.lm_head.weight.clone())
+        return seen, {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+    model = Backbone()
+    ref_seen, ref_params = run(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+    model = Backbone()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(model, opt, precision="fp32", device="cpu", **PLANS[plan])
+    seen, params = run(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(seen, ref_seen, strict=True))
+    assert all(torch.equal(params[n], v) for n, v in ref_params.items())

@@ -15,8 +15,10 @@ they are not affected). A read whose parameter is already in COMPUTE (its own mo
 backward is running) does nothing. Otherwise, during a step (the root's forward has begun, or a
 backward is running), the reading module is acquired exactly as its forward would acquire it:
 its chunks are fetched and pinned, so the values are there for the use and for the backward that
-reads what the use saved. Between steps (no forward begun) nothing is pinned: a read there sees the
-parameter as it is (its metadata, and its values when its chunk computes in its home).
+reads what the use saved. Between steps (no forward begun) a read of a parameter whose values are
+in place (its chunk computes in its home, or is resident) pins nothing; one whose chunk is not
+resident (its storage empty) is acquired and pinned as below, so printing or using a weight
+between steps reads its values.
 
 How long the pin lasts follows from what may still read the values:
 - grad enabled: the use may be recorded by autograd, whose backward reads the saved parameter
@@ -172,7 +174,10 @@ class OutsideUses:
         if slot is None or slot.state is TensorState.COMPUTE:
             return  # not managed, or its own module's access holds it now
         if self.phases.state is TrainingState.IDLE and not self._in_root_forward:
-            return  # between steps: nothing is pinned
+            if _holds_values(param):
+                return  # between steps, its values in place: nothing is pinned
+            # between steps, its chunk not resident: pinned like any other read (reading an
+            # empty storage's values would crash the process)
         held = self._with_grad if torch.is_grad_enabled() else self._without_grad
         if module in self._with_grad or module in held:
             return
@@ -251,6 +256,12 @@ class OutsideUses:
         self._forget_stale_watch()
         self._with_grad.clear()
         self._without_grad.clear()
+
+
+def _holds_values(param: torch.Tensor) -> bool:
+    """Whether ``param``'s storage holds its elements (a chunk not resident leaves it empty)."""
+    needed = (param.storage_offset() + param.numel()) * param.element_size()
+    return param.untyped_storage().nbytes() >= needed
 
 
 def _mode_stack() -> list:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierwise.chunks.state import ALLOWED, TensorState, check_transition
+from tierwise.tiers.huge_pages import advise_huge_pages
 
 _NEXT = {old.value: tuple(new) for old, new in ALLOWED.items()}
 
@@ -69,6 +70,7 @@ class OptimSlabs:
         storage = self.grad.tensor.untyped_storage()
         if storage.nbytes() < self.grad.nbytes:
             storage.resize_(self.grad.nbytes)
+            advise_huge_pages(storage)  # [Note: huge pages for per-step host memory]
         return self.grad.tensor
 
     def clear_grad(self) -> None:

@@ -100,6 +100,11 @@ class ActivationManager:
         """Storage address -> a kept tensor of the running block (a reference keeps the address
         from being reused while the block runs, as ``ActivationSwaps`` does for swapped ones)."""
         self._hooks: AbstractContextManager | None = None
+        self._block_storages: list[torch.UntypedStorage] = []
+        """The storages the running block's parameters are views of, one each (a chunk's
+        parameters share one): taken when the block's forward begins, as a parameter's storage
+        object changes only at a re-layout, between steps. Their addresses are read afresh
+        (an rCache fetch inside the block gives a storage its memory)."""
         self._kept_bytes = 0
         self._kept_live: dict[int, list[int]] = {}  # storage -> [bytes, users not yet unpacked]
         self._handles: list = []
@@ -165,6 +170,7 @@ class ActivationManager:
         unpack = self._unpack if swap else self._unpack_kept
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._hooks.__enter__()
+        self._block_storages = _distinct_storages(self._block_params[name])
         self._kept_open.clear()
         self.swaps.start_block()
 
@@ -180,7 +186,7 @@ class ActivationManager:
         if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
             return True
         ptr = tensor.untyped_storage().data_ptr()
-        return any(p.untyped_storage().data_ptr() == ptr for p in self._block_params[name])
+        return any(storage.data_ptr() == ptr for storage in self._block_storages)
 
     def _worth(self, name: str, tensor: torch.Tensor) -> bool:
         return (
@@ -317,3 +323,12 @@ def _over_allowance(saved: int, allowance: int, kept: Counter) -> Exception:
 
 
 __all__ = ["MIN_SWAP_BYTES", "ActivationManager", "StepStats"]
+
+
+def _distinct_storages(params: tuple[torch.nn.Parameter, ...]) -> list[torch.UntypedStorage]:
+    """The storage objects ``params`` are views of, each once."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    for param in params:
+        storage = param.untyped_storage()
+        storages.setdefault(storage._cdata, storage)
+    return list(storages.values())

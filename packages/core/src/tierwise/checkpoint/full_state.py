@@ -73,9 +73,13 @@ def iter_full_state(
         on_host = slab.tensor is None or slab.tensor.device.type == "cpu"
         return on_host and slab.numel * 4 <= ahead_bytes
 
-    shards = read_ahead(
-        pool, lambda chunk: read_slab(source(chunk)).float(), chunks, may_read_ahead=off_thread
-    )
+    def read(chunk) -> torch.Tensor:
+        slab = source(chunk)
+        if not copy and slab.tensor is not None:  # views of the payload itself: no copy
+            return slab.tensor.detach().float()
+        return read_slab(slab).float()
+
+    shards = read_ahead(pool, read, chunks, may_read_ahead=off_thread)
     for chunk, shard in zip(chunks, shards, strict=True):
         full = gather_chunk(chunk, shard, engine.collectives.outside_steps())
         del shard

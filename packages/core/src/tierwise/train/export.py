@@ -85,7 +85,7 @@ def add_export_command(subparsers: argparse._SubParsersAction) -> argparse.Argum
 def _run(args: argparse.Namespace) -> int:
     try:
         out = export(args.run_dir, args.out_dir, dtype=args.dtype, merge_lora=args.merge_lora)
-    except (TrainError, CheckpointError) as err:
+    except (TrainError, CheckpointError, OSError) as err:  # OSError: a full disk, a bad path
         print(f"tierwise export: error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {out}")

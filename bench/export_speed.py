@@ -36,8 +36,9 @@ from _common import emit
 N_EMBD = 2048
 N_HEAD = 16
 VOCAB = 8192
-CHUNK = 4 * N_EMBD * N_EMBD
-"""Elements per chunk: the MLP's weights of one layer."""
+CHUNK = 4 * N_EMBD * N_EMBD + 16 * N_EMBD
+"""Elements per chunk: a layer's attention, or one of its MLP's matrices, with their biases and
+norms (little padding: the fp32 homes of the host case stay under the 4 GiB RSS line)."""
 DD_BYTES = 1 << 30
 CASES = {
     "save_pretrained_host_fp32": ("host", "fp32"),

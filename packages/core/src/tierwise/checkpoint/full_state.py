@@ -75,9 +75,12 @@ def iter_full_state(
 
     def read(chunk) -> torch.Tensor:
         slab = source(chunk)
+        # an unsharded chunk's padding after its last slot is not read (nor gathered)
+        used = max((s.offset + s.numel for s in chunk.slots), default=0)
+        numel = slab.numel if chunk.group.sharded else min(slab.numel, used)
         if not copy and slab.tensor is not None:  # views of the payload itself: no copy
-            return slab.tensor.detach().float()
-        return read_slab(slab).float()
+            return slab.tensor.detach()[:numel].float()
+        return read_slab(slab, numel).float()
 
     shards = read_ahead(pool, read, chunks, may_read_ahead=off_thread)
     for chunk, shard in zip(chunks, shards, strict=True):

@@ -199,3 +199,28 @@ def test_read_ahead_yields_in_order_with_a_bounded_number_alive():
     assert got == list(range(20))
     assert peak[0] <= 2  # the one in use and the one read ahead (depth 1)
     assert set(callers) == {threading.get_ident()}  # refused items are read by the caller
+
+
+def test_export_of_a_corrupt_checkpoint_names_it_and_leaves_nothing(tmp_path, capsys):
+    """The checksums are checked beside the export: a flipped byte in the rank file fails the
+    export with the checksum error (not whatever the bad byte broke) and OUT_DIR is gone."""
+    from tierwise.cli import main
+    from tierwise.train.lora import describe_model
+
+    run = tmp_path / "run"
+    model = _gpt2()
+    describe_model(run, model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = tierwise.setup(model, optimizer, precision="fp32", device="cpu")
+    checkpoint = run / "checkpoints" / "step-000000"
+    tierwise.save_checkpoint(checkpoint, model)
+    (run / "checkpoints" / "latest").write_text("step-000000")
+    assert main(["export", str(run), str(tmp_path / "good")]) == 0
+    (rank_file,) = checkpoint.glob("rank*.safetensors")
+    data = bytearray(rank_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the values: the file still parses
+    rank_file.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["export", str(run), str(tmp_path / "bad")]) == 2
+    assert "does not match its checksum" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

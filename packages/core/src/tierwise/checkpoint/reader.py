@@ -45,13 +45,23 @@ class CheckpointReader:
     ...     m = reader.read(name, "exp_avg", 0, 10)  # the first 10 elements of its first moment
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, check_on_open: bool = True):
+        """``check_on_open=False``: files are not checksummed when opened; the caller runs
+        :meth:`check_all` (beside its reads) and uses nothing it read before that passed (an
+        export publishes its shards only then: [Note: pipelined export])."""
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
         self._params: dict[str, dict[str, Any]] = self.manifest["params"]
         self._aliases: dict[str, str] = self.manifest.get("aliases", {})
         self._files: dict[str, SafetensorsFile | dict[str, torch.Tensor]] = {}
         self._verified: set[str] = set()
+        self._check_on_open = check_on_open
+
+    def check_all(self) -> None:
+        """Check every file of the checkpoint against its manifest checksum (raises
+        :class:`CheckpointError` naming the first that does not match)."""
+        for file in self.manifest["files"]:
+            self._checked(file)
 
     # -- what is in it ------------------------------------------------------------------------
     @property
@@ -228,7 +238,8 @@ class CheckpointReader:
 
     def _open(self, file: str) -> SafetensorsFile | dict[str, torch.Tensor]:
         if file not in self._files:
-            path = self.path / file if file in self._verified else self._checked(file)
+            checked = file in self._verified or not self._check_on_open
+            path = self.path / file if checked else self._checked(file)
             if file.endswith(".safetensors"):
                 self._files[file] = SafetensorsFile(path)
             else:

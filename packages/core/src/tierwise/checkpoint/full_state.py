@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierwise.chunks.io import gather_chunk, read_slab, write_slab
+from tierwise.weights.read_ahead import read_ahead
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+    from concurrent.futures import Executor
 
     from tierwise.parallel import ParallelPattern
     from tierwise.runtime.engine import Engine
@@ -36,10 +38,19 @@ def full_state(
 
 
 def iter_full_state(
-    engine: Engine, patterns: Sequence[ParallelPattern] = (), *, trainable_only: bool = False
+    engine: Engine,
+    patterns: Sequence[ParallelPattern] = (),
+    *,
+    trainable_only: bool = False,
+    pool: Executor | None = None,
+    ahead_bytes: int = 0,
+    copy: bool = True,
 ):
     """Yield ``(names, value)`` per distinct parameter (its name then its tied aliases, its full
-    fp32 master value), one chunk at a time.
+    fp32 master value), one chunk at a time. With ``pool``, the next chunk's shard is read on it
+    while this one is used when its fp32 bytes are at most ``ahead_bytes`` and its home is on
+    the host or a storage tier ([Note: pipelined export]); without ``copy`` the values are views
+    of the gathered chunk (a writer that keeps them until written holds the chunk meanwhile).
 
     [Note: streaming a model out]
     Collective: every rank iterates to the end. Chunks are gathered over their data-parallel
@@ -51,14 +62,35 @@ def iter_full_state(
     """
     aliases = {info.name: info.aliases for info in engine.profile.params}
     pattern_of = {pattern.key: pattern for pattern in patterns}
-    for chunk in engine.chunks():
-        if trainable_only and not chunk.trainable:  # the same chunks on every rank
-            continue
-        source = chunk.optim.master if chunk.optim is not None else chunk.home
-        full = gather_chunk(chunk, read_slab(source).float(), engine.collectives.outside_steps())
+    # the same chunks on every rank
+    chunks = [c for c in engine.chunks() if c.trainable or not trainable_only]
+
+    def source(chunk):
+        return chunk.optim.master if chunk.optim is not None else chunk.home
+
+    def off_thread(chunk) -> bool:  # workers touch host memory only
+        slab = source(chunk)
+        on_host = slab.tensor is None or slab.tensor.device.type == "cpu"
+        return on_host and slab.numel * 4 <= ahead_bytes
+
+    def read(chunk) -> torch.Tensor:
+        slab = source(chunk)
+        # an unsharded chunk's padding after its last slot is not read (nor gathered)
+        used = max((s.offset + s.numel for s in chunk.slots), default=0)
+        numel = slab.numel if chunk.group.sharded else min(slab.numel, used)
+        if not copy and slab.tensor is not None:  # views of the payload itself: no copy
+            return slab.tensor.detach()[:numel].float()
+        return read_slab(slab, numel).float()
+
+    shards = read_ahead(pool, read, chunks, may_read_ahead=off_thread)
+    for chunk, shard in zip(chunks, shards, strict=True):
+        full = gather_chunk(chunk, shard, engine.collectives.outside_steps())
+        del shard
         pattern = pattern_of.get(chunk.group.pattern_key)
         for slot in chunk.slots:
-            value = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+            value = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            if copy:
+                value = value.clone()
             if pattern is not None:
                 value = pattern.full_tensor(slot.name, slot.param, value)
             yield (slot.name, *aliases.get(slot.name, ())), value

@@ -16,12 +16,14 @@ if TYPE_CHECKING:
     from tierwise.tiers.base import Slab
 
 
-def read_slab(slab: Slab) -> torch.Tensor:
-    """A CPU copy of a slab's contents, in the slab's dtype."""
+def read_slab(slab: Slab, numel: int | None = None) -> torch.Tensor:
+    """A CPU copy of a slab's contents (its first ``numel`` elements), in the slab's dtype."""
+    numel = slab.numel if numel is None else numel
     if slab.tensor is not None:
-        return slab.tensor.detach().to("cpu", copy=True)
-    out = torch.empty(slab.numel, dtype=slab.dtype)
-    slab.tier.read(slab, out).wait()
+        return slab.tensor.detach()[:numel].to("cpu", copy=True)
+    out = torch.empty(numel, dtype=slab.dtype)
+    if numel:
+        slab.tier.read(slab, out).wait()
     return out
 
 

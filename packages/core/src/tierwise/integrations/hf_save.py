@@ -18,13 +18,15 @@ import functools
 import json
 import os
 import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from tierwise.tiers.base import PayloadKind
 from tierwise.units import parse_bytes
-from tierwise.weights.safetensors_io import ShardedWriter
+from tierwise.weights.block_writer import ALIGN, WINDOW_BLOCKS
+from tierwise.weights.safetensors_io import EXPORT_WINDOW_BYTES, ShardedWriter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """Dtypes a saved or exported model can be written in."""
@@ -94,20 +96,27 @@ def save_pretrained(
     host = engine.tiers["host"]
     reserved = engine.plan.io_buffer_bytes or 0
     host.reserve(reserved, kind=PayloadKind.STAGING, what="the save buffers (Plan.io_buffer_bytes)")
+    window, ahead, copy = save_buffers(engine, reserved)
     writer = None
-    if is_main_process:
-        folder.mkdir(parents=True, exist_ok=True)
-        for stale in [*folder.glob("model*.safetensors"), *folder.glob("model*.index.json")]:
-            stale.unlink()  # what an earlier save left would be loaded with these shards
-        writer = ShardedWriter(folder, sizes, max_bytes=parse_bytes(max_shard_size))
     try:
-        for (name, *_aliases), value in iter_full_state(engine, engine.patterns):
-            if writer is not None:
-                writer.add(name, value.to(dtype) if value.is_floating_point() else value)
-            del value
+        if is_main_process:
+            folder.mkdir(parents=True, exist_ok=True)
+            for stale in [*folder.glob("model*.safetensors"), *folder.glob("model*.index.json")]:
+                stale.unlink()  # what an earlier save left would be loaded with these shards
+            writer = ShardedWriter(
+                folder, sizes, max_bytes=parse_bytes(max_shard_size), window_bytes=window
+            )
+        with ThreadPoolExecutor(1, thread_name_prefix="tierwise-save-read") as reader:
+            values = iter_full_state(
+                engine, engine.patterns, pool=reader, ahead_bytes=ahead, copy=copy
+            )
+            for (name, *_aliases), value in values:
+                if writer is not None:  # converted by the writer's workers
+                    writer.add(name, value, dtype if value.is_floating_point() else None)
+                del value
         if writer is not None:
             for name, buffer in buffers.items():
-                writer.add(name, buffer.to(dtype) if buffer.is_floating_point() else buffer)
+                writer.add(name, buffer, dtype if buffer.is_floating_point() else None)
             writer.close()
     except BaseException:
         if writer is not None:
@@ -125,6 +134,25 @@ def save_pretrained(
         if generation is not None and getattr(model, "can_generate", lambda: False)():
             generation.save_pretrained(folder)
     return folder
+
+
+def save_buffers(engine, reserved: int) -> tuple[int, int, bool]:
+    """(write window bytes, read-ahead bytes, whether values are copied out of their chunk) of
+    a save within its ``reserved`` host bytes (``Plan.io_buffer_bytes``: the largest parameter
+    twice and the largest chunk in fp32, two load pieces) ([Note: pipelined export]).
+
+    The write window takes up to ``EXPORT_WINDOW_BYTES`` of what the chunk leaves. Values
+    handed to the writer as views keep their chunk until written: two chunks are held (the one
+    being written, the one before it until its last pieces are), so views are used when that
+    fits, else each value is copied out (two parameters held, the one being written and the
+    next). What is left reads the next chunk ahead."""
+    largest_chunk = max((c.capacity for c in engine.chunks()), default=0) * 4
+    largest = max((s.numel for c in engine.chunks() for s in c.slots), default=0) * 4
+    window = min(EXPORT_WINDOW_BYTES, max(0, reserved - largest_chunk) // 2)
+    window = max(window, WINDOW_BLOCKS * ALIGN)  # the smallest window (a tiny model)
+    if 2 * largest_chunk + window <= reserved:
+        return window, reserved - 2 * largest_chunk - window, False
+    return window, max(0, reserved - largest_chunk - 2 * largest - window), True
 
 
 def _whole_numel(engine, chunk, slot, full_numel: dict[str, int]) -> int:

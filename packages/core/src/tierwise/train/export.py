@@ -17,10 +17,13 @@ exists nowhere else, so its adapter export also writes that base, as a plain mod
 [Note: export memory]
 Checkpoint files are read a parameter at a time (format 3 with ``os.preadv``, format 2
 memory-mapped: pages a read touches stay in the process's resident memory until the file is
-unmapped, so after each parameter the reader is released, ``CheckpointReader.release``). The
-shard writer streams each tensor to its file as it comes ([Note: reading weights without mapping
-files]). Nothing else holds model data, so peak memory is one parameter (in fp32, plus its copy
-in the dtype written) whatever the model size (tests/hf/test_export_memory.py measures it).
+unmapped, so after each parameter the reader is released, ``CheckpointReader.release``), the next
+parameter on a reader thread while this one is written ([Note: pipelined export]). The shard
+writer's workers convert each tensor into its staging blocks and write them as they fill; the
+blocks are the write window (``EXPORT_WINDOW_BYTES``), and a tensor is held until its last
+piece is in a block. Nothing else holds model data, so peak memory is two parameters in fp32
+(the one being written, the next one read) and the window, whatever the model size
+(tests/hf/test_export_memory.py measures it).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import math
 import shutil
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -42,6 +46,7 @@ from tierwise.train.checkpoints import CHECKPOINTS, LATEST
 from tierwise.train.errors import TrainError
 from tierwise.train.lora import MODEL_FOLDER, PEFT_PREFIX, base_name
 from tierwise.train.tokenizers import ByteTokenizer
+from tierwise.weights.read_ahead import read_ahead
 from tierwise.weights.safetensors_io import MAX_SHARD_BYTES, ShardedWriter
 
 ADAPTER = "default"
@@ -80,7 +85,7 @@ def add_export_command(subparsers: argparse._SubParsersAction) -> argparse.Argum
 def _run(args: argparse.Namespace) -> int:
     try:
         out = export(args.run_dir, args.out_dir, dtype=args.dtype, merge_lora=args.merge_lora)
-    except (TrainError, CheckpointError) as err:
+    except (TrainError, CheckpointError, OSError) as err:  # OSError: a full disk, a bad path
         print(f"tierwise export: error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
@@ -120,8 +125,11 @@ def export(
     lora = _read_json(model_folder / "adapter_config.json")
     if merge_lora and lora is None:
         raise TrainError(f"--merge-lora: {run} trained no LoRA adapters (it has no --lora)")
-    reader = CheckpointReader(checkpoint)
+    # the checksums are checked beside the export, before any shard is named
+    reader = CheckpointReader(checkpoint, check_on_open=False)
     out.mkdir(parents=True, exist_ok=True)
+    checking = ThreadPoolExecutor(1, thread_name_prefix="tierwise-export-check")
+    checked = checking.submit(reader.check_all)
     try:
         options = _options(run)
         if lora is not None and not merge_lora:
@@ -136,14 +144,24 @@ def export(
                     DTYPES[dtype],
                     max_shard_bytes,
                     merge=False,
+                    checked=checked,
                 )
+            checked.result()
             _write_adapters(reader, out, lora, DTYPES[dtype], base)
         else:
-            _write_model(reader, out, model_folder, lora, DTYPES[dtype], max_shard_bytes)
+            _write_model(
+                reader, out, model_folder, lora, DTYPES[dtype], max_shard_bytes, checked=checked
+            )
         _copy_tokenizer(options, out)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(out, ignore_errors=True)
+        if isinstance(err, Exception):  # a corrupt checkpoint is the error to report
+            corrupt = checked.exception()
+            if corrupt is not None:
+                raise corrupt from None
         raise
+    finally:
+        checking.shutdown(wait=False)  # done, or an interrupted export leaves it to finish
     return out
 
 
@@ -174,8 +192,10 @@ def _write_model(
     max_shard_bytes: int,
     *,
     merge: bool = True,
+    checked: Future | None = None,
 ) -> None:
-    """The (for LoRA: base, merged when ``merge``) model as a from_pretrained folder ``out``."""
+    """The (for LoRA: base, merged when ``merge``) model as a from_pretrained folder ``out``;
+    the shards are named only once ``checked`` (the checkpoint's checksums) has passed."""
     adapters = _adapters(reader) if lora is not None and merge else {}
     out.mkdir(parents=True, exist_ok=True)
     sizes = {}
@@ -183,24 +203,36 @@ def _write_model(
         out_name = _out_name(name) if lora is not None else name
         if out_name is not None:
             sizes[out_name] = reader.numel(name) * dtype.itemsize
+    names = [n for n in reader.names() if lora is None or _out_name(n) is not None]
     writer = ShardedWriter(out, sizes, max_bytes=max_shard_bytes)
-    for name in reader.names():
-        if lora is not None:
-            out_name = _out_name(name)
-            if out_name is None:
-                continue
-            module = name.removeprefix(PEFT_PREFIX).removesuffix(".weight")
-            value = reader.tensor(name)
-            if module.endswith(".base_layer") and name.endswith(".weight"):
-                value = _merged(value, adapters, module.removesuffix(".base_layer"), lora)
-        else:
-            out_name, value = name, reader.tensor(name)
-        writer.add(out_name, value.to(dtype))
-        del value
-        reader.release()  # [Note: export memory]
-    writer.close()
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="tierwise-export-read") as pool:
+            values = read_ahead(pool, lambda name: _read_released(reader, name), names)
+            for name, value in zip(names, values, strict=True):
+                out_name = name
+                if lora is not None:
+                    out_name = _out_name(name)
+                    module = name.removeprefix(PEFT_PREFIX).removesuffix(".weight")
+                    if module.endswith(".base_layer") and name.endswith(".weight"):
+                        value = _merged(value, adapters, module.removesuffix(".base_layer"), lora)
+                writer.add(out_name, value, dtype)  # converted by the writer's workers
+                del value
+        if checked is not None:
+            checked.result()
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
     shutil.copyfile(model_folder / "config.json", out / "config.json")
     record_dtype(out, dtype)
+
+
+def _read_released(reader: CheckpointReader, name: str) -> torch.Tensor:
+    """``name``'s fp32 master, the reader's files released after it ([Note: export memory]);
+    on the read-ahead thread, the only one using the reader meanwhile."""
+    value = reader.tensor(name)
+    reader.release()
+    return value
 
 
 def _out_name(name: str) -> str | None:

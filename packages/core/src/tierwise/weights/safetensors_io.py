@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from tierwise.weights.block_writer import BlockFile, WriteWindow
+
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -44,6 +46,9 @@ DTYPES: dict[str, torch.dtype] = {
 CODES = {dtype: code for code, dtype in DTYPES.items()}
 MAX_SHARD_BYTES = 5 * 10**9
 """Largest shard written: 5 GB, as transformers reads max_shard_size="5GB"."""
+EXPORT_WINDOW_BYTES = 32 << 20
+"""Staging bytes of an export's shards: eight 4 MiB blocks, converting and writing together
+([Note: pipelined export])."""
 MAX_HEADER_BYTES = 100 * 2**20
 """A header larger than this is not a safetensors header (the format's own limit)."""
 
@@ -185,30 +190,55 @@ HEADER_PER_TENSOR = 192
 dimensions and two byte offsets of up to 20 digits take under 150)."""
 
 
-class SafetensorsWriter:
-    """One safetensors file written a tensor at a time, holding none of them: space for the
-    header is reserved from the names that may come (an upper bound), the data is streamed
-    behind it, and the header, padded with spaces as safetensors pads it, is written last
-    ([Note: reading weights without mapping files])."""
+CHECKPOINT_WINDOW_BYTES = 4 << 20
+"""Staging bytes of a file written alone (a checkpoint's rank file): small, as a checkpoint
+holds one chunk's shard besides ([Note: pipelined export])."""
 
-    def __init__(self, path: str | os.PathLike, names: list[str]):
+
+class SafetensorsWriter:
+    """One safetensors file written a tensor at a time, holding none of them beyond the write
+    window: space for the header is reserved from the names that may come (an upper bound), the
+    data is streamed behind it by the window's workers, converted there ([Note: pipelined
+    export]), and the header, padded with spaces as safetensors pads it, is written last
+    ([Note: reading weights without mapping files]). ``window``: shared with other files (a
+    ``ShardedWriter``'s shards), else a small one of its own; ``direct``: O_DIRECT writes."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        names: list[str],
+        *,
+        window: WriteWindow | None = None,
+        direct: bool = False,
+    ):
         self.path = Path(path)
         reserve = 64 + sum(len(json.dumps(n)) + HEADER_PER_TENSOR for n in names)
         self.reserve = reserve + (-(8 + reserve) % 8)  # data starts 8-byte aligned
         self.header: dict[str, dict] = {}
         self.bytes = 0
-        self._file = open(self.path, "wb")  # noqa: SIM115 - closed in close()
-        self._file.seek(8 + self.reserve)
+        self._own_window = window is None
+        self._window = WriteWindow(CHECKPOINT_WINDOW_BYTES) if window is None else window
+        try:
+            self._file = BlockFile(self.path, self._window, direct=direct)
+        except BaseException:
+            self._close_window()
+            raise
+        self._file.reserve_head(8 + self.reserve)
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Write ``tensor`` (converted to ``dtype`` when given) under ``name``; the tensor must
+        stay unchanged until ``close`` (the workers read it)."""
         if name in self.header:
             raise WeightsError(f"{self.path}: tensor {name} written twice")
-        data = tensor.detach().to("cpu").contiguous().view(-1)
-        nbytes = data.numel() * data.element_size()
+        dtype = tensor.dtype if dtype is None else dtype
+        data = tensor.detach()
+        if data.device.type != "cpu":  # workers touch host memory only
+            data = data.to("cpu")
+        nbytes = data.numel() * dtype.itemsize
         if nbytes:
-            self._file.write(memoryview(data.view(torch.uint8).numpy()))
+            self._file.append(data, dtype)
         self.header[name] = {
-            "dtype": CODES[tensor.dtype],
+            "dtype": CODES[dtype],
             "shape": list(tensor.shape),
             "data_offsets": [self.bytes, self.bytes + nbytes],
         }
@@ -218,21 +248,25 @@ class SafetensorsWriter:
         header = {**self.header, "__metadata__": {"format": "pt"}}
         text = json.dumps(header, separators=(",", ":")).encode()
         if len(text) > self.reserve:
-            self._file.close()
+            self.abort()
             raise WeightsError(
                 f"{self.path}: header of {len(text)} bytes exceeds the {self.reserve} reserved "
                 "(a tensor not named when the file was opened)"
             )
-        self._file.seek(0)
-        self._file.write(self.reserve.to_bytes(8, "little"))
-        self._file.write(text + b" " * (self.reserve - len(text)))
-        self._file.close()
+        head = self.reserve.to_bytes(8, "little") + text + b" " * (self.reserve - len(text))
+        try:
+            self._file.finish(head)
+        finally:
+            self._close_window()
 
     def abort(self) -> None:
         """Close and remove the file (a failed write leaves nothing)."""
-        if not self._file.closed:
-            self._file.close()
-        self.path.unlink(missing_ok=True)
+        self._file.abort()
+        self._close_window()
+
+    def _close_window(self) -> None:
+        if self._own_window:
+            self._window.close()
 
 
 class ShardedWriter:
@@ -240,7 +274,9 @@ class ShardedWriter:
     ``sizes``: the byte size of every tensor, in the order they will be added; a new shard
     starts where the next tensor would take the current one past ``max_bytes`` (a larger
     tensor gets a shard of its own). ``close`` names them ``prefix-0000i-of-0000n``, or
-    ``prefix.safetensors`` alone, and writes the index when there are several."""
+    ``prefix.safetensors`` alone, and writes the index when there are several. The shards share
+    one write window of ``window_bytes`` and are written with O_DIRECT where the file system
+    allows it ([Note: pipelined export])."""
 
     def __init__(
         self,
@@ -249,9 +285,11 @@ class ShardedWriter:
         *,
         max_bytes: int,
         prefix: str = "model",
+        window_bytes: int = EXPORT_WINDOW_BYTES,
     ):
         self.folder = Path(folder)
         self.prefix = prefix
+        self.window = WriteWindow(window_bytes)
         self.shards: list[list[str]] = [[]]
         self.shard_of: dict[str, int] = {}
         size = 0
@@ -265,7 +303,8 @@ class ShardedWriter:
         self._written: list[SafetensorsWriter] = []
         self.total_bytes = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Write ``tensor`` (converted to ``dtype`` when given; unchanged until ``close``)."""
         if name not in self.shard_of:
             raise WeightsError(f"{self.folder}: tensor {name} was not announced to the writer")
         shard = self.shard_of[name]
@@ -274,11 +313,13 @@ class ShardedWriter:
                 self._written[-1].close()
             index = len(self._written)
             part = self.folder / f"{self.prefix}-part{index + 1:05d}.safetensors.tmp"
-            self._written.append(SafetensorsWriter(part, self.shards[index]))
+            self._written.append(
+                SafetensorsWriter(part, self.shards[index], window=self.window, direct=True)
+            )
         if shard != len(self._written) - 1:
             raise WeightsError(f"{self.folder}: tensor {name} added out of the announced order")
-        self._written[-1].add(name, tensor)
-        self.total_bytes += tensor.numel() * tensor.element_size()
+        self._written[-1].add(name, tensor, dtype)
+        self.total_bytes += tensor.numel() * (tensor.dtype if dtype is None else dtype).itemsize
 
     def close(self) -> list[Path]:
         """Finish the last shard, name the shards and write the index; return the shard files."""
@@ -286,7 +327,10 @@ class ShardedWriter:
             n not in self._written[-1].header for n in self.shards[-1]
         ):
             raise WeightsError(f"{self.folder}: the writer was closed before every tensor came")
-        self._written[-1].close()
+        try:
+            self._written[-1].close()
+        finally:
+            self.window.close()
         count = len(self._written)
         if count == 1:
             final = [self.folder / f"{self.prefix}.safetensors"]
@@ -310,3 +354,4 @@ class ShardedWriter:
         """Remove what was written (a failed export leaves no partial shards)."""
         for writer in self._written:
             writer.abort()
+        self.window.close()

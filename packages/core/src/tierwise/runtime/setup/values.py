@@ -12,6 +12,7 @@ from tierwise.chunks import Chunk, ChunkGroup, ParamSlot, TensorState
 from tierwise.plan import LOAD_PIECE
 from tierwise.runtime.setup.meta_buffers import install_buffers
 from tierwise.tiers.base import PayloadKind, Tier
+from tierwise.weights.read_ahead import read_ahead
 
 
 def write_values(
@@ -242,11 +243,9 @@ def _fill_chunk(chunk: Chunk, dtype: torch.dtype, weights, zeros, reader) -> Non
                 pieces = [(a, min(a + FILL_PIECE, last)) for a in range(first, last, FILL_PIECE)]
             else:
                 pieces = [(first, last)]
-            ahead = reader.submit(weights.local_value, slot.name, *pieces[0])
-            for i, (a, b) in enumerate(pieces):
-                values = ahead.result()
-                if i + 1 < len(pieces):  # the next piece is read while this one is written
-                    ahead = reader.submit(weights.local_value, slot.name, *pieces[i + 1])
+            # the next piece is read while this one is written
+            reads = read_ahead(reader, lambda p, n=slot.name: weights.local_value(n, *p), pieces)
+            for (a, b), values in zip(pieces, reads, strict=True):
                 at = lo - start + (a - first)
                 for piece in range(0, b - a, FILL_PIECE):
                     part = values[piece : piece + FILL_PIECE]

@@ -1,0 +1,211 @@
+"""Export at disk speed (issue 39): tierwise's model export against the disk's sequential write
+bandwidth, side by side in one run.
+
+1. The disk's sequential write bandwidth: ``dd if=/dev/zero oflag=direct conv=fsync`` (4 MiB
+   blocks, 1 GiB) into the bench directory, before and after the exports.
+2. Each export case runs in a child process (its own peak RSS): a GPT-2 style model built on
+   the meta device (its values initialised a few modules at a time by setup), frozen but for
+   its final norm, managed by tierwise with its parameters' homes on the host or on NVMe, then
+   written out, timed from the call to the last shard fsynced:
+   - ``save_pretrained`` (``tierwise.integrations.hf_save.save_pretrained``) in fp32 from host
+     homes, in fp32 from NVMe homes, and in bf16 from NVMe homes (conversion in the pipeline);
+   - ``tierwise export --dtype bf16`` of a `tierwise train`-style run directory whose
+     checkpoint holds the same model (the CLI's path: the checkpoint checked and read by
+     parameter name).
+3. One JSON line per measurement and one per case with ``export_over_disk_write``: the export's
+   bytes per second over the mean of the two dd figures. Every line has the machine (a shared
+   2-core machine: its 1-minute load is in it). Everything written is deleted at the end.
+
+    python bench/export_speed.py --dir /work/export-bench [--layers 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _common import emit
+
+N_EMBD = 2048
+N_HEAD = 16
+VOCAB = 8192
+CHUNK = 4 * N_EMBD * N_EMBD + 16 * N_EMBD
+"""Elements per chunk: a layer's attention, or one of its MLP's matrices, with their biases and
+norms (little padding: the fp32 homes of the host case stay under the 4 GiB RSS line)."""
+DD_BYTES = 1 << 30
+CASES = {
+    "save_pretrained_host_fp32": ("host", "fp32"),
+    "save_pretrained_nvme_fp32": ("nvme", "fp32"),
+    "save_pretrained_nvme_bf16": ("nvme", "bf16"),
+    "cli_export_bf16": ("nvme", "bf16"),
+}
+
+
+def dd_write(folder: Path, nbytes: int = DD_BYTES) -> float:
+    """Sequential O_DIRECT write bytes/s into a new file in ``folder`` (the file removed)."""
+    target = folder / "dd-write-test"
+    count = nbytes // (4 << 20)
+    begin = time.perf_counter()
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={target}", "bs=4M", f"count={count}"]
+        + ["oflag=direct", "conv=fsync"],
+        check=True,
+        capture_output=True,
+    )
+    elapsed = time.perf_counter() - begin
+    target.unlink()
+    return count * (4 << 20) / elapsed
+
+
+def managed_model(n_layer: int, placement: str, nvme: Path):
+    """The frozen GPT-2 style model under tierwise, parameters' homes on ``placement``."""
+    import tierwise
+    import torch
+    import transformers as tf
+
+    config = tf.GPT2Config(
+        n_embd=N_EMBD, n_layer=n_layer, n_head=N_HEAD, vocab_size=VOCAB, n_positions=128
+    )
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(config)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("transformer.ln_f"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    model, optimizer = tierwise.setup(
+        model,
+        optimizer,
+        precision="fp32",
+        device="cpu",
+        chunk_size=CHUNK,
+        param_placement=placement,
+        optimizer_placement=placement,
+        nvme_path=str(nvme),
+    )
+    return model, optimizer, tierwise.engine_of(model)
+
+
+def source_bytes_by_tier(engine) -> dict[str, int]:
+    """Bytes the export reads, by the tier they live on."""
+    out: dict[str, int] = {}
+    for chunk in engine.chunks():
+        slab = chunk.optim.master if chunk.optim is not None else chunk.home
+        name = next(k for k, t in engine.tiers.items() if t is slab.tier)
+        out[name] = out.get(name, 0) + slab.nbytes
+    return out
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def child(case: str, n_layer: int, root: Path) -> None:
+    placement, dtype = CASES[case]
+    out = root / "out"
+    model, optimizer, engine = managed_model(n_layer, placement, root / "nvme")
+    sources = source_bytes_by_tier(engine)
+    result = {"case": case, "placement": placement, "dtype": dtype, "sources": sources}
+    if case.startswith("save_pretrained"):
+        from tierwise.integrations.hf_save import save_pretrained
+
+        begin = time.perf_counter()
+        save_pretrained(model, out, dtype=dtype)
+        result["export_s"] = time.perf_counter() - begin
+    else:
+        import tierwise
+        from tierwise.train.export import export
+        from tierwise.train.lora import describe_model
+
+        run = root / "run"
+        describe_model(run, model)
+        begin = time.perf_counter()
+        tierwise.save_checkpoint(run / "checkpoints" / "step-000000", model)
+        result["save_checkpoint_s"] = time.perf_counter() - begin
+        (run / "checkpoints" / "latest").write_text("step-000000")
+        del model, optimizer, engine  # the export is its own process's work: free the model
+        import gc
+
+        gc.collect()
+        begin = time.perf_counter()
+        export(run, out, dtype=dtype)
+        result["export_s"] = time.perf_counter() - begin
+    result["exported_bytes"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    result["peak_rss"] = peak_rss()
+    print(json.dumps(result), flush=True)
+
+
+def run_child(case: str, n_layer: int, root: Path, timeout: float) -> dict:
+    env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", case, str(n_layer), str(root)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        return {"case": case, "exit_code": proc.returncode, "stderr": proc.stderr[-2000:]}
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        return child(sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", required=True, help="a new directory on the disk measured")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--cases", default=",".join(CASES))
+    args = parser.parse_args()
+    root = Path(args.dir)
+    if root.exists():
+        raise SystemExit(f"{root} exists: give a new directory")
+    params = args.layers * (12 * N_EMBD * N_EMBD + 13 * N_EMBD) + (VOCAB + 128) * N_EMBD
+    root.mkdir(parents=True)
+    try:
+        before = dd_write(root)
+        emit(bench="export_speed", phase="dd_write", when="before", bytes_per_s=round(before))
+        results = []
+        for case in args.cases.split(","):
+            case_dir = root / case
+            (case_dir / "nvme").mkdir(parents=True)
+            result = run_child(case, args.layers, case_dir, args.timeout)
+            shutil.rmtree(case_dir, ignore_errors=True)
+            results.append(result)
+            emit(bench="export_speed", phase="case", params=params, **result)
+        after = dd_write(root)
+        emit(bench="export_speed", phase="dd_write", when="after", bytes_per_s=round(after))
+        disk = (before + after) / 2
+        for result in results:
+            if "export_s" not in result:
+                continue
+            speed = result["exported_bytes"] / result["export_s"]
+            emit(
+                bench="export_speed",
+                phase="summary",
+                case=result["case"],
+                params=params,
+                exported_bytes=result["exported_bytes"],
+                export_s=round(result["export_s"], 2),
+                export_bytes_per_s=round(speed),
+                disk_write_bytes_per_s=round(disk),
+                export_over_disk_write=round(speed / disk, 3),
+                target=0.5,
+                met=speed / disk >= 0.5,
+                peak_rss=result["peak_rss"],
+                rss_under_4gib=result["peak_rss"] < 4 * 2**30,
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

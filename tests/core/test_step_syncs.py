@@ -17,6 +17,10 @@ Budget per step (fp16, clipping; the step's updates run after backward):
 - no fp64 copy of gradients (an fp64 tensor of 1024 elements or more: the shards here have
   4096 or more; the per-chunk sums of squares, one fp64 scalar each, are summed in one small
   vector), no ``torch.tensor(..., device=...)``.
+Backward on two ranks (``test_reduced_gradients_land_in_host_memory_once_per_due_point``): no
+blocking copy out of device memory into the host gradient shards, and the reducer's queued
+copies waited for at most once per sync point and once at the end ([Note: reduced gradients
+land per due point]).
 """
 
 from __future__ import annotations

@@ -27,9 +27,12 @@ from tierwise.config import Config
 from tierwise.runtime.activations.pinned_pool import HostBufferPool
 from tierwise.runtime.grads.offload import GradientOffload
 from tierwise.runtime.grads.reduce.blocks import BlockPool
+from tierwise.runtime.step.home_writes import HomeWrites
 from tierwise.tiers import HostTier
 from tierwise.tiers.arena import PAGE, round_up
-from tierwise.tiers.ledger import MemoryPool, PoolBudgetError, peak_bound
+from tierwise.tiers.base import PayloadKind
+from tierwise.tiers.ledger import MemoryPool, PoolBudgetError, ReusedBuffers, peak_bound
+from tierwise.tiers.memory import DeviceTier
 
 KIB = 1024
 FIELDS = {"bytes", "peak_bytes", "budget", "pinned", "memory", "within"}
@@ -116,6 +119,66 @@ def test_reduction_host_buffers_are_locked_and_counted(cudart):
     del waiting, buffer, again
     gc.collect()
     assert cudart.registered == {} and pool.host_memory.bytes == 0
+
+
+def test_home_write_buffers_are_locked_counted_and_reused(cudart):
+    """[Note: reused page-locked buffers]: a device home's new values computed on a worker are
+    in a page-locked buffer of the ledger's ``home_write_buffers`` (not PyTorch's pinned cache,
+    which raises on this CPU-only torch), handed back once the engine's copy is done and lent
+    again without locking more."""
+    writes = HomeWrites(pinned=True)
+    tier = DeviceTier(device=torch.device("cpu"), budget=None, config=Config(device="cpu"))
+    home = tier.allocate(3000, torch.bfloat16, kind=PayloadKind.PARAM_CHUNK)
+    master = torch.randn(3000, generator=torch.Generator().manual_seed(0))
+    values = writes.host_values(master, torch.bfloat16)
+    assert torch.equal(values, master.to(torch.bfloat16))  # rounded as ``.to`` rounds
+    assert cudart.registered_bytes == writes.memory.bytes == round_up(3000 * 2, PAGE)
+    writes.post(home, values)
+    writes.flush()  # issued; the copy is done, so the buffer goes back
+    assert torch.equal(home.tensor, master.to(torch.bfloat16))
+    again = writes.host_values(master * 2, torch.bfloat16)
+    assert again.data_ptr() == values.data_ptr() and len(cudart.registered) == 1  # reused
+    writes.post(home, again)
+    writes.flush()
+    assert torch.equal(home.tensor, (master * 2).to(torch.bfloat16))
+    assert writes.memory.peak_bytes == round_up(3000 * 2, PAGE)
+
+
+def test_reused_buffers_keep_a_bounded_number_free(cudart):
+    pool = MemoryPool("reused", memory="host", pinned=True)
+    buffers = ReusedBuffers(pool, keep=2)
+    taken = [buffers.take(100, torch.int64) for _ in range(5)]
+    assert pool.bytes == cudart.registered_bytes == 5 * PAGE
+    for buffer in taken:
+        buffers.give(buffer)
+    del taken, buffer
+    gc.collect()
+    assert pool.bytes == cudart.registered_bytes == 2 * PAGE  # the rest unlocked and uncounted
+    wide = buffers.take(600, torch.int64)  # larger than any free one: one more
+    assert wide.numel() == 600 and pool.bytes == 2 * PAGE + round_up(4800, PAGE)
+
+
+def test_home_writes_of_host_updates_in_backward_are_counted_and_reused():
+    """Device homes updated by the host worker during backward: the host values are counted
+    in ``home_write_buffers``, at most one per chunk at once plus the few kept free for reuse;
+    control data has its entry too (nothing on a CPU)."""
+    model, opt, engine = _engine(
+        precision="bf16",
+        chunk_size=5000,
+        param_placement="device",
+        optimizer_placement="host",
+        optimizer_overlap="in-backward",
+    )
+    train(model, opt, 4)
+    memory = engine.stats()["memory"]
+    entry = memory["home_write_buffers"]
+    homes = [c.home.nbytes for g in engine.index.groups for c in g.chunks if c.trainable]
+    kept = engine.optimizer.updates.home_writes.keep_free * max(homes)
+    assert max(homes) <= entry["peak_bytes"] <= sum(homes) + kept
+    assert entry["bytes"] <= kept  # after the steps: only the free buffers kept for reuse
+    assert not entry["pinned"]  # a CPU run
+    assert memory["control_data_buffers"]["bytes"] == 0
+    engine.close()
 
 
 def _engine(**config):

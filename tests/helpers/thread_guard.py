@@ -4,7 +4,8 @@ or writes device memory.
 On a CPU the device tier's memory stands in for device memory (setup with ``device="cpu"`` puts
 the compute tier, its parameter homes and rCache blocks, in host RAM, where a worker's touch
 would go unnoticed): every slab the device tier allocates is marked until it is released, by
-its storage's address. On a GPU a tensor on a non-CPU device counts as device memory too. The
+its storage's identity (not its data's address, which changes when a reduction block's memory
+is given back between backwards and taken again). On a GPU a tensor on a non-CPU device counts as device memory too. The
 guard patches the ``torch.Tensor`` methods that read or write a tensor's values from Python
 (copies, conversions, host reads, in-place arithmetic); a call on a worker thread whose tensor
 (or any tensor argument) is device memory is recorded with the thread's name, the method and
@@ -14,6 +15,7 @@ these methods from Python, so what a worker does is.
 
 from __future__ import annotations
 
+import functools
 import threading
 import traceback
 
@@ -49,7 +51,7 @@ class ThreadGuard:
 
     def __init__(self) -> None:
         self.device_storages: set[int] = set()
-        """Storage addresses of the device tier's live slabs."""
+        """Storage identities (``_cdata``) of the device tier's live slabs."""
         self.violations: list[str] = []
         self.worker_calls = 0
         """Guarded calls made on worker threads (a test checks that workers ran)."""
@@ -59,10 +61,10 @@ class ThreadGuard:
         if tensor.device.type not in ("cpu", "meta"):
             return True
         try:
-            ptr = tensor.untyped_storage().data_ptr()
+            storage = tensor.untyped_storage()._cdata
         except RuntimeError:  # no storage (a tensor subclass or a functional wrapper)
             return False
-        return ptr != 0 and ptr in self.device_storages
+        return storage in self.device_storages
 
     def _check(self, name: str, args: tuple) -> None:
         if threading.current_thread() is self.main:
@@ -82,6 +84,7 @@ class ThreadGuard:
         for name in TOUCHING:
             original = getattr(torch.Tensor, name)
 
+            @functools.wraps(original)  # a torch-function mode sees the method's own name
             def patched(self, *args, _name=name, _original=original, **kwargs):
                 guard._check(_name, (self, *args, *kwargs.values()))
                 return _original(self, *args, **kwargs)
@@ -91,12 +94,12 @@ class ThreadGuard:
 
         def marked_allocate(tier, *args, **kwargs):
             slab = allocate(tier, *args, **kwargs)
-            guard.device_storages.add(slab.tensor.untyped_storage().data_ptr())
+            guard.device_storages.add(slab.tensor.untyped_storage()._cdata)
             return slab
 
         def unmarked_release(tier, slab):
             if slab.tensor is not None:
-                guard.device_storages.discard(slab.tensor.untyped_storage().data_ptr())
+                guard.device_storages.discard(slab.tensor.untyped_storage()._cdata)
             return release(tier, slab)
 
         monkeypatch.setattr(DeviceTier, "allocate", marked_allocate)

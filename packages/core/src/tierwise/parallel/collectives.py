@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tierwise.devices import normalize_device
+from tierwise.tiers.ledger import MemoryPool, ReusedBuffers
 
 # torch 2.13 renamed the tensor collectives; keep torch>=2.4 working with the old names
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -47,8 +48,11 @@ class TorchDistributed:
     def move(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         if tensor.device.type == "cpu" and device.type == "cuda":
             # through page-locked memory: queued on the stream, no host wait (the caching host
-            # allocator keeps the page-locked copy until the transfer is done)
-            return tensor.pin_memory().to(device, non_blocking=True)
+            # allocator keeps a page-locked copy until the transfer is done; control data comes
+            # page-locked already: [Note: reused page-locked buffers])
+            if not tensor.is_pinned():
+                tensor = tensor.pin_memory()
+            return tensor.to(device, non_blocking=True)
         return tensor.to(device)
 
     def is_on(self, tensor: torch.Tensor, device: torch.device) -> bool:
@@ -132,18 +136,21 @@ class HostRead:
     collectives layer copies no control result back (no blocking ``copy_`` of a result):
     at most one upload and one host read per due point. On the CPU (gloo) the tensor is the
     host's and ``values`` waits for the collective itself. Checked with the recording fake
-    NCCL group by ``tests/core/test_control_data.py``.
+    NCCL group by ``tests/core/test_control_data.py``. The page-locked buffer a read lands in
+    comes from ``buffers`` and goes back to it once read ([Note: reused page-locked buffers]:
+    ``control_data_buffers`` in the ledger).
     """
 
-    def __init__(self, tensor: torch.Tensor, work=None) -> None:
-        self.tensor, self.work = tensor, work
+    def __init__(self, tensor: torch.Tensor, buffers: ReusedBuffers, work=None) -> None:
+        self.tensor, self.work, self.buffers = tensor, work, buffers
         self._host: torch.Tensor | None = None
         self._event = None
+        self._values: list | None = None
         if tensor.device.type not in ("cpu", "meta"):
             if work is not None:
                 work.wait()  # the current stream waits for the collective; the host does not
-            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self._host.copy_(tensor, non_blocking=True)
+            self._host = buffers.take(tensor.numel(), tensor.dtype, what="control data")
+            self._host.copy_(tensor.reshape(-1), non_blocking=True)
             self._event = torch.accelerator.current_stream(tensor.device).record_event()
 
     def ready(self) -> bool:
@@ -156,7 +163,12 @@ class HostRead:
         """The values, as Python numbers (waits for the copy's event, or the collective)."""
         if self._event is not None:
             self._event.synchronize()
-            return self._host.tolist()
+            values = self._host.view(self.tensor.shape).tolist()
+            self.buffers.give(self._host)
+            self._event, self._values = None, values
+            return values
+        if self._host is not None:  # read already: its buffer went back
+            return self._values
         if self.work is not None:
             self.work.wait()
         return BACKEND.to_list(self.tensor)
@@ -182,6 +194,14 @@ class Collectives:
         """The rank's compute device (an NCCL group's collectives run there when it is CUDA)."""
         self.bytes: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
+        cuda = self.device is not None and self.device.type == "cuda"
+        self.control_buffers = ReusedBuffers(
+            MemoryPool("control_data_buffers", memory="host", pinned=cuda)
+        )
+        """Page-locked buffers control data is uploaded from and read back into ([Note:
+        reused page-locked buffers]), counted in the ledger."""
+        self._uploads: list[tuple[object, torch.Tensor]] = []
+        """(event after the copy, the buffer it reads) of uploads maybe still in flight."""
 
     def outside_steps(self) -> Collectives:
         """Collectives on the same devices whose bytes are not counted with the training
@@ -195,12 +215,24 @@ class Collectives:
     def upload(self, values: list, dtype: torch.dtype, group) -> torch.Tensor:
         """Small control data (flags, due points) on ``group``'s device, in one copy: [Note:
         control data on the device]."""
-        return self._on(torch.tensor(values, dtype=dtype), self.device_of(group))
+        device, host = self.device_of(group), torch.tensor(values, dtype=dtype)
+        if device.type != "cuda":
+            return self._on(host, device)
+        in_flight, self._uploads = self._uploads, []
+        for event, buffer in in_flight:  # a buffer whose copy is done is free again
+            if event.query():
+                self.control_buffers.give(buffer)
+            else:
+                self._uploads.append((event, buffer))
+        staged = self.control_buffers.take(host.numel(), dtype, what="control data")
+        out = self._on(staged.copy_(host), device)
+        self._uploads.append((torch.cuda.current_stream(device).record_event(), staged))
+        return out
 
     def read_back(self, tensor: torch.Tensor, work=None) -> HostRead:
         """Start reading ``tensor`` (control data on its group's device, the result of the
         collective ``work``) back to the host: [Note: control data on the device]."""
-        return HostRead(tensor, work)
+        return HostRead(tensor, self.control_buffers, work)
 
     def filled(self, numel: int, value: float, dtype: torch.dtype, group) -> torch.Tensor:
         """``numel`` elements of ``value`` made on ``group``'s device (a fill there, no copy

@@ -443,8 +443,8 @@ class Engine:
         """Every named pool of the ledger ([Note: the memory ledger])."""
         pools = [pool for tier in self.tiers.values() for pool in tier.memory_pools()]
         pools += [self.gradients.reducer.pool.host_memory, *self.optimizer.moments.pools()]
-        if self.grad_offload is not None:
-            pools.append(self.grad_offload.memory)
+        pools += [self.optimizer.updates.home_writes.memory, self.collectives.control_buffers.pool]
+        pools += [self.grad_offload.memory] if self.grad_offload is not None else []
         if self.activations is not None:
             pools += self.activations.memory_pools()
         return pools

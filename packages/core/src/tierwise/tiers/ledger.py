@@ -171,6 +171,45 @@ class MemoryPool:
         }
 
 
+class ReusedBuffers:
+    """[Note: reused page-locked buffers]
+    Small host buffers that copies to or from an accelerator read or write, made again and again
+    (the new values of a device home computed on a worker: [Note: CUDA threading model]; control
+    data read back: [Note: control data on the device]). PyTorch's pinned allocator
+    (``pin_memory=True``) would hand them out from its caching host allocator, outside the
+    ledger: it rounds every block up to a power of two and keeps freed blocks for later. Drawn
+    through a ledger ``MemoryPool`` instead (page-locked over exactly their pages on CUDA,
+    [Note: page-locked buffers]), each buffer is registered once and reused: the owner hands one
+    back (``give``) once the copy reading or writing it is done (a host read waited for it, a
+    home write's handle reports it done), and ``take`` lends a free one of the dtype large
+    enough, else makes one more. At most ``keep`` free buffers are kept; the rest are dropped (unlocked and
+    uncounted once garbage). Any thread.
+    """
+
+    def __init__(self, pool: MemoryPool, *, keep: int = 8) -> None:
+        self.pool = pool
+        """The ledger pool the buffers are counted in."""
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, numel: int, dtype: torch.dtype, what: str = "") -> torch.Tensor:
+        """A buffer of ``numel`` ``dtype`` elements (contents undefined)."""
+        with self._lock:
+            for i, raw in enumerate(self._free):
+                if raw.dtype == dtype and raw.numel() >= numel:
+                    del self._free[i]
+                    return raw[:numel]  # a view: its ``_base`` keeps the buffer counted
+        return self.pool.empty(max(numel, 1), dtype, what=what)[:numel]
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """``buffer`` (from ``take``), whose copies are done, may be lent again."""
+        raw = buffer._base if buffer._base is not None else buffer
+        with self._lock:
+            self._free.append(raw)
+            del self._free[: -self.keep]
+
+
 def tier_entry(tier: Tier) -> dict:
     """A tier's ledger entry: its counted bytes against its budget."""
     if not tier.ADDRESSABLE:
@@ -240,6 +279,7 @@ __all__ = [
     "MEMORIES",
     "MemoryPool",
     "PoolBudgetError",
+    "ReusedBuffers",
     "locked_empty",
     "memory_of",
     "memory_report",

@@ -111,6 +111,10 @@ class GradientOffload:
         self._lru[chunk] = None
         return buffer
 
+    def may_spill(self, chunk: Chunk) -> bool:
+        """Whether ``hold(chunk)`` may write another chunk's buffer to disk to make room."""
+        return chunk.optim.grad_buffer is None and not self._free and self._made >= self.count
+
     def lend(self, chunk: Chunk, *, fresh: bool = False) -> torch.Tensor:
         """``hold``, pinned until ``consumed(chunk)``: an update queued elsewhere reads it."""
         buffer = self.hold(chunk, fresh=fresh)

@@ -186,6 +186,7 @@ class GradientPath:
         segment = target[slot.offset : slot.offset + slot.numel]
         if slot.got_grad:  # a second delivery in one backward (re-entrant checkpoint reuse)
             self.host_copies.land_all()
+            self.reducer.writes.land()  # a spill into it: [Note: reduced gradients land per due point]
             segment.add_(grad.reshape(-1).to(segment.device))
         elif host_copy_applies(segment, grad):  # host staging or late buffer: no wait here
             self.host_copies.copy(chunk.key, segment, grad.reshape(-1))
@@ -333,8 +334,7 @@ class GradientPath:
             segment.copy_(grad)
 
     def _land_copies(self, chunk: Chunk) -> None:
-        """Wait for ``chunk``'s gradient copies in flight and run its pending adds: [Note:
-        one host wait per chunk]."""
+        """Land ``chunk``'s gradient copies in flight: [Note: one host wait per chunk]."""
         self.host_copies.land(chunk.key)
 
     def _chunk_grad_bytes(self) -> int:

@@ -14,6 +14,7 @@ from tierwise.chunks.grad_state import GradOwner, GradState
 from tierwise.runtime.traffic import Traffic
 
 if TYPE_CHECKING:
+    from tierwise.runtime.grads.host_writes import HostWrites
     from tierwise.runtime.grads.offload import GradientOffload
     from tierwise.runtime.grads.states import GradStates
 
@@ -117,26 +118,25 @@ class GradStorage:
             self.before_home_write(chunk)  # [Note: gradients in the parameter payload]
         return chunk.optim.start_grad()
 
-    def add_reduced(self, chunk: Chunk, shard: torch.Tensor) -> None:
+    def add_reduced(self, chunk: Chunk, shard: torch.Tensor, writes: HostWrites) -> None:
         """A reduction of ``chunk`` landed: add its shard of averaged gradients (the chunk's
         gradients of this backward are REDUCED then). A second one in the same backward (late
-        gradients: [Note: one collective order]) adds to the first."""
+        gradients: [Note: one collective order]) adds to the first. Copies into host memory are
+        queued on ``writes`` and land with the others ([Note: reduced gradients land per due
+        point])."""
         begin_delivery(self.grad_states, chunk)
         optim = chunk.optim
-        slab = optim.grad
         offloaded = self.offloads(chunk)
-        tier = "host" if offloaded else slab.tier.name  # [Note: active gradient offloading]
+        tier = "host" if offloaded else optim.grad.tier.name  # [Note: active gradient offloading]
         if tier != "device":
             self.traffic.count(f"device->{tier}", shard.numel() * shard.element_size())
-        first = self.grad_states.of(chunk) is GradState.FILLING  # nothing held before this backward
-        if first and offloaded:
-            self.memory(chunk, start=True).copy_(shard)
-        elif first:
-            self._start(chunk)
-            slab.tier.write(slab, shard).wait()
+        if offloaded and self.grad_offload.may_spill(chunk):
+            writes.land()  # a held buffer may be written to disk now: its copies land first
+        if self.grad_states.of(chunk) is GradState.FILLING:  # nothing held before this backward
+            target = self.memory(chunk, start=True) if offloaded else self._start(chunk)
+            writes.copy(target[: shard.numel()], shard, on_host=tier != "device")
         else:
-            target = self.memory(chunk, start=False)
-            target.add_(shard.to(target.device))
+            writes.add(self.memory(chunk, start=False), shard, on_host=tier != "device")
         self.grad_states.move(chunk, GradState.REDUCED, _OWNER)
 
     def read(self, chunk: Chunk) -> ChunkGrads:

@@ -23,8 +23,10 @@ Which thread may touch which tensors, on which stream, ordered by which event:
   ordered after every kernel queued earlier that still reads the home, and before every later
   kernel and side-stream load (a load's side stream waits for the compute stream first).
 - A host buffer that a copy reads or writes stays referenced until the copy's event has
-  completed: ``HomeWrites`` keeps posted values until their copy's ``IOHandle`` is done; the
-  gradient copies keep their scratch buffer until the chunk lands.
+  completed: ``HomeWrites`` keeps posted values until their copy's ``IOHandle`` is done, then
+  lends the buffer again ([Note: reused page-locked buffers]: counted in the ledger as
+  ``home_write_buffers``, page-locked on CUDA); the gradient copies keep their scratch buffer
+  until the chunk lands.
 - Every wait of an engine thread on a worker is bounded ([Note: bounded waits]).
 ``tests/core/test_thread_guard.py`` (and ``tests/nvme/test_thread_guard_nvme.py``) check on a CPU,
 with the device tier's memory standing in for device memory, that no thread but the main one
@@ -39,6 +41,7 @@ import threading
 import torch
 
 from tierwise.tiers.base import IOHandle, Slab
+from tierwise.tiers.ledger import MemoryPool, ReusedBuffers
 from tierwise.tiers.memory import DeviceTier
 
 
@@ -48,22 +51,27 @@ def written_by_engine(home: Slab) -> bool:
     return isinstance(home.tier, DeviceTier)
 
 
-def host_values(master: torch.Tensor, dtype: torch.dtype, home: Slab) -> torch.Tensor:
-    """``master`` rounded to ``dtype`` in host memory (page-locked when the home is on an
-    accelerator, so the engine's copy does not block), computed on the calling thread."""
-    pin = home.tensor.device.type not in ("cpu", "meta")
-    return torch.empty(master.shape, dtype=dtype, pin_memory=pin).copy_(master)
-
-
 class HomeWrites:
     """See [Note: CUDA threading model]."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, pinned: bool = False) -> None:
+        self.memory = MemoryPool("home_write_buffers", memory="host", pinned=pinned)
+        """The ledger pool of the host values (page-locked when the homes are on CUDA, so the
+        engine's copy does not block): [Note: the memory ledger]."""
+        self._buffers = ReusedBuffers(self.memory)
+        self.keep_free = self._buffers.keep
+        """Free buffers kept for reuse at most ([Note: reused page-locked buffers])."""
         self._lock = threading.Lock()
         self._posted: list[tuple[Slab, torch.Tensor]] = []
         """(home, new values in host memory) posted by workers, not yet issued."""
         self._in_flight: list[tuple[IOHandle, torch.Tensor]] = []
         """Issued copies and the host values they read, kept until the copy is done."""
+
+    def host_values(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``master`` rounded to ``dtype`` in a host buffer of the pool, computed on the calling
+        thread (a worker), to ``post``."""
+        values = self._buffers.take(master.numel(), dtype, what="a device home's new values")
+        return values.view(master.shape).copy_(master)
 
     def post(self, home: Slab, values: torch.Tensor) -> None:
         """A worker's new values for ``home`` (any thread); written at the next ``flush``."""
@@ -83,7 +91,12 @@ class HomeWrites:
             posted, self._posted = self._posted, []
         for home, values in posted:
             self._in_flight.append((home.tier.write(home, values), values))
-        self._in_flight = [(h, v) for h, v in self._in_flight if not h.done()]
+        in_flight, self._in_flight = self._in_flight, []
+        for handle, values in in_flight:
+            if handle.done():
+                self._buffers.give(values)  # [Note: reused page-locked buffers]
+            else:
+                self._in_flight.append((handle, values))
 
     def drop(self) -> None:
         """Forget posted writes (the engine closes): nothing will read those homes again."""
@@ -91,4 +104,4 @@ class HomeWrites:
             self._posted = []
 
 
-__all__ = ["HomeWrites", "host_values", "written_by_engine"]
+__all__ = ["HomeWrites", "written_by_engine"]

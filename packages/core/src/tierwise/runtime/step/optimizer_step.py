@@ -26,6 +26,7 @@ from tierwise.runtime.grads.storage import GradStorage
 from tierwise.runtime.index import ChunkIndex
 from tierwise.runtime.phases import Phases
 from tierwise.runtime.step.checks import GradChecks, grad_multiplier
+from tierwise.runtime.step.home_writes import HomeWrites
 from tierwise.runtime.step.host_updates import HostUpdates
 from tierwise.runtime.step.speculation import EarlyUpdate, Speculation
 from tierwise.runtime.step.undo import StepUndo
@@ -108,6 +109,7 @@ class OptimizerStep:
             storage=self.storage,
             traffic=traffic,
             dtype=dtype,
+            home_writes=HomeWrites(pinned=device.type == "cuda"),
         )
         self.pipelines = self._make_pipelines()
         self.host_updates = HostUpdates(tiers["host"]) if "host" in tiers else None

@@ -14,7 +14,7 @@ from tierwise.optim import AdamHyper, StepCounts, adam_update_ranges, adam_updat
 from tierwise.optim.state_formats import LowBitMoments
 from tierwise.runtime.grads.states import GradStates
 from tierwise.runtime.grads.storage import GradStorage
-from tierwise.runtime.step.home_writes import HomeWrites, host_values, written_by_engine
+from tierwise.runtime.step.home_writes import HomeWrites, written_by_engine
 from tierwise.runtime.step.undo import StepUndo
 from tierwise.runtime.traffic import Traffic
 
@@ -59,6 +59,7 @@ class ChunkUpdates:
         storage: GradStorage,
         traffic: Traffic,
         dtype: torch.dtype,
+        home_writes: HomeWrites | None = None,
     ) -> None:
         self.grad_states = grad_states
         """The chunks' gradient states (the optimizer step's transitions: [Note: gradient
@@ -71,7 +72,7 @@ class ChunkUpdates:
         self.traffic = traffic
         self.dtype = dtype
         """The parameters' (home's) dtype."""
-        self.home_writes = HomeWrites()
+        self.home_writes = home_writes if home_writes is not None else HomeWrites()
         """New values of device homes computed on worker threads, written by the engine's
         thread ([Note: CUDA threading model])."""
 
@@ -242,7 +243,7 @@ class ChunkUpdates:
         """Write ``master`` rounded to the parameters' dtype into ``home``: a worker posts the
         values of a device home to ``home_writes`` ([Note: CUDA threading model])."""
         if on_worker and written_by_engine(home):
-            self.home_writes.post(home, host_values(master, self.dtype, home))
+            self.home_writes.post(home, self.home_writes.host_values(master, self.dtype))
         else:
             home.tier.write(home, master.to(self.dtype)).wait()
 

@@ -80,14 +80,20 @@ class BlockPool:
         self._taken -= 1
         self._free_blocks.append(base_of(block))
 
-    def host(self, numel: int) -> torch.Tensor:
+    def host(self, numel: int, *, room: int | None = None) -> torch.Tensor:
         """A host buffer of ``numel`` elements (pinned on a CUDA machine), reused when one is
-        free."""
+        free; a new one has room for ``room`` elements (default: a block's)."""
         for i, buffer in enumerate(self._host_free):
             if buffer.numel() >= numel:
                 return self._host_free.pop(i)[:numel]
-        size = max(numel, self.block_numel)
+        size = max(numel, self.block_numel if room is None else room)
         return self.host_memory.empty(size, self.dtype, what="a gradient waiting")[:numel]
+
+    def scratch(self, numel: int) -> torch.Tensor:
+        """A host buffer a reduced shard is copied into before it is added to a gradient shard
+        in host memory ([Note: reduced gradients land per due point]): a shard's size, not a
+        block's."""
+        return self.host(numel, room=numel)
 
     def give_host(self, buffer: torch.Tensor) -> None:
         self._host_free.append(base_of(buffer))

@@ -67,6 +67,7 @@ import torch.distributed as dist
 from tierwise.chunks import Chunk
 from tierwise.parallel.collectives import Collectives, HostRead
 from tierwise.planning.planner import receive_block_numel
+from tierwise.runtime.grads.host_writes import HostWrites
 from tierwise.runtime.grads.reduce.blocks import BlockPool
 from tierwise.runtime.grads.reduce.local_sums import NoSyncSums
 from tierwise.runtime.grads.reduce.rank_order import reduce_in_rank_order
@@ -99,6 +100,8 @@ class GradientReducer:
         """"fast" (the backend's sum) or "rank" ([Note: reduction in rank order])."""
         self.pool = BlockPool(device_tier, dtype, blocks)
         """Device blocks, host buffers, the receive block: [Note: bounded gradient blocks]."""
+        self.writes = HostWrites(scratch=self.pool.scratch, give_back=self.pool.give_host)
+        """Copies into host memory in flight: [Note: reduced gradients land per due point]."""
         self.collectives = collectives
         self.dtype = dtype
         self.world_group = world_group
@@ -233,7 +236,7 @@ class GradientReducer:
             raise RuntimeError("tierwise bug: every gradient block is taken and none can spill")
         chunk = self._holding.pop(key)
         host = self.pool.host(chunk.capacity)
-        host.copy_(self._staging[key])
+        self.writes.copy(host, self._staging[key], on_host=True)  # lands later: ``writes``
         self.pool.give(self._staging[key])
         self._staging[key] = host
         self._on_host.add(key)
@@ -276,20 +279,19 @@ class GradientReducer:
         if staging is None:  # nothing arrived here yet: zeros
             staging = self._staging[key] = self._device_block(key)[: chunk.capacity]
             self._holding[key] = chunk
-        # zeros where no gradient arrived, plus what no_sync accumulated
-        zero_unwritten(chunk, staging)
-        local = self.local_sums.pop(key)
-        if local is not None:
-            staging.add_(local.to(staging.device))
-            self.local_sums.release(local)
         full = staging
-        if key in self._on_host:
+        if key in self._on_host:  # copied first: a spill may be landing in it still
             self._on_host.discard(key)
             full = self._device_block(key)[: chunk.capacity]
             full.copy_(staging)
             self.pool.give_host(staging)
         else:
             del self._holding[key]
+        zero_unwritten(chunk, full)  # zeros where no gradient arrived, plus no_sync's sums
+        local = self.local_sums.pop(key)
+        if local is not None:
+            full.add_(local.to(full.device))
+            self.local_sums.release(local)
         del self._staging[key]
         self._launched.add(key)
         self.launches.append(("reduce", key))
@@ -341,7 +343,7 @@ class GradientReducer:
         chunk, work, out, full = self._inflight[0]
         work.wait()
         self._inflight.popleft()
-        self.storage.add_reduced(chunk, out)
+        self.storage.add_reduced(chunk, out, self.writes)
         self.pool.give(full)
 
     def _settle(self, *, wait: bool) -> None:
@@ -367,6 +369,8 @@ class GradientReducer:
     def take_final(self) -> list[Chunk]:
         """The chunks made final since the last call, in the order they were ([Note: one
         collective order])."""
+        if self._final:
+            self.writes.land()  # [Note: reduced gradients land per due point]
         final, self._final = self._final, []
         return final
 
@@ -397,6 +401,7 @@ class GradientReducer:
                 self.launches.append(("late", key))
                 self._reduce(chunk, block)
         self._collect(wait=True)
+        self.writes.land()
         for i, key in enumerate(self.order):  # the slowest rank completed it after sync facts[i]
             self.schedule.due[key] = int(facts[i]) + 1
         self.last_launches, self.launches = self.launches, []
@@ -422,20 +427,14 @@ class GradientReducer:
         for _chunks, work, _flags in self._agreeing:
             work.wait()
         self._agreeing.clear()
+        self.writes.drop()
         self._final = []
         for key, staging in self._staging.items():
-            if key in self._on_host:
-                self.pool.give_host(staging)
-            else:
-                self.pool.give(staging)
-        self._staging.clear()
+            (self.pool.give_host if key in self._on_host else self.pool.give)(staging)
         for late in self._late.values():
             self.pool.give_host(late)
-        self._late.clear()
-        self._on_host.clear()
-        self._holding.clear()
-        self.launches = []
-        self._peak_on_host = 0
+        self._staging, self._late, self._on_host, self._holding = {}, {}, set(), {}
+        self.launches, self._peak_on_host = [], 0
         self._reset()
 
     def release_memory(self) -> None:

@@ -81,13 +81,14 @@ def finish(ledger: dict, **extra) -> None:
 _START = _START_FILE = 0
 
 
-def measure(script: str, *, timeout: float = 600) -> dict:
-    """Run ``script`` (which calls ``start()`` and ``finish(...)``) in a fresh Python."""
+def measure(script: str, *, timeout: float = 600, argv: list[str] = ()) -> dict:
+    """Run ``script`` (which calls ``start()`` and ``finish(...)``) in a fresh Python, with
+    ``argv`` as its ``sys.argv[1:]``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
+        [sys.executable, "-c", textwrap.dedent(script), *argv],
         env=env,
         capture_output=True,
         text=True,

@@ -161,3 +161,48 @@ def test_relayout_returns_what_it_did_and_the_engine_applies_it():
     again = relayout(engine.layout_parts(), order, before_move=lambda: calls.append("again"))
     assert again.moved == [] and calls == ["moved"]  # the layout is that order already
     engine.close()
+
+
+def _opt_on_host(host_memory=None):
+    model = tiny_model("opt")  # defines final_layer_norm before its layers: re-packed
+    model, opt = tierwise.setup(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        device="cpu",
+        host_memory=host_memory,
+        **HOST,
+    )
+    return model, opt, tierwise.engine_of(model)
+
+
+def test_re_packing_reserves_what_it_holds_in_the_host_tier_or_keeps_the_layout():
+    """[Note: re-packing holds host memory]: the values a re-layout holds in host memory are
+    reserved in the host tier while it runs (the ledger counts them; its peak shows them), and a
+    host budget without that room keeps the setup layout with a note instead of using memory
+    outside the budget."""
+    from tierwise.runtime.layout.packing import new_chunks
+    from tierwise.runtime.layout.relayout import host_holding
+
+    model, opt, engine = _opt_on_host()
+    before = layout(model)
+    (group,) = [g for g in engine.groups if g.trainable]
+    train(model, opt, 1)
+    assert layout(model) != before and engine.layout_note is None  # re-packed
+    order = layout(model)
+    chunks = new_chunks(group, order, engine.plan.chunk_size) or group.chunks
+    holding = host_holding(engine.layout_parts(), group, chunks)
+    host = engine.tiers["host"]
+    assert host.peak_bytes >= host.used_bytes + holding > host.used_bytes  # counted while held
+    engine.close()
+
+    # a budget with room for the model data but not for the re-packing: the layout stays
+    model, opt, engine = _opt_on_host()
+    data = engine.tiers["host"].used_bytes
+    engine.close()
+    model, opt, engine = _opt_on_host(host_memory=data + holding // 2)
+    before = layout(model)
+    train(model, opt, 1)
+    assert layout(model) == before
+    assert "re-packing holds" in engine.layout_note and "host tier has room" in engine.layout_note
+    assert engine.tiers["host"].peak_bytes <= data + holding // 2
+    engine.close()

@@ -286,3 +286,75 @@ def test_a_checkpoint_larger_than_host_memory_loads_when_the_placement_fits(tmp_
     assert plan.io_buffer_bytes <= host.peak_bytes <= host_memory  # reserved while loading
     state, expected = model.state_dict(), hf_reference(tmp_path / "ckpt").state_dict()
     assert all(torch.equal(state[n], v) for n, v in expected.items())  # fp32 masters
+
+
+SAVE_SCRIPT = """
+import sys, torch, transformers
+from helpers.models import _config
+torch.manual_seed(0)
+model = transformers.AutoModelForCausalLM.from_config(_config("llama", **{config}))
+model.save_pretrained(sys.argv[1])
+"""
+LOAD_SCRIPT = """
+import os, sys, torch, transformers, tierwise
+from helpers.models import _config
+from helpers import process_memory as pm
+folder = sys.argv[1]
+with torch.device("meta"):
+    model = transformers.AutoModelForCausalLM.from_config(
+        _config("llama", **{config}), attn_implementation="eager"
+    )
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+options = dict(precision="fp32", device="cpu", param_placement="nvme", optimizer_placement="nvme",
+               nvme_path=sys.argv[2], chunk_size=512 * 1024, cache_blocks="auto",
+               host_memory=int(sys.argv[3]), device_memory=int(sys.argv[4]))
+pm.probe_hardware_first(device="cpu", precision="fp32")
+pm.start()
+model, optimizer = tierwise.setup(model, optimizer, weights=folder, **options)
+pm.finish(tierwise.engine_of(model).stats()["memory"])
+"""
+
+
+@pytest.mark.combined
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs VmHWM resets")
+def test_loading_a_checkpoint_larger_than_host_memory_grows_the_process_by_its_budgets(
+    tmp_path, monkeypatch
+):
+    """The process, not only tierwise's counters (issue 36): loading a 234 MB checkpoint into
+    NVMe chunks with host memory of half of it grows the loading process's peak RSS (VmHWM, in a
+    fresh process) by at most host_memory + device_memory (a CPU device is RAM) + the ledger
+    tests' stated tolerance (``helpers.process_memory.TOLERANCE``: PyTorch's working memory).
+    The checkpoint is larger than that bound, so a read path holding it whole fails."""
+    import subprocess
+    import sys
+
+    from helpers.process_memory import TESTS, TOLERANCE, measure
+
+    monkeypatch.setenv("TIERWISE_NVME_BLOCK_SIZE", "256KiB")  # read buffers within the budget
+    config = "dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=36, " + (
+        "num_attention_heads=4, num_key_value_heads=2)"
+    )
+    folder, nvme = tmp_path / "ckpt", tmp_path / "n"
+    nvme.mkdir()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    subprocess.run(
+        [sys.executable, "-c", SAVE_SCRIPT.replace("{config}", config), str(folder)],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    checkpoint = (folder / "model.safetensors").stat().st_size
+    host_memory, device_memory = checkpoint // 2, 16 << 20
+    bound = host_memory + device_memory + TOLERANCE
+    assert checkpoint > bound  # holding the checkpoint whole would show
+    script = LOAD_SCRIPT.replace("{config}", config)
+    record = measure(script, argv=[str(folder), str(nvme), str(host_memory), str(device_memory)])
+    mib = 1 << 20
+    assert record["growth"] <= bound, (
+        f"loading grew the peak RSS by {record['growth'] / mib:.1f} MiB; host_memory "
+        f"{host_memory / mib:.1f} MiB + device_memory {device_memory / mib:.0f} MiB + "
+        f"{TOLERANCE / mib:.0f} MiB tolerance; checkpoint {checkpoint / mib:.1f} MiB"
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import tierwise  # noqa: E402
 from helpers.block_stack import block_bytes, gradients  # noqa: E402
 from helpers.devices import ONLY_CUDA, deterministic  # noqa: E402
 from helpers.models import tiny_batch, tiny_model  # noqa: E402
+from helpers.process_memory import TOLERANCE, assert_within_ledger, gpt2_growth  # noqa: E402
 from helpers.train import run_tierwise, train  # noqa: E402
 from nvme_helpers import FailingBackend, swap_files  # noqa: E402
 from tierwise_nvme import NVMeIOError, NVMeSpaceError  # noqa: E402
@@ -227,3 +229,42 @@ def test_cuda_nvme_swaps_through_a_tiny_pinned_pool_leave_the_gradients(make_tie
     assert stats["host_buffers"]["waits"] + stats["host_buffers"]["refused"] > 0
     assert 0 < stats["host_buffers"]["high_water_bytes"] <= one_block
     assert tier.used_bytes == 0
+
+
+def test_swaps_pageable_host_buffers_are_in_the_ledger_and_freed_by_the_step(nvme_dir):
+    """A CPU device's host swaps (copies) and nvme swap-ins (page-aligned buffers) are host RAM
+    the ledger counts in ``activation_pageable_buffers`` ([Note: the memory ledger]); the
+    backward frees them."""
+    model = tiny_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        device="cpu",
+        precision="fp32",
+        activation_policy=MIXED["llama"],
+        nvme_path=str(nvme_dir),
+    )
+    engine = tierwise.engine_of(model)
+    train(model, opt, 2)
+    stats = engine.stats()
+    swapped = stats["activations"]["swapped_out_bytes"]
+    assert swapped["host"] > 0 and swapped["nvme"] > 0
+    entry = stats["memory"]["activation_pageable_buffers"]
+    assert entry["memory"] == "host" and entry["within"] is None and not entry["pinned"]
+    # the host copies live together from their block's forward to its backward
+    assert entry["peak_bytes"] >= swapped["host"]
+    assert entry["bytes"] == 0
+    engine.close()
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="needs /proc/self/clear_refs"
+)
+def test_the_ledger_explains_the_peak_rss_growth_with_activations_on_nvme(nvme_dir):
+    record = gpt2_growth(
+        f'precision="bf16", param_placement="host", optimizer_placement="host", '
+        f'activation_offload="nvme", nvme_path={str(nvme_dir)!r}'
+    )
+    assert record["ledger"]["activation_pageable_buffers"]["peak_bytes"] > 0
+    assert_within_ledger(record, tolerance=TOLERANCE, what="3 steps with activations on nvme")

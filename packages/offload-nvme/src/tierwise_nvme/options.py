@@ -10,6 +10,8 @@ from tierwise.units import parse_bytes
 BACKENDS = ("auto", "libaio", "threads", "buffered")
 ALIGNMENT = 4096
 """File offsets, transfer sizes and buffer addresses of O_DIRECT I/O are multiples of this."""
+BOUNCE_BYTES = 256 << 20
+"""Default budget of each of the tier's bounce-buffer caches, bytes (``NVMeOptions.bounce_bytes``)."""
 
 
 class NVMeOptionsError(ValueError):
@@ -38,7 +40,22 @@ class NVMeOptions:
     """Seconds a caller waits for one transfer before giving up with an error naming it (a
     disk or driver that stopped answering must not hang training). Env: TIERWISE_NVME_TIMEOUT."""
 
+    bounce_bytes: int = BOUNCE_BYTES
+    """Most bytes of bounce buffers (page-aligned host copies for the transfers O_DIRECT cannot
+    do in place) the tier holds at once, per cache (the pageable one, and on CUDA the pinned one
+    of device tensors' copies); a transfer waits for room ([Note: bounded bounce buffers]). At
+    least two pages. Env: TIERWISE_NVME_BOUNCE_BYTES (e.g. "64MiB")."""
+
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.bounce_bytes, bool)
+            or not isinstance(self.bounce_bytes, int)
+            or self.bounce_bytes < 2 * ALIGNMENT
+        ):
+            raise NVMeOptionsError(
+                f"NVMeOptions.bounce_bytes={self.bounce_bytes!r}: give at least {2 * ALIGNMENT} "
+                "bytes, e.g. 256MiB"
+            )
         if (
             isinstance(self.timeout_s, bool)
             or not isinstance(self.timeout_s, (int, float))
@@ -74,7 +91,7 @@ class NVMeOptions:
     @classmethod
     def from_env(cls) -> NVMeOptions:
         """Defaults, overridden by TIERWISE_NVME_BACKEND / _BLOCK_SIZE / _QUEUE_DEPTH /
-        _TIMEOUT."""
+        _TIMEOUT / _BOUNCE_BYTES."""
         values: dict = {}
         if "TIERWISE_NVME_BACKEND" in os.environ:
             values["backend"] = os.environ["TIERWISE_NVME_BACKEND"].strip().lower()
@@ -82,6 +99,13 @@ class NVMeOptions:
             try:
                 values["block_size"] = parse_bytes(
                     os.environ["TIERWISE_NVME_BLOCK_SIZE"], what="TIERWISE_NVME_BLOCK_SIZE"
+                )
+            except ValueError as err:
+                raise NVMeOptionsError(str(err)) from None
+        if "TIERWISE_NVME_BOUNCE_BYTES" in os.environ:
+            try:
+                values["bounce_bytes"] = parse_bytes(
+                    os.environ["TIERWISE_NVME_BOUNCE_BYTES"], what="TIERWISE_NVME_BOUNCE_BYTES"
                 )
             except ValueError as err:
                 raise NVMeOptionsError(str(err)) from None
@@ -104,4 +128,4 @@ class NVMeOptions:
         return cls(**values)
 
 
-__all__ = ["ALIGNMENT", "BACKENDS", "NVMeOptions", "NVMeOptionsError"]
+__all__ = ["ALIGNMENT", "BACKENDS", "BOUNCE_BYTES", "NVMeOptions", "NVMeOptionsError"]

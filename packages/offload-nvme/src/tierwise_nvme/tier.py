@@ -101,6 +101,7 @@ class NVMeTier(Tier):
             self.backend,
             pin=self.device.type == "cuda",
             staged=self._staged,
+            bounce_bytes=self.options.bounce_bytes,
             timeout_s=self.options.timeout_s,
         )
         self._files: dict[str, SwapFile] = {}

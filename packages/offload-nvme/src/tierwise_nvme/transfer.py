@@ -39,7 +39,7 @@ from tierwise_nvme.backends.base import IOBackend, IORequest
 from tierwise_nvme.backends.threads import transfer as blocking_transfer
 from tierwise_nvme.buffers import BounceCache, byte_view, memoryview_of
 from tierwise_nvme.errors import NVMeIOError, io_error
-from tierwise_nvme.options import ALIGNMENT
+from tierwise_nvme.options import ALIGNMENT, BOUNCE_BYTES
 from tierwise_nvme.swapfile import SwapFile
 
 if TYPE_CHECKING:
@@ -250,10 +250,6 @@ def plan_segments(start: int, end: int, address: int, direct: bool) -> list[Segm
     return segments
 
 
-BOUNCE_CACHE_BYTES = 256 << 20
-"""Bounce buffers kept for reuse between transfers, bytes (per cache)."""
-
-
 class Transfers:
     """Starts reads and writes of tensors at byte offsets of swap files through a backend."""
 
@@ -263,7 +259,7 @@ class Transfers:
         *,
         pin: bool,
         staged: StagedReads | None = None,
-        cache_bytes: int = BOUNCE_CACHE_BYTES,
+        bounce_bytes: int = BOUNCE_BYTES,
         timeout_s: float | None = None,
     ) -> None:
         self.backend = backend
@@ -271,15 +267,11 @@ class Transfers:
         """How long a caller waits for one transfer ([Note: bounded NVMe waits])."""
         self.staged = staged
         """Reads that O_DIRECT cannot do in place go through it (None: through bounces)."""
-        self.bounces = BounceCache(
-            limit=cache_bytes, pool=MemoryPool("nvme_bounce_buffers", memory="host")
-        )
-        """Page-aligned buffers for partial pages and misaligned tensors."""
+        self.bounces = BounceCache("nvme_bounce_buffers", budget=bounce_bytes, timeout_s=timeout_s)
+        """Page-aligned buffers for partial pages and misaligned tensors, at most
+        ``bounce_bytes`` ([Note: bounded bounce buffers])."""
         self.staging = (
-            BounceCache(
-                limit=cache_bytes,
-                pool=MemoryPool("nvme_pinned_copies", memory="host", pinned=True),
-            )
+            BounceCache("nvme_pinned_copies", budget=bounce_bytes, pinned=True, timeout_s=timeout_s)
             if pin
             else self.bounces
         )

@@ -258,8 +258,9 @@ class ActivationManager:
 
     # -- steps --------------------------------------------------------------------------
     def memory_pools(self) -> list[MemoryPool]:
-        """The ledger pools of saved activations and of the swaps' pinned buffers."""
-        return [self.saved_memory] + ([self.pool.memory] if self.pool is not None else [])
+        """The ledger pools of saved activations and of the swaps' host buffers."""
+        pinned = [self.pool.memory] if self.pool is not None else []
+        return [self.saved_memory, self.swaps.pageable, *pinned]
 
     def end_step(self) -> None:
         """The optimizer stepped: publish this step's stats and start counting the next."""

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from tierwise.runtime.activations.pinned_pool import HostBufferPool, aligned_empty
+from tierwise.runtime.activations.pinned_pool import HostBufferPool
 from tierwise.runtime.activations.pinned_pool import transfer_done as _done
 from tierwise.runtime.activations.pinned_pool import wait_for_transfer as _wait
 from tierwise.runtime.activations.swap_records import (
@@ -48,6 +48,7 @@ from tierwise.runtime.activations.swap_records import (
     with_block,
 )
 from tierwise.tiers.base import PayloadKind
+from tierwise.tiers.ledger import MemoryPool
 
 MIN_WRITE_BUDGET = 8 << 20
 """Bytes of nvme swap-outs in flight allowed before the first block's size is known."""
@@ -97,6 +98,10 @@ class ActivationSwaps:
         self.pool = HostBufferPool(pinned_bytes, pin=True) if self._stream is not None else None
         """CUDA: the pinned host buffers swaps go through, at most ``pinned_bytes`` of them
         ([Note: bounded pinned buffers]); None on other devices (no copies to overlap)."""
+        self.pageable = MemoryPool("activation_pageable_buffers", memory="host")
+        """The ledger pool of the swaps' pageable host buffers: a CPU device's host copies and
+        nvme swap-ins, CUDA's buffers past the pinned pool ([Note: the memory ledger]). No byte
+        budget: they hold swapped bytes of one step, which the policy bounds."""
 
     def take_counts(self) -> SwapCounts:
         """This step's swap figures; counting starts again from zero."""
@@ -154,7 +159,7 @@ class ActivationSwaps:
                 stored.write.record(self._stream)
             self.moved_bytes["act:device->host"] += nbytes
         elif target == "host":  # a CPU device: the same RAM, a plain copy
-            stored.host = source.clone()
+            stored.host = self.pageable.empty(nbytes, what="a host swap").copy_(source)
             self.moved_bytes["act:device->host"] += nbytes
         else:  # CPU -> nvme: [Note: swap writes from the saved storage]
             self._throttle_writes()
@@ -196,7 +201,7 @@ class ActivationSwaps:
                     stacklevel=2,
                 )
             self.counts.unpinned_bytes += nbytes
-            buffer = aligned_empty(nbytes)
+            buffer = self.pageable.empty(nbytes, aligned=True, what="an unpinned swap buffer")
         return buffer
 
     def _give_host(self, stored: StoredStorage, after: Any = None) -> None:
@@ -303,7 +308,7 @@ class ActivationSwaps:
                 stored.read = self.nvme.read(stored.slab, stored.host)
                 stored.on_disk = True
             else:  # the whole slab, in place: [Note: swap writes from the saved storage]
-                pages = aligned_empty(stored.slab.nbytes)
+                pages = self.pageable.empty(stored.slab.nbytes, aligned=True, what="a swap-in")
                 stored.read = self.nvme.read(stored.slab, pages)
                 stored.host = pages[stored.lead : stored.lead + nbytes]
                 stored.loaded = stored.host

@@ -188,6 +188,9 @@ def test_a_metadata_read_before_the_modules_forward_leaves_no_pin(use):
         h.square().mean().backward()
         opt.step()
         opt.zero_grad()
+        with torch.no_grad():  # an evaluation forward between steps leaves nothing pinned
+            model(batch(10 + step))
+            assert slot.state is not TensorState.COMPUTE
 
 
 @pytest.mark.parametrize("plan", ["host-min-cache", "host-prefetch"])

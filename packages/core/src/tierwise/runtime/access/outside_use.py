@@ -31,8 +31,9 @@ How long the pin lasts follows from what may still read the values:
   inside the root's forward is released when that forward returns; one after it (an evaluation
   loss computed outside the model) when the next forward begins, a backward ends or the
   optimizer step starts.
-A read with grad enabled inside the root's forward is first only watched ([Note: a read before
-the module's own forward]); the pin above starts when the watch sees the values used.
+A read inside the root's forward is also watched ([Note: a read before
+the module's own forward]): read only for its metadata just before the module's own forward, its
+pin ends when that forward begins.
 A module is acquired for outside use at most once per such window, so a pin costs one module's
 chunks however often the parameter is read. The chunk stays pinned from the read on: with rCache blocks to
 spare (or chunks computing in their home, the CPU default) this costs nothing; an rCache too small
@@ -79,9 +80,9 @@ class ReportedParameters(dict):
 # [Note: a read before the module's own forward]
 # PEFT's LoRA layer reads ``lora_A.weight.dtype`` in its own forward and then calls ``lora_A``:
 # a metadata read just before the module's own forward. Pinning it until its gradient arrives
-# would hold every adapter's chunk from the forward to the backward, one rCache block more per
-# chunk than the access order's minimum ([Note: the rCache minimum]). So a read with grad enabled
-# inside the root's forward is acquired (the values are there whatever the reader does) and
+# (or, under no_grad, to the end of the root's forward) would hold every adapter's chunk through
+# the forward, one rCache block more per chunk than the access order's minimum ([Note: the rCache
+# minimum]). So a read inside the root's forward (grad enabled or not) is acquired (the values are there whatever the reader does) and
 # watched: a ``TorchFunctionMode`` sees every torch call until the next managed module's forward
 # begins or the root's forward ends. If the read module's own forward begins next and no call
 # took the parameter as an argument other than a metadata query (``.dtype``, ``.shape``,
@@ -183,7 +184,7 @@ class OutsideUses:
             return
         held.add(module)
         self.access.acquire_outside_forward(module)
-        if held is self._with_grad and (self._in_root_forward or self.phases.in_backward):
+        if self._in_root_forward or self.phases.in_backward:
             self._open_watch(module)  # in the root's forward or a checkpoint's re-forward
 
     def _open_watch(self, module: torch.nn.Module) -> None:
@@ -225,9 +226,10 @@ class OutsideUses:
             starting is not None
             and starting not in watch.used
             and starting in watch.watched.values()
-            and starting in self._with_grad
+            and (starting in self._with_grad or starting in self._without_grad)
         ):
             self._with_grad.discard(starting)
+            self._without_grad.discard(starting)
             self.access.release_outside_forward(starting)
 
     def on_grad(self, param: torch.nn.Parameter) -> None:

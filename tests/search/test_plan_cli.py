@@ -195,5 +195,8 @@ def test_plan_with_rank_order_reduction_counts_its_receive_block(run_plan, confi
         plans[order] = Plan.from_dict(json.loads(out)["plan"])
     fast, rank = plans["fast"], plans["rank"]
     assert rank.chunk_size == fast.chunk_size and rank.cache_blocks == fast.cache_blocks
-    block = rank.chunk_size * 2  # bf16
-    assert rank.device_allowance - fast.device_allowance == block
+    # the block is as large as the largest chunk, rounded to whole shards of the 4 ranks: at
+    # most chunk_size elements (a group's last chunk holds only what it packs, [Note: chunk
+    # padding], so a model of small groups may have no chunk of the full size)
+    extra = rank.device_allowance - fast.device_allowance
+    assert 0 < extra <= rank.chunk_size * 2 and extra % (4 * 2) == 0  # bf16

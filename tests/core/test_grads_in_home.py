@@ -95,13 +95,12 @@ def _meta_gpt2():
         return tf.AutoModelForCausalLM.from_config(config)
 
 
-def test_host_tier_peaks_at_14_bytes_per_parameter_after_clipped_steps():
+def test_host_tier_peaks_at_14_bytes_per_chunk_element_after_clipped_steps():
     """A meta-built model, bf16, params and optimizer states in host memory, 2 clipped steps:
     the host tier's peak is the hand count, 14 bytes per element of every chunk's shard (no
-    gradient shard), and with the chunks' padding at most 14.5 bytes per parameter: core's
-    "auto" chunk size weighs padding ([Note: chunk padding]); the plan counts the same."""
+    gradient shard). Per parameter it also counts the chunks' padding, which depends on the
+    planner's packing: tests/search/test_bytes_per_param.py checks 14.5 B/param there."""
     model = _meta_gpt2()
-    n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = tierwise.setup(
         model,
@@ -124,7 +123,6 @@ def test_host_tier_peaks_at_14_bytes_per_parameter_after_clipped_steps():
         hand = sum(14 * c.shard_size for c in chunks)
         peak = engine.stats()["peak_bytes_by_tier"]["host"]
         assert peak == hand
-        assert peak <= 14.5 * n_params
         assert plan_model_bytes(engine.profile, engine.plan, "bf16")["host"] == hand
     finally:
         engine.close()

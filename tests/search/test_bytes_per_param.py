@@ -1,9 +1,8 @@
 """14 B/param with the search's packing (issue 36): a meta-built model, bf16, params and
 optimizer states in host memory, 2 clipped steps: the host tier peaks at the hand count (14
 bytes per chunk element: gradients in the parameter payload) and, with the chunks' padding, at
-most 14.5 bytes per parameter; the plan counts the same. The search's chunk size weighs
-padding as core's does ([Note: chunk padding]; tests/core/test_grads_in_home.py checks core's
-planner)."""
+most 14.5 bytes per parameter; the plan counts the same. Core's own planner packs with more
+padding (tests/core/test_grads_in_home.py checks the per-element count there)."""
 
 from __future__ import annotations
 

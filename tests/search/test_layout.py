@@ -27,16 +27,13 @@ def test_packing_keeps_call_order_and_never_splits(hf_profile, chunk_size):
     numel = {p.name: p.numel for p in profile.params}
     slots = [slot for specs in table.groups.values() for spec in specs for slot in spec.slots]
     assert [s.name for s in slots] == first_use_order(profile.forward_order, list(numel))
-    for specs in table.groups.values():
-        for spec in specs:
-            offset = 0
-            for slot in spec.slots:  # contiguous, whole parameters, inside the chunk
-                assert (slot.offset, slot.numel) == (offset, numel[slot.name])
-                offset += slot.numel
-            assert offset <= spec.capacity
-            # a group's last chunk is as large as what it holds ([Note: chunk padding])
-            last = spec is specs[-1]
-            assert spec.capacity == (offset if last else max(chunk_size, offset))
+    for spec in (spec for specs in table.groups.values() for spec in specs):
+        offset = 0
+        for slot in spec.slots:  # contiguous, whole parameters, inside the chunk
+            assert (slot.offset, slot.numel) == (offset, numel[slot.name])
+            offset += slot.numel
+        assert offset <= spec.capacity
+        assert spec.capacity == max(chunk_size, offset)
     assert sum(table.used) == sum(p.numel() for p in model.parameters())
 
 

@@ -1,10 +1,9 @@
 """The plan search: chunk size, rCache blocks, per-chunk tiers and activation policy.
 
 1. Allowed device memory U = F_alloc * (capacity - buffers - F_frag * peak activations).
-2. Chunk size: candidates from the largest parameter upward that waste little padding; for
-   each, pack every chunk group (core's packing) and simulate Belady over the profiled step with
-   an rCache of the blocks U affords; every size that fits gets a full placement and the
-   fastest prediction wins ([Note: chunk size choice]).
+2. Chunk size: candidates from the largest parameter upward; for each, pack every chunk group
+   (core's packing) and simulate Belady over the profiled step with an rCache of the blocks U
+   affords; keep the size that moves the fewest bytes, ties by padding.
 3. Placement at that size: greedy from the minimum plan (``tierwise_search.placement``).
 4. Activation policy: per layer keep / recompute / swap (``tierwise_search.activations``).
 Settings the user forced in Config (not "auto") are taken exactly as given.
@@ -17,12 +16,10 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 import numpy as np
-from tierwise.chunks.layout import filling_sizes
 from tierwise.chunks.payload import PayloadSpec
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError, io_buffer_bytes
-from tierwise.planning.chunk_size import PADDING_LIMIT, padding_of
 from tierwise.planning.planner import (
     REDUCTION_BLOCKS,
     may_recompute,
@@ -64,12 +61,7 @@ MIN_CHUNK_SIZE = 1024
 """Core's engine refuses smaller chunks (``tierwise.runtime.setup.planning.MIN_CHUNK_SIZE``)."""
 MAX_CANDIDATES = 32
 """Chunk sizes tried between the largest parameter and the largest useful size."""
-# [Note: chunk size choice] The candidates waste little ([Note: chunk padding]: sizes whose
-# padding is over ``PADDING_LIMIT`` of the parameters are tried only when no size is under it,
-# or when the host budget holds none of those: a smaller, padded size may need less host
-# memory, e.g. smaller NVMe staging buffers). A device budget never brings them in, so the
-# candidate set still only grows with the device.
-# Every chunk size that fits gets a full placement, and the fastest
+# [Note: chunk size choice] Every chunk size that fits gets a full placement, and the fastest
 # prediction wins (ties: fewer moved bytes, then less padding). Moved bytes alone ignore what
 # padding costs the optimizer and gradient traffic, and the size moving the fewest bytes changes
 # with the budget; taking the best over a candidate set that only grows with the budget keeps a
@@ -107,16 +99,7 @@ def _tier_index(placement: str) -> int | None:
 
 def chunk_size_candidates(profile: Profile, world: int) -> list[int]:
     """From the largest parameter (at least core's minimum chunk) up to the largest group's
-    size (one chunk per group), multiples of 64 elements per rank (1024 for big models): an
-    even grid and the sizes a run of parameters fills ([Note: chunk padding] in
-    tierwise.chunks.layout), keeping those whose padding is at most ``PADDING_LIMIT`` of the
-    parameters when any is (at most ``MAX_CANDIDATES``, spread over the range)."""
-    return _candidates(profile, world)[0]
-
-
-def _candidates(profile: Profile, world: int) -> tuple[list[int], list[int]]:
-    """(``chunk_size_candidates``, the grid sizes padding more: tried when none of those
-    fits, e.g. a smaller size whose NVMe staging buffers fit the host where no lean one's do)."""
+    size (one chunk per group), multiples of 64 elements per rank (1024 for big models)."""
     align = world * (1024 if largest_param(profile) >= 1 << 20 else 64)
     low = math.ceil(max(largest_param(profile), MIN_CHUNK_SIZE) / align) * align
     totals: Counter[str] = Counter()
@@ -125,30 +108,10 @@ def _candidates(profile: Profile, world: int) -> tuple[list[int], list[int]]:
     high = max(low, math.ceil(max(totals.values(), default=low) / align) * align)
     high = min(high, max(8 * low, low + 64 * align))
     if high == low:
-        return [low], []
+        return [low]
     count = min(MAX_CANDIDATES, (high - low) // align + 1)
-    grid = {low + round(i * (high - low) / (count - 1) / align) * align for i in range(count)}
-    groups = [
-        [slot.numel for spec in specs for slot in spec.slots]
-        for specs in build_chunks(profile, low).groups.values()
-    ]
-    limit = PADDING_LIMIT * sum(totals.values())
-    lean = sorted(
-        size
-        for size in grid | set(filling_sizes(groups, low, high, align))
-        if padding_of(groups, size) <= limit
-    )
-    if not lean:
-        return sorted(grid), []
-    picks = min(MAX_CANDIDATES, len(lean))
-    spread = {lean[round(i * (len(lean) - 1) / max(picks - 1, 1))] for i in range(picks)}
-    return sorted(spread), sorted(grid - spread)
-
-
-def _shortfall(err: Exception) -> float:
-    """How far a refused plan is from fitting (unknown: infinitely)."""
-    need, limit = getattr(err, "need", None), getattr(err, "limit", None)
-    return math.inf if need is None or limit is None else need - limit
+    sizes = {low + round(i * (high - low) / (count - 1) / align) * align for i in range(count)}
+    return sorted(sizes)
 
 
 def _allowed(capacity: int, profile: Profile, activation_bytes: int, config: Config) -> int:
@@ -329,25 +292,11 @@ class _Search:
 
     def score_sizes(self, choice: ActivationChoice, allowed: int | None):
         """Moved bytes per feasible chunk size (best first), and the least device bytes any
-        candidate's minimum plan needs: of the lean candidates, or when the host budget holds
-        none of them, of the grid sizes that pad more ([Note: chunk size choice])."""
+        candidate's minimum plan needs."""
         if isinstance(self.config.chunk_size, int):
-            scores, least = self._score(choice, allowed, [self.config.chunk_size])
-            return scores, least or 0
-        lean, padded = _candidates(self.profile, self.rates.world_size)
-        try:
-            scores, least = self._score(choice, allowed, lean)
-        except PlacementError as lean_error:  # the host holds no lean size's minimum plan
-            if not padded:
-                raise
-            try:
-                scores, least = self._score(choice, allowed, padded)
-            except PlacementError as err:
-                raise min(lean_error, err, key=_shortfall) from None
-        return scores, least or 0
-
-    def _score(self, choice: ActivationChoice, allowed: int | None, candidates: list[int]):
-        """``score_sizes`` over ``candidates``."""
+            candidates = [self.config.chunk_size]
+        else:
+            candidates = chunk_size_candidates(self.profile, self.rates.world_size)
         scores, least, too_few, host_errors = [], None, [], []
         for size in candidates:
             model = self.model(size, choice)
@@ -382,7 +331,7 @@ class _Search:
                 f'set cache_blocks >= {min(too_few)}, or leave it on "auto"'
             )
         scores.sort(key=lambda s: (s.moved_bytes, s.padding, s.chunk_size))
-        return scores, least
+        return scores, least or 0
 
     def place(self, size: int, choice: ActivationChoice, allowed: int | None) -> tuple[Step, dict]:
         model = self.model(size, choice)

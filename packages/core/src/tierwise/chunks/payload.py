@@ -41,38 +41,7 @@ home and optimizer states are both in addressable memory keeps its gradients in 
   model computes in (single rank: its gradients are autograd's kept tensors, [Note: gradients
   without copies]; the shard only takes them before a re-layout), and homes or optimizer states
   on a storage tier (NVMe: the shard is on disk with host buffers in front, [Note: active
-  gradient offloading]). Those are 16 bytes per element (NVMe: plus the second copy of the
-  states), for these reasons:
-- A device home the model computes in (one rank, ``Chunk.computes_in_home``): the parameters
-  are views of the home, so nothing stands between the model and the home where the master's
-  cast could be read instead (the "loads" above are rCache loads; this chunk has none).
-  Gradients written into it break: the next micro-batch's forward under accumulation (it would
-  compute with gradients); any read between backward and ``step`` (an evaluation forward,
-  ``state_dict``, a callback logging weights); a graph kept with ``retain_graph=True`` (its
-  saved parameters are the home's storage: the in-place write bumps their version and the
-  second backward raises). The way round is not to compute in the home: copy it into rCache
-  blocks as a sharded device home does (``grads_in_home`` holds there). That costs a device
-  copy per fetch plus the blocks, and with every chunk cached (the planner's choice for device
-  homes) the blocks are the 2 bytes per element saved: it pays only with fewer blocks than
-  chunks, and is not built. In the steady state the shard is idle (the gradients are
-  autograd's kept tensors, [Note: gradients without copies]): the shard's 2 bytes are counted
-  although only a re-layout writes them.
-- Optimizer states on a storage tier (NVMe) with a host home: host memory holds 2 bytes per
-  element (the home) plus ``GRAD_OFFLOAD_BUFFERS`` buffers already; the 2 extra bytes are the
-  gradient region on disk, written only when a buffer spills ([Note: active gradient
-  offloading]: accumulation, after-backward clipping). Keeping the gradients in the home
-  instead would need the optimizer pipeline to read them from the home, the spill to stay in
-  the home, and every rCache load while a home holds gradients (each chunk, each micro-batch,
-  under accumulation) to read the fp32 master from disk (4 bytes a element where today it
-  reads 2 from host memory): no load reads a master on a storage tier today. Not built.
-- A home on NVMe: the home is not addressable, so the gradients cannot be written into it as
-  they arrive; they would go through host buffers and spill into the home's region (its
-  parameters are dead then, as above), with loads reading the master (host memory when the
-  states are there: that load exists; from disk otherwise: it does not). With states in host
-  memory this is design-compatible and would take the gradient shard's 2 bytes out of host
-  memory, at the price of a disk write and read of every spilled gradient; it needs the
-  gradient buffers ([Note: active gradient offloading]) for chunks whose states are in
-  memory, and is not built.
+  gradient offloading]).
 """
 
 from __future__ import annotations
@@ -172,8 +141,7 @@ class PayloadSpec:
     ) -> bool:
         """Whether a chunk with its parameters on ``home_tier`` (``sharded`` over ranks) and its
         optimizer states on ``optim_tier`` keeps its gradients in its home: [Note: gradients in
-        the parameter payload], which says why a device home the model computes in and homes
-        or states on a storage tier do not."""
+        the parameter payload]."""
         computes_in_home = home_tier == "device" and not sharded
         return (
             self.trainable

@@ -259,7 +259,7 @@ def _why_not(
         for tier in new.keys() | old.keys():
             growth[tier] += max(0, new[tier] - old[tier])
         largest_kind = max(largest_kind, sum(new.values()))
-    holding = host_holding(parts, group, chunks)
+    holding = host_holding(group, chunks, _kinds(parts, group))
     for name, extra in growth.items():
         tier = parts.tiers[name]
         if tier.budget is not None and tier.used_bytes + extra > tier.budget:
@@ -302,13 +302,12 @@ def _why_not(
     return None, growth
 
 
-def host_holding(parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk]) -> int:
+def host_holding(group: ChunkGroup, chunks: list[Chunk], kinds: tuple[str, ...]) -> int:
     """[Note: re-packing holds host memory] Bytes of host memory the re-packing of one kind
     holds at once, for the largest kind: this rank's new shards (fp32 for Adam states, whatever
     they are stored in) plus one old chunk read, decoded and gathered in full (counted as three
     fp32 copies of the largest old chunk). ``_move_group`` reserves them in the host tier while
     it runs, so the ledger counts them and a host budget without the room keeps the layout."""
-    kinds = _kinds(parts, group)
     largest_old = max(c.capacity for c in group.chunks) * 4
     shard_elements = sum(c.shard_size for c in chunks)
     return (
@@ -346,7 +345,7 @@ def _move_group(
     payload = parts.payload(group)
     where = {s.name: (c, s) for c in chunks for s in c.slots}
     new_slabs: dict[str, list[Slab]] = {}
-    host, holding = parts.tiers.get("host"), host_holding(parts, group, chunks)
+    host, holding = parts.tiers.get("host"), host_holding(group, chunks, _kinds(parts, group))
     if host is not None:  # [Note: re-packing holds host memory]
         host.reserve(holding, kind=PayloadKind.STAGING, what=f"re-packing {group.name}")
     try:

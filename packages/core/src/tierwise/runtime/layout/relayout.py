@@ -10,9 +10,8 @@ Between steps the only live model data is in the tiers (no autograd graph refers
 storage, every cached copy is dropped), so re-packing is a permutation of each payload kind
 (parameters, fp32 masters, Adam moments, gradients) plus new padding. It runs kind by kind: each
 old chunk is read in full (all-gathered when sharded, every rank in the same order), the values
-this rank owns in the new layout are kept in host memory (reserved in the host tier: [Note:
-re-packing holds host memory]), the old slabs of that kind are released and the new ones
-allocated and written. A kind's new slabs are counted against the tier budget
+this rank owns in the new layout are kept in host memory, the old slabs of that kind are released
+and the new ones allocated and written. A kind's new slabs are counted against the tier budget
 before anything moves; when they would not fit, or the host cannot hold one kind's shard, the
 group keeps its layout (``Relayout.note``, the engine's ``layout_note``, says why). New chunks
 keep the tiers the planner chose for their parameters (the tier holding most of their elements
@@ -39,7 +38,6 @@ from tierwise.plan import Plan
 from tierwise.planning.planner import profile_min_blocks
 from tierwise.precision import OPTIM_STATES
 from tierwise.runtime.layout.packing import new_chunks
-from tierwise.tiers.base import PayloadKind
 
 if TYPE_CHECKING:
     from tierwise.config import Config
@@ -125,13 +123,11 @@ def relayout(parts: LayoutParts, order: list[str], *, before_move: Callable[[], 
 
     Every rank must call this with the same ``order`` (it all-gathers sharded chunks).
     """
-    candidates, host_growth = [], 0
+    candidates = []
     for group in parts.groups:
         chunks = new_chunks(group, order, parts.plan.chunk_size)
         if chunks is not None:
-            reason, growth = _cannot_move(parts, group, chunks, host_growth=host_growth)
-            host_growth += growth if reason is None else 0
-            candidates.append((group, chunks, reason))
+            candidates.append((group, chunks, _cannot_move(parts, group, chunks)))
     refused = _agreed_refusals([reason is not None for _, _, reason in candidates], parts)
     result = Relayout()
     moves = []
@@ -222,31 +218,17 @@ def _plan_tiers(parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk]) -> d
     return tiers
 
 
-def _cannot_move(
-    parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk], *, host_growth: int
-) -> tuple[str | None, int]:
-    """Why ``group`` cannot be re-packed into ``chunks`` (None when it can), and how much more
-    its new slabs take in the host tier; ``host_growth``: what the groups re-packed before it
-    take more there."""
-    reason, growth = _why_not(parts, group, chunks, host_growth)
-    return reason, growth["host"]
-
-
-def _why_not(
-    parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk], host_growth: int
-) -> tuple[str | None, Counter]:
-    growth: Counter[str] = Counter()  # per tier: what the new slabs take more than the old
+def _cannot_move(parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk]) -> str | None:
+    """Why ``group`` cannot be re-packed into ``chunks`` (None when it can)."""
     tiers = _plan_tiers(parts, group, chunks)
     if group.trainable:  # [Note: gradients in the parameter payload]
         in_home = {c.optim.grads_in_home for c in group.chunks}
         if in_home | set(_new_grads_in_home(parts, group, tiers)) != {_grads_in_home(group)}:
-            return (
-                "some of its chunks keep their gradients in their parameter payload and some not",
-                growth,
-            )
+            return "some of its chunks keep their gradients in their parameter payload and some not"
         if any(parts.grad_states.home_holds_grads(c) for c in group.chunks):
-            return "its parameter payloads hold gradients (a step that was skipped)", growth
+            return "its parameter payloads hold gradients (a step that was skipped)"
     payload = parts.payload(group)
+    growth: Counter[str] = Counter()
     largest_kind = 0
     for kind in _kinds(parts, group):
         new: Counter[str] = Counter()
@@ -259,63 +241,32 @@ def _why_not(
         for tier in new.keys() | old.keys():
             growth[tier] += max(0, new[tier] - old[tier])
         largest_kind = max(largest_kind, sum(new.values()))
-    holding = host_holding(group, chunks, _kinds(parts, group))
     for name, extra in growth.items():
         tier = parts.tiers[name]
         if tier.budget is not None and tier.used_bytes + extra > tier.budget:
-            return (
-                f"its new layout needs {extra} more bytes in the {name} tier than its budget has",
-                growth,
-            )
-    host = parts.tiers.get("host")
-    if host is not None and host.budget is not None:
-        room = host.budget - host.used_bytes - host_growth - growth["host"]
-        if holding > room:
-            return (
-                f"re-packing holds {holding} bytes in host memory, the host tier has room for "
-                f"{max(room, 0)}"
-            ), growth
+            return f"its new layout needs {extra} more bytes in the {name} tier than its budget has"
     host_free = parts.host_memory
-    if host_free is not None and max(largest_kind, holding) > host_free // 2:
-        return f"re-packing holds {holding} bytes of one state kind in host memory", growth
+    if host_free is not None and largest_kind > host_free // 2:
+        return f"re-packing holds {largest_kind} bytes of one state kind in host memory"
     cached = [
         c for c, t in zip(chunks, tiers["home"], strict=True) if t != "device" or group.sharded
     ]
     if cached and max(c.capacity for c in cached) > parts.cache.block_numel:
-        return "a new chunk would not fit an rCache block", growth
+        return "a new chunk would not fit an rCache block"
     needed = _min_blocks_with(parts, group, cached)
     if needed > len(parts.cache):
         return (
             f"its new layout would need {needed} rCache blocks at one moment, the cache has "
             f"{len(parts.cache)} ([Note: the rCache minimum])"
-        ), growth
+        )
     if (
         parts.config.precision == "fp32"
         and group.trainable
         and not _aliased(group)
         and any(c.home is c.optim.master for c in group.chunks)
     ):
-        return (
-            "some of its chunks share the fp32 master as parameter payload and some do not",
-            growth,
-        )
-    return None, growth
-
-
-def host_holding(group: ChunkGroup, chunks: list[Chunk], kinds: tuple[str, ...]) -> int:
-    """[Note: re-packing holds host memory] Bytes of host memory the re-packing of one kind
-    holds at once, for the largest kind: this rank's new shards (fp32 for Adam states, whatever
-    they are stored in) plus one old chunk read, decoded and gathered in full (counted as three
-    fp32 copies of the largest old chunk). ``_move_group`` reserves them in the host tier while
-    it runs, so the ledger counts them and a host budget without the room keeps the layout."""
-    largest_old = max(c.capacity for c in group.chunks) * 4
-    shard_elements = sum(c.shard_size for c in chunks)
-    return (
-        max(
-            shard_elements * (4 if kind in OPTIM_STATES else group.dtype.itemsize) for kind in kinds
-        )
-        + 3 * largest_old
-    )
+        return "some of its chunks share the fp32 master as parameter payload and some do not"
+    return None
 
 
 def _min_blocks_with(parts: LayoutParts, group: ChunkGroup, cached: list[Chunk]) -> int:
@@ -345,34 +296,6 @@ def _move_group(
     payload = parts.payload(group)
     where = {s.name: (c, s) for c in chunks for s in c.slots}
     new_slabs: dict[str, list[Slab]] = {}
-    host, holding = parts.tiers.get("host"), host_holding(group, chunks, _kinds(parts, group))
-    if host is not None:  # [Note: re-packing holds host memory]
-        host.reserve(holding, kind=PayloadKind.STAGING, what=f"re-packing {group.name}")
-    try:
-        _move_kinds(parts, group, chunks, tiers, payload, where, new_slabs, grads_filled)
-    finally:
-        if host is not None:
-            host.unreserve(holding)
-    for i, chunk in enumerate(chunks):
-        if group.trainable:
-            opt_tier = parts.tiers[tiers["master"][i]]
-            in_home = "grad" not in new_slabs  # [Note: gradients in the parameter payload]
-            grad = new_slabs["home"][i] if in_home else new_slabs["grad"][i]
-            chunk.optim = OptimSlabs(
-                *(new_slabs[k][i] for k in OPTIM_STATES), grad, opt_tier, grads_in_home=in_home
-            )
-            if not grads_filled:
-                chunk.optim.clear_grad()
-            chunk.home = new_slabs["home"][i] if "home" in new_slabs else chunk.optim.master
-        else:
-            chunk.home = new_slabs["home"][i]
-        chunk.attach_params(parts.tiers["device"].device)
-    group.chunks = chunks
-    return tiers
-
-
-def _move_kinds(parts, group, chunks, tiers, payload, where, new_slabs, grads_filled) -> None:
-    """Kind by kind: gather the values, release the old slabs, allocate and write the new."""
     for kind in _kinds(parts, group):
         fmt = payload.moment_format(kind)
         if kind == "grad" and not grads_filled:
@@ -398,6 +321,22 @@ def _move_kinds(parts, group, chunks, tiers, payload, where, new_slabs, grads_fi
                 tier.write(slab, value).wait()
             slabs.append(slab)
         new_slabs[kind] = slabs
+    for i, chunk in enumerate(chunks):
+        if group.trainable:
+            opt_tier = parts.tiers[tiers["master"][i]]
+            in_home = "grad" not in new_slabs  # [Note: gradients in the parameter payload]
+            grad = new_slabs["home"][i] if in_home else new_slabs["grad"][i]
+            chunk.optim = OptimSlabs(
+                *(new_slabs[k][i] for k in OPTIM_STATES), grad, opt_tier, grads_in_home=in_home
+            )
+            if not grads_filled:
+                chunk.optim.clear_grad()
+            chunk.home = new_slabs["home"][i] if "home" in new_slabs else chunk.optim.master
+        else:
+            chunk.home = new_slabs["home"][i]
+        chunk.attach_params(parts.tiers["device"].device)
+    group.chunks = chunks
+    return tiers
 
 
 def _gather_kind(

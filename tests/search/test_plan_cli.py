@@ -196,7 +196,6 @@ def test_plan_with_rank_order_reduction_counts_its_receive_block(run_plan, confi
     fast, rank = plans["fast"], plans["rank"]
     assert rank.chunk_size == fast.chunk_size and rank.cache_blocks == fast.cache_blocks
     # the block is as large as the largest chunk, rounded to whole shards of the 4 ranks: at
-    # most chunk_size elements (a group's last chunk holds only what it packs, [Note: chunk
-    # padding], so a model of small groups may have no chunk of the full size)
+    # most chunk_size elements
     extra = rank.device_allowance - fast.device_allowance
     assert 0 < extra <= rank.chunk_size * 2 and extra % (4 * 2) == 0  # bf16

@@ -175,7 +175,7 @@ def test_host_binding_error_names_the_tier_and_the_remedies(run_plan, config_jso
         # what it can ([Note: the device margin in the minimum plan]); load/save buffers are not
         # a training-time need ([Note: load/save buffers are not held through training]).
         # The figure is the planner's, not hand-counted: it depends on the chunk layout (its
-        # padding: [Note: chunk padding]), the rCache's device blocks and which chunks the
+        # padding), the rCache's device blocks and which chunks the
         # margin placement keeps on the device; the message's own arithmetic is checked.
         r"host memory binds: .* needs ([\d.]+) KiB of model data in host memory, --host-memory "
         r"is 250\.00 KiB: ([\d.]+) KiB short",

@@ -4,10 +4,12 @@ staging, a ``no_sync`` micro-batch's sums are added at the launches, and (a mode
 take different branches) late gradients are reduced at the end of backward. [Note: bounded
 gradient blocks], [Note: reduced gradients land per due point].
 
-Budget per backward: no blocking copy into device memory from host memory in the reducer (on a
-GPU each waits for the whole compute stream; the device tier's memory stands in for device
-memory on a CPU), host waits at most once per sync point and once at the end, and no host
-buffer an upload reads is given back (to be lent again or freed) before its copy has landed.
+Budget per backward: no blocking copy into device memory from host memory in the reducer, and
+none of a gradient into a ``no_sync`` sum in the gradient path (on a GPU each waits for the whole
+compute stream; the device tier's memory stands in for device memory on a CPU, a gradient going
+into host memory is copied as into page-locked memory on a GPU), the reducer's host waits at
+most once per sync point and once at the end, and no host buffer an upload reads is given back
+(to be lent again or freed) before its copy has landed.
 The arithmetic: bitwise DDP's for a static model (two ranks: the sum of two values does not
 depend on the order), bitwise the two-block run's with late gradients.
 """
@@ -23,11 +25,13 @@ pytestmark = pytest.mark.multiprocess
 STEPS = 3
 
 
-class HostToDeviceCopies:
-    """Counts blocking copies into device memory from host memory made by the reducer
-    (``runtime/grads/reduce/``): ``copy_`` into device memory without ``non_blocking``, and
-    ``.to`` of host memory there (the only ``.to`` of host memory the reducer may make is
-    toward the device). The tensor methods are patched (a torch-function mode sees nothing of
+class BlockingCopies:
+    """Counts blocking copies between host and device memory made by the reducer
+    (``runtime/grads/reduce/``): ``copy_`` into device memory from host memory without
+    ``non_blocking``, and ``.to`` of host memory (the only ``.to`` of host memory the reducer
+    may make is toward the device); and by the gradient path (``runtime/grads/path.py``):
+    ``.to`` without ``non_blocking`` (a gradient moved into host memory, a ``no_sync`` sum, by
+    a blocking copy). The tensor methods are patched (a torch-function mode sees nothing of
     what runs inside ``backward``)."""
 
     def __init__(self, guard, patch):
@@ -40,8 +44,10 @@ class HostToDeviceCopies:
 
             def counted(tensor, *args, _name=name, _original=original, **kwargs):
                 caller = sys._getframe(1).f_code.co_filename
-                if "runtime/grads/reduce/" in caller and self._blocking(
-                    _name, tensor, args, kwargs
+                reducer = "runtime/grads/reduce/" in caller
+                path = caller.endswith("runtime/grads/path.py") and _name == "to"
+                if (path and not kwargs.get("non_blocking")) or (
+                    reducer and self._blocking(_name, tensor, args, kwargs)
                 ):
                     self.blocking.append(f"{_name} at {caller}:{sys._getframe(1).f_lineno}")
                 return _original(tensor, *args, **kwargs)
@@ -133,7 +139,7 @@ def _tierwise(rank, world, kind, blocks):
     """``kind``'s run with ``blocks`` reduction blocks; every backward's counts."""
     from helpers.thread_guard import ThreadGuard
     from tierwise.runtime import engine as engine_module
-    from tierwise.runtime.grads import host_writes
+    from tierwise.runtime.grads import host_writes, path
     from tierwise.runtime.grads.reduce.blocks import BlockPool
     from tierwise.runtime.grads.reduce.local_sums import NoSyncSums
     from tierwise.runtime.grads.reduce.reducer import GradientReducer
@@ -147,7 +153,11 @@ def _tierwise(rank, world, kind, blocks):
 
     with pytest.MonkeyPatch.context() as patch:
         guard = ThreadGuard().install(patch)
-        copies = HostToDeviceCopies(guard, patch)
+        copies = BlockingCopies(guard, patch)
+        # a gradient going into host memory is copied as from a GPU into page-locked memory
+        # (queued, landed per chunk: [Note: one host wait per chunk]); the device tier's memory
+        # stands in for device memory
+        patch.setattr(path, "host_copy_applies", lambda segment, grad: not guard.is_device(segment))
         patch.setattr(engine_module, "REDUCTION_BLOCKS", blocks)
         patch.setattr(host_writes, "stream_of", lambda device: stream)
         spill, upload = GradientReducer._spill_one, host_writes.HostWrites.upload
@@ -188,6 +198,7 @@ def _tierwise(rank, world, kind, blocks):
             model, opt, precision="fp32", device="cpu", chunk_size=2 * 1056, shard=False
         )
         engine = tierwise.engine_of(model)
+        engine.gradients.host_copies.current_stream = lambda device: Stream(on_wait=lambda: None)
         reducer = engine.gradients.reducer
         losses, blocking, waits, syncs, late = [], [], [], [], 0
         try:
@@ -198,6 +209,7 @@ def _tierwise(rank, world, kind, blocks):
                     if micro == 0:
                         with tierwise.no_sync(model):
                             loss.backward()
+                        blocking.append(copies.blocking)
                         continue
                     loss.backward()
                     blocking.append(copies.blocking)
@@ -245,7 +257,7 @@ def test_one_block_spills_and_uploads_without_blocking_and_matches_ddp_bitwise()
             ours, what = runs["ours"], f"{kind}, rank {rank}"
             assert ours["peak_blocks"] == 1, what
             assert ours["uploads"] > 0, what
-            assert ours["blocking"] == [[]] * STEPS, f"{what}: blocking uploads {ours['blocking']}"
+            assert ours["blocking"] == [[]] * 2 * STEPS, f"{what}: blocking {ours['blocking']}"
             assert ours["given back in flight"] == [], what
             for waits, syncs in zip(ours["waits"], ours["syncs"], strict=True):
                 assert waits <= syncs + 1, (what, ours["waits"], ours["syncs"])

@@ -7,8 +7,10 @@ decoding takes two. Here each is one C loop over a block while it is in the L1 c
 same IEEE operations in the same order ([Note: int8 code lookup]): the block's largest magnitude
 (NaN when any value is NaN, as ``amax`` gives), at least 1e-12 as ``clip`` rounds it to fp32, one
 correctly rounded fp32 division per value, the code looked up from the top 16 bits plus one
-comparison; decoding is one fp32 multiplication of the map's entry by the block's scale. So the
-bytes are bitwise those of the torch ops (``tests/core/test_lowbit_kernel.py`` checks both on
+comparison with the threshold of that code (a 256-entry table: the 65536 per-bucket thresholds
+the torch ops gather are the same values, ``thresholds[base]``, but a quarter megabyte per map
+pushed both maps' tables out of the L2 cache); decoding is one fp32 multiplication of the map's
+entry by the block's scale. So the bytes are bitwise those of the torch ops (``tests/core/test_lowbit_kernel.py`` checks both on
 the same values, NaN, infinities and zero blocks included). No fast-math and no contraction
 flags: the compiler may vectorise the loops but not change the arithmetic.
 
@@ -43,7 +45,7 @@ SOURCE = r"""
 #define BLOCK 256
 
 static void encode_block(const float *x, uint8_t *c, float *scale_out, const uint8_t *base,
-                         const float *inside) {
+                         const float *thresholds) {
     /* |x| as bits: non-negative floats order as their bits do, NaNs above infinity */
     uint32_t bits[BLOCK];
     memcpy(bits, x, sizeof bits);
@@ -62,7 +64,8 @@ static void encode_block(const float *x, uint8_t *c, float *scale_out, const uin
     memcpy(top, scaled, sizeof top);
     for (int i = 0; i < BLOCK; i++) {
         uint32_t k = top[i] >> 16;
-        c[i] = (uint8_t)(base[k] + (scaled[i] >= inside[k]));
+        uint8_t code = base[k];
+        c[i] = (uint8_t)(code + (scaled[i] >= thresholds[code]));
     }
 }
 
@@ -71,9 +74,9 @@ static void decode_block(const uint8_t *c, float scale, const float *qmap, float
 }
 
 void tw_quantize(const float *values, uint8_t *codes, float *scales, int64_t nblocks,
-                 const uint8_t *base, const float *inside) {
+                 const uint8_t *base, const float *thresholds) {
     for (int64_t b = 0; b < nblocks; b++)
-        encode_block(values + b * BLOCK, codes + b * BLOCK, scales + b, base, inside);
+        encode_block(values + b * BLOCK, codes + b * BLOCK, scales + b, base, thresholds);
 }
 
 void tw_dequantize(const uint8_t *codes, const float *scales, float *out, int64_t nblocks,
@@ -168,8 +171,8 @@ void tw_adam_int8(int64_t block_lo, int64_t block_hi, int64_t width, uint8_t *m_
                   uint8_t *v_codes, float *v_scales, int64_t ntensors, const int64_t *starts,
                   const int64_t *ends, float *const *params, const float *const *grads,
                   const double *steps, const double *hyper, const float *m_qmap,
-                  const uint8_t *m_base, const float *m_inside, const float *v_qmap,
-                  const uint8_t *v_base, const float *v_inside) {
+                  const uint8_t *m_base, const float *m_thresholds, const float *v_qmap,
+                  const uint8_t *v_base, const float *v_thresholds) {
     float m[BLOCK], v[BLOCK];
     Coeffs k;
     double coeffs_step = -1;
@@ -196,8 +199,8 @@ void tw_adam_int8(int64_t block_lo, int64_t block_hi, int64_t width, uint8_t *m_
             adam_elements(params[u] + at, grads[u] + at, m + (split - lo), v + (split - lo),
                           e - split, &k, 1);
         }
-        encode_block(m, m_codes + lo, m_scales + b, m_base, m_inside);
-        encode_block(v, v_codes + lo, v_scales + b, v_base, v_inside);
+        encode_block(m, m_codes + lo, m_scales + b, m_base, m_thresholds);
+        encode_block(v, v_codes + lo, v_scales + b, v_base, v_thresholds);
     }
 }
 """
@@ -344,17 +347,17 @@ def quantize(
     codes: torch.Tensor,
     scales: torch.Tensor,
     base: torch.Tensor,
-    inside: torch.Tensor,
+    thresholds: torch.Tensor,
 ) -> None:
-    """Encode whole blocks of fp32 ``values`` into ``codes`` and ``scales`` (the lookup tables
-    of [Note: int8 code lookup], uint16-indexed)."""
+    """Encode whole blocks of fp32 ``values`` into ``codes`` and ``scales`` ([Note: int8 code
+    lookup]: ``base`` indexed by the top 16 bits, then the code's ``thresholds`` entry)."""
     lib.tw_quantize(
         values.data_ptr(),
         codes.data_ptr(),
         scales.data_ptr(),
         scales.numel(),
         base.data_ptr(),
-        inside.data_ptr(),
+        thresholds.data_ptr(),
     )
 
 
@@ -383,7 +386,7 @@ def adam_int8(
     shard; ``tensors``: (start, master, gradient, step) with each master and gradient holding
     the shard's elements ``start:start + numel`` (contiguous fp32 on a CPU, not overlapping);
     ``hyper``: (lr, beta1, beta2, eps, weight_decay, decoupled); ``tables``: the signed map,
-    base and thresholds, then the unsigned ones ([Note: int8 code lookup]); ``blocks``: the
+    bucket codes and code thresholds, then the unsigned ones ([Note: int8 code lookup]); ``blocks``: the
     range of blocks to update, split between ``threads`` threads (ctypes lets go of the GIL
     while the C code runs); ``width``: ``one_pass_width``."""
     tensors = sorted(tensors, key=lambda t: t[0])

@@ -70,7 +70,12 @@ class PieceMoments:
             return
         fmt = moment_formats("int8")
         moments = (*fmt[0].split(stored[0]), *fmt[1].split(stored[1]))
-        tables = (*device_tables(True, masters[0].device), *device_tables(False, masters[0].device))
+        tables = [
+            table
+            for signed in (True, False)
+            for i, table in enumerate(device_tables(signed, masters[0].device))
+            if i != 2  # the kernel looks thresholds up by code
+        ]
         tensors = [
             (s, m, g.to(torch.float32).contiguous(), step)
             for s, m, g, step in zip(starts, masters, grads, steps, strict=True)

@@ -123,7 +123,8 @@ def _code_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
 @functools.cache
 def device_tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
     """(map, code at each bucket's lower end as uint8, the threshold inside each bucket (NaN:
-    none)) on ``device``, indexed by the top 16 bits of an fp32 value read as unsigned."""
+    none), the 256 thresholds by code (the last NaN)) on ``device``; the middle two indexed by
+    the top 16 bits of an fp32 value read as unsigned (``inside == thresholds[base]``)."""
     thresholds, base = _code_table(signed)
     # reorder from int16 order (-32768..32767) to uint16 order (0..65535)
     base = torch.cat([base[32768:], base[:32768]])
@@ -132,6 +133,7 @@ def device_tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, ...
         dynamic_map(signed).to(device),
         base.to(torch.uint8).to(device),
         inside.to(device),
+        thresholds.to(device),
     )
 
 
@@ -189,10 +191,10 @@ def quantize_blocks(
     by the compiled loop of [Note: compiled int8 kernels] when it is built. Block
     scale = largest magnitude (at least 1e-12), code = nearest entry of the signed or unsigned
     map to value / scale, rounded as torchao rounds ([Note: int8 code lookup])."""
-    _, base, inside = device_tables(signed, values.device)
+    _, base, inside, thresholds = device_tables(signed, values.device)
     kernel = lowbit_kernel.load()
     if kernel is not None and lowbit_kernel.usable(values, codes, scales):
-        lowbit_kernel.quantize(kernel, values, codes, scales, base, inside)
+        lowbit_kernel.quantize(kernel, values, codes, scales, base, thresholds)
         return
     for lo in range(0, values.numel(), QUANT_PIECE):
         hi = min(lo + QUANT_PIECE, values.numel())

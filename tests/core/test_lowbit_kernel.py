@@ -169,6 +169,7 @@ def test_one_pass_int8_adam_matches_torch_fused_adamw(
     hyper = AdamHyper(
         lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay, decoupled=decoupled
     )
+    saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for step in range(3):
@@ -195,7 +196,7 @@ def test_one_pass_int8_adam_matches_torch_fused_adamw(
             for a, b in zip(ours[1:], ref[1:], strict=True):
                 assert torch.equal(a, b), f"step {step}"
     finally:
-        torch.set_num_threads(1)
+        torch.set_num_threads(saved_threads)
     assert not torch.equal(ours[0], master)
 
 

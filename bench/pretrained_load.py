@@ -9,7 +9,11 @@
    pages (``posix_fadvise``). The child times the load (``from_pretrained``: build on meta,
    plan, read, convert, write the homes and masters) and reports the bytes setup wrote to NVMe.
 3. ``dd`` reads the checkpoint's first shard with O_DIRECT (4 MiB blocks) right before and
-   after each case; the case's ratio is checkpoint bytes / load time over their mean.
+   after each case; the case's ratio is checkpoint bytes / load time over their mean. ``dd``
+   also writes 1 GiB with O_DIRECT (fsynced) after each case: the load must write what it reads
+   and more (the fp32 master, the home) to the same disk, so ``disk_floor_s`` is the time the
+   disk needs for the load's reads and writes one after the other at dd's rates, and
+   ``floor_over_load`` how close the load comes to it.
 
 Cases (``--cases``, comma-separated):
 - ``nvme_bf16``: bf16 homes and fp32 masters/moments on NVMe (full fine-tuning; the load reads
@@ -39,7 +43,13 @@ import time
 from pathlib import Path
 
 from _common import emit
-from pretrained import drop_page_cache, params_of, read_bandwidth, write_checkpoint
+from pretrained import (
+    drop_page_cache,
+    params_of,
+    read_bandwidth,
+    write_bandwidth,
+    write_checkpoint,
+)
 
 N_EMBD = 2048
 CASES = {
@@ -194,7 +204,10 @@ def main() -> None:
                 )
             after = read_bandwidth(shard)
             shutil.rmtree(nvme, ignore_errors=True)
+            writes = write_bandwidth(root)
             disk = (before + after) / 2 if before and after else None
+            written_bytes = result.get("setup_nvme_bytes_written") or 0
+            floor = written["bytes"] / disk + written_bytes / writes if disk and writes else None
             load_s = result.get("load_s")
             rate = written["bytes"] / load_s if load_s else None
             nonzero = result.get("nonzero_payload_bytes")
@@ -212,6 +225,9 @@ def main() -> None:
                 disk_read_bytes_per_s=[round(before or 0), round(after or 0)],
                 load_over_disk_read=round(rate / disk, 3) if rate and disk else None,
                 met=bool(rate and disk and rate / disk >= 0.5),
+                disk_write_bytes_per_s=round(writes or 0),
+                disk_floor_s=round(floor, 2) if floor else None,
+                floor_over_load=round(floor / load_s, 3) if floor and load_s else None,
                 written_over_nonzero=(
                     round(result["setup_nvme_bytes_written"] / nonzero, 3) if nonzero else None
                 ),

@@ -1,6 +1,7 @@
 """Setup stage 6, values: every parameter's initial values written into its chunk's home and
-master payloads, from the model (the point of no return: [Note: atomic setup]) or, before it,
-from pretrained weights ([Note: loading pretrained weights]); then the model's buffers."""
+master payloads, from the model (the point of no return: [Note: atomic setup]; before it,
+``weight_fill`` fills them from pretrained weights: [Note: loading pretrained weights]); then
+the model's buffers."""
 
 from __future__ import annotations
 

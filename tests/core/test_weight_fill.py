@@ -122,7 +122,8 @@ def test_read_ahead_and_the_window_fit_the_load_buffers(dtype, pieces):
     piece = piece_bytes(dtype)
     budget = pieces * piece
     depth, window = pipeline_depths(budget, dtype)
-    assert 1 <= depth <= LOAD_WORKERS
-    assert window >= piece  # one piece's writes in flight at least, as the serial fill had
-    if pieces >= depth + 2:  # room for the pieces read ahead, the one handed over and a window
+    assert 1 <= depth <= LOAD_WORKERS and window >= 0
+    if pieces >= 2:  # room for a piece read ahead and the one handed over: the window fits too
         assert (depth + 1) * piece + window <= budget
+    if pieces >= LOAD_WORKERS + 3:  # room to spare: every worker reads ahead, a window beside
+        assert depth == LOAD_WORKERS and window >= 2 * piece

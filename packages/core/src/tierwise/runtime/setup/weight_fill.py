@@ -97,10 +97,10 @@ def piece_bytes(dtype: torch.dtype) -> int:
 def pipeline_depths(buffer_bytes: int, dtype: torch.dtype) -> tuple[int, int]:
     """(pieces read ahead, bytes of the write window) that fit ``buffer_bytes`` beside the
     piece being handed over: two pieces read ahead where five fit, else one; the window gets the
-    rest, at least one piece (what the serial fill held)."""
+    rest (none: only the newest piece's writes are in flight, as in the serial fill)."""
     piece = piece_bytes(dtype)
     depth = LOAD_WORKERS if buffer_bytes >= (LOAD_WORKERS + 3) * piece else 1
-    return depth, max(piece, buffer_bytes - (depth + 1) * piece)
+    return depth, max(0, buffer_bytes - (depth + 1) * piece)
 
 
 @dataclass(frozen=True, kw_only=True)

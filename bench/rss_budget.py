@@ -114,7 +114,11 @@ def cases(work: Path) -> dict[str, list[str]]:
             "--from-pretrained",
             str(work / "checkpoint"),
             *on_nvme,
-            "--host-memory",  # 1 GiB was refused: 0.84 GiB of staging + 238 MiB of load buffers
+            # the planner's chunk size grows with the host budget and fills it (1 GiB: 0.84 GiB
+            # before 238 MiB of load buffers; 1.5 GiB: 1.40 GiB before 296 MiB): a fixed chunk
+            "--chunk-size",
+            "33554432",
+            "--host-memory",
             "1536MiB",
             "--device-memory",
             "512MiB",
@@ -173,6 +177,7 @@ def write_checkpoint(folder: Path, config: dict) -> None:
 
 
 def run(name: str, args: list[str], out: Path, timeout: float) -> dict:
+    shutil.rmtree(out, ignore_errors=True)  # a rerun in the same --work starts afresh
     train = ["train", "--json", *COMMON, *args, "--out", str(out)]
     if name.startswith("dp2"):
         launcher = ["-m", "torch.distributed.run", *TWO_RANKS, "--master-port", str(free_port())]

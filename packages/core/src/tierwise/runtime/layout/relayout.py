@@ -263,7 +263,8 @@ def _cannot_move(
         and any(c.home is c.optim.master for c in group.chunks)
     ):
         return "some of its chunks share the fp32 master as parameter payload and some do not", {}
-    used.update(after)
+    # the next groups see no room this one frees: another rank may keep it from moving
+    used.update({name: max(used[name], total) for name, total in after.items()})
     return None, in_pieces
 
 

@@ -182,7 +182,7 @@ def main() -> None:
         bare = json.loads((tmp / "bare.json").read_text())
         subprocess.run(  # again with every module imported first: the phases' data alone
             [*me, "--child", "run", "--out", str(tmp / "data.json")]
-            + ["--modules", str(tmp / "modules.json"), "--", *train_args],
+            + ["--modules", str(tmp / "modules.json"), "--", *train_args[:-1], str(tmp / "r2")],
             check=True,
             stdout=subprocess.DEVNULL,
         )

@@ -288,6 +288,36 @@ def test_a_checkpoint_larger_than_host_memory_loads_when_the_placement_fits(tmp_
     assert all(torch.equal(state[n], v) for n, v in expected.items())  # fp32 masters
 
 
+def test_a_plan_that_fills_host_memory_loads_with_the_room_left(tmp_path, monkeypatch):
+    """The load buffers are not part of the training-time host need, so a host budget the chunks
+    nearly fill leaves less room than ``Plan.io_buffer_bytes``: the load takes the room left
+    (two pieces at least, [Note: load buffers fit the room left]) instead of refusing, stays
+    within the budget and gives the checkpoint's values bitwise."""
+    from tierwise.runtime.setup import weight_fill
+
+    monkeypatch.setenv("TIERWISE_NVME_BLOCK_SIZE", "4KiB")
+    monkeypatch.setattr(weight_fill, "FILL_PIECE", 256)  # pieces far below the largest tensor
+    deeper = dict(num_hidden_layers=8)
+    save_checkpoint("llama", tmp_path / "ckpt", deeper)
+    nvme = dict(param_placement="nvme", optimizer_placement="nvme", chunk_size=1024)
+    roomy = (tmp_path / "ckpt" / "model.safetensors").stat().st_size
+    model, _ = load("llama", tmp_path / "ckpt", deeper, host_memory=roomy,
+                    nvme_path=str(tmp_path / "a"), **nvme)  # fmt: skip
+    engine = tierwise.engine_of(model)
+    chunks_and_pools, wanted = engine.tiers["host"].used_bytes, engine.plan.io_buffer_bytes
+    least = 2 * 256 * 12  # two fp32 pieces: the values read, the master's copy, the home's
+    assert least < wanted // 2
+    del model, engine
+    host_memory = chunks_and_pools + wanted // 2  # half the plan's load buffers fit beside
+    model, _ = load("llama", tmp_path / "ckpt", deeper, host_memory=host_memory,
+                    nvme_path=str(tmp_path / "b"), **nvme)  # fmt: skip
+    host = tierwise.engine_of(model).tiers["host"]
+    assert host.used_bytes + wanted > host_memory  # the plan's load buffers had no room
+    assert host.used_bytes < host.peak_bytes <= host_memory
+    state, expected = model.state_dict(), hf_reference(tmp_path / "ckpt").state_dict()
+    assert all(torch.equal(state[n], v) for n, v in expected.items())  # fp32 masters
+
+
 SAVE_SCRIPT = """
 import sys, torch, transformers
 from helpers.models import _config

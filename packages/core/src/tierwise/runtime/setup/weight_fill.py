@@ -35,17 +35,40 @@ def load_pretrained(
     ``resolved`` whatever happens; the caller releases the chunks when it raises."""
     reserved = 0
     try:
+        buffer_bytes = load_buffer_bytes(host_tier, io_buffer_bytes, groups, dtype)
         host_tier.reserve(
-            io_buffer_bytes,
+            buffer_bytes,
             kind=PayloadKind.STAGING,
-            what="the pretrained-weight load buffers (Plan.io_buffer_bytes)",
+            what="the pretrained-weight load buffers (two load pieces at least)",
         )
-        reserved = io_buffer_bytes
+        reserved = buffer_bytes
         resolved.bind_slices(claimed)
-        fill_from_weights(groups, dtype, resolved, buffer_bytes=io_buffer_bytes)
+        fill_from_weights(groups, dtype, resolved, buffer_bytes=buffer_bytes)
     finally:
         host_tier.unreserve(reserved)
         resolved.close()
+
+
+def load_buffer_bytes(host_tier: Tier, wanted: int, groups: list[ChunkGroup], dtype) -> int:
+    """Host bytes the load buffers take: the plan's ``wanted`` (``Plan.io_buffer_bytes``) when
+    the host tier has room for them beside the chunks, else that room, but never less than two
+    pieces of the largest parameter ([Note: load buffers fit the room left])."""
+    room = None if host_tier.budget is None else host_tier.budget - host_tier.used_bytes
+    if room is None or room >= wanted:
+        return wanted
+    largest = max((s.numel for g in groups for c in g.chunks for s in c.slots), default=0)
+    least = min(wanted, 2 * min(FILL_PIECE, largest) * (4 + 4 + dtype.itemsize))
+    return max(room, least)  # the reservation says what is short when even that does not fit
+
+
+# [Note: load buffers fit the room left]
+# The planner leaves the load/save buffers out of the training-time host need ([Note: load/save
+# buffers are not held through training]), so a plan that fills the host budget with chunks has
+# less room than Plan.io_buffer_bytes while weights load. The pipeline works in whatever it is
+# given (``pipeline_depths``: fewer pieces read ahead, a smaller write window), so setup takes
+# the room there is, down to two pieces (one read ahead, one handed over), and refuses only
+# below that. Reading whole parameters from a source that cannot read rows is counted by
+# ``READS`` as before.
 
 
 # [Note: pipelined weight loading]

@@ -19,7 +19,6 @@ PatrickStar likewise searches the chunk size that fragments least.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from tierwise.chunks.layout import filling_sizes, padding_by_size
@@ -57,11 +56,8 @@ AUTO_CHUNKS = 16
 AUTO_ALIGN = 1024
 """Core's "auto" chunk sizes are multiples of this many elements (or the largest parameter)."""
 
-AUTO_SPAN = 4
-"""Core's "auto" sizes go up to this many times its aim."""
-
-AUTO_TRIED = 8
-"""Sizes core's planner tries, nearest the aim first, before it gives up on fitting."""
+AUTO_TRIED = 4
+"""Lean sizes core's planner tries, largest first, before its aim."""
 
 
 def auto_aim(total: int, largest: int) -> int:
@@ -72,17 +68,20 @@ def auto_aim(total: int, largest: int) -> int:
 
 
 def auto_chunk_sizes(groups: Sequence[Sequence[int]]) -> list[int]:
-    """Core's "auto" chunk sizes to try, best first: the lean sizes (``lean_sizes``) from the
-    largest parameter up to ``AUTO_SPAN`` times the aim, nearest the aim first, then the aim."""
+    """Core's "auto" chunk sizes to try, best first: the aim when it wastes little; otherwise
+    the lean sizes (``lean_sizes``) from the largest parameter up to the aim, largest first
+    (at most ``AUTO_TRIED``), then the aim. Never above the aim: a smaller chunk needs no larger
+    rCache block, gradient block or storage tier's staging than the aim's, which core's
+    planner does not count (a storage tier's buffers are the plugin's: [Note: storage tiers'
+    host buffers]), so padding weighed never makes a plan that fitted at the aim overflow."""
     total = sum(sum(numels) for numels in groups)
     largest = max(max(numels) for numels in groups)
     aim = auto_aim(total, largest)
-    low = max(-(-largest // AUTO_ALIGN) * AUTO_ALIGN, AUTO_ALIGN)
     if padding_by_size(groups, [aim])[0] <= PADDING_LIMIT * total:
         return [aim]  # the aim itself wastes little: core's size as before
-    lean = lean_sizes(groups, low, max(low, AUTO_SPAN * aim), AUTO_ALIGN)
-    nearest = sorted(lean, key=lambda size: (abs(math.log(size / aim)), size))
-    return [*nearest[: AUTO_TRIED - 1], aim]
+    low = max(-(-largest // AUTO_ALIGN) * AUTO_ALIGN, AUTO_ALIGN)
+    lean = lean_sizes(groups, low, aim, AUTO_ALIGN) if low <= aim else []
+    return [*sorted(lean, reverse=True)[:AUTO_TRIED], aim]
 
 
 __all__ = [

@@ -14,6 +14,9 @@ search's cost model count the same bytes from one number, with any world size an
 - Only sizes whose padding (``padding_by_size``, exact: core's packing) is at most
   ``PADDING_LIMIT`` of the parameters are kept when any is (``lean_sizes``); otherwise each
   planner keeps its sizes of before (core: its aim; the search: its grid).
+- A plan that fits comes first: the search tries its padded grid sizes when no lean size fits
+  the budgets ([Note: chunk size choice]); core tries lean sizes only at or below its aim, whose
+  rCache blocks and storage staging are no larger (``auto_chunk_sizes``), then the aim.
 PatrickStar likewise searches the chunk size that fragments least.
 """
 

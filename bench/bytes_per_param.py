@@ -146,10 +146,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--cache-blocks", type=int, default=3)
+    parser.add_argument("--plan-only", action="store_true", help="only the plan's figure")
     args = parser.parse_args()
     shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq", "steps")}
     plan = planned(args)
     emit(bench="bytes_per_param", source="plan", shape=shape, **plan)
+    if args.plan_only:
+        return
     measured = measure(args)
     emit(bench="bytes_per_param", source="measured", shape=shape, **measured)
     emit(

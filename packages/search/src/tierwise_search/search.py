@@ -1,7 +1,8 @@
 """The plan search: chunk size, rCache blocks, per-chunk tiers and activation policy.
 
 1. Allowed device memory U = F_alloc * (capacity - buffers - F_frag * peak activations).
-2. Chunk size: candidates from the largest parameter upward; for each, pack every chunk group
+2. Chunk size: candidates from the largest parameter upward that waste little padding
+   (core's [Note: chunk padding]); for each, pack every chunk group
    (core's packing) and simulate Belady over the profiled step with an rCache of the blocks U
    affords; keep the size that moves the fewest bytes, ties by padding.
 3. Placement at that size: greedy from the minimum plan (``tierwise_search.placement``).
@@ -20,6 +21,7 @@ from tierwise.chunks.payload import PayloadSpec
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError, io_buffer_bytes
+from tierwise.planning.chunk_size import grid_sizes, lean_sizes
 from tierwise.planning.planner import (
     REDUCTION_BLOCKS,
     may_recompute,
@@ -60,8 +62,13 @@ from tierwise_search.rates import Rates, resolve_rates
 MIN_CHUNK_SIZE = 1024
 """Core's engine refuses smaller chunks (``tierwise.runtime.setup.planning.MIN_CHUNK_SIZE``)."""
 MAX_CANDIDATES = 32
-"""Chunk sizes tried between the largest parameter and the largest useful size."""
-# [Note: chunk size choice] Every chunk size that fits gets a full placement, and the fastest
+"""Chunk sizes tried between the largest parameter and the largest useful size (the grid of
+``tierwise.planning.chunk_size.grid_sizes`` has as many)."""
+# [Note: chunk size choice] The candidates waste little padding ([Note: chunk padding]): sizes
+# padding more than ``PADDING_LIMIT`` of the parameters are tried only when no size is under it,
+# or when none of those fits the budgets (a smaller, padded size needs smaller rCache blocks and
+# NVMe staging): a plan that fits comes before bytes per parameter.
+# Every chunk size that fits gets a full placement, and the fastest
 # prediction wins (ties: fewer moved bytes, then less padding). Moved bytes alone ignore what
 # padding costs the optimizer and gradient traffic, and the size moving the fewest bytes changes
 # with the budget; taking the best over a candidate set that only grows with the budget keeps a
@@ -99,7 +106,17 @@ def _tier_index(placement: str) -> int | None:
 
 def chunk_size_candidates(profile: Profile, world: int) -> list[int]:
     """From the largest parameter (at least core's minimum chunk) up to the largest group's
-    size (one chunk per group), multiples of 64 elements per rank (1024 for big models)."""
+    size (one chunk per group), multiples of 64 elements per rank (1024 for big models): those
+    of an even grid and of the sizes a run of parameters fills that waste at most
+    ``PADDING_LIMIT`` of the parameters in padding ([Note: chunk padding] in
+    tierwise.planning.chunk_size), at most ``MAX_CANDIDATES`` spread over them; the grid when
+    none does."""
+    return _candidates(profile, world)[0]
+
+
+def _candidates(profile: Profile, world: int) -> list[list[int]]:
+    """[``chunk_size_candidates``, the grid sizes padding more]: the second are tried only
+    when none of the first fits the budgets ([Note: chunk size choice])."""
     align = world * (1024 if largest_param(profile) >= 1 << 20 else 64)
     low = math.ceil(max(largest_param(profile), MIN_CHUNK_SIZE) / align) * align
     totals: Counter[str] = Counter()
@@ -108,10 +125,18 @@ def chunk_size_candidates(profile: Profile, world: int) -> list[int]:
     high = max(low, math.ceil(max(totals.values(), default=low) / align) * align)
     high = min(high, max(8 * low, low + 64 * align))
     if high == low:
-        return [low]
-    count = min(MAX_CANDIDATES, (high - low) // align + 1)
-    sizes = {low + round(i * (high - low) / (count - 1) / align) * align for i in range(count)}
-    return sorted(sizes)
+        return [[low]]
+    grid = grid_sizes(low, high, align)
+    groups = [
+        [slot.numel for spec in specs for slot in spec.slots]
+        for specs in build_chunks(profile, low).groups.values()
+    ]
+    lean = lean_sizes(groups, low, high, align)
+    if not lean:
+        return [grid]
+    picks = min(MAX_CANDIDATES, len(lean))
+    spread = {lean[round(i * (len(lean) - 1) / max(picks - 1, 1))] for i in range(picks)}
+    return [sorted(spread), sorted(set(grid) - spread)]
 
 
 def _allowed(capacity: int, profile: Profile, activation_bytes: int, config: Config) -> int:
@@ -292,39 +317,44 @@ class _Search:
 
     def score_sizes(self, choice: ActivationChoice, allowed: int | None):
         """Moved bytes per feasible chunk size (best first), and the least device bytes any
-        candidate's minimum plan needs."""
+        candidate's minimum plan needs: of the lean candidates, or when none of them fits the
+        budgets, of the grid sizes that pad more ([Note: chunk size choice])."""
         if isinstance(self.config.chunk_size, int):
-            candidates = [self.config.chunk_size]
+            groups = [[self.config.chunk_size]]
         else:
-            candidates = chunk_size_candidates(self.profile, self.rates.world_size)
-        scores, least, too_few, host_errors = [], None, [], []
-        for size in candidates:
-            model = self.model(size, choice)
-            budgets = self.budgets(allowed, model.setting.table)
-            try:
-                start = minimum_placement(model, budgets, self.forced)
-            except PlacementError as err:  # the host budget cannot hold this size's minimum
-                host_errors.append(err)
-                continue
-            s = model.setting
-            cached = s.uses_rcache(start.param_tier)
-            if cached.any() and start.n_blocks < self.min_blocks(s.table, cached):
-                too_few.append(self.min_blocks(s.table, cached))
-                continue
-            need = model.memory(start).device
-            least = need if least is None else min(least, need)
-            if allowed is not None and need > allowed:
-                continue
-            blocks = start.n_blocks
-            if cached.any() and self.forced.n_blocks is None and allowed is not None:
-                block_bytes = s.block_numel * s.param_bytes
-                blocks = min(blocks + (allowed - need) // block_bytes, int(cached.sum()))
-            fetches = model.fetches(start.with_blocks(blocks))
-            moved = float((fetches * s.table.capacity).sum() * s.param_bytes)
-            scores.append(SizeScore(size, moved, s.table.padding, int(blocks)))
-        if len(host_errors) == len(candidates):
+            groups = _candidates(self.profile, self.rates.world_size)
+        scores, least, too_few, host_errors, tried = [], None, [], [], 0
+        for candidates in groups:
+            if scores:
+                break  # a lean size fits: padded ones are not tried
+            tried += len(candidates)
+            for size in candidates:
+                model = self.model(size, choice)
+                budgets = self.budgets(allowed, model.setting.table)
+                try:
+                    start = minimum_placement(model, budgets, self.forced)
+                except PlacementError as err:  # the host budget cannot hold this minimum
+                    host_errors.append(err)
+                    continue
+                s = model.setting
+                cached = s.uses_rcache(start.param_tier)
+                if cached.any() and start.n_blocks < self.min_blocks(s.table, cached):
+                    too_few.append(self.min_blocks(s.table, cached))
+                    continue
+                need = model.memory(start).device
+                least = need if least is None else min(least, need)
+                if allowed is not None and need > allowed:
+                    continue
+                blocks = start.n_blocks
+                if cached.any() and self.forced.n_blocks is None and allowed is not None:
+                    block_bytes = s.block_numel * s.param_bytes
+                    blocks = min(blocks + (allowed - need) // block_bytes, int(cached.sum()))
+                fetches = model.fetches(start.with_blocks(blocks))
+                moved = float((fetches * s.table.capacity).sum() * s.param_bytes)
+                scores.append(SizeScore(size, moved, s.table.padding, int(blocks)))
+        if len(host_errors) == tried:
             raise min(host_errors, key=lambda err: err.need - err.limit)
-        if too_few and len(too_few) + len(host_errors) == len(candidates):
+        if too_few and len(too_few) + len(host_errors) == tried:
             raise PlanError(
                 f"cache_blocks={self.forced.n_blocks} is below this model's minimum of "
                 f"{min(too_few)} rCache blocks (the most chunks in use at one moment of a step): "

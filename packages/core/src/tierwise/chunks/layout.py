@@ -2,13 +2,17 @@
 
 Parameters are placed in first-use order; a parameter that does not fit in the current chunk's
 remaining room starts a new chunk (a parameter is never split); a parameter larger than the chunk
-size gets a chunk of its own, exactly its size.
+size gets a chunk of its own, exactly its size. Every other chunk, the last one included, has
+``chunk_size`` elements, so what padding costs is decided by the chunk size alone ([Note: chunk
+padding] in tierwise.planning.chunk_size).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -87,3 +91,39 @@ def sharded_capacity(capacity: int, world: int, sharded: bool) -> tuple[int, int
         return capacity, capacity
     rounded = -(-capacity // world) * world
     return rounded, rounded // world
+
+
+def padding_by_size(groups: Sequence[Sequence[int]], sizes: Sequence[int]) -> np.ndarray:
+    """Padding elements of every group packed at each chunk size of ``sizes``: ``padding(pack(
+    ...))`` summed over ``groups`` (each group's parameter sizes in packing order), for all the
+    sizes at once (one pass over the parameters, the sizes side by side)."""
+    size = np.asarray(sizes, dtype=np.int64)
+    wasted = np.zeros_like(size)
+    for numels in groups:
+        filled = np.zeros_like(size)
+        for numel in numels:
+            oversize = numel > size  # a chunk of its own (no padding); the current one closes
+            full = ~oversize & (filled + numel > size)
+            closes = (oversize | full) & (filled > 0)
+            wasted += np.where(closes, size - filled, 0)
+            filled = np.where(oversize, 0, np.where(full, 0, filled) + numel)
+        wasted += np.where(filled > 0, size - filled, 0)  # the last chunk is chunk_size too
+    return wasted
+
+
+def filling_sizes(groups: Iterable[Sequence[int]], low: int, high: int, align: int) -> set[int]:
+    """Chunk sizes in [``low``, ``high``], multiples of ``align``, that some run of consecutive
+    parameters of a group (sizes in packing order) fills up to the alignment: where chunks can
+    end with little padding."""
+    sizes = set()
+    for numels in groups:
+        for start in range(len(numels)):
+            run = 0
+            for numel in numels[start:]:
+                run += numel
+                size = -(-run // align) * align
+                if size > high:
+                    break
+                if size >= low:
+                    sizes.add(size)
+    return sizes

@@ -17,6 +17,7 @@ from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError, io_buffer_bytes
 from tierwise.planning.cache_minimum import min_cache_blocks, recompute_blocks
+from tierwise.planning.chunk_size import auto_chunk_sizes
 from tierwise.precision import PARAM_BYTES
 from tierwise.profile import Profile, activation_blocks
 from tierwise.units import format_bytes, format_gib
@@ -41,29 +42,31 @@ def receive_block_numel(chunks: list[tuple[int, int]]) -> int:
     return max((sharded_capacity(cap, world, True)[0] for cap, world in chunks), default=0)
 
 
-AUTO_CHUNKS = 16
-"""'auto' chunk size aims at about this many chunks (never below the largest parameter)."""
+def _packing_orders(profile: Profile) -> dict[str, list[str]]:
+    """Per group: its parameter names in packing (first-use) order, as setup packs them."""
+    names_by_group: dict[str, list[str]] = defaultdict(list)
+    for p in profile.params:
+        names_by_group[p.group or "data/g0/train"].append(p.name)
+    return {
+        group: first_use_order(profile.forward_order, names)
+        for group, names in names_by_group.items()
+    }
 
 
-def auto_chunk_size(profile: Profile) -> int:
-    largest = max(p.numel for p in profile.params)
-    target = -(-profile.total_numel // AUTO_CHUNKS)
-    return max(largest, -(-target // 1024) * 1024, 1024)
+def auto_chunk_sizes_of(profile: Profile) -> list[int]:
+    """The "auto" chunk sizes core's planner tries, best first ([Note: chunk padding])."""
+    numel = {p.name: p.numel for p in profile.params}
+    return auto_chunk_sizes(
+        [[numel[n] for n in names] for names in _packing_orders(profile).values()]
+    )
 
 
 def _layout(profile: Profile, chunk_size: int) -> dict[str, list[tuple[int, bool, set[str]]]]:
     """Per group: (capacity, trainable, names) of each chunk."""
-    names_by_group: dict[str, list[str]] = defaultdict(list)
     info = {p.name: p for p in profile.params}
-    for p in profile.params:
-        names_by_group[p.group or "data/g0/train"].append(p.name)
     out = {}
-    for group, names in names_by_group.items():
-        specs = pack(
-            first_use_order(profile.forward_order, names),
-            {n: info[n].numel for n in names},
-            chunk_size,
-        )
+    for group, names in _packing_orders(profile).items():
+        specs = pack(names, {n: info[n].numel for n in names}, chunk_size)
         out[group] = [
             (s.capacity, info[names[0]].requires_grad, {x.name for x in s.slots}) for s in specs
         ]
@@ -159,10 +162,21 @@ def _auto_activations(profile: Profile, budget, budget_for, need_on_device: int,
 
 
 def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Plan:
+    """The plan at ``config.chunk_size``; for "auto", at the first of ``auto_chunk_sizes_of``
+    whose plan fits the budgets (when none does, the error at the last: the aim)."""
+    if isinstance(config.chunk_size, int):
+        return _plan_at(profile, hardware, config, config.chunk_size)
+    sizes = auto_chunk_sizes_of(profile)
+    for chunk_size in sizes[:-1]:
+        try:
+            return _plan_at(profile, hardware, config, chunk_size)
+        except PlanError:
+            continue  # a lean size that does not fit: try the next
+    return _plan_at(profile, hardware, config, sizes[-1])
+
+
+def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: int) -> Plan:
     lc = PARAM_BYTES[config.precision]
-    chunk_size = (
-        config.chunk_size if isinstance(config.chunk_size, int) else auto_chunk_size(profile)
-    )
     layout = _layout(profile, chunk_size)
     dp_size = {
         (p.group or "data/g0/train"): p.dp_size or hardware.world_size for p in profile.params

@@ -1,6 +1,6 @@
-"""The search's refusal quotes the activation choice that comes closest: swapping every block is
-a way to fit, so a device too small for keeping every block's activations is refused with the
-swapped minimum (the activations outside blocks and one block's), not with all of them."""
+"""The search's refusal quotes the activation choice that comes closest: swapping or recomputing
+every block is a way to fit, so a device too small for keeping every block's activations is
+refused with the smallest of those minimums, not with all of them."""
 
 import sys
 from pathlib import Path
@@ -10,13 +10,18 @@ from tierwise import Config, Hardware, PlanError
 from tierwise_search.search import search_plan
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "core"))
-from test_planner_activation_offload import BLOCK, HEAD, LAYERS, _profile  # noqa: E402
+from test_planner_activation_offload import BLOCK, HEAD, INPUT, LAYERS, _profile  # noqa: E402
 
 
-def test_refusal_quotes_the_swapped_minimum_not_keeping_everything(tmp_path):
+def test_refusal_quotes_the_smallest_minimum_not_keeping_everything(tmp_path):
     keep = LAYERS * BLOCK + HEAD
-    swapped = HEAD + BLOCK
-    device = int(1.25 * swapped)  # too small even with every block swapped
+    # hand-computed ([Note: activation peak under a policy]), the profile has no backward peaks
+    # so a block's backward is bounded by its own bytes plus the head's:
+    swapped = HEAD + 3 * BLOCK  # the last block's backward and two blocks read back ahead
+    # every block recomputed: the last one's backward, with the inputs of all blocks held
+    recomputed = LAYERS * INPUT + BLOCK + HEAD
+    assert recomputed < swapped
+    device = int(1.25 * recomputed)  # too small for every choice
     with pytest.raises(PlanError, match="device memory binds") as info:
         search_plan(
             _profile(),
@@ -29,5 +34,23 @@ def test_refusal_quotes_the_swapped_minimum_not_keeping_everything(tmp_path):
             ),
         )
     need = info.value.need
-    assert 1.25 * swapped < need < 1.25 * keep  # the swapped choice's device, not keep's
-    assert need - 1.25 * swapped < 2**20 * 10  # + model data in the rCache and buffers
+    assert 1.25 * recomputed < need < 1.25 * keep  # the closest choice's device, not keep's
+    assert need - 1.25 * recomputed < 2**20 * 10  # + model data in the rCache and buffers
+    assert "checkpointing: peak at the backward of layers.7" in str(info.value)
+
+
+def test_swapping_is_the_smallest_when_inputs_are_large(tmp_path):
+    # blocks handed 60 MiB each: recomputing all holds 8 x 60 MiB, swapping all does not
+    profile = _profile()
+    profile.module_input_bytes = dict.fromkeys(profile.module_input_bytes, 60 * 2**20)
+    swapped = HEAD + 3 * BLOCK
+    device = int(1.25 * swapped)
+    with pytest.raises(PlanError, match="device memory binds") as info:
+        search_plan(
+            profile,
+            Hardware(device_type="cuda", device_memory=device),
+            Config(device="cuda", precision="bf16", activation_offload="auto"),
+        )
+    assert 1.25 * swapped < info.value.need < 1.25 * swapped + 2**20 * 10
+    # the first block with two swapped blocks before it to read back ahead
+    assert "swap to host: peak at the backward of layers.2" in str(info.value)

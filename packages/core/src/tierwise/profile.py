@@ -69,6 +69,16 @@ class Profile(JsonDataclass):
     [Note: achievable compute] in tierwise_search.compute); empty when unknown."""
     peak_activation_bytes: int = 0
     """Peak non-model (activation + temporaries) memory over the step, bytes."""
+    checkpointed: bool = False
+    """The step was profiled with activation checkpointing (blocks re-ran in backward): each
+    block's ``layer_activation_bytes`` are what its checkpoint keeps."""
+    module_input_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes of the tensors each module's forward is handed (what recomputing it keeps), per
+    module name; empty when unknown."""
+    backward_peak_bytes: dict[str, int] = field(default_factory=dict)
+    """Most non-model bytes live while backward was in each module (the one whose parameters it
+    reached last; "" before any), per module name; empty when unknown. See
+    ``tierwise.planning.activation_peak``."""
     buffer_bytes: int = 0
     """Bytes of module buffers (not managed in chunks)."""
     batch_size: int | None = None

@@ -45,7 +45,10 @@ def tierwise_profile_model(
             example_batch,
             precision=config.precision,
             device=config.device,
-            activation_checkpointing=config.activation_checkpointing,
+            # the runtime recomputes blocks under checkpointing unless every block is swapped
+            # (tierwise.runtime.activations.policy.resolve_policy): profile the step it runs
+            activation_checkpointing=config.activation_checkpointing
+            and config.activation_offload not in ("host", "nvme"),
             time_layers=True,
         )
     except MetaProfileError as err:

@@ -99,6 +99,7 @@ def profile_model(
         with contextlib.ExitStack() as stack:
             stack.enter_context(_swapped(model, {**fakes, **fake_buffers}))
             stack.enter_context(_training(model))
+            stack.enter_context(_no_kv_cache(model))
             if activation_checkpointing:
                 stack.enter_context(_hf_checkpointing(model))
             try:
@@ -124,6 +125,7 @@ def profile_model(
         backward_order=record.backward_order,
         module_params=record.module_params,
         checkpoint_blocks=record.checkpoint_blocks,
+        checkpointed=bool(record.checkpoint_blocks),  # blocks re-ran in backward
         multi_use=[name for name, count in forward_counts.items() if count > 1],
         layer_activation_bytes=record.layer_activation_bytes,
         layer_flops=record.layer_flops,
@@ -132,6 +134,8 @@ def profile_model(
         layer_matmul_s=layer_matmul_s,
         layer_backward_s=layer_backward_s,
         peak_activation_bytes=record.peak_bytes,
+        module_input_bytes=record.module_input_bytes,
+        backward_peak_bytes=record.backward_peak_bytes,
         buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
         batch_size=batch_size,
         seq_len=seq_len,
@@ -229,6 +233,26 @@ def _training(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for module, mode in modes:
             module.training = mode
+
+
+@contextlib.contextmanager
+def _no_kv_cache(model: torch.nn.Module) -> Iterator[None]:
+    """``use_cache`` off for the step, as the runtime runs training forwards ([Note: no KV cache
+    in training] in tierwise.runtime.activations.recompute): a cache would hold every layer's
+    keys and values to the end of backward, which a trained step never does."""
+    configs = {
+        id(config): config
+        for module in model.modules()
+        if isinstance(getattr(config := getattr(module, "config", None), "use_cache", None), bool)
+    }
+    before = {key: config.use_cache for key, config in configs.items()}
+    for config in configs.values():
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for key, config in configs.items():
+            config.use_cache = before[key]
 
 
 @contextlib.contextmanager

@@ -12,7 +12,19 @@ arguments and outputs. From those it records:
   touches outside that (as an argument, or through its gradient being accumulated) appends its
   module's parameters (see [Note: backward order]);
 - forward FLOPs and saved activations per innermost module, and live non-parameter bytes over
-  the whole step (:mod:`tierwise_profiler.live_memory`).
+  the whole step (:mod:`tierwise_profiler.live_memory`);
+- per module, the bytes of the tensors its first forward call was handed (what a checkpoint of
+  it keeps; a storage handed to an earlier module of the same class, such as the attention mask
+  and rotary tables every transformer layer gets, counts only there) and the most live bytes
+  while backward was in it ([Note: backward peaks by module]).
+
+[Note: backward peaks by module] Backward is "in" the module whose parameters it reached last (the
+module of the current backward group, see [Note: backward order]; "" before any: the loss and the
+head's ops above the first module with parameters). After each backward op the live bytes are
+compared with that module's figure. A planner turns these into a block's working set: the most
+bytes while backward is inside the block, less the saved activations of the blocks before it
+(untouched until their own backward), is what the block needs on top of what those earlier blocks
+hold, whatever a policy does with them (``tierwise.planning.activation_peak``).
 
 [Note: backward order] Touches of parameters already in the current module group are not
 appended again; a touch outside it starts a new group. So a Linear appends [weight, bias] once
@@ -34,6 +46,7 @@ the re-forward touched.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -76,6 +89,11 @@ class StepRecord:
     """Bytes alive at the end of forward, by the module whose op allocated them."""
     peak_bytes: int
     """Peak live non-parameter bytes over forward and backward."""
+    module_input_bytes: dict[str, int]
+    """Bytes of the distinct tensor storages each module's first forward call was handed
+    (parameters and buffers excluded)."""
+    backward_peak_bytes: dict[str, int]
+    """Most live bytes while backward was in each module ([Note: backward peaks by module])."""
 
 
 class StepRecorder(TorchDispatchMode):
@@ -123,6 +141,11 @@ class StepRecorder(TorchDispatchMode):
         self._attention: list[float] | None = None  # FLOPs inside a fused attention call
         self._attention_calls = _AttentionCalls(self)
         self._saved: dict[str, int] = {}
+        self._input_bytes: dict[str, int] = {}
+        # storages handed to a class's modules, weakly: a dead storage's id can come back
+        self._inputs_by_class: dict[type, dict[int, weakref.ref]] = {}
+        self._backward_peak: dict[str, int] = {}
+        self._backward_module = ROOT  # [Note: backward peaks by module]
         self._handles: list[Any] = []
         self.op_log = op_log
         """When given, every forward op is logged in it by layer (see [Note: layer timing])."""
@@ -130,7 +153,9 @@ class StepRecorder(TorchDispatchMode):
     # -- lifecycle ----------------------------------------------------------------------------
     def __enter__(self):
         for module in self._model.modules():
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+            )
             self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
         for p in self._params:
             if p.requires_grad:
@@ -164,6 +189,8 @@ class StepRecorder(TorchDispatchMode):
             layer_ops={layer: _by_class(counts) for layer, counts in self._ops.items()},
             layer_activation_bytes=self._saved,
             peak_bytes=self.live.peak_bytes,
+            module_input_bytes=self._input_bytes,
+            backward_peak_bytes=self._backward_peak,
         )
         self.live.close()
         return record
@@ -172,8 +199,11 @@ class StepRecorder(TorchDispatchMode):
     def _order(self) -> list[str]:
         return self._forward_order if self.phase == "forward" else self._backward_order
 
-    def _pre_forward(self, module: torch.nn.Module, _args: Any) -> None:
+    def _pre_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         name = self._module_names.get(id(module), type(module).__name__)
+        if self.phase == "forward" and name not in self._input_bytes:
+            seen = self._inputs_by_class.setdefault(type(module), {})
+            self._input_bytes[name] = self._new_tensor_bytes(seen, args, kwargs.values())
         if self.phase == "backward":
             if not self._frames:  # [Note: checkpoint blocks]
                 if self._block is None:
@@ -199,6 +229,20 @@ class StepRecorder(TorchDispatchMode):
             for tensor in _output_tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(partial(self._backward_starts, direct))
+
+    def _new_tensor_bytes(self, seen: dict[int, weakref.ref], *groups: Any) -> int:
+        """Bytes of the non-parameter storages among ``groups`` (as ``op_tensors``) not in
+        ``seen``, which they are added to."""
+        total = 0
+        for tensor in op_tensors(*groups):
+            storage = tensor.untyped_storage()
+            key = id(storage)
+            known = seen.get(key)
+            if (known is not None and known() is storage) or key in self._params_by_storage:
+                continue
+            seen[key] = weakref.ref(storage)
+            total += storage.nbytes()
+        return total
 
     def _backward_starts(self, group: list[str], _grad: torch.Tensor) -> None:
         if self.phase == "backward":
@@ -232,6 +276,7 @@ class StepRecorder(TorchDispatchMode):
             return
         self._backward_order.extend(group)
         self._group = set(group)
+        self._backward_module = self._first_owner.get(group[0], ROOT)
 
     def _param_used(self, name: str) -> None:
         if self._frames:
@@ -272,6 +317,11 @@ class StepRecorder(TorchDispatchMode):
                 self._flops[owner] = self._flops.get(owner, 0.0) + flops
             self._count_op(owner, func, flops, args, kwargs, out)
         self.live.add_outputs(input_keys, op_tensors((out,)), owner=owner)
+        if self.phase == "backward":  # [Note: backward peaks by module]
+            module = self._backward_module
+            self._backward_peak[module] = max(
+                self._backward_peak.get(module, 0), self.live.live_bytes
+            )
         return out
 
     def _count_op(self, owner: str, func, flops: float, args, kwargs, out) -> None:

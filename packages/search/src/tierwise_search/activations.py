@@ -10,9 +10,20 @@ block with much compute per byte saves the most recomputation per byte moved. Th
 blocks in that order are swapped and the rest recomputed; ``x`` is the one that minimises the
 predicted step time, where the cost model adds the swap traffic to the PCIe and SSD traffic of
 the plan's model data (chunk fetches, gradient offload, the NVMe optimizer pipeline) and the
-recompute time to compute (LoHan section 4). Swapped and recomputed blocks free the same device
-memory, so the choice of ``x`` does not change the model-data placement; keeping every block
-(no swap, no recompute) is a choice of its own, with less device memory left for model data.
+recompute time to compute (LoHan section 4). A choice's device bytes are those of its own
+policy (every leaving block swapped, or every block recomputed), counted as the runtime holds
+them ([Note: activation peak under a policy] in tierwise.planning.activation_peak: a recomputed
+block keeps its inputs, a swapped one nothing, plus the blocks read back ahead); the model data
+is placed for those bytes, and a split of ``x`` is tried only when its own peak fits the device
+beside that placement (a recomputed block keeps its inputs on the device, so recomputing more
+can need more than swapping everything). Keeping every block and recomputing every block are
+choices of their own.
+
+With ``activation_checkpointing`` and ``activation_offload="auto"`` the runtime recomputes every
+block (checkpointing comes before the plan's policy in
+``tierwise.runtime.activations.policy.resolve_policy``), so that is the only choice offered.
+LoHan's own scheme, recomputing a block from inputs swapped to the host, is not an action the
+runtime has, so no choice here plans it.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tierwise.planning.activation_peak import ActivationPeak, activation_peak
 from tierwise.profile import Profile, activation_blocks
 
 from tierwise_search.compute import block_seconds
@@ -37,7 +49,9 @@ class ActivationChoice:
     target: str | None
     """"host" or "nvme" for swaps; None: every leaving layer is recomputed."""
     device_bytes: int
-    """Peak activation bytes on the device under this choice (before F_frag)."""
+    """Peak activation bytes on the device under this choice's own policy (before F_frag)."""
+    peak: ActivationPeak
+    """Its moments: where it peaks."""
     host_reserve: int
     """Host bytes reserved for swapped activations (all leaving layers, an upper bound)."""
 
@@ -65,14 +79,27 @@ def _by_benefit(usage: dict[str, tuple[int, float]], blocks) -> tuple[str, ...]:
     return tuple(sorted(blocks, key=lambda block: (-benefit(usage[block]), position[block])))
 
 
+def split_policy(
+    usage: dict[str, tuple[int, float]], swapped, recomputed, target: str | None
+) -> dict[str, str]:
+    """Every block's action: ``swapped`` ones go to ``target``, ``recomputed`` ones are
+    recomputed, the rest kept."""
+    policy = dict.fromkeys(usage, "keep")
+    policy.update(dict.fromkeys(recomputed, "recompute"))
+    policy.update(dict.fromkeys(swapped, target))
+    return policy
+
+
 def _choice(
     profile: Profile, usage: dict[str, tuple[int, float]], name: str, leaving, target: str | None
 ) -> ActivationChoice:
-    freed = sum(usage[block][0] for block in leaving)
-    working = max((usage[block][0] for block in leaving), default=0)  # one block at a time
-    device = max(profile.peak_activation_bytes - freed, 0) + working
-    reserve = freed if target == "host" else 0
-    return ActivationChoice(name, _by_benefit(usage, leaving), target, device, reserve)
+    order = _by_benefit(usage, leaving)
+    policy = (
+        split_policy(usage, order, (), target) if target else split_policy(usage, (), order, None)
+    )
+    peak = activation_peak(profile, policy)
+    reserve = sum(usage[block][0] for block in leaving) if target == "host" else 0
+    return ActivationChoice(name, order, target, peak.peak_bytes, peak, reserve)
 
 
 def activation_choices(
@@ -82,15 +109,15 @@ def activation_choices(
     ``seconds``: forward seconds per layer."""
     usage = block_usage(profile, seconds)
     blocks = [block for block, (nbytes, secs) in usage.items() if nbytes > 0 or secs > 0]
+    recompute_all = _choice(profile, usage, "checkpointing", blocks, None)
     if checkpointing and offload not in ("host", "nvme"):
-        base = _choice(profile, usage, "checkpointing", blocks, None)
-    else:
-        base = _choice(profile, usage, "keep", [], None)
+        return [recompute_all]  # the runtime's precedence: see the module docstring
+    keep = _choice(profile, usage, "keep", [], None)
     if offload == "none" or not blocks:
-        return [base]
+        return [keep]
     if offload in ("host", "nvme"):
         return [_choice(profile, usage, f"swap to {offload}", blocks, offload)]
-    choices = [base, _choice(profile, usage, "swap to host", blocks, "host")]
+    choices = [keep, recompute_all, _choice(profile, usage, "swap to host", blocks, "host")]
     if nvme:
         choices.append(_choice(profile, usage, "swap to nvme", blocks, "nvme"))
     return choices
@@ -120,21 +147,26 @@ def best_split(
     seconds: dict[str, float],
     choice: ActivationChoice,
     evaluate: Callable[[ActivationTraffic], Prediction],
+    room: int | None = None,
 ) -> tuple[dict[str, str], ActivationTraffic, Prediction]:
-    """The per-block policy minimising the predicted step under ``choice``."""
+    """The per-block policy minimising the predicted step under ``choice``, among the splits
+    whose activation peak fits within ``room`` bytes (or the choice's own; None: any)."""
     order = choice.leaving
+    usage = block_usage(profile, seconds)
     counts = range(len(order) + 1) if choice.target else [0]
     best = None
     for swapped_count in counts:
         swapped, recomputed = order[:swapped_count], order[swapped_count:]
+        policy = split_policy(usage, swapped, recomputed, choice.target)
+        if room is not None and swapped_count < len(order):
+            if activation_peak(profile, policy).peak_bytes > max(room, choice.device_bytes):
+                continue  # its recomputed blocks' inputs do not fit beside the model data
         traffic = traffic_for(profile, seconds, swapped, recomputed, choice.target)
         prediction = evaluate(traffic)
         if best is None or prediction.total < best[2].total:
             best = (swapped_count, traffic, prediction)
     swapped_count, traffic, prediction = best
-    policy = {block: "keep" for block in block_usage(profile, seconds)}
-    for index, block in enumerate(order):
-        policy[block] = choice.target if index < swapped_count else "recompute"
+    policy = split_policy(usage, order[:swapped_count], order[swapped_count:], choice.target)
     return policy, traffic, prediction
 
 
@@ -180,5 +212,6 @@ __all__ = [
     "best_split",
     "block_reasons",
     "block_usage",
+    "split_policy",
     "traffic_for",
 ]

@@ -21,6 +21,7 @@ from tierwise.chunks.payload import PayloadSpec
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError, io_buffer_bytes
+from tierwise.planning.activation_peak import activation_peak
 from tierwise.planning.chunk_size import grid_sizes, lean_sizes
 from tierwise.planning.planner import (
     REDUCTION_BLOCKS,
@@ -232,6 +233,19 @@ class _Search:
             return None
         return _allowed(self.hardware.device_memory, self.profile, choice.device_bytes, self.config)
 
+    def activation_room(self, device_data: int) -> int | None:
+        """The most activation bytes the device holds beside ``device_data`` bytes of model
+        data (``_allowed`` inverted); None: unbounded (no device capacity known, or
+        ``device_memory`` budgets model data only)."""
+        if self.config.device_memory is not None or self.hardware.device_memory is None:
+            return None
+        usable = (
+            self.hardware.device_memory
+            - self.profile.buffer_bytes
+            - device_data / self.config.alloc_fraction
+        )
+        return int(usable / self.config.frag_factor)
+
     def layout(self, chunk_size: int):
         if chunk_size not in self._layouts:
             table = build_chunks(self.profile, chunk_size)
@@ -375,7 +389,10 @@ class _Search:
             model.setting = replace(model.setting, activations=traffic)
             return model.predict(final.placement)
 
-        policy, traffic, prediction = best_split(self.profile, self.times.layers, choice, evaluate)
+        room = self.activation_room(model.memory(final.placement).device)
+        policy, traffic, prediction = best_split(
+            self.profile, self.times.layers, choice, evaluate, room
+        )
         model.setting = replace(model.setting, activations=traffic)
         return Step(final.placement, model.memory(final.placement), prediction, final.move), policy
 
@@ -425,13 +442,20 @@ class _Search:
             f"device memory binds: {plan} needs a device of {format_gib(capacity)} ("
             f"{format_gib(least)} of model data / F_alloc {self.config.alloc_fraction} + buffers "
             f"{format_gib(self.profile.buffer_bytes)} + {self.config.frag_factor} x activations "
-            f"{format_gib(choice.device_bytes)}), the device has {format_gib(have)}: "
+            f"{format_gib(choice.device_bytes)} {_activations_at(choice)}), the device has "
+            f"{format_gib(have)}: "
             f"{format_gib(capacity - have)} short; use a larger device or more of them, or shrink "
             "activations (batch, sequence length, activation checkpointing or offload)",
             tier="device",
             need=capacity,
             limit=have,
         )
+
+
+def _activations_at(choice: ActivationChoice) -> str:
+    """Which policy the activations are counted under and the moment they peak."""
+    peak = choice.peak
+    return f"({choice.name}: peak at {peak.moment})"
 
 
 def _counts(tiers: list[str]) -> str:
@@ -608,7 +632,7 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
         activation_checkpointing=config.activation_checkpointing,
         activation_policy=best.policy,
         activation_allowance=(
-            int(config.frag_factor * best.choice.device_bytes)
+            int(config.frag_factor * activation_peak(search.profile, best.policy).peak_bytes)
             if config.device_memory is None
             and search.hardware.device_memory is not None
             and search.profile.peak_activation_bytes > 0  # activations profiled

@@ -16,6 +16,7 @@ from tierwise.chunks.payload import model_data_by_tier
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError, io_buffer_bytes
+from tierwise.planning.activation_peak import activation_peak, uniform_policy
 from tierwise.planning.cache_minimum import min_cache_blocks, recompute_blocks
 from tierwise.planning.chunk_size import auto_chunk_sizes
 from tierwise.precision import PARAM_BYTES
@@ -118,16 +119,15 @@ def _min_blocks(profile: Profile, layout, config: Config) -> int:
 
 
 def device_activation_bytes(profile: Profile, config: Config) -> int:
-    """Peak activation bytes on the device under ``config.activation_offload``: swapping every
-    block to host or NVMe leaves the activations outside blocks and one block's (the one
-    computing, or swapped back in for its backward) on the device; a way to fit, counted as one."""
-    sizes = [
-        sum(profile.layer_activation_bytes[x] for x in layers)
-        for layers in activation_blocks(profile).values()
-    ]
-    if config.activation_offload not in ("host", "nvme") or not sizes:
-        return profile.peak_activation_bytes
-    return max(profile.peak_activation_bytes - sum(sizes), 0) + max(sizes)
+    """Peak activation bytes on the device under ``config``'s activation settings, each block
+    given the action the runtime gives it (swapped with ``activation_offload`` "host"/"nvme",
+    else recomputed with checkpointing, else kept), counted as
+    [Note: activation peak under a policy]: a way to fit, counted as one."""
+    if config.activation_offload in ("host", "nvme"):
+        action = config.activation_offload
+    else:
+        action = "recompute" if config.activation_checkpointing else "keep"
+    return activation_peak(profile, uniform_policy(profile, action)).peak_bytes
 
 
 def _auto_activations(profile: Profile, budget, budget_for, need_on_device: int, reasons: list):
@@ -135,11 +135,10 @@ def _auto_activations(profile: Profile, budget, budget_for, need_on_device: int,
     activations would push model data off the device and recomputing lets it stay; keep them
     otherwise. (The search plugin weighs swapping against recomputing, LoHan's choice.)"""
     blocks = activation_blocks(profile)
-    sizes = [sum(profile.layer_activation_bytes[x] for x in layers) for layers in blocks.values()]
     if not blocks:
         reasons.append("activations: auto, but the profile has no per-block activations: kept")
         return budget, {}
-    recomputing = profile.peak_activation_bytes - sum(sizes) + max(sizes)
+    recomputing = activation_peak(profile, uniform_policy(profile, "recompute")).peak_bytes
     budget_recompute = budget_for(recomputing)
     if budget is not None and budget < need_on_device <= budget_recompute:
         reasons.append(

@@ -156,6 +156,27 @@ def expand(short: Profile, prefix: str, layers: int, longer: Profile) -> Profile
                     ]
         return out
 
+    def grow_with_depth(values: dict[str, int], more: dict[str, int]) -> dict[str, int]:
+        """A figure that grows with the layers before a module (a backward peak holds the saved
+        activations of every earlier layer): each copy or moved layer gets the growth per layer
+        seen between ``values`` and ``more`` (the longer copy's) times the layers added before
+        it; layer 0 stays, modules outside the layers extrapolate as ``grow_dict`` does."""
+        out: dict[str, int] = {}
+        for key, value in values.items():
+            layer = layer_of(key)
+            if layer is None:
+                out[key] = value + extra * (more.get(key, value) - value)
+            elif layer == 0:
+                out[key] = value
+            else:
+                step = more.get(rename(key, layer + 1), value) - value
+                if layer == 1:
+                    for index in range(1, 2 + extra):
+                        out[rename(key, index)] = value + (index - 1) * step
+                else:
+                    out[rename(key, layer + extra)] = value + extra * step
+        return out
+
     def block_layer(block: list[str]) -> int | None:
         found = {layer_of(name) for name in block}
         return found.pop() if len(found) == 1 else None
@@ -196,6 +217,8 @@ def expand(short: Profile, prefix: str, layers: int, longer: Profile) -> Profile
         layer_backward_s=grow_dict(short.layer_backward_s, longer.layer_backward_s),
         layer_ops=grow_dict(short.layer_ops),
         peak_activation_bytes=peak,
+        module_input_bytes=grow_dict(short.module_input_bytes, longer.module_input_bytes),
+        backward_peak_bytes=grow_with_depth(short.backward_peak_bytes, longer.backward_peak_bytes),
         buffer_bytes=short.buffer_bytes + extra * per_layer_buffers,
         seconds=short.seconds + longer.seconds,
     )

@@ -1,14 +1,15 @@
 """Host and NVMe bytes per parameter for the NVMe placements (issue 36): gradients written into
 the parameter payload ([Note: gradients in the parameter payload]) instead of a gradient shard.
 
-A GPT-2 (25M parameters by default) is set up in bf16 on the CPU for each placement (parameter
+A GPT-2 (17M parameters by default, 1M-element chunks) is set up in bf16 on the CPU for each placement (parameter
 home / optimizer states: host/nvme, nvme/nvme, and device/nvme, which keeps a gradient shard on
 NVMe, for comparison) and trained for ``--steps`` clipped steps with gradient accumulation (the
 after-backward path, where gradients wait in the payload or in the host buffers). One JSON line
 per placement, from the engine's own tier accounting:
 - ``host_peak_per_param``: ``peak_bytes_by_tier["host"]`` / parameters (model data in host
-  memory plus the NVMe tier's staging pools and gradient buffers, which do not grow with the
-  model), and ``host_pools_bytes`` those fixed pools;
+  memory plus the NVMe tier's staging pools and the gradient buffers, which do not grow with
+  the model), ``host_pools_bytes`` those fixed pools and ``host_peak_without_pools_per_param``
+  the rest (the host model data);
 - ``nvme_per_param``: ``bytes_by_tier["nvme"]`` / parameters (parameter payloads, both copies
   of the optimizer states, any gradient shard);
 - ``model_data_per_param``: what ``model_data_by_tier`` counts per parameter on every tier
@@ -54,6 +55,7 @@ def measure(args, home: str, optim: str, nvme_dir: str) -> dict:
         optimizer_placement=optim,
         nvme_path=nvme_dir,
         optimizer_overlap="after-backward",
+        chunk_size=args.chunk_size,
     )
     engine = tierwise.engine_of(model)
     try:
@@ -84,6 +86,8 @@ def measure(args, home: str, optim: str, nvme_dir: str) -> dict:
             "grads_in_payload": grads_in_home,
             "host_peak_per_param": stats["peak_bytes_by_tier"]["host"] / n_params,
             "host_pools_bytes": pools,
+            "host_peak_without_pools_per_param": (stats["peak_bytes_by_tier"]["host"] - pools)
+            / n_params,
             "nvme_per_param": stats["bytes_by_tier"]["nvme"] / n_params,
             "device_per_param": stats["bytes_by_tier"].get("device", 0) / n_params,
             "model_data_per_param": sum(counted.values()) / n_params,
@@ -107,7 +111,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--chunk-size", type=int, default=1 << 20)
     args = parser.parse_args()
     for home, optim in PLACEMENTS:
         with tempfile.TemporaryDirectory(dir=args.nvme_dir) as nvme_dir:

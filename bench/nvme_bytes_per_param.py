@@ -1,7 +1,7 @@
 """Host and NVMe bytes per parameter for the NVMe placements (issue 36): gradients written into
 the parameter payload ([Note: gradients in the parameter payload]) instead of a gradient shard.
 
-A GPT-2 (17M parameters by default, 1M-element chunks) is set up in bf16 on the CPU for each placement (parameter
+A GPT-2 (17M parameters by default, the planner's chunk size unless ``--chunk-size``) is set up in bf16 on the CPU for each placement (parameter
 home / optimizer states: host/nvme, nvme/nvme, and device/nvme, which keeps a gradient shard on
 NVMe, for comparison) and trained for ``--steps`` clipped steps with gradient accumulation (the
 after-backward path, where gradients wait in the payload or in the host buffers). One JSON line
@@ -13,7 +13,8 @@ per placement, from the engine's own tier accounting:
 - ``nvme_per_param``: ``bytes_by_tier["nvme"]`` / parameters (parameter payloads, both copies
   of the optimizer states, any gradient shard);
 - ``model_data_per_param``: what ``model_data_by_tier`` counts per parameter on every tier
-  with the states' second NVMe copy taken off: the issue's 14 B/param figure;
+  with the states' second NVMe copy taken off: the issue's 14 B/param figure (with the
+  chunks' padding; ``model_data_per_chunk_element`` without it);
 - ``hand``: the same three by hand (2 for the bf16 payload, 12 per copy of the fp32 master and
   Adam m, v, 2 for a gradient shard).
 
@@ -55,7 +56,7 @@ def measure(args, home: str, optim: str, nvme_dir: str) -> dict:
         optimizer_placement=optim,
         nvme_path=nvme_dir,
         optimizer_overlap="after-backward",
-        chunk_size=args.chunk_size,
+        chunk_size=args.chunk_size or "auto",
     )
     engine = tierwise.engine_of(model)
     try:
@@ -91,6 +92,7 @@ def measure(args, home: str, optim: str, nvme_dir: str) -> dict:
             "nvme_per_param": stats["bytes_by_tier"]["nvme"] / n_params,
             "device_per_param": stats["bytes_by_tier"].get("device", 0) / n_params,
             "model_data_per_param": sum(counted.values()) / n_params,
+            "model_data_per_chunk_element": sum(counted.values()) / elements,
             "hand": {
                 "host_model_data": 2.0 if home == "host" else 0.0,
                 "nvme": 24.0 + (2.0 if home == "nvme" else 0.0) + (0.0 if grads_in_home else 2.0),
@@ -112,7 +114,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--chunk-size", type=int, default=1 << 20)
+    parser.add_argument("--chunk-size", type=int, default=0, help="elements; 0: the planner's")
     args = parser.parse_args()
     for home, optim in PLACEMENTS:
         with tempfile.TemporaryDirectory(dir=args.nvme_dir) as nvme_dir:

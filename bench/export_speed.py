@@ -45,7 +45,11 @@ CASES = {
     "save_pretrained_nvme_fp32": ("nvme", "fp32"),
     "save_pretrained_nvme_bf16": ("nvme", "bf16"),
     "cli_export_bf16": ("nvme", "bf16"),
+    "save_pretrained_nvme_bf16_trained": ("nvme", "bf16"),
 }
+"""Case -> (homes' tier, dtype written). The model is frozen (but for its final norm) in fp32,
+except in the ``_trained`` case: every weight trains in bf16 mixed precision (bf16 homes, fp32
+masters, both on NVMe), the model a bf16 fine-tune exports ([Note: exporting from the home])."""
 
 
 def dd_write(folder: Path, nbytes: int = DD_BYTES) -> float:
@@ -64,8 +68,9 @@ def dd_write(folder: Path, nbytes: int = DD_BYTES) -> float:
     return count * (4 << 20) / elapsed
 
 
-def managed_model(n_layer: int, placement: str, nvme: Path):
-    """The frozen GPT-2 style model under tierwise, parameters' homes on ``placement``."""
+def managed_model(n_layer: int, placement: str, nvme: Path, trained: bool = False):
+    """The frozen GPT-2 style model under tierwise, parameters' homes on ``placement``
+    (``trained``: every weight trains, in bf16 mixed precision)."""
     import tierwise
     import torch
     import transformers as tf
@@ -77,12 +82,12 @@ def managed_model(n_layer: int, placement: str, nvme: Path):
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(config)
     for name, param in model.named_parameters():
-        param.requires_grad_(name.startswith("transformer.ln_f"))
+        param.requires_grad_(trained or name.startswith("transformer.ln_f"))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     model, optimizer = tierwise.setup(
         model,
         optimizer,
-        precision="fp32",
+        precision="bf16" if trained else "fp32",
         device="cpu",
         chunk_size=CHUNK,
         param_placement=placement,
@@ -109,15 +114,20 @@ def peak_rss() -> int:
 def child(case: str, n_layer: int, root: Path) -> None:
     placement, dtype = CASES[case]
     out = root / "out"
-    model, optimizer, engine = managed_model(n_layer, placement, root / "nvme")
+    trained = case.endswith("_trained")
+    model, optimizer, engine = managed_model(n_layer, placement, root / "nvme", trained)
     sources = source_bytes_by_tier(engine)
     result = {"case": case, "placement": placement, "dtype": dtype, "sources": sources}
     if case.startswith("save_pretrained"):
         from tierwise.integrations.hf_save import save_pretrained
 
+        nvme = engine.tiers.get("nvme")
+        read_before = nvme.moved_bytes["nvme->host"] if nvme is not None else 0
         begin = time.perf_counter()
         save_pretrained(model, out, dtype=dtype)
         result["export_s"] = time.perf_counter() - begin
+        if nvme is not None:  # what the export read from the disk it writes to
+            result["nvme_bytes_read"] = nvme.moved_bytes["nvme->host"] - read_before
     else:
         import tierwise
         from tierwise.train.export import export
@@ -194,6 +204,7 @@ def main() -> None:
                 case=result["case"],
                 params=params,
                 exported_bytes=result["exported_bytes"],
+                nvme_bytes_read=result.get("nvme_bytes_read"),
                 export_s=round(result["export_s"], 2),
                 export_bytes_per_s=round(speed),
                 disk_write_bytes_per_s=round(disk),

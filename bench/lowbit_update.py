@@ -1,10 +1,11 @@
 """The cost of one chunk's Adam(W) update per element with fp32, bf16 and int8 moments (issue 39).
 
 The update as the engine runs it on a CPU (``LowBitMoments.around`` over a 4M-element shard,
-every element updated): fp32 states (torch's fused AdamW on the stored tensors), and bf16 and
-int8 states the fused way ([Note: fused low-bit update], [Note: compiled int8 kernels]) beside
-the way before it (the whole shard decoded, updated and encoded with torch ops), in
-alternation, ``--repeats`` times each, with one thread and with all of them. Each line: ns per
+every element updated): fp32 states (torch's fused AdamW on the stored tensors); bf16 and int8
+states in pieces ([Note: fused low-bit update], int8 with [Note: compiled int8 kernels]); int8
+in one compiled pass ([Note: int8 Adam in one pass], the engine's way now); and the way
+before both (the whole shard decoded, updated and encoded with torch ops); ``--repeats`` times
+each, with one thread and with all of them. Each line: ns per
 element, wall and CPU (the process's CPU time over all threads: on a shared machine the CPU
 time is the work, the wall time includes waiting for the cores), and the ratio to fp32's.
 
@@ -23,14 +24,15 @@ from _common import emit
 
 
 def run(states: str, way: str, numel: int, repeats: int) -> dict:
-    from tierwise.optim import AdamHyper, adam_update_ranges, lowbit_kernel
+    from tierwise.optim import AdamHyper, lowbit_kernel, lowbit_update
     from tierwise.optim import state_formats as formats
 
-    fused = way == "fused"
-    saved = formats.FUSED_PIECE, lowbit_kernel.load
-    if not fused:  # before: one piece (the whole shard), torch ops
-        formats.FUSED_PIECE = 1 << 40
+    saved = lowbit_update.FUSED_PIECE, lowbit_kernel.load, lowbit_kernel.one_pass_width
+    if way == "before":  # one piece (the whole shard), torch ops
+        lowbit_update.FUSED_PIECE = 1 << 40
         lowbit_kernel.load = lambda: None
+    if way == "pieces":  # the compiled encode and decode around torch's kernel, in pieces
+        lowbit_kernel.one_pass_width = lambda lib: None
     try:
         gen = torch.Generator().manual_seed(0)
         fmts = formats.moment_formats(states)
@@ -44,17 +46,12 @@ def run(states: str, way: str, numel: int, repeats: int) -> dict:
             lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True
         )
 
-        def update(master, m, v, lo, hi):
-            adam_update_ranges(
-                master=master[lo:hi],
-                grad=grad[lo:hi],
-                exp_avg=m,
-                exp_avg_sq=v,
-                ranges=[(0, hi - lo, 5)],
-                hyper=hyper,
+        def update(master, moments, lo, hi):
+            moments.adam(
+                masters=[master[lo:hi]], grads=[grad[lo:hi]], starts=[lo], steps=[5], hyper=hyper
             )
 
-        step = formats.LowBitMoments(states).around(update, numel=numel, spans=[(0, numel)])
+        step = lowbit_update.LowBitMoments(states).around(update, numel=numel, spans=[(0, numel)])
         step([master, *stored])  # warm: buffers, tables, the kernel build
         walls, cpus = [], []
         for _ in range(repeats):
@@ -63,7 +60,7 @@ def run(states: str, way: str, numel: int, repeats: int) -> dict:
             walls.append(time.perf_counter() - wall)
             cpus.append(time.process_time() - cpu)
     finally:
-        formats.FUSED_PIECE, lowbit_kernel.load = saved
+        lowbit_update.FUSED_PIECE, lowbit_kernel.load, lowbit_kernel.one_pass_width = saved
     return {
         "wall_ns_per_element": round(statistics.median(walls) / numel * 1e9, 3),
         "cpu_ns_per_element": round(statistics.median(cpus) / numel * 1e9, 3),
@@ -77,8 +74,8 @@ def main() -> None:
     args = parser.parse_args()
     from tierwise.optim import lowbit_kernel
 
-    cases = [("fp32", "fused"), ("bf16", "before"), ("bf16", "fused")]
-    cases += [("int8", "before"), ("int8", "fused")]
+    cases = [("fp32", "fused"), ("bf16", "before"), ("bf16", "pieces")]
+    cases += [("int8", "before"), ("int8", "pieces"), ("int8", "one_pass")]
     for threads in sorted({1, os.cpu_count() or 1}):
         torch.set_num_threads(threads)
         results = {case: run(*case, args.numel, args.repeats) for case in cases}
@@ -92,6 +89,8 @@ def main() -> None:
                 numel=args.numel,
                 repeats=args.repeats,
                 compiled_kernel=lowbit_kernel.load() is not None,
+                one_pass=way == "one_pass"
+                and lowbit_kernel.one_pass_width(lowbit_kernel.load()) is not None,
                 **figures,
                 cpu_over_fp32=round(figures["cpu_ns_per_element"] / fp32["cpu_ns_per_element"], 3),
                 wall_over_fp32=round(

@@ -30,22 +30,34 @@ from _common import emit  # noqa: E402
 
 class Phases:
     """Each phase's RSS at its start and end and its own peak: VmHWM is reset at the start of
-    a phase (``/proc/self/clear_refs``, Linux) and read at its end."""
+    a phase (``/proc/self/clear_refs``, Linux) and read at its end; phases may nest (setup's
+    parts inside setup): the peak seen so far is folded into every open phase before a reset."""
 
     def __init__(self) -> None:
         from tierwise.tiers.ledger import process_memory
 
         self.read = process_memory
         self.records: dict[str, dict] = {}
+        self.open: list[str] = []
+
+    def _fold(self) -> dict:
+        now = self.read()
+        for name in self.open:
+            record = self.records[name]
+            record["peak"] = max(record.get("peak", 0), now["peak"])
+        return now
 
     def begin(self, name: str) -> None:
+        self._fold()
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")
         self.records[name] = {"start_rss": self.read()["rss"]}
+        self.open.append(name)
 
     def end(self, name: str) -> None:
-        now = self.read()
-        self.records[name].update(end_rss=now["rss"], peak=now["peak"])
+        now = self._fold()
+        self.open.remove(name)
+        self.records[name]["end_rss"] = now["rss"]
 
     def wrap(self, owner, attribute: str, name: str) -> None:
         inner = getattr(owner, attribute)
@@ -60,21 +72,25 @@ class Phases:
         setattr(owner, attribute, wrapped)
 
 
-def _run_child(out: Path, train_args: list[str]) -> None:
+def _run_child(out: Path, train_args: list[str], modules: list[str] | None = None) -> None:
     from tierwise.tiers.ledger import process_memory
 
+    if modules is not None:  # every module the run imports, before it: phases grow by data
+        _import_all(modules)
     imports = process_memory()
+    import tierwise.runtime.setup.pipeline as pipeline
     import tierwise.train.prepare as prepare
     import tierwise.train.run as run
     from tierwise.cli import main
-    from tierwise.train import data
-    from tierwise.train.summary import RunSummary
+    from tierwise.train.summary import RunSummary, predicted_process_bytes
 
     phases = Phases()
-    phases.wrap(data, "load_tokenizer", "tokenizer")
-    phases.wrap(data, "build_corpus", "corpus")
+    phases.wrap(prepare, "load_tokenizer", "tokenizer")
+    phases.wrap(prepare, "_token_cache", "corpus")
     phases.wrap(prepare, "_build_model", "build_model")
     phases.wrap(prepare, "_set_up", "setup")
+    for part in ("profile_model", "make_plan", "allocate", "write_values", "start_engine"):
+        phases.wrap(pipeline, part, f"setup.{part}")
     prepare_run, plot_memory = run.prepare_run, run.plot_memory
     seen = {}
 
@@ -91,7 +107,10 @@ def _run_child(out: Path, train_args: list[str]) -> None:
     def summary(self, console):
         phases.end("plots")
         seen["memory"] = self.stats["memory"]
-        seen["start_rss"] = self.start_rss_bytes
+        fixed = self.fixed_memory
+        seen["before_setup"] = fixed.before_setup
+        seen["setup_retained"] = fixed.setup_retained
+        seen["predicted"] = predicted_process_bytes(fixed, self.stats["memory"])
         seen["whole_run_peak_of_phases"] = max(r["peak"] for r in phases.records.values())
         return show(self, console)
 
@@ -99,7 +118,7 @@ def _run_child(out: Path, train_args: list[str]) -> None:
     show = RunSummary.show
     RunSummary.show = summary
     rc = main(["train", *train_args])
-    modules = sorted({name.split(".")[0] for name in sys.modules if not name.startswith("_")})
+    modules = list(sys.modules)  # in import order: importing them again in it works
     out.write_text(
         json.dumps(
             {"rc": rc, "imports": imports, "phases": phases.records, **seen, "modules": modules}
@@ -107,10 +126,9 @@ def _run_child(out: Path, train_args: list[str]) -> None:
     )
 
 
-def _bare_child(out: Path, modules: list[str]) -> None:
+def _import_all(modules: list[str]) -> list[str]:
+    """Import ``modules``; the names that failed."""
     import importlib
-
-    from tierwise.tiers.ledger import process_memory
 
     failed = []
     for name in modules:
@@ -118,6 +136,13 @@ def _bare_child(out: Path, modules: list[str]) -> None:
             importlib.import_module(name)
         except Exception:  # a module that only imports inside its parent's context
             failed.append(name)
+    return failed
+
+
+def _bare_child(out: Path, modules: list[str]) -> None:
+    from tierwise.tiers.ledger import process_memory
+
+    failed = _import_all(modules)
     out.write_text(json.dumps({"memory": process_memory(), "failed": failed}))
 
 
@@ -130,7 +155,8 @@ def main() -> None:
     args, rest = parser.parse_known_args()
     rest = [a for a in rest if a != "--"]
     if args.child == "run":
-        return _run_child(Path(args.out), rest)
+        modules = json.loads(Path(args.modules).read_text()) if args.modules else None
+        return _run_child(Path(args.out), rest, modules)
     if args.child == "bare":
         return _bare_child(Path(args.out), json.loads(Path(args.modules).read_text()))
 
@@ -154,6 +180,36 @@ def main() -> None:
             check=True,
         )
         bare = json.loads((tmp / "bare.json").read_text())
+        subprocess.run(  # again with every module imported first: the phases' data alone
+            [*me, "--child", "run", "--out", str(tmp / "data.json")]
+            + ["--modules", str(tmp / "modules.json"), "--", *train_args[:-1], str(tmp / "r2")],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        data = json.loads((tmp / "data.json").read_text())
+    for name, record in data["phases"].items():
+        growth = {"end_growth": record["end_rss"] - record["start_rss"]}
+        record["peak"] = record.get("peak", record["end_rss"])
+        growth["peak_growth"] = record["peak"] - record["start_rss"]
+        emit(
+            bench="memory_ledger",
+            kind="phase_modules_imported_first",
+            name=name,
+            **record,
+            **growth,
+        )
+    emit(
+        bench="memory_ledger",
+        kind="explained_modules_imported_first",
+        imports_rss_bytes=data["imports"]["rss"],
+        run_vmhwm_bytes=data["whole_run_peak_of_phases"],
+        over_imports_bytes=data["whole_run_peak_of_phases"] - data["imports"]["rss"],
+        ledger_host_peak_bound_bytes=peak_bound(data["memory"], "host"),
+        rss_before_setup_bytes=data["before_setup"],
+        setup_retained_bytes=data["setup_retained"],
+        predicted_bytes=data["predicted"],
+        peak_over_predicted_bytes=data["whole_run_peak_of_phases"] - data["predicted"],
+    )
     memory = run["memory"]
     for name, entry in memory.items():
         emit(bench="memory_ledger", kind="ledger_entry", name=name, **entry)
@@ -172,7 +228,10 @@ def main() -> None:
         over_bare_bytes=hwm - bare_hwm,
         ledger_host_peak_bound_bytes=ledger_host,
         unexplained_bytes=hwm - bare_hwm - ledger_host,
-        start_rss_bytes=run["start_rss"],
+        rss_before_setup_bytes=run["before_setup"],
+        setup_retained_bytes=run["setup_retained"],
+        predicted_bytes=run["predicted"],
+        peak_over_predicted_bytes=hwm - run["predicted"],
         modules=len(run["modules"]),
         bare_import_failed=bare["failed"],
     )

@@ -83,6 +83,8 @@ SHAPES = {
 SYSTEMS = {
     "tierwise": "tierwise, auto plan (search plugin; NVMe tier available when installed)",
     "tierwise-device": "tierwise, everything on the device (param and optimizer placement 'device')",
+    "tierwise-host-optimizer": "tierwise, parameters on the device, optimizer states in host memory "
+    "(reports the optimizer time left exposed after backward)",
     "deepspeed": "DeepSpeed ZeRO-3, params and optimizer offloaded to CPU (DeepSpeedCPUAdam)",
     "fsdp2": "FSDP2 fully_shard with CPUOffloadPolicy, bf16 params fp32 reduce, torch AdamW on CPU",
     "pytorch-amp": "plain PyTorch: fp32 params, bf16 autocast, fused AdamW on the device",
@@ -90,13 +92,14 @@ SYSTEMS = {
     "(tierwise's bf16 arithmetic)",
 }
 GROUP_SYSTEMS = {
-    "1.3b": ["pytorch-amp", "pytorch-bf16-master", "tierwise-device"],
+    "1.3b": ["pytorch-amp", "pytorch-bf16-master", "tierwise-device", "tierwise-host-optimizer"],
     "4b": ["tierwise", "deepspeed", "fsdp2"],
     "10b": ["tierwise", "deepspeed", "fsdp2"],
     "smoke": [
         "pytorch-amp",
         "pytorch-bf16-master",
         "tierwise-device",
+        "tierwise-host-optimizer",
         "tierwise",
         "fsdp2",
         "deepspeed",
@@ -278,6 +281,8 @@ class TierwiseRunner(Runner):
         config = dict(precision="bf16", device=self.device, activation_checkpointing=True)
         if system == "tierwise-device":
             config.update(param_placement="device", optimizer_placement="device")
+        elif system == "tierwise-host-optimizer":
+            config.update(param_placement="device", optimizer_placement="host")
         elif self.args.nvme_path and _has_nvme_plugin():
             Path(self.args.nvme_path).mkdir(parents=True, exist_ok=True)
             config.update(nvme_path=self.args.nvme_path)
@@ -327,6 +332,7 @@ class TierwiseRunner(Runner):
                 "optimizer_mode",
                 "non_model_peak_bytes",
                 "activations",
+                "optimizer_overlap",
             )
         }
 
@@ -475,6 +481,7 @@ class DeepSpeedRunner(Runner):
 RUNNERS = {
     "tierwise": TierwiseRunner,
     "tierwise-device": TierwiseRunner,
+    "tierwise-host-optimizer": TierwiseRunner,
     "deepspeed": DeepSpeedRunner,
     "fsdp2": FSDP2Runner,
     "pytorch-amp": PlainRunner,

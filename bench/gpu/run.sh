@@ -7,6 +7,23 @@
 #   bench/gpu/run.sh suite [PYTEST ARGS]  # the whole test suite (CPU cases; long)
 #   bench/gpu/run.sh smoke                # the benchmark end to end on a tiny model, every system
 #   bench/gpu/run.sh bench GROUP [ARGS]   # one benchmark group of bench/gpu/compare.py (--list)
+#   bench/gpu/run.sh campaign [--dry-run] # everything below in one call of at most 8 minutes
+#
+# [Note: the one-call campaign] A lent GPU gives 15 minutes of device time in all (start-up, idle
+# time and every call counted), so one call (the device tool's timeout_s 540) does the whole
+# campaign and a second call can only confirm fixes. `campaign` runs, in this order, each step
+# boxed by `timeout` to what it may take and to what is left of CAMPAIGN_BUDGET_S (480 s from the
+# start of this script, install included), so a hang costs its own box and not the steps after:
+#   1. cuda-tests: the CUDA tests and the CUDA cases of the device-parametrized tests (JUnit);
+#   2. train: `tierwise train` under torchrun --nproc-per-node 1 (NCCL), 30 steps, clipping,
+#      parameters in host memory, optimizer states on NVMe;
+#   3. 4b: GPT2-4B at seq 1024, checkpointing, bf16, 40 GiB: tierwise (auto plan), DeepSpeed
+#      ZeRO-3 offload, FSDP2 CPUOffloadPolicy;
+#   4. 1.3b (as time allows): plain PyTorch against tierwise on the device, and tierwise with
+#      host-resident optimizer states (its stats carry the exposed optimizer time).
+# Every step writes one line to campaign.jsonl (rc, seconds, its box). --dry-run rehearses every
+# step's CPU path on a machine without a GPU: the CUDA cases skip, train runs on cpu with gloo,
+# and the comparisons run their tiny smoke model.
 #
 # Results (JSON lines, logs, JUnit XML) go to $OUT/results when OUT is set (the device tool's
 # folder that comes back), else bench/results/gpu/. Code runs from this checkout's sources
@@ -28,7 +45,7 @@ RESULTS=${RESULTS:-$ROOT/bench/results/gpu}
 mode=${1:-}
 [ $# -gt 0 ] && shift
 case $mode in
-    env | tests | suite | smoke | bench) ;;
+    env | tests | suite | smoke | bench | campaign) ;;
     *) sed -n '2,18p' "$0" >&2; exit 2 ;;
 esac
 if [ ! -d "$DIST/wheels" ]; then
@@ -114,15 +131,83 @@ run_pytest() {  # name, pytest args...
     return "$rc"
 }
 
+# the CUDA tests: tests/cuda and every file with device-parametrized (cuda-marked) cases
+cuda_test_files="tests/cuda tests/nvme/test_device_memory.py tests/nvme/test_activation_swap.py"
+
+campaign_step() {  # name, seconds it may take, command...: one line in campaign.jsonl
+    local name=$1 want=$2
+    shift 2
+    local left=$((campaign_end - $(date +%s) - 5))
+    local box=$((want < left ? want : left))
+    if [ "$box" -lt 15 ]; then
+        echo "{\"campaign_step\": \"$name\", \"status\": \"no-time\", \"left_s\": $left, \"dry_run\": $dry_json}" \
+            | tee -a "$RESULTS/campaign.jsonl"
+        return 0
+    fi
+    local t0 rc
+    t0=$(date +%s)
+    set +e
+    # bash -c: timeout runs programs, and the steps are exported functions; it signals the whole
+    # process group, so a hung pytest or torchrun child goes with it
+    timeout -k 10 "$box" bash -c '"$@"' campaign "$@" >"$RESULTS/campaign-$name.log" 2>&1
+    rc=$?
+    set -e
+    tail -n 5 "$RESULTS/campaign-$name.log"
+    echo "{\"campaign_step\": \"$name\", \"rc\": $rc, \"timed_out\": $([ $rc -eq 124 ] || [ $rc -eq 137 ] && echo true || echo false), \"seconds\": $(($(date +%s) - t0)), \"box_s\": $box, \"dry_run\": $dry_json}" \
+        | tee -a "$RESULTS/campaign.jsonl"
+}
+
+campaign_tests() {
+    "$PYTHON" -m pytest -q -rs -o faulthandler_timeout=120 --basetemp "$SCRATCH/tierwise-pytest/campaign" \
+        --junitxml "$RESULTS/cuda-tests-junit.xml" -m cuda $cuda_test_files
+    local rc=$?
+    "$PYTHON" "$ROOT/bench/gpu/junit_summary.py" "$RESULTS/cuda-tests-junit.xml" --name cuda-tests --rc "$rc" \
+        >>"$RESULTS/cuda-tests.jsonl"
+    return "$rc"
+}
+
+campaign_train() {  # device: cuda, or cpu for the rehearsal (gloo)
+    rm -rf "$SCRATCH/tierwise-campaign-nvme" "$RESULTS/campaign-train"
+    mkdir -p "$SCRATCH/tierwise-campaign-nvme"
+    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 -m tierwise.cli train \
+        --device "$1" --steps 30 --clip 1.0 --param-placement host --optimizer-placement nvme \
+        --nvme-path "$SCRATCH/tierwise-campaign-nvme" --sample-tokens 0 --json --out "$RESULTS/campaign-train"
+}
+
+export -f campaign_tests campaign_train
+export PYTHON ROOT RESULTS SCRATCH cuda_test_files
+
 case $mode in
     env) ;;
+    campaign)
+        dry=0
+        if [ "${1:-}" = --dry-run ]; then
+            dry=1
+            shift
+        fi
+        dry_json=$([ $dry = 1 ] && echo true || echo false)
+        campaign_end=$((started + ${CAMPAIGN_BUDGET_S:-480}))
+        if [ $dry = 0 ] && ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+            echo "run.sh campaign: torch.cuda.is_available() is False; rehearse with --dry-run" >&2
+            exit 1
+        fi
+        smoke=$([ $dry = 1 ] && echo --smoke || true)
+        device=$([ $dry = 1 ] && echo cpu || echo cuda)
+        campaign_step cuda-tests 150 campaign_tests
+        campaign_step train 120 campaign_train "$device"
+        left=$((campaign_end - $(date +%s) - 10))
+        campaign_step 4b $((left * 2 / 3)) "$PYTHON" bench/gpu/compare.py --group 4b $smoke --budget-s $((left * 2 / 3 - 15))
+        left=$((campaign_end - $(date +%s) - 10))
+        campaign_step 1.3b "$left" "$PYTHON" bench/gpu/compare.py --group 1.3b $smoke --budget-s $((left - 15))
+        echo "run.sh campaign: $(($(date +%s) - started)) s in all; results in $RESULTS"
+        ;;
     tests)
         # a GPU machine whose torch sees no GPU would skip every case: that is a failure there
         if command -v nvidia-smi >/dev/null && ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
             echo "run.sh tests: nvidia-smi is here but torch.cuda.is_available() is False; the CUDA cases would all skip" >&2
             exit 1
         fi
-        run_pytest cuda-tests -m cuda tests/cuda tests/nvme/test_device_memory.py "$@" ;;
+        run_pytest cuda-tests -m cuda $cuda_test_files "$@" ;;
     suite) run_pytest suite tests "$@" ;;
     smoke) "$PYTHON" bench/gpu/compare.py --group smoke --smoke --budget-s 500 "$@" ;;
     bench)

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import tierwise
 import torch
-from helpers.fake_nccl import RecordingNCCL
+from helpers.fake_nccl import FAKE_DEVICE, RecordingNCCL
 from helpers.models import tiny_batch, tiny_model
 from helpers.multiproc import run_ranks
 
@@ -89,3 +89,38 @@ def test_control_data_goes_up_once_and_is_read_once_per_due_point():
         assert losses == real[0]
         for name, value in real[1].items():
             assert torch.equal(params[name], value), name
+
+
+def test_uploads_go_through_counted_page_locked_buffers_kept_until_their_copy_is_done(
+    monkeypatch,
+):
+    """The upload half of ``control_data_buffers`` ([Note: reused page-locked buffers]): control
+    data goes up to a group's device from a page-locked buffer of the ledger's pool (locked over
+    exactly its page: the fake cudart records it), never from a fresh pageable tensor; a buffer
+    whose copy's event is still pending is not lent to the next upload, and once it is done it
+    is lent again instead of locking more. Budget: one upload per call, two buffers here (one
+    pending while the next goes up), no more however many uploads follow."""
+    from helpers.fake_cudart import install_fake_cudart
+    from tierwise.parallel.collectives import Collectives
+    from tierwise.tiers.arena import PAGE
+
+    cudart = install_fake_cudart(monkeypatch)
+    fake = RecordingNCCL()
+    with fake.installed():
+        collectives = Collectives(torch.device("cuda", 0))  # page-locked control buffers
+        pool = collectives.control_buffers.pool
+        fake.events_pending = True
+        first = collectives.upload([1, 0, 1], torch.int64, group=None)
+        second = collectives.upload([7, 8], torch.int64, group=None)  # the first still in flight
+        assert first.tolist() == [1, 0, 1] and second.tolist() == [7, 8]
+        assert fake.is_on(first, FAKE_DEVICE) and fake.is_on(second, FAKE_DEVICE)
+        sources = fake.moved_from[:]
+        assert sources[0] != sources[1], "a buffer lent again while its copy was in flight"
+        assert pool.bytes == cudart.registered_bytes == 2 * PAGE
+        fake.complete_events()
+        fake.events_pending = False
+        for round_ in range(4):
+            assert collectives.upload([round_] * 5, torch.int64, None).tolist() == [round_] * 5
+        assert set(fake.moved_from[2:]) <= set(sources)  # reused, nothing new locked
+        assert pool.bytes == pool.peak_bytes == cudart.registered_bytes == 2 * PAGE
+        assert [kind for _, kind, _, _ in fake.transfers] == ["up"] * 6

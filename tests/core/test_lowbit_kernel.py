@@ -1,11 +1,12 @@
-"""The compiled int8 kernels and the fused low-bit update ([Note: compiled int8 kernels],
-[Note: fused low-bit update]) give bitwise what the torch ops and the whole-shard way give."""
+"""The compiled int8 kernels, the fused low-bit update and the one-pass int8 Adam ([Note:
+compiled int8 kernels], [Note: fused low-bit update], [Note: int8 Adam in one pass]) give
+bitwise what the torch ops, torch's fused AdamW and the whole-shard way give."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tierwise.optim import AdamHyper, adam_update_ranges, lowbit_kernel
+from tierwise.optim import AdamHyper, adam_update_ranges, lowbit_kernel, lowbit_update
 from tierwise.optim import state_formats as formats
 from tierwise.precision import QUANT_BLOCK
 
@@ -80,7 +81,7 @@ def _whole_shard_update(states, grad, numel, spans, hyper, optimizer_states):
 def test_fused_pieces_match_whole_shard_update(monkeypatch, optimizer_states, compiled):
     if compiled and lowbit_kernel.load() is None:
         pytest.skip("no C compiler")
-    monkeypatch.setattr(formats, "FUSED_PIECE", 4 * QUANT_BLOCK)  # many pieces, a ragged end
+    monkeypatch.setattr(lowbit_update, "FUSED_PIECE", 4 * QUANT_BLOCK)  # many pieces, a ragged end
     numel = 17 * QUANT_BLOCK + 77
     spans = [(10, 900), (1500, 1600), (3000, numel)]  # gaps: pieces and blocks left alone
     hyper = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
@@ -98,19 +99,18 @@ def test_fused_pieces_match_whole_shard_update(monkeypatch, optimizer_states, co
     if not compiled:
         _torch_ops(monkeypatch)
 
-    def update(master, m, v, lo, hi):
-        inside = [(max(a, lo) - lo, min(b, hi) - lo, 3) for a, b in spans if a < hi and b > lo]
-        adam_update_ranges(
-            master=master[lo:hi],
-            grad=grad[lo:hi],
-            exp_avg=m,
-            exp_avg_sq=v,
-            ranges=inside,
+    def update(master, moments, lo, hi):
+        inside = [(max(a, lo), min(b, hi)) for a, b in spans if a < hi and b > lo]
+        moments.adam(
+            masters=[master[a:b] for a, b in inside],
+            grads=[grad[a:b] for a, b in inside],
+            starts=[a for a, _ in inside],
+            steps=[3] * len(inside),
             hyper=hyper,
         )
 
     finished = []
-    run = formats.LowBitMoments(optimizer_states).around(
+    run = lowbit_update.LowBitMoments(optimizer_states).around(
         update, numel=numel, spans=spans, finish=finished.append
     )
     run(ours)
@@ -122,3 +122,112 @@ def test_fused_pieces_match_whole_shard_update(monkeypatch, optimizer_states, co
     for a, b in zip(ours, ref, strict=True):
         assert torch.equal(_bits(a), _bits(b))
     assert not torch.equal(ours[0], master)  # the update did run
+
+
+def _awkward(n: int, gen: torch.Generator, scale: float) -> torch.Tensor:
+    """Random values with zeros, denormals, huge values and a few NaN-free extremes."""
+    x = torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 8 * scale
+    x[::17] = 0.0
+    x[5::19] = 1e-41  # denormal
+    x[7::23] = -3e-39
+    x[11::29] = 3e33 * scale
+    x[13::31] = -0.0
+    return x
+
+
+def _ragged(numel: int, gen: torch.Generator) -> list[tuple[int, int, int]]:
+    """(start, end, step): tensors of odd lengths, gaps between some, different step counts."""
+    out, at = [], 3
+    while at < numel:
+        end = min(numel, at + int(torch.randint(1, 700, (1,), generator=gen)))
+        if bool(torch.rand(1, generator=gen) < 0.8):
+            out.append((at, end, int(torch.randint(1, 5, (1,), generator=gen))))
+        at = end + int(torch.randint(0, 3, (1,), generator=gen)) * 37
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_one_pass_int8_adam_matches_torch_fused_adamw(
+    monkeypatch, decoupled, weight_decay, threads
+):
+    """[Note: int8 Adam in one pass] against the pieces way (decode with torch ops, torch's
+    fused Adam(W), encode with torch ops), three steps, on ragged tensors with their own
+    step counts and awkward values; blocks split between threads or not."""
+    numel = 23 * QUANT_BLOCK + 101
+    gen = torch.Generator().manual_seed(int(decoupled) * 10 + int(weight_decay * 100) + threads)
+    fmts = formats.moment_formats("int8")
+    master = _awkward(numel, gen, 1.0)
+    stored = [
+        fmts[0].encoded(_awkward(numel, gen, 1e-2)),
+        fmts[1].encoded(_awkward(numel, gen, 1e-4).abs()),
+    ]
+    ours = [master.clone(), *(s.clone() for s in stored)]
+    ref = [master.clone(), *(s.clone() for s in stored)]
+    hyper = AdamHyper(
+        lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay, decoupled=decoupled
+    )
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in range(3):
+            grad = _awkward(numel, gen, 1.0)
+            tensors = _ragged(numel, gen)
+            spans = [(a, b) for a, b, _ in tensors]
+
+            def update(master, moments, lo, hi, grad=grad, tensors=tensors, step=step):
+                inside = [(max(a, lo), min(b, hi), s) for a, b, s in tensors if a < hi and b > lo]
+                moments.adam(
+                    masters=[master[a:b] for a, b, _ in inside],
+                    grads=[grad[a:b] for a, b, _ in inside],
+                    starts=[a for a, _, _ in inside],
+                    steps=[s + step for _, _, s in inside],
+                    hyper=hyper,
+                )
+
+            lowbit_update.LowBitMoments("int8").around(update, numel=numel, spans=spans)(ours)
+            with monkeypatch.context() as m:
+                _torch_ops(m)
+                lowbit_update.LowBitMoments("int8").around(update, numel=numel, spans=spans)(ref)
+            # a master turned NaN may have another sign ([Note: int8 Adam in one pass])
+            assert lowbit_kernel.same_bits(ours[0], ref[0]), f"step {step}"
+            for a, b in zip(ours[1:], ref[1:], strict=True):
+                assert torch.equal(a, b), f"step {step}"
+    finally:
+        torch.set_num_threads(saved_threads)
+    assert not torch.equal(ours[0], master)
+
+
+@needs_kernel
+def test_one_pass_int8_adam_is_torchs_kernel_on_decoded_moments():
+    """The one-pass update equals torch's fused AdamW run directly on the decoded moments
+    (every element updated, one tensor, an odd length: torch's vector loop and its scalar
+    remainder both), then encoded: the arithmetic is torch's, not only the pieces way's."""
+    numel = 9 * QUANT_BLOCK - 3
+    gen = torch.Generator().manual_seed(7)
+    fmts = formats.moment_formats("int8")
+    master = _awkward(numel, gen, 1.0)
+    grad = _awkward(numel, gen, 1.0)
+    stored = [
+        fmts[0].encoded(_awkward(numel, gen, 1e-2)),
+        fmts[1].encoded(_awkward(numel, gen, 1e-4).abs()),
+    ]
+    ours = [master.clone(), *(s.clone() for s in stored)]
+    hyper = AdamHyper(lr=1e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, decoupled=True)
+
+    def update(master, moments, lo, hi):
+        moments.adam(masters=[master], grads=[grad], starts=[0], steps=[4], hyper=hyper)
+
+    lowbit_update.LowBitMoments("int8").around(update, numel=numel, spans=[(0, numel)])(ours)
+
+    m, v = (f.decoded(s, numel).clone() for f, s in zip(fmts, stored, strict=True))
+    ref_master = master.clone()
+    torch._fused_adamw_(
+        [ref_master], [grad.clone()], [m], [v], [], [torch.tensor(4.0)],
+        lr=1e-2, beta1=0.8, beta2=0.99, weight_decay=0.1, eps=1e-6, amsgrad=False, maximize=False,
+    )  # fmt: skip
+    assert torch.equal(_bits(ours[0]), _bits(ref_master))
+    for f, s, values in zip(fmts, ours[1:], (m, v), strict=True):
+        assert torch.equal(s, f.encoded(values))

@@ -161,3 +161,66 @@ def test_relayout_returns_what_it_did_and_the_engine_applies_it():
     again = relayout(engine.layout_parts(), order, before_move=lambda: calls.append("again"))
     assert again.moved == [] and calls == ["moved"]  # the layout is that order already
     engine.close()
+
+
+def _opt(plan: dict, **config):
+    model = tiny_model("opt")  # defines final_layer_norm before its layers: re-packed
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    model, opt = tierwise.setup(model, opt, device="cpu", precision="fp32", **plan, **config)
+    return model, opt, tierwise.engine_of(model)
+
+
+def _largest_shard(engine) -> int:
+    return max(c.shard_size for c in engine.chunks())
+
+
+def test_re_packing_holds_one_new_chunk_and_one_old_chunk_of_host_memory():
+    """[Note: re-packing holds host memory]: with room for the new slabs beside the old ones,
+    a kind is re-packed a new chunk at a time: the host holds one new fp32 shard and one old
+    fp32 shard read (unsharded), reserved in the host tier while it runs; training is exact."""
+    model, opt, engine = _opt(HOST)
+    before, old_largest = layout(model), _largest_shard(engine)
+    losses = train(model, opt, 3)
+    assert layout(model) != before and engine.layout_note is None  # re-packed
+    held = engine.stats()["memory"]["relayout_buffers"]
+    assert held["peak_bytes"] == 4 * (_largest_shard(engine) + old_largest)
+    assert held["bytes"] == 0 and held["within"] == "host"
+    assert engine.tiers["host"].peak_bytes >= held["peak_bytes"]
+    assert losses == run_reference("opt", 3)[0]
+    engine.close()
+
+
+def test_re_packing_without_room_beside_the_old_slabs_holds_the_kind_whole():
+    """Device tier budget with room for the new layout but not for a kind's new slabs beside
+    its old ones: each kind's new shards are built in host memory before the old slabs go (all
+    new fp32 shards plus one old shard read), counted; training is exact."""
+    model, opt, engine = _opt(dict(param_placement="device", optimizer_placement="device"))
+    model_order, old_largest = layout(model), _largest_shard(engine)
+    device = engine.tiers["device"]
+    device.budget = device.used_bytes + 4 * old_largest  # the padding may differ, not a kind
+    losses = train(model, opt, 3)
+    assert layout(model) != model_order and engine.layout_note is None
+    whole = sum(c.shard_size for c in engine.chunks())
+    assert engine.stats()["memory"]["relayout_buffers"]["peak_bytes"] == 4 * (whole + old_largest)
+    assert device.peak_bytes <= device.budget
+    assert losses == run_reference("opt", 3)[0]
+    engine.close()
+
+
+def test_a_host_budget_without_room_for_re_packing_keeps_the_layout_with_a_note():
+    """A host budget with room for the model data but not for a kind's re-packing buffers:
+    the group keeps its setup layout, the note says how much it needed, and the host tier
+    never went over its budget; training is exact."""
+    _, _, engine = _opt(HOST)
+    data, largest = engine.tiers["host"].used_bytes, _largest_shard(engine)
+    engine.close()
+    model, opt, engine = _opt(HOST, host_memory=data + 2 * 4 * largest)
+    before = layout(model)
+    losses = train(model, opt, 3)
+    assert layout(model) == before
+    note = engine.layout_note
+    assert "re-packing its" in note and "host tier has room for" in note, note
+    assert engine.tiers["host"].peak_bytes <= engine.tiers["host"].budget
+    assert engine.stats()["memory"]["relayout_buffers"]["peak_bytes"] == 0
+    assert losses == run_reference("opt", 3)[0]
+    engine.close()

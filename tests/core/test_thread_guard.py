@@ -3,7 +3,9 @@ only. The device tier's memory stands in for device memory (tests/helpers/thread
 the guard fails when a thread other than the main one reads or writes it, over host-resident
 updates run in backward (kept, under clipping, rolled back), fp16 (an overflow rolls back) and
 after-backward steps. Each case also checks the steps ran where it says (the worker ran), and
-that the results are bitwise those of the after-backward run."""
+that the results are bitwise those of the after-backward run, and that the engine's copies of
+the workers' new values into the device homes (``DeviceTier.write``) do not block: [Note:
+writes from host memory]; budget: 0 blocking copies, at least one copy per step."""
 
 from __future__ import annotations
 
@@ -46,14 +48,36 @@ def run(precision, overlap, *, clips=(), overflow_at=(), guard=None):
     return losses, modes, params, busy
 
 
+def count_writes_into_device(guard, monkeypatch) -> dict:
+    """Counts the copies ``DeviceTier.write`` makes from host memory into device memory (the
+    device tier's, on a CPU), by whether they block (``non_blocking`` not set)."""
+    import sys
+
+    counts = {"blocking": 0, "queued": 0}
+    original = torch.Tensor.copy_
+
+    def counted(target, src, *args, **kwargs):
+        caller = sys._getframe(1).f_code
+        if caller.co_name == "write" and caller.co_filename.endswith("tiers/memory.py"):
+            if guard.is_device(target) and not guard.is_device(src):
+                non_blocking = kwargs.get("non_blocking", args[0] if args else False)
+                counts["queued" if non_blocking else "blocking"] += 1
+        return original(target, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counted)
+    return counts
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_worker_threads_touch_no_device_memory(case, monkeypatch):
     precision, clips, overflow_at, modes = CASES[case]
     guard = ThreadGuard().install(monkeypatch)
+    writes = count_writes_into_device(guard, monkeypatch)
     losses, got_modes, params, busy = run(
         precision, "in-backward", clips=clips, overflow_at=overflow_at
     )
     assert guard.violations == [], "\n".join(guard.violations[:5])
+    assert writes["blocking"] == 0 and writes["queued"] >= 3, writes
     assert busy > 0 and guard.worker_calls > 0, "the host worker never ran"
     if modes is not None:
         assert got_modes == modes

@@ -116,3 +116,89 @@ def test_home_writes_use_no_pinned_memory_outside_the_ledger(device, monkeypatch
     assert cached_pins == []
     assert entry["pinned"] and peaks[1] > 0
     assert peaks[-1] == peaks[1]  # reused: the peak does not grow
+
+
+@pytest.mark.parametrize("device", ONLY_CUDA)
+def test_uploads_are_queued_and_their_host_buffers_kept_until_the_landing(device):
+    """The reducer's host-to-device copies (a launch from host staging, a late buffer, a
+    ``no_sync`` sum: [Note: reduced gradients land per due point]) are queued behind work still
+    running on the stream and return at once; the host buffer's give-back waits for the
+    landing, whose one wait covers them; then the device holds the values, bitwise."""
+    gen = torch.Generator().manual_seed(1)
+    sources = [
+        _pinned(4096, torch.float32).copy_(torch.randn(4096, generator=gen)) for _ in range(3)
+    ]
+    targets = [torch.empty(4096, device=device) for _ in range(3)]
+    given_back = []
+    writes = HostWrites(
+        scratch=lambda numel: _pinned(numel, torch.float32), give_back=lambda buffer: None
+    )
+    torch.cuda._sleep(BUSY_CYCLES)
+    for i, (target, source) in enumerate(zip(targets, sources, strict=True)):
+        assert writes.upload(target, source, then=lambda i=i: given_back.append(i)) is target
+    assert writes.pending and writes.waits == 0 and given_back == []
+    writes.land()
+    assert writes.waits == 1 and not writes.pending and given_back == [0, 1, 2]
+    for target, source in zip(targets, sources, strict=True):
+        assert torch.equal(target.cpu(), source)
+
+
+@pytest.mark.parametrize("device", ONLY_CUDA)
+def test_device_home_writes_are_queued_and_their_values_kept_until_done(device):
+    """[Note: writes from host memory]: a device home's new values in a page-locked buffer are
+    copied without blocking (``DeviceTier.write``): the flush returns while the copy waits behind
+    work on the stream, so the buffer is not lent again for the next values; once the copy is
+    done it is, and the home holds what was written, bitwise. Before, the copy blocked and the
+    buffer was lent again at once."""
+    from tierwise.config import Config
+    from tierwise.runtime.step.home_writes import HomeWrites
+    from tierwise.tiers.base import PayloadKind
+    from tierwise.tiers.memory import DeviceTier
+
+    cuda = torch.device(device, torch.cuda.current_device())
+    tier = DeviceTier(device=cuda, budget=None, config=Config(device=device))
+    home = tier.allocate(4096, torch.bfloat16, kind=PayloadKind.PARAM_CHUNK)
+    writes = HomeWrites(pinned=True)
+    master = torch.randn(4096, generator=torch.Generator().manual_seed(2))
+    values = writes.host_values(master, torch.bfloat16)
+    torch.cuda._sleep(BUSY_CYCLES)
+    writes.post(home, values)
+    writes.flush()
+    again = writes.host_values(master * 2, torch.bfloat16)
+    assert again.data_ptr() != values.data_ptr(), "lent again while its copy was queued"
+    torch.cuda.synchronize()
+    assert torch.equal(home.tensor.cpu(), master.to(torch.bfloat16))
+    writes.post(home, again)
+    writes.flush()  # the first copy is done: its buffer goes back
+    torch.cuda.synchronize()
+    writes.flush()
+    assert torch.equal(home.tensor.cpu(), (master * 2).to(torch.bfloat16))
+    third = writes.host_values(master, torch.bfloat16)
+    assert third.data_ptr() in (values.data_ptr(), again.data_ptr())  # reused, none locked
+    tier.release(home)
+
+
+@pytest.mark.parametrize("device", ONLY_CUDA)
+def test_control_uploads_reuse_one_counted_page_locked_buffer(device, monkeypatch):
+    """The upload half of ``control_data_buffers``: control data goes up from a page-locked
+    buffer of the pool, kept while its copy is queued and lent again once it is done."""
+    from tierwise.parallel import collectives as layer
+
+    cuda = torch.device(device, torch.cuda.current_device())
+
+    class OnTheGPU(layer.TorchDistributed):
+        def device(self, group, compute):
+            return cuda
+
+    monkeypatch.setattr(layer, "BACKEND", OnTheGPU())
+    collectives = Collectives(cuda)
+    pool = collectives.control_buffers.pool
+    torch.cuda._sleep(BUSY_CYCLES)
+    first = collectives.upload([1, 0, 1], torch.int64, None)
+    second = collectives.upload([7, 8], torch.int64, None)  # the first copy still queued
+    assert pool.bytes == 2 * PAGE
+    torch.cuda.synchronize()
+    for round_ in range(4):
+        assert collectives.upload([round_] * 5, torch.int64, None).tolist() == [round_] * 5
+    assert first.tolist() == [1, 0, 1] and second.tolist() == [7, 8]
+    assert pool.pinned and pool.bytes == pool.peak_bytes == 2 * PAGE

@@ -22,8 +22,27 @@ FAKE_DEVICE = torch.device("meta")
 """The device the fake's groups take tensors on (a marker: no tensor computes there)."""
 
 
+class FakeEvent:
+    """An event of the fake device's stream: done when the fake says (``complete_events``)."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
 class RecordingNCCL(collectives.TorchDistributed):
     def __init__(self) -> None:
+        self.events_pending = False
+        """Whether events recorded from now on stay pending until ``complete_events``
+        (default: done at once, as on an idle stream)."""
+        self.events: list[FakeEvent] = []
+        self.moved_from: list[int] = []
+        """Data addresses of the host tensors ``move`` copied up, in order."""
         self._on_device: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._current: torch.device | None = None
         self.phase = "setup"
@@ -54,6 +73,7 @@ class RecordingNCCL(collectives.TorchDistributed):
     def move(self, tensor, device):
         assert device == FAKE_DEVICE, device
         self.transfers.append((self.phase, "up", tensor.dtype, tensor.numel()))
+        self.moved_from.append(tensor.data_ptr())
         copy = tensor.detach().clone()
         self._on_device[id(copy)] = copy
         return copy
@@ -63,6 +83,15 @@ class RecordingNCCL(collectives.TorchDistributed):
         out = torch.empty_like(tensor, device="cpu")
         self._on_device[id(out)] = out
         return out
+
+    def record_event(self, device):
+        assert device == FAKE_DEVICE, device
+        self.events.append(FakeEvent(done=not self.events_pending))
+        return self.events[-1]
+
+    def complete_events(self) -> None:
+        for event in self.events:
+            event.done = True
 
     def is_on(self, tensor, device):
         return device == FAKE_DEVICE and self._on_device.get(id(tensor)) is tensor

@@ -52,7 +52,44 @@ LLAMA_3_1_ROPE = {
     "original_max_position_embeddings": 8192,
     "rope_type": "llama3",
 }
+LLAMA_3_2_ROPE = {**LLAMA_3_1_ROPE, "factor": 32.0}
 PUBLISHED_CONFIG_JSON = {
+    # huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json
+    ("llama", "1b"): dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA_3_2_ROPE,
+        rms_norm_eps=1e-05,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=True,
+    ),
+    # huggingface.co/meta-llama/Llama-3.2-3B/blob/main/config.json
+    ("llama", "3b"): dict(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA_3_2_ROPE,
+        rms_norm_eps=1e-05,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=True,
+    ),
     # huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json
     ("llama", "8b"): dict(
         hidden_size=4096,

@@ -54,3 +54,32 @@ def test_nvme_homes_export_the_bytes_host_homes_export(nvme_dir):
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
         for name, value in written.items():
             assert torch.equal(value, state[name].to(torch_dtype)), name
+
+
+def test_a_bf16_export_from_nvme_reads_the_homes_half_the_bytes(nvme_dir):
+    """[Note: exporting from the home]: bf16 shards from NVMe homes read the bf16 homes, not
+    the fp32 masters (bitwise the same values: the test above), so the disk reads half."""
+    model = _managed("nvme", nvme_dir, trained=True)
+    tier = tierwise.engine_of(model).tiers["nvme"]
+    read = {}
+    for dtype in ("fp32", "bf16"):
+        before = tier.moved_bytes["nvme->host"]
+        save_pretrained(model, nvme_dir / f"out-{dtype}", dtype=dtype, max_shard_size=20_000)
+        read[dtype] = tier.moved_bytes["nvme->host"] - before
+    assert 0 < read["bf16"] <= read["fp32"] / 2
+
+
+def test_a_bf16_export_while_gradients_are_pending_writes_the_masters(nvme_dir):
+    """Between backward and the update an export still writes the parameters (the masters
+    converted), whichever payload holds the gradients meanwhile."""
+    model = _managed("nvme", nvme_dir, trained=True)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(2))
+    model(input_ids=ids, labels=ids).loss.backward()  # no step: gradients pending
+    out = save_pretrained(model, nvme_dir / "pending", dtype="bf16", max_shard_size=20_000)
+    written = {}
+    for file in out.glob("model-*.safetensors"):
+        written.update(safetensors.torch.load_file(file))
+    state = model.state_dict()
+    assert written
+    for name, value in written.items():
+        assert torch.equal(value, state[name].to(torch.bfloat16)), name

@@ -69,6 +69,11 @@ LLAMA_3_1: dict[str, Any] = dict(
 """What Llama 3.1's config.json sets besides the shape, alike in 8B and 70B: the rotary base and
 its long-context scaling, 128k positions (rotary: no parameters), the norm epsilon."""
 
+LLAMA_3_2: dict[str, Any] = dict(
+    LLAMA_3_1, rope_scaling=dict(LLAMA_3_1["rope_scaling"], factor=32.0)
+)
+"""Llama 3.2 1B and 3B: Llama 3.1's settings with the rotary scaling factor 32 instead of 8."""
+
 FAMILY_SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "gpt2": {  # the released sizes, then Elixir's GPT-2 sizes (4B..20B)
         "medium": dict(n_embd=1024, n_layer=24, n_head=16),
@@ -103,6 +108,7 @@ FAMILY_SIZES: dict[str, dict[str, dict[str, Any]]] = {
             num_attention_heads=32,
             num_key_value_heads=8,
             tie_word_embeddings=True,
+            **LLAMA_3_2,
         ),
         "3b": dict(
             hidden_size=3072,
@@ -111,6 +117,7 @@ FAMILY_SIZES: dict[str, dict[str, dict[str, Any]]] = {
             num_attention_heads=24,
             num_key_value_heads=8,
             tie_word_embeddings=True,
+            **LLAMA_3_2,
         ),
         "8b": dict(
             hidden_size=4096,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tierwise.chunks.grad_state import GradState
 from tierwise.chunks.io import gather_chunk, read_slab, write_slab
 from tierwise.weights.read_ahead import read_ahead
 
@@ -45,9 +46,13 @@ def iter_full_state(
     pool: Executor | None = None,
     ahead_bytes: int = 0,
     copy: bool = True,
+    wanted_dtype: torch.dtype | None = None,
 ):
     """Yield ``(names, value)`` per distinct parameter (its name then its tied aliases, its full
-    fp32 master value), one chunk at a time. With ``pool``, the next chunk's shard is read on it
+    fp32 master value), one chunk at a time. With ``wanted_dtype`` (a writer that stores that
+    dtype), a chunk whose master is on a storage tier and whose home holds its parameters in
+    that dtype yields the home's values instead: bitwise the master converted, for half the
+    bytes read in bf16 ([Note: exporting from the home]). With ``pool``, the next chunk's shard is read on it
     while this one is used when its fp32 bytes are at most ``ahead_bytes`` and its home is on
     the host or a storage tier ([Note: pipelined export]); without ``copy`` the values are views
     of the gathered chunk (a writer that keeps them until written holds the chunk meanwhile).
@@ -66,12 +71,14 @@ def iter_full_state(
     chunks = [c for c in engine.chunks() if c.trainable or not trainable_only]
 
     def source(chunk):
-        return chunk.optim.master if chunk.optim is not None else chunk.home
+        if chunk.optim is None or _home_is_the_values(engine, chunk, wanted_dtype):
+            return chunk.home
+        return chunk.optim.master
 
     def off_thread(chunk) -> bool:  # workers touch host memory only
         slab = source(chunk)
         on_host = slab.tensor is None or slab.tensor.device.type == "cpu"
-        return on_host and slab.numel * 4 <= ahead_bytes
+        return on_host and slab.numel * 4 <= ahead_bytes  # fp32: what ``read`` returns
 
     def read(chunk) -> torch.Tensor:
         slab = source(chunk)
@@ -79,8 +86,10 @@ def iter_full_state(
         used = max((s.offset + s.numel for s in chunk.slots), default=0)
         numel = slab.numel if chunk.group.sharded else min(slab.numel, used)
         if not copy and slab.tensor is not None:  # views of the payload itself: no copy
-            return slab.tensor.detach()[:numel].float()
-        return read_slab(slab, numel).float()
+            values = slab.tensor.detach()[:numel]
+        else:
+            values = read_slab(slab, numel)
+        return values if values.dtype == wanted_dtype else values.float()
 
     shards = read_ahead(pool, read, chunks, may_read_ahead=off_thread)
     for chunk, shard in zip(chunks, shards, strict=True):
@@ -95,6 +104,29 @@ def iter_full_state(
                 value = pattern.full_tensor(slot.name, slot.param, value)
             yield (slot.name, *aliases.get(slot.name, ())), value
         del full
+
+
+# [Note: exporting from the home]
+# Every value a chunk's home holds is written as ``master.to(home dtype)`` ([Note: gradients in
+# the parameter payload]), so a writer storing the home's dtype gets bitwise the same bytes
+# from the home as from the master converted. When the master is on a storage tier (NVMe), the
+# home is read instead: a bf16 export from NVMe homes reads 2 bytes per parameter, not 4. Only
+# while the chunk has no gradient since zero_grad (after a backward the home may hold
+# gradients, or a speculative update may have moved the master ahead of it: [Note:
+# speculative updates]); and not when the master is in memory (reading it costs no disk).
+
+
+def _home_is_the_values(engine: Engine, chunk, wanted_dtype: torch.dtype | None) -> bool:
+    """Whether ``chunk``'s home gives a ``wanted_dtype`` writer its values ([Note: exporting
+    from the home])."""
+    master = chunk.optim.master
+    return (
+        wanted_dtype is not None
+        and chunk.home is not master
+        and chunk.home.dtype == wanted_dtype
+        and master.tensor is None  # on a storage tier
+        and engine.grad_states.of(chunk) is GradState.EMPTY
+    )
 
 
 def load_full_state(

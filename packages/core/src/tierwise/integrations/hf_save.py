@@ -108,7 +108,12 @@ def save_pretrained(
             )
         with ThreadPoolExecutor(1, thread_name_prefix="tierwise-save-read") as reader:
             values = iter_full_state(
-                engine, engine.patterns, pool=reader, ahead_bytes=ahead, copy=copy
+                engine,
+                engine.patterns,
+                pool=reader,
+                ahead_bytes=ahead,
+                copy=copy,
+                wanted_dtype=dtype,  # [Note: exporting from the home]
             )
             for (name, *_aliases), value in values:
                 if writer is not None:  # converted by the writer's workers

@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -121,9 +121,10 @@ def _code_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.cache
-def _on_device(signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
+def device_tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
     """(map, code at each bucket's lower end as uint8, the threshold inside each bucket (NaN:
-    none)) on ``device``, indexed by the top 16 bits of an fp32 value read as unsigned."""
+    none), the 256 thresholds by code (the last NaN)) on ``device``; the middle two indexed by
+    the top 16 bits of an fp32 value read as unsigned (``inside == thresholds[base]``)."""
     thresholds, base = _code_table(signed)
     # reorder from int16 order (-32768..32767) to uint16 order (0..65535)
     base = torch.cat([base[32768:], base[:32768]])
@@ -132,6 +133,7 @@ def _on_device(signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
         dynamic_map(signed).to(device),
         base.to(torch.uint8).to(device),
         inside.to(device),
+        thresholds.to(device),
     )
 
 
@@ -189,10 +191,10 @@ def quantize_blocks(
     by the compiled loop of [Note: compiled int8 kernels] when it is built. Block
     scale = largest magnitude (at least 1e-12), code = nearest entry of the signed or unsigned
     map to value / scale, rounded as torchao rounds ([Note: int8 code lookup])."""
-    _, base, inside = _on_device(signed, values.device)
+    _, base, inside, thresholds = device_tables(signed, values.device)
     kernel = lowbit_kernel.load()
     if kernel is not None and lowbit_kernel.usable(values, codes, scales):
-        lowbit_kernel.quantize(kernel, values, codes, scales, base, inside)
+        lowbit_kernel.quantize(kernel, values, codes, scales, base, thresholds)
         return
     for lo in range(0, values.numel(), QUANT_PIECE):
         hi = min(lo + QUANT_PIECE, values.numel())
@@ -216,7 +218,7 @@ def dequantize_blocks(
     codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, signed: bool
 ) -> None:
     """fp32 values of int8 ``codes`` with their blocks' ``scales`` into ``out``."""
-    qmap = _on_device(signed, codes.device)[0]
+    qmap = device_tables(signed, codes.device)[0]
     kernel = lowbit_kernel.load()
     if kernel is not None and lowbit_kernel.usable(codes, scales, out):
         lowbit_kernel.dequantize(kernel, codes, scales, out, qmap)
@@ -363,94 +365,10 @@ def moment_kind(optimizer_states: str) -> PayloadKind:
     return PayloadKind.LOWBIT_STATE
 
 
-Update = Callable[[list[torch.Tensor]], None]
-RangeUpdate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], None]
-"""``(master, exp_avg, exp_avg_sq, lo, hi)``: the fp32 update of elements ``lo:hi`` of a shard,
-given its whole fp32 master and the fp32 moments of those elements only."""
-
-FUSED_PIECE = 1 << 18
-"""Elements decoded, updated and encoded in one pass of a low-bit update ([Note: fused low-bit
-update]): a multiple of QUANT_BLOCK; the piece's fp32 moments, master and gradient (4 x 1 MiB)
-stay in the cache between the three steps, and the pieces are few enough that the kernel calls
-per piece cost little (at 64K elements they cost bf16 states more than they saved)."""
-
-# [Note: fused low-bit update]
-# A chunk with low-bit moments is updated a piece of FUSED_PIECE elements at a time: both
-# moments of the piece are decoded into two small per-thread fp32 buffers, the fused Adam(W)
-# kernel runs on the piece (``RangeUpdate``), and the piece is encoded back, before the next
-# piece is touched. Decoding the whole shard first (as before) streamed every fp32 moment
-# through main memory three times (decode, update, encode); in pieces the fp32 values never
-# leave the cache, and the buffers are small enough to stay resident. The arithmetic is the
-# same elementwise kernel on the same values and the same whole int8 blocks (pieces are
-# block-aligned), so the stored bytes are bitwise those of the whole-shard way. Pieces no
-# span touches are skipped: nothing in them changes ([Note: low-bit optimizer states]).
-
-
-class LowBitMoments:
-    """Runs fp32 updates on moments stored as ``optimizer_states`` ([Note: low-bit optimizer
-    states]): decodes them a piece at a time into per-thread fp32 buffers and encodes them back
-    ([Note: fused low-bit update])."""
-
-    def __init__(self, optimizer_states: str) -> None:
-        self.formats = moment_formats(optimizer_states)
-        self.exact = optimizer_states == "fp32"
-        """fp32 states: updates run on the stored tensors themselves (Invariant 2)."""
-        self.workspaces = WORKSPACES
-
-    def _buffers(self, numel: int, device: torch.device) -> list[torch.Tensor]:
-        """Two fp32 buffers of ``numel`` elements for this thread, reused until ``release``."""
-        return list(self.workspaces.get("decode", numel, (torch.float32,) * 2, device))
-
-    def release(self) -> None:
-        """The step is over: the decode and quantize workspaces give their memory back."""
-        self.workspaces.release()
-
-    def pools(self) -> list[MemoryPool]:
-        """The workspaces' ledger pools ([Note: the memory ledger])."""
-        return list(self.workspaces.pools.values())
-
-    def around(
-        self,
-        update: RangeUpdate,
-        *,
-        numel: int,
-        spans: Sequence[tuple[int, int]],
-        finish: Callable[[torch.Tensor], None] | None = None,
-    ) -> Update:
-        """An update that takes the stored (master, exp_avg, exp_avg_sq) of a shard of
-        ``numel`` elements: ``update`` runs on pieces with fp32 moments ([Note: fused low-bit
-        update]; fp32 states: once, on the stored tensors), then ``finish(master)``; ``spans``
-        are the element ranges ``update`` changes."""
-        formats = self.formats
-
-        def run(states: list[torch.Tensor]) -> None:
-            master, *stored = states
-            if self.exact:
-                update(master, stored[0], stored[1], 0, numel)
-            else:
-                for lo in range(0, numel, FUSED_PIECE):
-                    hi = min(lo + FUSED_PIECE, numel)
-                    inside = [(max(a, lo), min(b, hi)) for a, b in spans if a < hi and b > lo]
-                    if not inside:
-                        continue
-                    padded = formats[0].padded_numel(hi - lo)
-                    decoded = self._buffers(padded, master.device)
-                    for fmt, moment, out in zip(formats, stored, decoded, strict=True):
-                        fmt.decode_range(moment, lo, out)
-                    update(master, decoded[0][: hi - lo], decoded[1][: hi - lo], lo, hi)
-                    local = [(a - lo, b - lo) for a, b in inside]
-                    for fmt, moment, out in zip(formats, stored, decoded, strict=True):
-                        fmt.encode_range(out, moment, lo, local)
-            if finish is not None:
-                finish(master)
-
-        return run
-
-
 __all__ = [
-    "FUSED_PIECE",
-    "LowBitMoments",
+    "WORKSPACES",
     "MomentFormat",
+    "device_tables",
     "decode_piece",
     "dequantize_blocks",
     "dynamic_map",

@@ -70,6 +70,10 @@ class TorchDistributed:
     def empty_like(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         return torch.empty_like(tensor, device=device)
 
+    def record_event(self, device: torch.device):
+        """An event recorded on ``device``'s current stream, after the work queued so far."""
+        return torch.accelerator.current_stream(device).record_event()
+
     def device_context(self, device: torch.device):
         return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -214,9 +218,10 @@ class Collectives:
 
     def upload(self, values: list, dtype: torch.dtype, group) -> torch.Tensor:
         """Small control data (flags, due points) on ``group``'s device, in one copy: [Note:
-        control data on the device]."""
+        control data on the device]. Off the host it goes up from a buffer of
+        ``control_buffers`` (page-locked on CUDA), lent again once the copy's event is done."""
         device, host = self.device_of(group), torch.tensor(values, dtype=dtype)
-        if device.type != "cuda":
+        if device.type == "cpu":
             return self._on(host, device)
         in_flight, self._uploads = self._uploads, []
         for event, buffer in in_flight:  # a buffer whose copy is done is free again
@@ -226,7 +231,7 @@ class Collectives:
                 self._uploads.append((event, buffer))
         staged = self.control_buffers.take(host.numel(), dtype, what="control data")
         out = self._on(staged.copy_(host), device)
-        self._uploads.append((torch.cuda.current_stream(device).record_event(), staged))
+        self._uploads.append((BACKEND.record_event(device), staged))
         return out
 
     def read_back(self, tensor: torch.Tensor, work=None) -> HostRead:

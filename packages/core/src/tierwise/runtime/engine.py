@@ -87,16 +87,15 @@ class Engine:
         """The profile the plan was made from ([Note: warm-up tracing] replaces its estimate)."""
         self.patterns = list(patterns)
         """The parallel patterns; checkpoints rebuild whole-model values through them."""
-        self.hardware = hardware
-        """What setup probed (re-layout reads the host memory from it)."""
+        self.hardware = hardware  # what setup probed (re-layout reads the host memory)
         self.dtype = compute_dtype(config.precision)
         self.device = torch.device(config.device)
         self.collectives = Collectives(self.device)  # [Note: collectives on the group's device]
         self.scaler = DynamicLossScaler() if config.precision == "fp16" else None
         self.index = ChunkIndex(groups, modules)
         self.grad_states = GradStates(self.index.chunks())
-        """Every chunk's gradient state ([Note: gradient lifecycle]): handed to the gradient
-        path and the optimizer step, the owners of its transitions; read by everyone else."""
+        """Every chunk's gradient state ([Note: gradient lifecycle]); the gradient path and the
+        optimizer step own its transitions."""
         self.traffic = Traffic()
         self.multi_rank = self.index.multi_rank
         self.phases = Phases(on_backward_end=self.end_backward)
@@ -119,8 +118,8 @@ class Engine:
             home_holds_grads=self.grad_states.home_holds_grads,
         )
         self.loads = self.residency.loads
-        self._relayout_checked = False
-        """The re-layout after warm-up ran, or a loaded checkpoint's layout made it moot."""
+        self._relayout_checked = False  # or a loaded checkpoint's layout made it moot
+        self.relayout_memory = MemoryPool("relayout_buffers", memory="host", within="host")
         self.access = ModuleAccess(
             index=self.index,
             residency=self.residency,
@@ -346,6 +345,7 @@ class Engine:
             host_memory=self.hardware.host_memory if self.hardware is not None else None,
             profile=self.profile,
             grad_states=self.grad_states,
+            memory=self.relayout_memory,
             recompute=(
                 may_recompute(self.config)
                 or self.plan.activation_checkpointing
@@ -444,7 +444,7 @@ class Engine:
         pools = [pool for tier in self.tiers.values() for pool in tier.memory_pools()]
         pools += [self.gradients.reducer.pool.host_memory, *self.optimizer.moments.pools()]
         pools += [self.optimizer.updates.home_writes.memory, self.collectives.control_buffers.pool]
-        pools += [self.grad_offload.memory] if self.grad_offload is not None else []
+        pools += [self.relayout_memory] + ([self.grad_offload.memory] if self.grad_offload else [])
         if self.activations is not None:
             pools += self.activations.memory_pools()
         return pools

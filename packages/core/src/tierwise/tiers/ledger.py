@@ -200,7 +200,10 @@ class ReusedBuffers:
                 if raw.dtype == dtype and raw.numel() >= numel:
                     del self._free[i]
                     return raw[:numel]  # a view: its ``_base`` keeps the buffer counted
-        return self.pool.empty(max(numel, 1), dtype, what=what)[:numel]
+        room = max(numel, 1)
+        if self.pool.pinned:  # its pages are locked and counted whole: lend them whole later
+            room = round_up(room * dtype.itemsize, PAGE) // dtype.itemsize
+        return self.pool.empty(room, dtype, what=what)[:numel]
 
     def give(self, buffer: torch.Tensor) -> None:
         """``buffer`` (from ``take``), whose copies are done, may be lent again."""

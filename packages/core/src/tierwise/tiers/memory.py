@@ -50,9 +50,18 @@ class MemoryTier(Tier):
     def write(
         self, slab: Slab, src: torch.Tensor, *, offset: int = 0, rest_is_padding: bool = False
     ) -> IOHandle:
+        """[Note: writes from host memory]
+        Values in host memory written into a slab on an accelerator (a device home's new values:
+        [Note: CUDA threading model]) are copied with ``non_blocking=True``: from page-locked
+        memory the copy is queued on the current stream and the host goes on; the handle's event
+        orders it (kernels wait for it, ``done`` asks it) and the handle keeps ``src`` alive.
+        Until ``done``, host code must not write ``src`` (``HomeWrites`` lends its buffer again
+        only then). From pageable memory CUDA stages the source before returning, so the flag
+        changes nothing there. Between two host tensors (a CPU run) the copy is synchronous."""
         target = slab.tensor[offset : offset + src.numel()]
-        target.copy_(src, non_blocking=self.pin)
-        return _copy_handle(src, target, non_blocking=self.pin)
+        non_blocking = self.pin or src.device.type == "cpu"
+        target.copy_(src, non_blocking=non_blocking)
+        return _copy_handle(src, target, non_blocking=non_blocking)
 
 
 class _CopyHandle(IOHandle):
@@ -65,8 +74,10 @@ class _CopyHandle(IOHandle):
     calling thread until the copy is done.
     """
 
-    def __init__(self, event, to_host: bool, device: torch.device):
+    def __init__(self, event, to_host: bool, device: torch.device, tensors: tuple = ()):
         self.event, self.to_host, self.device = event, to_host, device
+        self.tensors = tensors
+        """The copy's source and target, kept alive while the handle is."""
 
     def wait(self) -> None:
         if self.to_host:
@@ -83,7 +94,7 @@ def _copy_handle(src: torch.Tensor, dst: torch.Tensor, *, non_blocking: bool) ->
     if not non_blocking or accelerator is None:
         return DONE
     event = torch.accelerator.current_stream(accelerator).record_event()
-    return _CopyHandle(event, dst.device.type == "cpu", accelerator)
+    return _CopyHandle(event, dst.device.type == "cpu", accelerator, (src, dst))
 
 
 class DeviceTier(MemoryTier):

@@ -33,7 +33,7 @@ LEGEND = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderax
 TIER_COLOURS = {"device": "tab:blue", "host": "tab:orange", "nvme": "tab:green"}
 
 
-def _pyplot():
+def load_pyplot():
     """matplotlib's pyplot on the file-only backend, or None when matplotlib is missing."""
     try:
         import matplotlib
@@ -48,7 +48,7 @@ def _pyplot():
 def plot_training(path: Path, lines: Sequence[Mapping[str, Any]], *, title: str) -> str | None:
     """training.png: train loss and held-out loss (top), tokens/s (bottom) per optimizer step,
     from metrics.jsonl's ``lines``; return None, or a note saying why it was skipped."""
-    plt = _pyplot()
+    plt = load_pyplot()
     if plt is None:
         return f"{path.name} skipped: matplotlib is not installed (pip install 'tierwise[plot]')"
     train = [line for line in lines if line["kind"] == "train"]
@@ -96,7 +96,7 @@ def plot_memory(
     eval_lines: Sequence[Mapping[str, Any]] = (),
 ) -> str | None:
     """Write the figure to ``path``; return None, or a note saying why it was skipped."""
-    plt = _pyplot()
+    plt = load_pyplot()
     if plt is None:
         return "memory.png skipped: matplotlib is not installed (pip install 'tierwise[plot]')"
     if trace is None or not trace.samples:

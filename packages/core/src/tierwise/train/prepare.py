@@ -26,14 +26,17 @@ from tierwise.plan import PlanError
 from tierwise.planning import totals
 from tierwise.plugins import get_plugin_host
 from tierwise.tiers import TierBudgetError
+from tierwise.tiers.ledger import process_memory
 from tierwise.train import blocks, lora, presets, token_cache
 from tierwise.train.data import read_documents
 from tierwise.train.distributed import World
 from tierwise.train.errors import TrainError
 from tierwise.train.options import TrainOptions
+from tierwise.train.plot import load_pyplot
 from tierwise.train.report import Console
 from tierwise.train.request import Request
 from tierwise.train.schedule import warmup_cosine
+from tierwise.train.summary import FixedMemory, ledger_host_bytes
 from tierwise.train.tokenizers import Tokenizer, load_tokenizer
 from tierwise.units import format_bytes
 from tierwise.weights import DirectoryWeights, WeightsError
@@ -70,6 +73,8 @@ class PreparedRun:
     """Parameters of the model (LoRA adapters included)."""
     n_trainable: int
     """Parameters that train (all of them, or the LoRA adapters)."""
+    fixed_memory: FixedMemory | None = None
+    """The process's RAM besides the ledger ([Note: the process RAM a run predicts])."""
 
 
 def prepare_run(request: Request, world: World, console: Console) -> PreparedRun:
@@ -98,7 +103,10 @@ def prepare_run(request: Request, world: World, console: Console) -> PreparedRun
     _note_data(console, options, corpus, tokenizer, f"{pack_note}; {cache_note}")
     _note_device(console, world, config, budget_note)
     console.note("plugins: " + _plugin_line())
+    load_pyplot()  # an import the summary counts as such, not as training memory
+    before = process_memory()["rss"]
     model, optimizer = _set_up(model, options, config, corpus, weights)
+    fixed = _fixed_memory(before, tierwise.engine_of(model))
     scheduler = warmup_cosine(
         optimizer, warmup=options.warmup_steps, total=options.steps, floor=options.lr_floor
     )
@@ -113,6 +121,20 @@ def prepare_run(request: Request, world: World, console: Console) -> PreparedRun
         model_name=model_name,
         n_params=n_params,
         n_trainable=n_trainable,
+        fixed_memory=fixed,
+    )
+
+
+def _fixed_memory(before: int | None, engine) -> FixedMemory | None:
+    """[Note: the process RAM a run predicts] from the RSS before setup and now."""
+    now = process_memory()
+    if before is None or now["rss"] is None:
+        return None
+    held = ledger_host_bytes(engine.stats()["memory"], held=True)
+    return FixedMemory(
+        before_setup=before,
+        setup_retained=max(0, now["rss"] - before - held),
+        peak_through_setup=now["peak"],
     )
 
 

@@ -21,7 +21,6 @@ import torch
 import tierwise
 from tierwise.config import ConfigError
 from tierwise.model_presets import ModelError
-from tierwise.tiers.ledger import process_memory
 from tierwise.train import checkpoints, lora
 from tierwise.train.blocks import BlockSampler, to_device
 from tierwise.train.distributed import (
@@ -92,7 +91,6 @@ def _print_error(err: BaseException, *, every_rank: bool) -> None:
 
 # -- the run ------------------------------------------------------------------------------------
 def train(train_given: dict[str, Any], config_given: dict[str, Any]) -> int:
-    start_rss = process_memory()["rss"]  # imports only: the summary's predicted process RAM
     request = resolve(train_given, config_given)
     check_plugins(request.config)
     world = init_world(request.config.device)
@@ -101,7 +99,6 @@ def train(train_given: dict[str, Any], config_given: dict[str, Any]) -> int:
         run_dir = same_on_all_ranks(request.run_dir, world)
         prepared = prepare_run(request, world, console)
         trainer = Trainer(prepared, request=request, world=world, console=console, run_dir=run_dir)
-        trainer.start_rss_bytes = start_rss
         return trainer.run()
     finally:
         close_world(world)
@@ -120,7 +117,6 @@ class Trainer:
         world: World,
         console: Console,
         run_dir: Path,
-        start_rss_bytes: int | None = None,
     ) -> None:
         self.options: TrainOptions = request.options
         self.resuming = request.resuming
@@ -134,8 +130,6 @@ class Trainer:
             "host": prepared.config.host_memory,
         }
         """Byte budgets per tier, as the summary and the memory plot show them."""
-        self.start_rss_bytes = start_rss_bytes
-        """The process's RAM before the model was built (the summary's prediction starts there)."""
         self.step = 0
         """Optimizer steps taken (the resumed run's included)."""
         self.micro_step = 0
@@ -446,7 +440,7 @@ class Trainer:
             stats=self.engine.stats(),
             plan=self.engine.plan,
             budgets=self.budgets,
-            start_rss_bytes=self.start_rss_bytes,
+            fixed_memory=prepared.fixed_memory,
         ).show(self.console)
 
 

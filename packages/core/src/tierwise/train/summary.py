@@ -25,6 +25,29 @@ from tierwise.units import format_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
+class FixedMemory:
+    """[Note: the process RAM a run predicts]
+    What a `tierwise train` process holds besides the ledger's entries, measured once before the
+    first step: the summary predicts the peak RSS as ``before_setup + setup_retained`` plus every
+    host ledger entry at its budget (or peak where it has none), or the peak already reached
+    when setup ended where that is more (the first run's hardware probe: [Note: the probe is no
+    training memory], about 140 MiB it gives back). Measured on the demo model
+    (``bench/memory_ledger.py``), a run grows its RSS by ~165 MiB of lazy imports after the
+    command starts (the model family's modelling code, the plugins, matplotlib), which the RSS
+    at the start did not hold; with those imported first, setup grows it by ~78 MiB in the
+    profiler plugin's run of the model (first-use state of kernels, freed working memory the
+    allocator keeps) before any tier holds a byte, and the rest is the ledger's."""
+
+    before_setup: int
+    """RSS right before ``tierwise.setup``: the imports (the plot backend's included), the
+    model's code and the tokenised data, bytes."""
+    setup_retained: int
+    """RSS setup added beyond what the ledger's host entries held at its end, bytes (>= 0)."""
+    peak_through_setup: int
+    """The process's peak RSS when setup ended, bytes."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunSummary:
     """What the summary of a finished run reports (rank 0)."""
 
@@ -54,9 +77,9 @@ class RunSummary:
     """The engine's plan."""
     budgets: dict[str, int | None]
     """Byte budgets per tier."""
-    start_rss_bytes: int | None = None
-    """The process's resident memory before the model was built (imports only); None: not
-    known on this system."""
+    fixed_memory: FixedMemory | None = None
+    """The process's RAM besides the ledger ([Note: the process RAM a run predicts]); None:
+    not known on this system."""
 
     def show(self, console: Console) -> None:
         """The summary block: run and memory tables, the outputs, what to run next."""
@@ -68,7 +91,8 @@ class RunSummary:
             moved_bytes=stats.get("moved_bytes", {}),
         )
         peak_rss = process_memory()["peak"]
-        predicted = predicted_process_bytes(self.start_rss_bytes, stats.get("memory") or {})
+        predicted = predicted_process_bytes(self.fixed_memory, stats.get("memory") or {})
+        fixed = self.fixed_memory
         memory_rows.append(
             (
                 "process RAM",
@@ -91,7 +115,11 @@ class RunSummary:
             moved_bytes=stats.get("moved_bytes", {}),
             peak_rss_bytes=peak_rss,
             predicted_process_bytes=predicted,
+            rss_before_setup_bytes=fixed.before_setup if fixed else None,
+            setup_retained_bytes=fixed.setup_retained if fixed else None,
+            peak_through_setup_bytes=fixed.peak_through_setup if fixed else None,
             memory=stats.get("memory"),
+            activations=stats.get("activations"),
             run_dir=str(run_dir),
             export_command=export_command(run_dir, options),
             resume_command=resume_command(run_dir) if step < options.steps else None,
@@ -134,18 +162,25 @@ class RunSummary:
         ]
 
 
-def predicted_process_bytes(start_rss: int | None, memory: dict[str, dict]) -> int | None:
-    """The process's RAM the plan predicts: what it held before the model was built, plus each
-    ledger entry in host RAM that no other entry counts ([Note: the memory ledger]) at its budget
-    (the tiers' budgets, the saved activations' allotment on a CPU device), or at its peak where
-    it has none (an unbudgeted tier, reduction buffers, workspaces). None: no start figure."""
-    if start_rss is None:
+def predicted_process_bytes(fixed: FixedMemory | None, memory: dict[str, dict]) -> int | None:
+    """The process's RAM the plan predicts ([Note: the process RAM a run predicts]): what it
+    held before setup and what setup kept besides the ledger, plus each ledger entry in host
+    RAM that no other entry counts ([Note: the memory ledger]) at its budget (the tiers'
+    budgets, the saved activations' allotment on a CPU device), or at its peak where it has none
+    (an unbudgeted tier, reduction buffers, workspaces). None: no figures on this system."""
+    if fixed is None:
         return None
-    return start_rss + sum(
-        entry["peak_bytes"] if entry["budget"] is None else entry["budget"]
-        for entry in memory.values()
-        if entry["memory"] == "host" and entry["within"] is None
-    )
+    training = fixed.before_setup + fixed.setup_retained + ledger_host_bytes(memory, held=False)
+    return max(fixed.peak_through_setup, training)
+
+
+def ledger_host_bytes(memory: dict[str, dict], *, held: bool) -> int:
+    """The host ledger entries no other entry counts: at their budget or peak (``held``
+    False), or what they hold now (True)."""
+    entries = [e for e in memory.values() if e["memory"] == "host" and e["within"] is None]
+    if held:
+        return sum(e["bytes"] for e in entries)
+    return sum(e["peak_bytes"] if e["budget"] is None else e["budget"] for e in entries)
 
 
 def resume_hint(run_dir: Path) -> str:
@@ -183,7 +218,9 @@ def export_command(run_dir: Path, options: TrainOptions) -> str:
 
 
 __all__ = [
+    "FixedMemory",
     "RunSummary",
+    "ledger_host_bytes",
     "export_command",
     "predicted_process_bytes",
     "next_command",

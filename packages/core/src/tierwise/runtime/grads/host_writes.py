@@ -26,6 +26,14 @@ additions run, in the order they were queued.
 - A spilled block's host buffer needs no landing before its chunk is launched: the launch copies
   it back into a device block on the same stream (ordered after the spill) and zeroes the slots
   without a gradient there, on the device.
+- The other way, host to device (a chunk launched from a host staging buffer, a late buffer
+  reduced at the end of backward, a ``no_sync`` sum added at a launch: [Note: no_sync buffers]),
+  is ``upload``: queued with ``non_blocking=True`` from page-locked memory (the reducer's pool
+  and the ``no_sync`` sums are page-locked on CUDA), an event recorded after it like the
+  copies out, and the host buffer kept, with what gives it back (``then``), until the landing:
+  a buffer handed back at once could be lent again and written by host code (a late buffer
+  zeroed, a staging buffer filled) while the device still reads it. The landing's one wait
+  covers these copies too, so no host wait is added: at most one per due point.
 - Every host buffer a queued copy writes stays referenced (a scratch buffer is kept here, a
   target by its owner, which hands no chunk out before the landing) until the landing; the
   device block a copy reads goes back to the pool at once, since whatever writes it next is
@@ -33,7 +41,9 @@ additions run, in the order they were queued.
 
 On a CPU the copies are synchronous and there is no event; the landing points are the same.
 ``tests/core/test_step_syncs.py`` counts the blocking device-to-host copies (none) and the
-waits (one per due point at most) of a backward on two ranks.
+waits (one per due point at most) of a backward on two ranks; ``tests/core/test_reduction_spill.py``
+the blocking host-to-device copies (none) with one reduction block, so that blocks spill, chunks
+launch from host staging, ``no_sync`` sums are added and late gradients reduced.
 """
 
 from __future__ import annotations
@@ -69,13 +79,15 @@ class HostWrites:
         """Stream -> the event recorded after the newest copy queued on it."""
         self._adds: list[tuple[torch.Tensor, torch.Tensor]] = []
         """(target in host memory, scratch buffer its addition is copied into), queued order."""
+        self._uploaded: list[tuple[torch.Tensor, Callable[[], None] | None]] = []
+        """(host buffer an upload reads, what gives it back at the landing), queued order."""
         self.waits = 0
         """Host waits so far (one per landing with copies in flight)."""
 
     @property
     def pending(self) -> bool:
         """Whether some copy or addition has not landed."""
-        return bool(self._events or self._adds)
+        return bool(self._events or self._adds or self._uploaded)
 
     def copy(self, target: torch.Tensor, source: torch.Tensor, *, on_host: bool) -> None:
         """``target`` = ``source``: landed with the rest where ``target`` is in host memory,
@@ -97,6 +109,21 @@ class HostWrites:
         self._queued(staged, shard)
         self._adds.append((target, staged))
 
+    def upload(
+        self,
+        target: torch.Tensor,
+        source: torch.Tensor,
+        *,
+        then: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """``target`` (device memory) = ``source`` (host memory), queued without blocking;
+        ``source`` is kept, and ``then`` (its give-back) runs, at the landing. Returns
+        ``target``."""
+        target.copy_(source, non_blocking=True)
+        self._queued(target, source)
+        self._uploaded.append((source, then))
+        return target
+
     def _queued(self, target: torch.Tensor, source: torch.Tensor) -> None:
         device = source.device if source.device.type not in ("cpu", "meta") else target.device
         stream = stream_of(device)
@@ -110,6 +137,7 @@ class HostWrites:
         for target, staged in adds:
             target.add_(staged)
             self.give_back(staged)
+        self._uploads_landed()
 
     def drop(self) -> None:
         """A backward was abandoned: wait for every copy, run no addition."""
@@ -117,6 +145,14 @@ class HostWrites:
         adds, self._adds = self._adds, []
         for _target, staged in adds:
             self.give_back(staged)
+        self._uploads_landed()
+
+    def _uploads_landed(self) -> None:
+        """The uploads' copies are done (waited for): their host buffers go back."""
+        uploaded, self._uploaded = self._uploaded, []
+        for _source, then in uploaded:
+            if then is not None:
+                then()
 
     def _wait(self) -> None:
         events, self._events = self._events, {}

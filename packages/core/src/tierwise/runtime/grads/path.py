@@ -46,8 +46,7 @@ _OWNER = GradOwner.GRADIENT_PATH
 # collectives must match: [Note: one collective order]), each staging buffer is reduced across
 # the chunk's data-parallel group (reduce-scatter when sharded, all-reduce when replicated) and
 # accumulated into the gradient shard. Under ``no_sync`` the unreduced full-chunk gradients
-# accumulate locally instead.
-# Parameters that got no gradient are finalised as zeros.
+# accumulate locally instead. Parameters that got no gradient are finalised as zeros.
 #
 # [Note: gradients without copies]
 # Single process with the gradient shard on the compute device and the optimizer states in
@@ -56,16 +55,15 @@ _OWNER = GradOwner.GRADIENT_PATH
 # gradient in the same step (accumulation) is added into it in place, exactly as PyTorch
 # accumulates into ``.grad``. Norm, overflow check and the fused Adam(W) run over these tensors
 # (``adam_update_tensors``: the kernel takes lists, and is elementwise, so the result is the
-# same as over the shard). Nothing gradient-sized is copied between autograd and the update,
-# and the shard's memory is never taken. A slot with no gradient keeps None and is skipped
-# ([Note: unused parameters are skipped]). Whatever needs the gradients as a flat shard (the
-# re-layout after warm-up, ``grad_shard``) copies them in first (``_store_kept_grads``), and
-# the step goes on from the shard.
+# same as over the shard). Nothing gradient-sized is copied between autograd and the update, and
+# the shard's memory is never taken. A slot with no gradient keeps None and is skipped ([Note:
+# unused parameters are skipped]). Whatever needs the gradients as a flat shard (the re-layout
+# after warm-up, ``grad_shard``) copies them in first (``_store_kept_grads``), and the step goes
+# on from the shard.
 
 
 def overlap_reason(overlap: str, previous_step: str) -> str:
-    """Why updates ran during backward (``Config.optimizer_overlap`` is ``overlap``), for
-    error messages."""
+    """Why updates ran during backward (``optimizer_overlap`` is ``overlap``), for errors."""
     if overlap == "auto":
         return f"optimizer_overlap='auto' and the previous step {previous_step}"
     return f"optimizer_overlap={overlap!r}"
@@ -93,8 +91,8 @@ class GradientPath:
     ) -> None:
         self.index = index
         self.grad_states = grad_states
-        """The chunks' gradient states: this part owns the transitions up to REDUCED and HELD,
-        and back to EMPTY ([Note: gradient lifecycle])."""
+        """The chunks' gradient states: this part owns those up to REDUCED and HELD, and back
+        to EMPTY ([Note: gradient lifecycle])."""
         self.optimizer_overlap = optimizer_overlap
         """``Config.optimizer_overlap``, for the error on a gradient after its update."""
         self.grad_offload = grad_offload
@@ -118,8 +116,7 @@ class GradientPath:
         )
         """The chunks' gradient shards, and what is done to them."""
         self.host_copies = HostGradCopies(tiers.get("host"), scratch_bytes=self._chunk_grad_bytes)
-        """Gradient copies into pinned host shards in flight ([Note: one host wait per
-        chunk])."""
+        """Gradient copies into pinned host memory in flight ([Note: one host wait per chunk])."""
         self.reducer = GradientReducer(
             collectives=collectives,
             device_tier=tiers["device"],
@@ -130,8 +127,8 @@ class GradientPath:
             reduce_order=reduce_order,
             local_sums=NoSyncSums(tiers.get("host"), dtype),  # [Note: no_sync buffers]
         )
-        """Reduces the chunks of data-parallel groups ([Note: one collective order], [Note:
-        bounded gradient blocks])."""
+        """Reduces data-parallel chunks ([Note: one collective order], [Note: bounded gradient
+        blocks])."""
         self.reducer.set_chunks(self._reduced_chunks())
 
     def forward_module(self, module: torch.nn.Module) -> None:
@@ -164,9 +161,12 @@ class GradientPath:
             self._refuse_after_update(chunk)
         if self._no_sync:  # accumulate locally, on the host: [Note: bounded gradient blocks]
             begin_delivery(self.grad_states, chunk)
-            local = self.reducer.local_buffer(chunk)
-            segment = local[slot.offset : slot.offset + slot.numel]
-            segment.add_(grad.reshape(-1).to(segment.device))
+            segment = self.reducer.local_buffer(chunk)[slot.offset : slot.offset + slot.numel]
+            if not (  # page-locked on CUDA: queued, added when the chunk lands
+                host_copy_applies(segment, grad) and self.host_copies.add(chunk.key, segment, grad)
+            ):
+                self.host_copies.land(chunk.key)  # the host add reads what they write
+                segment.add_(grad.reshape(-1).to(segment.device))
             self._hold_after_backward(slot)
             return []
         if self.reducer.launched(chunk):  # [Note: one collective order]
@@ -265,8 +265,7 @@ class GradientPath:
         return final
 
     def _refuse_after_update(self, chunk: Chunk) -> None:
-        """A gradient for a chunk whose update already ran (or is queued) in a backward of this
-        step."""
+        """A gradient for a chunk whose update ran (or is queued) in a backward of this step."""
         if self.grad_states.of(chunk) in (GradState.UPDATING, GradState.UPDATED):
             reason = overlap_reason(self.optimizer_overlap, "had one backward pass")
             raise RuntimeError(
@@ -278,8 +277,7 @@ class GradientPath:
             )
 
     def _keeps_grads(self, chunk: Chunk) -> bool:
-        """Whether this chunk's gradients stay autograd's tensors: [Note: gradients without
-        copies]."""
+        """Whether its gradients stay autograd's tensors: [Note: gradients without copies]."""
         optim = chunk.optim
         return (
             not optim.grads_in_home
@@ -380,10 +378,11 @@ class GradientPath:
             if chunk.trainable and chunk.group.world == 1:
                 self._finish_fresh_grad(chunk)  # [Note: first gradient is a copy]
         final = []
+        if self.multi_rank:  # no_sync's additions too: [Note: one host wait per chunk]
+            self.host_copies.land_all()
         if self.multi_rank and not self._no_sync:
             # chunks no rank launched incomplete were final when they landed: [Note: one
             # collective order]
-            self.host_copies.land_all()  # [Note: one host wait per chunk]
             rest = self.reducer.finish(self.index.by_key)
             final = self.reducer.take_final() + [self.index.by_key[key] for key in rest]
         self.reducer.release_memory()

@@ -10,9 +10,10 @@ Between steps the only live model data is in the tiers (no autograd graph refers
 storage, every cached copy is dropped), so re-packing is a permutation of each payload kind
 (parameters, fp32 masters, Adam moments, gradients) plus new padding. It runs kind by kind: each
 old chunk is read in full (all-gathered when sharded, every rank in the same order), the values
-this rank owns in the new layout are kept in host memory, the old slabs of that kind are released
-and the new ones allocated and written. A kind's new slabs are counted against the tier budget
-before anything moves; when they would not fit, or the host cannot hold one kind's shard, the
+this rank owns in the new layout are built in host buffers reserved in the host tier ([Note:
+re-packing holds host memory]: a new chunk at a time when the new slabs fit beside the old ones,
+else the kind's new shards before the old slabs are released). A kind's new slabs and buffers
+are counted against the tier budgets before anything moves; when they would not fit, the
 group keeps its layout (``Relayout.note``, the engine's ``layout_note``, says why). New chunks
 keep the tiers the planner chose for their parameters (the tier holding most of their elements
 before). ``relayout`` changes only the chunk groups it re-packs and returns a ``Relayout``; the
@@ -31,13 +32,14 @@ import torch.distributed as dist
 
 from tierwise.chunks import Chunk, ChunkGroup, OptimSlabs
 from tierwise.chunks.grad_state import GradState
-from tierwise.chunks.io import gather_chunk, read_slab
 from tierwise.chunks.payload import PayloadSpec, slab_of
-from tierwise.optim.state_formats import MomentFormat
 from tierwise.plan import Plan
 from tierwise.planning.planner import profile_min_blocks
 from tierwise.precision import OPTIM_STATES
 from tierwise.runtime.layout.packing import new_chunks
+from tierwise.runtime.layout.repacking import gather_shard, kind_holding
+from tierwise.tiers.base import PayloadKind
+from tierwise.units import format_bytes
 
 if TYPE_CHECKING:
     from tierwise.config import Config
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from tierwise.runtime.grads.states import GradStates
     from tierwise.runtime.residency.rcache import RCache
     from tierwise.tiers.base import Slab, Tier
+    from tierwise.tiers.ledger import MemoryPool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +77,9 @@ class LayoutParts:
     """The profile the rCache minimum is computed from (None: no minimum to check)."""
     recompute: bool
     """Some block may be recomputed in backward ([Note: the rCache minimum])."""
+    memory: MemoryPool
+    """The ledger pool re-packing's host buffers are counted in, within the host tier ([Note:
+    re-packing holds host memory])."""
     grad_states: GradStates
     """The chunks' gradient states, read only: a re-packed group's gradients are kept when
     its chunks hold some; the new chunks' states are carried over by the table's owner
@@ -124,27 +130,29 @@ def relayout(parts: LayoutParts, order: list[str], *, before_move: Callable[[], 
     Every rank must call this with the same ``order`` (it all-gathers sharded chunks).
     """
     candidates = []
+    used = {name: tier.used_bytes for name, tier in parts.tiers.items()}
     for group in parts.groups:
         chunks = new_chunks(group, order, parts.plan.chunk_size)
         if chunks is not None:
-            candidates.append((group, chunks, _cannot_move(parts, group, chunks)))
-    refused = _agreed_refusals([reason is not None for _, _, reason in candidates], parts)
+            candidates.append((group, chunks, *_cannot_move(parts, group, chunks, used)))
+    refused = _agreed_refusals([reason is not None for _, _, reason, _ in candidates], parts)
     result = Relayout()
     moves = []
-    for (group, chunks, reason), no in zip(candidates, refused, strict=True):
+    for (group, chunks, reason, in_pieces), no in zip(candidates, refused, strict=True):
         if no:
             why = reason or "another rank could not re-pack it"
             result.note = f"{group.name} kept its setup layout: {why}"
         else:
-            moves.append((group, chunks))
+            moves.append((group, chunks, in_pieces))
     if not moves:
         return result
     before_move()  # no state read-ahead may outlive the old slabs
-    for group, chunks in moves:
+    for group, chunks, in_pieces in moves:
         trainable = group.trainable
         grad_state = parts.grad_states.carried_over(group.chunks) if trainable else GradState.EMPTY
         result.grad_states[group.name] = grad_state
-        tiers = _move_group(parts, group, chunks, grads_filled=grad_state is GradState.HELD)
+        filled = grad_state is GradState.HELD
+        tiers = _move_group(parts, group, chunks, grads_filled=filled, in_pieces=in_pieces)
         result.moved.append(group.name)
         result.param_tiers[group.name] = list(tiers["home"])
         if group.trainable:
@@ -218,18 +226,62 @@ def _plan_tiers(parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk]) -> d
     return tiers
 
 
-def _cannot_move(parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk]) -> str | None:
-    """Why ``group`` cannot be re-packed into ``chunks`` (None when it can)."""
+def _cannot_move(
+    parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk], used: dict[str, int]
+) -> tuple[str | None, dict[str, bool]]:
+    """Why ``group`` cannot be re-packed into ``chunks`` (None when it can), and per kind
+    whether it moves in pieces ([Note: re-packing holds host memory]). ``used``: each tier's
+    bytes once the groups re-packed before it moved; updated when this one can move."""
     tiers = _plan_tiers(parts, group, chunks)
     if group.trainable:  # [Note: gradients in the parameter payload]
         in_home = {c.optim.grads_in_home for c in group.chunks}
         if in_home | set(_new_grads_in_home(parts, group, tiers)) != {_grads_in_home(group)}:
-            return "some of its chunks keep their gradients in their parameter payload and some not"
+            reason = (
+                "some of its chunks keep their gradients in their parameter payload and some not"
+            )
+            return reason, {}
         if any(parts.grad_states.home_holds_grads(c) for c in group.chunks):
-            return "its parameter payloads hold gradients (a step that was skipped)"
+            return "its parameter payloads hold gradients (a step that was skipped)", {}
+    reason, in_pieces, after = _host_room(parts, group, chunks, tiers, dict(used))
+    if reason is not None:
+        return reason, {}
+    cached = [
+        c for c, t in zip(chunks, tiers["home"], strict=True) if t != "device" or group.sharded
+    ]
+    if cached and max(c.capacity for c in cached) > parts.cache.block_numel:
+        return "a new chunk would not fit an rCache block", {}
+    needed = _min_blocks_with(parts, group, cached)
+    if needed > len(parts.cache):
+        return (
+            f"its new layout would need {needed} rCache blocks at one moment, the cache has "
+            f"{len(parts.cache)} ([Note: the rCache minimum])"
+        ), {}
+    if (
+        parts.config.precision == "fp32"
+        and group.trainable
+        and not _aliased(group)
+        and any(c.home is c.optim.master for c in group.chunks)
+    ):
+        return "some of its chunks share the fp32 master as parameter payload and some do not", {}
+    # the next groups see no room this one frees: another rank may keep it from moving
+    used.update({name: max(used[name], total) for name, total in after.items()})
+    return None, in_pieces
+
+
+def _host_room(
+    parts: LayoutParts,
+    group: ChunkGroup,
+    chunks: list[Chunk],
+    tiers: dict[str, list[str]],
+    used: dict[str, int],
+) -> tuple[str | None, dict[str, bool], dict[str, int]]:
+    """Kind by kind, as ``_move_group`` runs: whether the new slabs fit their tiers' budgets
+    (beside the old ones: in pieces; else after them) and the host buffers the host tier's
+    room ([Note: re-packing holds host memory]). Returns (why not, in pieces per kind, each
+    tier's bytes after)."""
     payload = parts.payload(group)
-    growth: Counter[str] = Counter()
-    largest_kind = 0
+    budget = {name: tier.budget for name, tier in parts.tiers.items()}
+    in_pieces: dict[str, bool] = {}
     for kind in _kinds(parts, group):
         new: Counter[str] = Counter()
         for chunk, tier in zip(chunks, tiers[kind], strict=True):
@@ -238,35 +290,36 @@ def _cannot_move(parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk]) -> 
         old: Counter[str] = Counter()
         for chunk in group.chunks:
             old[slab_of(chunk, kind).tier.name] += slab_of(chunk, kind).nbytes
-        for tier in new.keys() | old.keys():
-            growth[tier] += max(0, new[tier] - old[tier])
-        largest_kind = max(largest_kind, sum(new.values()))
-    for name, extra in growth.items():
-        tier = parts.tiers[name]
-        if tier.budget is not None and tier.used_bytes + extra > tier.budget:
-            return f"its new layout needs {extra} more bytes in the {name} tier than its budget has"
-    host_free = parts.host_memory
-    if host_free is not None and largest_kind > host_free // 2:
-        return f"re-packing holds {largest_kind} bytes of one state kind in host memory"
-    cached = [
-        c for c, t in zip(chunks, tiers["home"], strict=True) if t != "device" or group.sharded
-    ]
-    if cached and max(c.capacity for c in cached) > parts.cache.block_numel:
-        return "a new chunk would not fit an rCache block"
-    needed = _min_blocks_with(parts, group, cached)
-    if needed > len(parts.cache):
-        return (
-            f"its new layout would need {needed} rCache blocks at one moment, the cache has "
-            f"{len(parts.cache)} ([Note: the rCache minimum])"
-        )
-    if (
-        parts.config.precision == "fp32"
-        and group.trainable
-        and not _aliased(group)
-        and any(c.home is c.optim.master for c in group.chunks)
-    ):
-        return "some of its chunks share the fp32 master as parameter payload and some do not"
-    return None
+        after = {t: used[t] + new[t] - old[t] for t in new.keys() | old.keys()}
+        for name, total in after.items():
+            if budget[name] is not None and total > budget[name]:
+                extra = new[name] - old[name]
+                return (
+                    f"its new layout needs {extra} more bytes in the {name} tier than its "
+                    "budget has",
+                    {},
+                    used,
+                )
+        pieces = all(budget[t] is None or used[t] + new[t] <= budget[t] for t in new)
+        in_pieces[kind] = pieces
+        hold = 0
+        if kind != "grad" or parts.grad_states.carried_over(group.chunks) is GradState.HELD:
+            hold = kind_holding(payload, group, chunks, kind, in_pieces=pieces)
+        host_now = used.get("host", 0)
+        host_peak = host_now + new["host"] if pieces else max(host_now, after.get("host", 0))
+        if budget.get("host") is not None and host_peak + hold > budget["host"]:
+            room = max(budget["host"] - host_peak, 0)
+            return (
+                f"re-packing its {kind} holds {format_bytes(hold)} of host buffers, the host "
+                f"tier has room for {format_bytes(room)} ([Note: re-packing holds host "
+                f"memory]); raise host_memory by {format_bytes(hold - room)} to re-pack it",
+                {},
+                used,
+            )
+        if parts.host_memory is not None and hold > parts.host_memory // 2:
+            return f"re-packing holds {hold} bytes of one state kind in host memory", {}, used
+        used.update(after)
+    return None, in_pieces, used
 
 
 def _min_blocks_with(parts: LayoutParts, group: ChunkGroup, cached: list[Chunk]) -> int:
@@ -288,39 +341,31 @@ def _min_blocks_with(parts: LayoutParts, group: ChunkGroup, cached: list[Chunk])
 
 
 def _move_group(
-    parts: LayoutParts, group: ChunkGroup, chunks: list[Chunk], *, grads_filled: bool
+    parts: LayoutParts,
+    group: ChunkGroup,
+    chunks: list[Chunk],
+    *,
+    grads_filled: bool,
+    in_pieces: dict[str, bool],
 ) -> dict[str, list[str]]:
     """Re-pack ``group`` into ``chunks``; ``grads_filled``: its gradient shards hold gradients
-    to keep (else the next backward overwrites them: [Note: gradient lifecycle])."""
+    to keep (else the next backward overwrites them: [Note: gradient lifecycle]);
+    ``in_pieces``: per kind, whether its new slabs are written before the old ones go."""
     tiers = _plan_tiers(parts, group, chunks)
     payload = parts.payload(group)
-    where = {s.name: (c, s) for c in chunks for s in c.slots}
     new_slabs: dict[str, list[Slab]] = {}
+    host = parts.tiers["host"]
     for kind in _kinds(parts, group):
-        fmt = payload.moment_format(kind)
-        if kind == "grad" and not grads_filled:
-            values = None  # nothing to keep: the next backward overwrites them
-        else:
-            values = _gather_kind(group, chunks, kind, where, fmt, parts.collectives)
-        for chunk in group.chunks:
-            slab = slab_of(chunk, kind)
-            slab.tier.release(slab)
-        slabs = []
-        for i, (chunk, tier_name) in enumerate(zip(chunks, tiers[kind], strict=True)):
-            numel, dtype = payload.stored(kind, chunk.shard_size)
-            tier = parts.tiers[tier_name]
-            allocate = tier.allocate_state if payload.is_state(kind) else tier.allocate
-            slab = allocate(
-                numel,
-                dtype,
-                kind=payload.payload_kind(kind),
-                what=f"{group.name}#{chunk.index} {kind}",
-            )
-            if values is not None:
-                value = fmt.encoded(values[i]) if fmt is not None else values[i].to(dtype)
-                tier.write(slab, value).wait()
-            slabs.append(slab)
-        new_slabs[kind] = slabs
+        keep = not (kind == "grad" and not grads_filled)  # else the next backward writes them
+        pieces = in_pieces[kind]
+        hold = kind_holding(payload, group, chunks, kind, in_pieces=pieces) if keep else 0
+        host.reserve(hold, kind=PayloadKind.STAGING, what=f"re-packing {group.name} {kind}")
+        parts.memory.count(hold, f"re-packing {group.name} {kind}")
+        try:
+            new_slabs[kind] = _move_kind(parts, group, chunks, tiers[kind], kind, keep, pieces)
+        finally:
+            parts.memory.uncount(hold)
+            host.unreserve(hold)
     for i, chunk in enumerate(chunks):
         if group.trainable:
             opt_tier = parts.tiers[tiers["master"][i]]
@@ -339,28 +384,50 @@ def _move_group(
     return tiers
 
 
-def _gather_kind(
+def _move_kind(
+    parts: LayoutParts,
     group: ChunkGroup,
     chunks: list[Chunk],
+    tier_names: list[str],
     kind: str,
-    where: dict,
-    fmt: MomentFormat | None,
-    collectives: Collectives,
-) -> list[torch.Tensor]:
-    """This rank's shard of every new chunk, for one kind, filled from the old chunks (Adam
-    moments stored in low precision are decoded: the new chunks' blocks are other blocks)."""
-    dtype = torch.float32 if kind in OPTIM_STATES else group.dtype
-    shards = [torch.zeros(c.shard_size, dtype=dtype) for c in chunks]
-    for old in group.chunks:
-        shard = read_slab(slab_of(old, kind))
-        if fmt is not None:
-            shard = fmt.decoded(shard, old.shard_size)
-        full = gather_chunk(old, shard, collectives)
-        for slot in old.slots:
-            new_chunk, new_slot = where[slot.name]
-            start, end = new_chunk.shard_range()
-            lo, hi = max(new_slot.offset, start), min(new_slot.offset + new_slot.numel, end)
-            if lo < hi:
-                src = slot.offset + (lo - new_slot.offset)
-                shards[new_chunk.index][lo - start : hi - start] = full[src : src + hi - lo]
-    return shards
+    keep: bool,
+    in_pieces: bool,
+) -> list[Slab]:
+    """[Note: re-packing holds host memory] One kind: new slabs allocated beside the old ones
+    and written a new chunk at a time (``in_pieces``), or every new shard built first, the old
+    slabs released, then the new ones allocated and written. ``keep``: carry the values."""
+    payload = parts.payload(group)
+    fmt = payload.moment_format(kind)
+
+    def allocate() -> list[Slab]:
+        slabs = []
+        for chunk, tier_name in zip(chunks, tier_names, strict=True):
+            numel, dtype = payload.stored(kind, chunk.shard_size)
+            tier = parts.tiers[tier_name]
+            make = tier.allocate_state if payload.is_state(kind) else tier.allocate
+            what = f"{group.name}#{chunk.index} {kind}"
+            slabs.append(make(numel, dtype, kind=payload.payload_kind(kind), what=what))
+        return slabs
+
+    def write(slab: Slab, values: torch.Tensor) -> None:
+        value = fmt.encoded(values) if fmt is not None else values.to(slab.dtype)
+        slab.tier.write(slab, value).wait()
+
+    def release_old() -> None:
+        for chunk in group.chunks:
+            slab = slab_of(chunk, kind)
+            slab.tier.release(slab)
+
+    if in_pieces:
+        slabs = allocate()
+        for slab, chunk in zip(slabs, chunks, strict=True):
+            if keep:
+                write(slab, gather_shard(group, chunk, kind, fmt, parts.collectives))
+        release_old()
+        return slabs
+    values = [gather_shard(group, c, kind, fmt, parts.collectives) for c in chunks] if keep else []
+    release_old()
+    slabs = allocate()
+    for slab, shard in zip(slabs, values, strict=False):
+        write(slab, shard)
+    return slabs

@@ -30,7 +30,8 @@ from tierwise.runtime.setup.meta_buffers import compute_meta_buffers
 from tierwise.runtime.setup.patterns import make_patterns, prepare_model, world_group
 from tierwise.runtime.setup.planning import make_plan
 from tierwise.runtime.setup.profiling import profile_model
-from tierwise.runtime.setup.values import load_pretrained, write_values
+from tierwise.runtime.setup.values import write_values
+from tierwise.runtime.setup.weight_fill import load_pretrained
 from tierwise.weights import open_weights
 
 

@@ -1,18 +1,15 @@
 """Setup stage 6, values: every parameter's initial values written into its chunk's home and
-master payloads, from the model (the point of no return: [Note: atomic setup]) or, before it,
-from pretrained weights ([Note: loading pretrained weights]); then the model's buffers."""
+master payloads, from the model (the point of no return: [Note: atomic setup]; before it,
+``weight_fill`` fills them from pretrained weights: [Note: loading pretrained weights]); then
+the model's buffers."""
 
 from __future__ import annotations
-
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from tierwise.chunks import Chunk, ChunkGroup, ParamSlot, TensorState
 from tierwise.plan import LOAD_PIECE
 from tierwise.runtime.setup.meta_buffers import install_buffers
-from tierwise.tiers.base import PayloadKind, Tier
-from tierwise.weights.read_ahead import read_ahead
 
 
 def write_values(
@@ -36,34 +33,6 @@ def write_values(
     if weights is not None:
         weights.load_buffers()
     move_buffers(model, device)
-
-
-def load_pretrained(
-    resolved,
-    *,
-    claimed: list[tuple],
-    groups: list[ChunkGroup],
-    dtype: torch.dtype,
-    host_tier: Tier,
-    io_buffer_bytes: int,
-) -> None:
-    """Fill the chunks from ``resolved`` (a ``tierwise.weights.ResolvedWeights``; ``claimed``:
-    (name, parameter, pattern) of every parameter) with the plan's load buffers reserved on the
-    host tier; touches nothing on the model ([Note: loading pretrained weights]). Closes
-    ``resolved`` whatever happens; the caller releases the chunks when it raises."""
-    reserved = 0
-    try:
-        host_tier.reserve(
-            io_buffer_bytes,
-            kind=PayloadKind.STAGING,
-            what="the pretrained-weight load buffers (Plan.io_buffer_bytes)",
-        )
-        reserved = io_buffer_bytes
-        resolved.bind_slices(claimed)
-        fill_from_weights(groups, dtype, resolved)
-    finally:
-        host_tier.unreserve(reserved)
-        resolved.close()
 
 
 def off_meta(model: torch.nn.Module) -> None:
@@ -99,10 +68,10 @@ def fill_payloads(groups: list[ChunkGroup], dtype: torch.dtype, model: torch.nn.
             for slot in sorted(chunk.slots, key=lambda s: s.offset):
                 lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
                 if lo < hi:
-                    _zero_range(chunk, dtype, zeros, covered, lo - start)
+                    zero_range(chunk, dtype, zeros, covered, lo - start)
                     covered = hi - start
                 where[id(slot.param)] = (chunk, slot)
-            _zero_range(chunk, dtype, zeros, covered, chunk.shard_size)
+            zero_range(chunk, dtype, zeros, covered, chunk.shard_size)
     _fill_modules(model, model, where, dtype)
 
 
@@ -205,64 +174,13 @@ FILL_PIECE = LOAD_PIECE
 ([Note: loading pretrained weights]): 16 MiB of fp32 plus its copy in the chunk's precision."""
 
 
-# [Note: pipelined weight loading]
-# The fill reads, converts and writes in a pipeline of two stages: one reader thread reads the
-# next piece of a parameter (FILL_PIECE elements, only the rows it lies in) while this thread
-# converts the current piece (fp32 for the master, the chunk's precision for the home) and
-# writes both into their slabs, the two writes in flight together. Reading ahead stays inside
-# one parameter, so at most one parameter's bytes are read and alive at once, as [Note:
-# loading pretrained weights] promises (two pieces of a large one, the whole of a small one
-# or of one a converter or a model-parallel block gives). ``os.preadv`` and the conversions
-# release the GIL: the disk reads while the CPU converts. The values written are those of the
-# serial fill, piece for piece.
-def fill_from_weights(groups: list[ChunkGroup], dtype: torch.dtype, weights) -> None:
-    """Write each parameter's pretrained values (``weights``, a
-    ``tierwise.weights.ResolvedWeights``) into its chunk's home and master payloads, chunk by
-    chunk, on each slab's tier ([Note: pipelined weight loading]); padding is zeroed and the
-    optimizer moments are known zero. Touches nothing on the model ([Note: loading pretrained
-    weights])."""
-    zeros = torch.zeros(FILL_PIECE, dtype=torch.float32)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierwise-load") as reader:
-        for group in groups:
-            for chunk in group.chunks:
-                _fill_chunk(chunk, dtype, weights, zeros, reader)
-
-
-def _fill_chunk(chunk: Chunk, dtype: torch.dtype, weights, zeros, reader) -> None:
-    start, end = chunk.shard_range()
-    if chunk.optim is not None:  # zero bytes: zero moments in every state precision
-        for slab in (chunk.optim.exp_avg, chunk.optim.exp_avg_sq):
-            slab.tier.write_zeros(slab).wait()  # [Note: known-zero regions]
-    covered = 0
-    for slot in sorted(chunk.slots, key=lambda s: s.offset):
-        lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
-        if lo < hi:
-            _zero_range(chunk, dtype, zeros, covered, lo - start)
-            first, last = lo - slot.offset, hi - slot.offset
-            if hi - lo > FILL_PIECE and weights.reads_rows(slot.name):
-                pieces = [(a, min(a + FILL_PIECE, last)) for a in range(first, last, FILL_PIECE)]
-            else:
-                pieces = [(first, last)]
-            # the next piece is read while this one is written
-            reads = read_ahead(reader, lambda p, n=slot.name: weights.local_value(n, *p), pieces)
-            for (a, b), values in zip(pieces, reads, strict=True):
-                at = lo - start + (a - first)
-                for piece in range(0, b - a, FILL_PIECE):
-                    part = values[piece : piece + FILL_PIECE]
-                    _write_shard_part(chunk, at + piece, part, dtype)
-                del values
-            covered = hi - start
-        slot.set_state(TensorState.HOLD)
-    _zero_range(chunk, dtype, zeros, covered, chunk.shard_size)
-
-
 def _write_pieces(slab, zeros: torch.Tensor, lo: int, hi: int) -> None:
     for at in range(lo, hi, FILL_PIECE):
         n = min(FILL_PIECE, hi - at)
         slab.tier.write(slab, zeros[:n].to(slab.dtype), offset=at).wait()
 
 
-def _zero_range(chunk: Chunk, dtype: torch.dtype, zeros: torch.Tensor, lo: int, hi: int) -> None:
+def zero_range(chunk: Chunk, dtype: torch.dtype, zeros: torch.Tensor, lo: int, hi: int) -> None:
     """Zero elements lo:hi of this rank's shard in the master and home payloads (padding)."""
     if lo >= hi:
         return
@@ -270,17 +188,3 @@ def _zero_range(chunk: Chunk, dtype: torch.dtype, zeros: torch.Tensor, lo: int, 
         _write_pieces(chunk.optim.master, zeros, lo, hi)
     if chunk.optim is None or chunk.home is not chunk.optim.master:
         _write_pieces(chunk.home, zeros, lo, hi)
-
-
-def _write_shard_part(chunk: Chunk, at: int, part: torch.Tensor, dtype: torch.dtype) -> None:
-    """Write ``part`` at element ``at`` of this rank's shard: fp32 master, home in ``dtype``;
-    both writes in flight at once ([Note: pipelined weight loading])."""
-    handles = []
-    if chunk.optim is not None:
-        master = part.float()
-        handles.append(chunk.optim.tier.write(chunk.optim.master, master, offset=at))
-    if chunk.optim is None or chunk.home is not chunk.optim.master:
-        home = part.to(dtype)
-        handles.append(chunk.home.tier.write(chunk.home, home, offset=at))
-    for handle in handles:  # the converted pieces stay alive until their writes are done
-        handle.wait()

@@ -19,7 +19,8 @@ Which thread may touch which tensors, on which stream, ordered by which event:
   whose parameter home is on the device computes the new values into a host buffer and hands
   them to :class:`HomeWrites` (``post``); the engine's thread issues the host→device copy
   (``flush``) at its next flush point (a chunk made final in backward; the step after it waited
-  for the workers; before a rollback restores homes), on its current stream. The copy is thus
+  for the workers; before a rollback restores homes), on its current stream, without blocking
+  ([Note: writes from host memory]). The copy is thus
   ordered after every kernel queued earlier that still reads the home, and before every later
   kernel and side-stream load (a load's side stream waits for the compute stream first).
 - A host buffer that a copy reads or writes stays referenced until the copy's event has

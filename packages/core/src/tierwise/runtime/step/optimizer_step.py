@@ -19,7 +19,7 @@ from tierwise.chunks import Chunk, TensorState
 from tierwise.chunks.grad_state import GradOwner, GradState
 from tierwise.config import Config
 from tierwise.optim import DynamicLossScaler, StepCounts
-from tierwise.optim.state_formats import LowBitMoments
+from tierwise.optim.lowbit_update import LowBitMoments
 from tierwise.parallel.collectives import Collectives
 from tierwise.runtime.grads.states import GradStates
 from tierwise.runtime.grads.storage import GradStorage

@@ -10,8 +10,8 @@ import torch
 
 from tierwise.chunks import Chunk
 from tierwise.chunks.grad_state import GradOwner, GradState
-from tierwise.optim import AdamHyper, StepCounts, adam_update_ranges, adam_update_tensors
-from tierwise.optim.state_formats import LowBitMoments
+from tierwise.optim import AdamHyper, StepCounts
+from tierwise.optim.lowbit_update import LowBitMoments, PieceMoments
 from tierwise.runtime.grads.states import GradStates
 from tierwise.runtime.grads.storage import GradStorage
 from tierwise.runtime.step.home_writes import HomeWrites, written_by_engine
@@ -130,10 +130,8 @@ class ChunkUpdates:
                 grad = grad * factor
             return grad
 
-        def update(
-            master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lo: int, hi: int
-        ) -> None:
-            """Elements lo:hi ([Note: fused low-bit update]); ``m``/``v`` hold just those."""
+        def update(master: torch.Tensor, moments: PieceMoments, lo: int, hi: int) -> None:
+            """Elements lo:hi ([Note: fused low-bit update]); ``moments`` hold just those."""
             if records_home and not recorded:  # before any piece may write the home
                 recorded.append(True)
                 undo.home_written(chunk)
@@ -143,10 +141,9 @@ class ChunkUpdates:
                     for s, step in kept
                     if s.offset < hi and s.offset + s.numel > lo
                 ]
-                adam_update_tensors(
+                moments.adam(
                     masters=[master[a:b] for _, _, a, b in parts],
-                    exp_avgs=[m[a - lo : b - lo] for _, _, a, b in parts],
-                    exp_avg_sqs=[v[a - lo : b - lo] for _, _, a, b in parts],
+                    starts=[a for _, _, a, _ in parts],
                     grads=[
                         fp32_grad(
                             s.kept_grad.reshape(-1)[a - s.offset : b - s.offset], master.device
@@ -163,8 +160,7 @@ class ChunkUpdates:
                 self._in_pieces(
                     home,
                     master,
-                    m,
-                    v,
+                    moments,
                     lo,
                     hi,
                     shard,
@@ -175,15 +171,13 @@ class ChunkUpdates:
                     on_worker,
                 )
             else:
-                inside = [
-                    (max(a, lo) - lo, min(b, hi) - lo, s) for a, b, s in ranges if a < hi and b > lo
-                ]
-                adam_update_ranges(
-                    master=master[lo:hi],
-                    grad=fp32_grad(shard[lo:hi], master.device),
-                    exp_avg=m,
-                    exp_avg_sq=v,
-                    ranges=inside,
+                inside = [(max(a, lo), min(b, hi), s) for a, b, s in ranges if a < hi and b > lo]
+                grad = fp32_grad(shard[lo:hi], master.device)
+                moments.adam(
+                    masters=[master[a:b] for a, b, _ in inside],
+                    grads=[grad[a - lo : b - lo] for a, b, _ in inside],
+                    starts=[a for a, _, _ in inside],
+                    steps=[s for _, _, s in inside],
                     hyper=hyper,
                 )
 
@@ -212,8 +206,7 @@ class ChunkUpdates:
         self,
         home,
         master: torch.Tensor,
-        m: torch.Tensor,
-        v: torch.Tensor,
+        moments: PieceMoments,
         lo: int,
         hi: int,
         shard: torch.Tensor,
@@ -223,26 +216,23 @@ class ChunkUpdates:
         grad: torch.Tensor,
         on_worker: bool,
     ) -> None:
-        """[Note: updates in pieces]: elements lo:hi of one chunk's update (``m``/``v`` hold
+        """[Note: updates in pieces]: elements lo:hi of one chunk's update (``moments`` hold
         just those), a piece of ``grad``'s size at a time; the new parameters go straight into
         an addressable home on the master's device."""
         direct = home is not None and _direct(home, master, on_worker)
         for at in range(lo, hi, grad.numel()):
             end = min(at + grad.numel(), hi)
-            inside = [
-                (max(a, at) - at, min(b, end) - at, s) for a, b, s in ranges if a < end and b > at
-            ]
+            inside = [(max(a, at), min(b, end), s) for a, b, s in ranges if a < end and b > at]
             if inside:
                 piece = grad[: end - at]
                 piece.copy_(shard[at:end])
                 for factor in multiplier or ():  # [Note: host scalars]
                     piece.mul_(factor)
-                adam_update_ranges(
-                    master=master[at:end],
-                    grad=piece,
-                    exp_avg=m[at - lo : end - lo],
-                    exp_avg_sq=v[at - lo : end - lo],
-                    ranges=inside,
+                moments.adam(
+                    masters=[master[a:b] for a, b, _ in inside],
+                    grads=[piece[a - at : b - at] for a, b, _ in inside],
+                    starts=[a for a, _, _ in inside],
+                    steps=[s for _, _, s in inside],
                     hyper=hyper,
                 )
             if direct:  # copy_ rounds to the home's dtype exactly as .to does

@@ -8,7 +8,10 @@ chunk's staging when it is next reduced (the first backward outside ``no_sync``)
 DDP's: this rank's micro-batches added in order, then averaged across ranks. These buffers are
 host memory like any slab: each is reserved in the host tier when made (kind STAGING, "no_sync
 gradient sums") and given back when its chunk is reduced or at zero_grad, so ``host_memory``
-bounds them and ``stats()`` shows them in the host tier's bytes and peak. A budget without room
+bounds them and ``stats()`` shows them in the host tier's bytes and peak. On CUDA they are
+page-locked ([Note: page-locked buffers]), so the upload at the launch (``add_into``) is queued
+without blocking; the sum is kept, and its bytes reserved, until that copy lands ([Note: reduced
+gradients land per due point]). A budget without room
 fails the backward with the host tier's error and what to change: ``Config.accumulation_steps``
 accumulates into the rank's own gradient shards (a reduction per micro-batch, no whole-chunk
 buffers), or a larger ``host_memory``.
@@ -17,11 +20,16 @@ buffers), or a larger ``host_memory``.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 import torch
 
 from tierwise.chunks import Chunk
 from tierwise.tiers.base import PayloadKind, Tier, TierBudgetError
+from tierwise.tiers.ledger import locked_empty
+
+if TYPE_CHECKING:
+    from tierwise.runtime.grads.host_writes import HostWrites
 
 
 class NoSyncSums:
@@ -32,6 +40,8 @@ class NoSyncSums:
         self.host = host
         """The host tier the sums are counted in (None: uncounted, a tier-less test rig)."""
         self.dtype = dtype
+        self.pinned = bool(getattr(host, "pin", False))
+        """Whether the sums are page-locked (the host tier's memory is, on CUDA)."""
         self._sums: dict[Hashable, torch.Tensor] = {}
 
     def buffer(self, chunk: Chunk) -> torch.Tensor:
@@ -52,16 +62,23 @@ class NoSyncSums:
                         "rank's shard every micro-batch) or raise host_memory"
                     )
                     raise
-            self._sums[chunk.key] = torch.zeros(chunk.capacity, dtype=self.dtype)
+            if self.pinned:
+                self._sums[chunk.key] = locked_empty(nbytes, self.dtype).zero_()
+            else:
+                self._sums[chunk.key] = torch.zeros(chunk.capacity, dtype=self.dtype)
         return self._sums[chunk.key]
 
-    def pop(self, key: Hashable) -> torch.Tensor | None:
-        """Take ``key``'s sum for its reduction (its bytes go back to the host tier once the
-        caller has added it: ``release``)."""
-        return self._sums.pop(key, None)
+    def add_into(self, full: torch.Tensor, key: Hashable, writes: HostWrites) -> None:
+        """``full`` (a chunk's staging on the device) += ``key``'s sum, if it has one: uploaded
+        without blocking into a device temporary (what ``.to`` would make), the sum kept and
+        its bytes reserved until the copy lands."""
+        local = self._sums.pop(key, None)
+        if local is not None:
+            on_device = torch.empty_like(full)
+            full.add_(writes.upload(on_device, local, then=lambda: self.release(local)))
 
     def release(self, buffer: torch.Tensor) -> None:
-        """A popped sum was used."""
+        """A sum was used (or dropped): its bytes go back to the host tier."""
         if self.host is not None:
             self.host.unreserve(buffer.numel() * buffer.element_size())
 

@@ -280,18 +280,14 @@ class GradientReducer:
             staging = self._staging[key] = self._device_block(key)[: chunk.capacity]
             self._holding[key] = chunk
         full = staging
-        if key in self._on_host:  # copied first: a spill may be landing in it still
+        if key in self._on_host:  # uploaded first: a spill may be landing in it still
             self._on_host.discard(key)
             full = self._device_block(key)[: chunk.capacity]
-            full.copy_(staging)
-            self.pool.give_host(staging)
+            self.writes.upload(full, staging, then=lambda: self.pool.give_host(staging))
         else:
             del self._holding[key]
         zero_unwritten(chunk, full)  # zeros where no gradient arrived, plus no_sync's sums
-        local = self.local_sums.pop(key)
-        if local is not None:
-            full.add_(local.to(full.device))
-            self.local_sums.release(local)
+        self.local_sums.add_into(full, key, self.writes)
         del self._staging[key]
         self._launched.add(key)
         self.launches.append(("reduce", key))
@@ -395,9 +391,10 @@ class GradientReducer:
                 late = self._late.pop(key, None)
                 if late is None:
                     block.zero_()
-                else:
-                    block.copy_(late)
-                    self.pool.give_host(late)
+                else:  # [Note: reduced gradients land per due point]: kept till the landing
+                    self.writes.upload(
+                        block, late, then=lambda late=late: self.pool.give_host(late)
+                    )
                 self.launches.append(("late", key))
                 self._reduce(chunk, block)
         self._collect(wait=True)

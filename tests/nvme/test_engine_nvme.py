@@ -59,7 +59,9 @@ def test_nvme_plans_train_bitwise_like_host(kind, precision, clip, nvme_dir):
     assert swap_files(nvme_dir) == []
 
 
-def test_checkpoint_with_nvme_state_resumes_bitwise(nvme_dir, tmp_path):
+# both keep the gradients in the parameter payload ([Note: gradients in the parameter payload])
+@pytest.mark.parametrize("home", ["nvme", "host"])
+def test_checkpoint_with_nvme_state_resumes_bitwise(nvme_dir, tmp_path, home):
     from helpers.models import tiny_model
     from helpers.train import train
 
@@ -70,13 +72,14 @@ def test_checkpoint_with_nvme_state_resumes_bitwise(nvme_dir, tmp_path):
             model,
             optimizer,
             precision="bf16",
-            param_placement="nvme",
+            param_placement=home,
             optimizer_placement="nvme",
             nvme_path=str(nvme_dir),
             **COMMON,
         )
 
     model, optimizer = fresh()
+    assert all(c.optim.grads_in_home for c in tierwise.engine_of(model).chunks())
     straight = train(model, optimizer, 6)
     tierwise.engine_of(model).tiers["nvme"].close()
 

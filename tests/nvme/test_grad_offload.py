@@ -109,7 +109,10 @@ def test_host_memory_for_gradients_does_not_grow_with_the_model(nvme_dir):
     assert grads[1] > grads[0] and nvme[1] - nvme[0] >= grads[1] - grads[0]
 
 
-def test_failed_gradient_write_is_one_clear_error_and_applies_nothing(nvme_dir, monkeypatch):
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_failed_gradient_write_is_one_clear_error_and_applies_nothing(
+    nvme_dir, monkeypatch, precision
+):
     import tierwise_nvme.tier as tier_module
 
     backends = []
@@ -121,13 +124,18 @@ def test_failed_gradient_write_is_one_clear_error_and_applies_nothing(nvme_dir, 
 
     monkeypatch.setattr(tier_module, "open_backend", failing)
     # after backward: a backward's shards beyond the host buffers are written out
-    model, opt = build(nvme_dir, "bf16", optimizer_overlap="after-backward")
+    model, opt = build(nvme_dir, precision, optimizer_overlap="after-backward")
     engine = tierwise.engine_of(model)
     try:
         train(model, opt, 1)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         backend = engine.tiers["nvme"].backend
-        backend.fail_if = lambda r: r.op == "write" and "-grad_shard@" in r.path
+        # bf16 writes the gradients into the NVMe parameter payload ([Note: gradients in the
+        # parameter payload]), fp32 into a gradient shard of their own
+        in_home = {c.optim.grads_in_home for c in engine.chunks()}
+        assert in_home == {precision == "bf16"}
+        region = "-param_chunk@" if precision == "bf16" else "-grad_shard@"
+        backend.fail_if = lambda r: r.op == "write" and region in r.path
         with pytest.raises(NVMeIOError, match=r"\[Errno 5\]") as info:
             model(**tiny_batch(seed=10)).loss.backward()
         assert "\n" not in str(info.value)
@@ -143,7 +151,7 @@ def test_failed_gradient_write_is_one_clear_error_and_applies_nothing(nvme_dir, 
         after = {k: v.clone() for k, v in model.state_dict().items()}
     finally:
         engine.close()
-    model2, opt2 = build(nvme_dir, "bf16", optimizer_overlap="after-backward")
+    model2, opt2 = build(nvme_dir, precision, optimizer_overlap="after-backward")
     try:
         train(model2, opt2, 1)
         assert train(model2, opt2, 1, first_seed=5) == losses

@@ -14,9 +14,10 @@ sharding over N ranks each rank's home tiers hold 1/N of every chunk, rCache blo
 [Note: engine memory] The byte counts are core's (``tierwise.chunks.payload.PayloadSpec``) so that
 ``Plan.device_allowance`` is exactly what the device tier will be asked for: a trainable chunk
 that does not keep its gradients in its parameter payload (``PayloadSpec.grads_in_home``: fp32,
-a device home the model computes in, NVMe homes or optimizer states) has a gradient shard of
-L_c bytes/element in its optimizer tier (on NVMe with ``grad_offload_buffers`` host buffers of
-the largest shard in front of them); with fp32 a chunk whose params and optimizer share a tier
+a device home the model computes in or with NVMe optimizer states, an NVMe home with host
+states) has a gradient shard of L_c bytes/element in its optimizer tier; gradient shards on NVMe
+(that one, or an NVMe home holding the gradients) have ``grad_offload_buffers`` host buffers of
+the largest shard in front of them; with fp32 a chunk whose params and optimizer share a tier
 keeps only the master copy;
 every rCache block is as large as the largest chunk; with several ranks, full-chunk gradient
 staging buffers live on the device. With optimizer states on NVMe the optimizer pipeline's
@@ -312,7 +313,8 @@ class CostModel:
         for tier in (DEVICE, HOST, NVME):
             with_shard = train & (o == tier) & ~in_home
             totals[tier] += s.payload.slab_bytes("grad", int(shard[with_shard].sum()))
-        offloaded = int((train & (o == NVME)).sum())
+        # gradient shards on NVMe: beside the states, or the NVMe home itself
+        offloaded = int((train & (((o == NVME) & ~in_home) | (in_home & (p == NVME)))).sum())
         if offloaded:
             buffers = grad_offload_buffers(offloaded)
             totals[HOST] += buffers * int(shard.max(initial=0)) * s.param_bytes

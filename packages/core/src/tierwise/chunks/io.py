@@ -32,6 +32,38 @@ def write_slab(slab: Slab, values: torch.Tensor) -> None:
     slab.tier.write(slab, values.to(slab.dtype)).wait()
 
 
+MASTER_PIECE = 1 << 20
+"""Elements of a master on a storage tier read at a time by ``cast_master_into`` (4 MiB of
+fp32: the host memory it takes stays small whatever the chunk size)."""
+
+
+def cast_master_into(master: Slab, out: torch.Tensor, *, offset: int = 0) -> None:
+    """Write ``master[offset : offset + out.numel()]`` (fp32) rounded to ``out``'s dtype into
+    ``out`` (any device): the parameters of a home that holds gradients, bitwise the values it
+    had ([Note: gradients in the parameter payload]). A master on a storage tier is read a piece
+    at a time."""
+    numel = out.numel()
+    if master.tensor is not None:
+        values = master.tensor[offset : offset + numel]
+        out.copy_(values, non_blocking=values.is_pinned())
+        return
+    piece = torch.empty(min(MASTER_PIECE, numel), dtype=master.dtype)
+    for at in range(0, numel, piece.numel()):
+        part = piece[: min(piece.numel(), numel - at)]
+        master.tier.read(master, part, offset=offset + at).wait()
+        out[at : at + part.numel()].copy_(part)
+
+
+def cast_master_over(master: Slab, home: Slab) -> None:
+    """Rewrite ``home`` (on a storage tier) from ``master`` a piece at a time: [Note: gradients
+    in the parameter payload]."""
+    piece = torch.empty(min(MASTER_PIECE, home.numel), dtype=home.dtype)
+    for at in range(0, home.numel, piece.numel()):
+        part = piece[: min(piece.numel(), home.numel - at)]
+        cast_master_into(master, part, offset=at)
+        home.tier.write(home, part, offset=at).wait()
+
+
 def gather_chunk(chunk: Chunk, shard: torch.Tensor, collectives: Collectives) -> torch.Tensor:
     """The whole chunk's values from this rank's ``shard`` (all-gathered over the chunk's group
     when sharded, every rank calling in the same order; ``shard`` itself when not). On

@@ -17,9 +17,10 @@ byte counts (``model_data_by_tier``) and the search's cost model.
 [Note: gradients in the parameter payload]
 PatrickStar's reused chunk: a bf16/fp16 trainable chunk whose home is not the buffer compute
 reads (it goes through the rCache: a host home, or a device home sharded over ranks) and whose
-home and optimizer states are both in addressable memory keeps its gradients in its home
-(``OptimSlabs.grads_in_home``; its ``grad`` slab *is* the home). Its model data is then 2 bytes
-(params, then gradients) + 12 (fp32 master, m, v) = 14 bytes per element.
+home and optimizer states are both in addressable memory (on NVMe: see below) keeps its
+gradients in its home (``OptimSlabs.grads_in_home``; its ``grad`` slab *is* the home). Its model
+data is then 2 bytes (params, then gradients) + 12 (fp32 master, m, v) = 14 bytes per element
+(on NVMe, plus the states' second copy: [Note: atomic optimizer step]).
 - From the first gradient since zero_grad until its update, the home holds gradients
   (``home_holds_grads``: the gradient states FILLING .. ROLLED_BACK). Whatever needs the
   parameters meanwhile reads the fp32 master and casts it, which is bitwise the home's values
@@ -36,12 +37,27 @@ home and optimizer states are both in addressable memory keeps its gradients in 
   into its undo record beside the states' undo copies, counted in the host tier the same way
   (no room: the chunk is updated after backward). After-backward updates run after every check,
   so nothing needs the gradients after them.
+- Optimizer states on a storage tier (NVMe) with a host home, or home and states both on NVMe:
+  the NVMe pipeline's update reads the gradients from host memory (the host home itself, or for
+  an NVMe home the host buffer in front of it: [Note: active gradient offloading], whose spills
+  and read-backs then use the home's region). Until the step commits, the committed master holds
+  the parameters (``home_holds_grads`` includes UPDATED for these chunks): loads and
+  ``zero_grad`` read it from disk and cast it (``cast_master_into``). An update after backward
+  writes the new parameters over the gradients; a step that fails before the commit puts those
+  homes back from the committed masters (their gradients are consumed, as an offloaded shard's
+  are). An update in backward that a rollback may follow (clipping seen, fp16) leaves the home
+  alone (``EarlyUpdate.home_deferred``): the gradients stay there for a redo (an NVMe home's
+  buffer is written to its region first), and the home gets its new values from the committed
+  master once the step commits (4 bytes per element read from disk). Without a possible
+  rollback it writes the home at once; a rollback then finds nothing to redo with, the same
+  error as an offloaded shard that was not kept.
 - Other chunks keep a gradient shard (``grad`` slab): fp32 (the master is the home already, or
   the home is on another tier and a fp32 gradient would not fit a bf16 home), a device home the
   model computes in (single rank: its gradients are autograd's kept tensors, [Note: gradients
-  without copies]; the shard only takes them before a re-layout), and homes or optimizer states
-  on a storage tier (NVMe: the shard is on disk with host buffers in front, [Note: active
-  gradient offloading]).
+  without copies]; the shard only takes them before a re-layout), a device home with states on
+  NVMe (the pipeline's worker must not read device memory: [Note: CUDA threading model]), and an
+  NVMe home with host states (the host update would read the gradients from disk: a host shard
+  costs the same host bytes as the buffers in front of the disk).
 """
 
 from __future__ import annotations
@@ -143,13 +159,12 @@ class PayloadSpec:
         optimizer states on ``optim_tier`` keeps its gradients in its home: [Note: gradients in
         the parameter payload]."""
         computes_in_home = home_tier == "device" and not sharded
-        return (
-            self.trainable
-            and not self.master_may_be_home
-            and not computes_in_home
-            and addressable(home_tier)
-            and addressable(optim_tier)
-        )
+        if not self.trainable or self.master_may_be_home or computes_in_home:
+            return False
+        if addressable(optim_tier):
+            return addressable(home_tier)
+        # states on a storage tier: the pipeline reads the gradients from host memory
+        return home_tier == "host" or not addressable(home_tier)
 
     def kinds(
         self, *, master_is_home: bool = False, grads_in_home: bool = False

@@ -24,7 +24,8 @@ def model_data_bytes(
     parameter payload, and the gradients have their own fp32 shard) and Adam m and v stored as
     ``optimizer_states`` (per element, before the padding of int8 blocks in each chunk).
     Placements that keep a separate gradient shard (one device computing in the parameter
-    payload, NVMe) have one more: ``model_data_by_tier`` counts those per tier."""
+    payload, a device home with NVMe states, an NVMe home with host states) have one more, and
+    NVMe states a second copy: ``model_data_by_tier`` counts those per tier."""
     spec = PayloadSpec(precision=precision, optimizer_states=optimizer_states)
     if spec.master_may_be_home:
         rows = [

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 #   chunk's update is queued as soon as its gradients are complete and consumes the buffer, so
 #   gradients never touch the disk; after-backward updates spill what does not fit and read it
 #   back at ``step``.
+# With the gradients in an NVMe parameter payload ([Note: gradients in the parameter payload])
+# the shard's region is the home's: a spill writes gradients over the parameters, which
+# ``zero_grad`` rewrites from the master.
 # A buffer lent to a queued update is pinned until the pipeline reports the job done (updated,
 # or dropped after a failure): a buffer request waits for such a release before it spills, and
 # spills only when nothing is pinned. Spills and read-backs wait for their I/O on the calling
@@ -84,6 +87,9 @@ class GradientOffload:
         self._on_disk: dict[Chunk, object] = {}
         """Chunks whose shard is being (an IOHandle) or was (True, or the OSError) written to
         disk before a speculative update consumes it ([Note: speculative updates])."""
+        self._over_home: set[Chunk] = set()
+        """Chunks keeping their gradients in an NVMe home whose region a spill wrote gradients
+        over since zero_grad ([Note: gradients in the parameter payload])."""
         self._cond = threading.Condition()
         self.timeout_s = wait_timeout_s() if timeout_s is None else timeout_s
         """Seconds a buffer request waits for an update to give one back ([Note: bounded
@@ -128,6 +134,8 @@ class GradientOffload:
         consume the buffer, and a rollback redoes the update from the region. The write is
         waited for before the buffer goes back (``consumed``)."""
         optim = chunk.optim
+        if optim.grads_in_home:  # the update leaves this home alone until the commit
+            self._over_home.add(chunk)
         handle = optim.grad.tier.write(optim.grad, optim.grad_buffer)
         self.moved_bytes["host->nvme"] += optim.grad.nbytes
         with self._cond:
@@ -165,12 +173,18 @@ class GradientOffload:
         optim = chunk.optim
         with self._cond:
             self._on_disk.pop(chunk, None)
+        self._over_home.discard(chunk)
         if optim.grad_buffer is None or chunk not in self._lru:
             return  # none, or lent to an update that gives it back through ``consumed``
         del self._lru[chunk]
         buffer, optim.grad_buffer = optim.grad_buffer, None
         with self._cond:
             self._free.append(buffer._base if buffer._base is not None else buffer)
+
+    def spilled_over_home(self, chunk: Chunk) -> bool:
+        """Whether a spill wrote ``chunk``'s gradients over its home's region since zero_grad
+        (its parameters are then rewritten from the master)."""
+        return chunk in self._over_home
 
     def spill_all(self) -> None:
         """Write every held shard to its NVMe region (before a re-layout reads them there)."""
@@ -204,6 +218,8 @@ class GradientOffload:
     def _spill(self, chunk: Chunk) -> None:
         optim = chunk.optim
         buffer = optim.grad_buffer
+        if optim.grads_in_home:
+            self._over_home.add(chunk)
         self._io(chunk, "host->nvme", lambda: optim.grad.tier.write(optim.grad, buffer))
         del self._lru[chunk]
         optim.grad_buffer = None

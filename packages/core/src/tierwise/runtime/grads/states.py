@@ -33,7 +33,14 @@ class GradStates:
         """Whether ``chunk``'s home may hold gradients now, not parameters: [Note: gradients in
         the parameter payload]."""
         optim = chunk.optim
-        return optim is not None and optim.grads_in_home and self.of(chunk) in HOME_HOLDS_GRADS
+        if optim is None or not optim.grads_in_home:
+            return False
+        state = self.of(chunk)
+        # a storage tier's update is committed at step: until then the home may hold gradients
+        # kept for a redo, and the committed master holds the parameters
+        return state in HOME_HOLDS_GRADS or (
+            state is GradState.UPDATED and not optim.tier.ADDRESSABLE
+        )
 
     def move(self, chunk: Chunk, new: GradState, owner: GradOwner) -> None:
         """The one way a chunk's state changes: checked against the transition's owner (a

@@ -11,6 +11,7 @@ import torch
 
 from tierwise.chunks import Chunk, ParamSlot
 from tierwise.chunks.grad_state import GradOwner, GradState
+from tierwise.chunks.io import cast_master_into, cast_master_over
 from tierwise.runtime.traffic import Traffic
 
 if TYPE_CHECKING:
@@ -107,6 +108,8 @@ class GradStorage:
         a storage tier a host buffer holding it ([Note: active gradient offloading])."""
         if self.offloads(chunk):
             self._refuse_consumed(chunk)
+            if start and chunk.optim.grads_in_home:  # a spill will write the home's region
+                self.before_home_write(chunk)
             return self.grad_offload.hold(chunk, fresh=start)
         if chunk.optim.grads_in_home:
             self._refuse_consumed(chunk)
@@ -169,10 +172,26 @@ class GradStorage:
     def restore_params(self, chunk: Chunk) -> None:
         """A home holding gradients gets its parameters back from the fp32 master (zero_grad, a
         dropped backward): [Note: gradients in the parameter payload]. The cast is bitwise the
-        values it had, so cached copies stay valid."""
-        if chunk.optim is not None and chunk.optim.grads_in_home:
-            if self.grad_states.of(chunk) not in (GradState.EMPTY, GradState.CONSUMED):
-                chunk.home.tensor.copy_(chunk.optim.master.tensor)
+        values it had, so cached copies stay valid. A home on a storage tier is rewritten only
+        when a spill wrote gradients over it ([Note: active gradient offloading])."""
+        optim = chunk.optim
+        if optim is None or not optim.grads_in_home:
+            return
+        if self.grad_states.of(chunk) in (GradState.EMPTY, GradState.CONSUMED):
+            return
+        if chunk.home.tensor is not None or self.grad_offload.spilled_over_home(chunk):
+            self.params_from_master(chunk)
+
+    def params_from_master(self, chunk: Chunk) -> None:
+        """Write the fp32 master cast over the chunk's home (any tier): [Note: gradients in the
+        parameter payload]."""
+        home, master = chunk.home, chunk.optim.master
+        if home.tensor is not None:
+            cast_master_into(master, home.tensor)
+        else:
+            cast_master_over(master, home)
+        if master.tier is not home.tier:
+            self.traffic.count(f"{master.tier.name}->{home.tier.name}", master.nbytes)
 
     def give_back(self, chunk: Chunk) -> None:
         """The update that was lent ``chunk``'s shard ran or was dropped (any thread)."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from tierwise.chunks import Chunk
+from tierwise.chunks.io import cast_master_into
 from tierwise.parallel.collectives import Collectives
 from tierwise.runtime.index import ChunkIndex
 from tierwise.runtime.residency.access_trace import ChunkAccessTrace
@@ -154,9 +155,9 @@ class Residency:
         master = chunk.optim.master
         start, end = chunk.shard_range()
         shard = block[start:end]
-        # the master is in addressable memory (pinned on CUDA): a cast on copy, waited for by
-        # the load's event like any host read
-        shard.copy_(master.tensor, non_blocking=master.tensor.is_pinned())
+        # a master in addressable memory (pinned on CUDA): a cast on copy, waited for by the
+        # load's event like any host read; on a storage tier: read in pieces, waited for here
+        cast_master_into(master, shard)
         if master.tier.name != "device":
             self.traffic.count(f"{master.tier.name}->device", master.nbytes)
         if not chunk.group.sharded:

@@ -370,6 +370,7 @@ class OptimizerStep:
             pipeline.drain()
         self.updates.home_writes.flush()
         self.step_undo.clear()  # committed: from here on a failure is not undone
+        speculation.write_deferred_homes()
         if self.host_updates is not None:
             self.host_updates.release()
         for chunk, hyper in in_memory:
@@ -426,6 +427,7 @@ class OptimizerStep:
         updates in backward])."""
         self.speculation.drop_host_updates()
         self.step_undo.restore()
+        self.speculation.write_deferred_homes()  # the gradients there are consumed as well
         self._clip_coef = None
         self._settle_slots()
 

@@ -39,6 +39,10 @@ class EarlyUpdate:
     per-parameter norm) pairs (one process) or the sum of squares (several ranks)."""
     finite: bool | None = None
     """Whether its gradients were finite (fp16), when the update consumes them."""
+    home_deferred: bool = False
+    """A pipeline update of a home holding gradients that left them there for a redo: the home
+    gets its new values from the committed master ([Note: gradients in the parameter
+    payload])."""
 
 
 class Speculation:
@@ -138,10 +142,16 @@ class Speculation:
             return
         hyper = self._hyper(chunk)
         early = EarlyUpdate(hyper=hyper, has_grad=tuple(s.has_grad for s in chunk.slots))
-        if self.storage.offloads(chunk):  # the update consumes the shard: record what step needs
+        optim = chunk.optim
+        rollback_possible = self.policy.rollback_possible or self.scaler is not None
+        # a home holding gradients keeps them for a redo: its new values are written at commit
+        # ([Note: gradients in the parameter payload])
+        early.home_deferred = optim.grads_in_home and rollback_possible
+        # the update consumes the shard (or the home's gradients): record what step needs
+        if self.storage.offloads(chunk) or optim.grads_in_home:
             grads = self.storage.read(chunk)
             early.norms = self.checks.norm_parts(chunk, grads)
-            if self.policy.rollback_possible or self.scaler is not None:
+            if rollback_possible and self.storage.offloads(chunk):
                 self.storage.grad_offload.keep_on_disk(chunk)  # for a redo after a rollback
             if self.scaler is not None:
                 early.finite = grads.all_finite()
@@ -149,7 +159,9 @@ class Speculation:
         self.step_undo.begin()  # the step begins here: [Note: atomic optimizer step]
         # its cached copy goes stale, but nothing reads it again in this backward: all of
         # its gradients are in; step() drops every cached copy
-        update = self.updates.build(chunk, hyper, self.unscale(), on_worker=True)
+        update = self.updates.build(
+            chunk, hyper, self.unscale(), on_worker=True, keep_home=early.home_deferred
+        )
         self.updates.submit(pipeline, chunk, update)
         self.updates.count_traffic(chunk)
 
@@ -194,6 +206,15 @@ class Speculation:
             lambda tensors: update(tensors[:3]),
             on_done=lambda: self.updates.done(chunk),
         )
+
+    def write_deferred_homes(self) -> None:
+        """The step committed (or was undone): homes whose in-backward update left their
+        gradients there get their parameters from the committed masters ([Note: gradients in
+        the parameter payload])."""
+        for chunk in self.index.chunks():
+            early = self.early.get(chunk.key)
+            if early is not None and early.home_deferred:
+                self.storage.params_from_master(chunk)
 
     def rollback_reason(
         self, overflow: bool, clip_coef: torch.Tensor | None, filled: list[Chunk]
@@ -243,10 +264,15 @@ class Speculation:
         self.updates.home_writes.flush()  # before StepUndo puts the homes back
         self.step_undo.restore()
         offload = self.storage.grad_offload
-        lost = [
+        lost = [  # pipeline updates that wrote new values over a home's gradients keep none
             c
             for c in chunks
-            if self.storage.offloads(c) and not offload.kept_on_disk(c, forget=True)
+            if (self.storage.offloads(c) and not offload.kept_on_disk(c, forget=True))
+            or (
+                c.optim.grads_in_home
+                and not c.optim.tier.ADDRESSABLE
+                and not self.early[c.key].home_deferred
+            )
         ]
         self.early.clear()
         self.step_undo.begin()

@@ -94,12 +94,19 @@ class ChunkUpdates:
         return ranges
 
     def build(
-        self, chunk: Chunk, hyper: AdamHyper, multiplier: list | None, *, on_worker: bool = False
+        self,
+        chunk: Chunk,
+        hyper: AdamHyper,
+        multiplier: list | None,
+        *,
+        on_worker: bool = False,
+        keep_home: bool = False,
     ):
         """The update of one chunk, given its (master, exp_avg, exp_avg_sq) tensors as stored
         (it advances the step counts now, on the calling thread). ``on_worker``: it runs on a
         worker thread, which hands new values for a device home to ``home_writes``
-        ([Note: CUDA threading model])."""
+        ([Note: CUDA threading model]). ``keep_home``: the home is not written (its gradients
+        stay for a redo: [Note: gradients in the parameter payload])."""
         optim = chunk.optim
         ranges = self.ranges(chunk)
         undo = self.step_undo
@@ -108,10 +115,12 @@ class ChunkUpdates:
         grads = self.storage.lend(chunk)
         shard = grads.shard
         kept = [(s, self.step_counts[s.name]) for s in grads.kept_slots()] if grads.kept else None
-        home = chunk.home if chunk.home is not optim.master else None
-        # a home holding gradients ([Note: gradients in the parameter payload]) has no last-step
-        # values to restore: the host worker's undo record keeps its gradients instead
-        records_home = home is not None and not optim.grads_in_home
+        home = chunk.home if chunk.home is not optim.master and not keep_home else None
+        # a home holding gradients ([Note: gradients in the parameter payload]) updated from
+        # memory has no last-step values to restore (the host worker's undo record keeps its
+        # gradients instead); one updated by a storage tier's pipeline is put back from the
+        # committed master when the step fails (its gradients are consumed)
+        records_home = home is not None and not (optim.grads_in_home and optim.tier.ADDRESSABLE)
         scratch: list[torch.Tensor] = []  # one piece-sized fp32 gradient, made on first use
         recorded: list[bool] = []  # the undo record knows the home is written
 

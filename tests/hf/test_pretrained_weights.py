@@ -288,6 +288,7 @@ def test_a_checkpoint_larger_than_host_memory_loads_when_the_placement_fits(tmp_
     assert all(torch.equal(state[n], v) for n, v in expected.items())  # fp32 masters
 
 
+@pytest.mark.combined
 def test_a_plan_that_fills_host_memory_loads_with_the_room_left(tmp_path, monkeypatch):
     """The load buffers are not part of the training-time host need, so a host budget the chunks
     nearly fill leaves less room than ``Plan.io_buffer_bytes``: the load takes the room left

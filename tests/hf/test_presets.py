@@ -53,6 +53,16 @@ LLAMA_3_1_ROPE = {
     "rope_type": "llama3",
 }
 LLAMA_3_2_ROPE = {**LLAMA_3_1_ROPE, "factor": 32.0}
+LLAMA_3 = dict(
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-05,
+    hidden_act="silu",
+    attention_bias=False,
+    mlp_bias=False,
+)
+"""The config.json fields Llama 3.1 and 3.2 share."""
 PUBLISHED_CONFIG_JSON = {
     # huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json
     ("llama", "1b"): dict(
@@ -62,14 +72,8 @@ PUBLISHED_CONFIG_JSON = {
         num_attention_heads=32,
         num_key_value_heads=8,
         head_dim=64,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
+        **LLAMA_3,
         rope_scaling=LLAMA_3_2_ROPE,
-        rms_norm_eps=1e-05,
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
         tie_word_embeddings=True,
     ),
     # huggingface.co/meta-llama/Llama-3.2-3B/blob/main/config.json
@@ -80,14 +84,8 @@ PUBLISHED_CONFIG_JSON = {
         num_attention_heads=24,
         num_key_value_heads=8,
         head_dim=128,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
+        **LLAMA_3,
         rope_scaling=LLAMA_3_2_ROPE,
-        rms_norm_eps=1e-05,
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
         tie_word_embeddings=True,
     ),
     # huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json
@@ -97,14 +95,8 @@ PUBLISHED_CONFIG_JSON = {
         num_hidden_layers=32,
         num_attention_heads=32,
         num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
+        **LLAMA_3,
         rope_scaling=LLAMA_3_1_ROPE,
-        rms_norm_eps=1e-05,
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
         tie_word_embeddings=False,
     ),
     # huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json
@@ -114,14 +106,8 @@ PUBLISHED_CONFIG_JSON = {
         num_hidden_layers=80,
         num_attention_heads=64,
         num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
+        **LLAMA_3,
         rope_scaling=LLAMA_3_1_ROPE,
-        rms_norm_eps=1e-05,
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
         tie_word_embeddings=False,
     ),
 }

@@ -7,17 +7,19 @@ decoding takes two. Here each is one C loop over a block while it is in the L1 c
 same IEEE operations in the same order ([Note: int8 code lookup]): the block's largest magnitude
 (NaN when any value is NaN, as ``amax`` gives), at least 1e-12 as ``clip`` rounds it to fp32, one
 correctly rounded fp32 division per value, the code looked up from the top 16 bits plus one
-comparison with the threshold of that code (a 256-entry table: the 65536 per-bucket thresholds
-the torch ops gather are the same values, ``thresholds[base]``, but a quarter megabyte per map
-pushed both maps' tables out of the L2 cache); decoding is one fp32 multiplication of the map's
-entry by the block's scale. So the bytes are bitwise those of the torch ops (``tests/core/test_lowbit_kernel.py`` checks both on
+comparison with the threshold of that code (an 8 KiB slot table per map and 256 thresholds by
+code, [Note: int8 code slots] in ``lowbit_kernel.c``: the torch ops' 65536 entries per map,
+a quarter megabyte with their thresholds, did not fit the L1 cache); decoding is one fp32
+multiplication of the map's entry by the block's scale. With AVX2 both run eight lanes at a
+time (the division, the slot arithmetic, gathers for the two lookups and the comparison), the
+same operations per lane. So the bytes are bitwise those of the torch ops (``tests/core/test_lowbit_kernel.py`` checks both on
 the same values, NaN, infinities and zero blocks included). No fast-math and no contraction
 flags: the compiler may vectorise the loops but not change the arithmetic.
 
 Why not ``torch.compile``: its C++ code for the encode (a gather through a 65536-entry table
 after a bit cast) measured slower than the eager ops on this machine (10.9 against 6.7 ns per
-element, one thread) and its first call compiles for 14 s in every process. The C source below
-has no dependency but a C compiler (gcc or cc, present on the CI image); it is built once per
+element, one thread) and its first call compiles for 14 s in every process. The C source
+(``lowbit_kernel.c``) has no dependency but a C compiler (gcc or cc, present on the CI image); it is built once per
 source and machine into the user's cache directory and loaded with ctypes. Without a compiler,
 or with ``TIERWISE_LOWBIT_KERNEL=0``, the torch ops run: same bytes, slower.
 """
@@ -37,173 +39,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#define BLOCK 256
-
-static void encode_block(const float *x, uint8_t *c, float *scale_out, const uint8_t *base,
-                         const float *thresholds) {
-    /* |x| as bits: non-negative floats order as their bits do, NaNs above infinity */
-    uint32_t bits[BLOCK];
-    memcpy(bits, x, sizeof bits);
-    uint32_t largest = 0;
-    for (int i = 0; i < BLOCK; i++) {
-        uint32_t a = bits[i] & 0x7fffffffu;
-        largest = a > largest ? a : largest;
-    }
-    float scale;
-    memcpy(&scale, &largest, 4);
-    if (largest <= 0x7f800000u && scale < 1e-12f) scale = 1e-12f;
-    *scale_out = scale;
-    float scaled[BLOCK];
-    for (int i = 0; i < BLOCK; i++) scaled[i] = x[i] / scale;
-    uint32_t top[BLOCK];
-    memcpy(top, scaled, sizeof top);
-    for (int i = 0; i < BLOCK; i++) {
-        uint32_t k = top[i] >> 16;
-        uint8_t code = base[k];
-        c[i] = (uint8_t)(code + (scaled[i] >= thresholds[code]));
-    }
-}
-
-static void decode_block(const uint8_t *c, float scale, const float *qmap, float *out) {
-    for (int i = 0; i < BLOCK; i++) out[i] = qmap[c[i]] * scale;
-}
-
-void tw_quantize(const float *values, uint8_t *codes, float *scales, int64_t nblocks,
-                 const uint8_t *base, const float *thresholds) {
-    for (int64_t b = 0; b < nblocks; b++)
-        encode_block(values + b * BLOCK, codes + b * BLOCK, scales + b, base, thresholds);
-}
-
-void tw_dequantize(const uint8_t *codes, const float *scales, float *out, int64_t nblocks,
-                   const float *qmap) {
-    for (int64_t b = 0; b < nblocks; b++)
-        decode_block(codes + b * BLOCK, scales[b], qmap, out + b * BLOCK);
-}
-
-/* torch's fused Adam(W) CPU kernel on fp32, operation for operation: [Note: int8 Adam in one pass] */
-typedef struct {
-    float decay, l2, coeff, beta2, sq_coeff, bc2_sqrt, eps, neg_step;
-    int keep_m, mode; /* mode: 0 no weight decay, 1 decoupled (AdamW), 2 L2 (Adam) */
-} Coeffs;
-
-static void adam_coeffs(Coeffs *k, const double *hyper, double step) {
-    double lr = hyper[0], beta1 = hyper[1], beta2 = hyper[2], eps = hyper[3], wd = hyper[4];
-    double bc1 = 1 - pow(beta1, step), bc2 = 1 - pow(beta2, step);
-    float weight = (float)(1 - beta1);
-    k->keep_m = fabsf(weight) < 0.5f;
-    k->coeff = k->keep_m ? weight : weight - 1.0f;
-    k->beta2 = (float)beta2;
-    k->sq_coeff = (float)(1 - beta2);
-    k->bc2_sqrt = (float)sqrt(bc2);
-    k->eps = (float)eps;
-    k->neg_step = (float)(-(lr / bc1));
-    k->decay = (float)(1 - lr * wd);
-    k->l2 = (float)wd;
-    k->mode = wd != 0 ? (hyper[5] != 0 ? 1 : 2) : 0;
-}
-
-static inline void adam_loop(float *restrict p, const float *restrict g, float *restrict m,
-                             float *restrict v, int64_t n, const Coeffs *k, const int mode,
-                             const int tail) {
-    const float decay = k->decay, l2 = k->l2, coeff = k->coeff, beta2 = k->beta2;
-    const float sq_coeff = k->sq_coeff, bc2_sqrt = k->bc2_sqrt, eps = k->eps;
-    const float neg_step = k->neg_step;
-    const int keep_m = k->keep_m;
-    for (int64_t i = 0; i < n; i++) {
-        float param = p[i], grad = g[i];
-        if (mode == 1) param = param * decay;
-        if (mode == 2) grad = fmaf(param, l2, grad);
-        float avg = m[i];
-        avg = fmaf(coeff, grad - avg, keep_m ? avg : grad);
-        float fresh = sq_coeff * grad;
-        float avg_sq;
-        if (tail) { /* torch's scalar remainder loop fuses the other product */
-            fresh = fresh * grad;
-            avg_sq = fmaf(v[i], beta2, fresh);
-        } else {
-            float kept = v[i] * beta2;
-            avg_sq = fmaf(fresh, grad, kept);
-        }
-        float denom = sqrtf(avg_sq) / bc2_sqrt;
-        denom = denom + eps;
-        float delta = neg_step * avg;
-        delta = delta / denom;
-        p[i] = param + delta;
-        m[i] = avg;
-        v[i] = avg_sq;
-    }
-}
-
-static void adam_elements(float *p, const float *g, float *m, float *v, int64_t n,
-                          const Coeffs *k, const int tail) {
-    if (tail) {
-        if (k->mode == 1) adam_loop(p, g, m, v, n, k, 1, 1);
-        else if (k->mode == 2) adam_loop(p, g, m, v, n, k, 2, 1);
-        else adam_loop(p, g, m, v, n, k, 0, 1);
-    } else {
-        if (k->mode == 1) adam_loop(p, g, m, v, n, k, 1, 0);
-        else if (k->mode == 2) adam_loop(p, g, m, v, n, k, 2, 0);
-        else adam_loop(p, g, m, v, n, k, 0, 0);
-    }
-}
-
-/* The update alone on fp32 arrays (the check that it is torch's on this machine). */
-void tw_adam_fp32(float *p, const float *g, float *m, float *v, int64_t n, int64_t width,
-                  double step, const double *hyper) {
-    Coeffs k;
-    adam_coeffs(&k, hyper, step);
-    int64_t split = n - n % width;
-    adam_elements(p, g, m, v, split, &k, 0);
-    adam_elements(p + split, g + split, m + split, v + split, n - split, &k, 1);
-}
-
-/* Blocks [block_lo, block_hi) of a shard's int8 moments: each block touched by a tensor is
-   decoded, updated where the tensors lie, and encoded, while it is in the L1 cache. Tensors are
-   sorted by start, do not overlap, and params[u]/grads[u] hold elements starts[u]:ends[u]; the
-   last (length % width) elements of each are torch's scalar remainder. */
-void tw_adam_int8(int64_t block_lo, int64_t block_hi, int64_t width, uint8_t *m_codes,
-                  float *m_scales,
-                  uint8_t *v_codes, float *v_scales, int64_t ntensors, const int64_t *starts,
-                  const int64_t *ends, float *const *params, const float *const *grads,
-                  const double *steps, const double *hyper, const float *m_qmap,
-                  const uint8_t *m_base, const float *m_thresholds, const float *v_qmap,
-                  const uint8_t *v_base, const float *v_thresholds) {
-    float m[BLOCK], v[BLOCK];
-    Coeffs k;
-    double coeffs_step = -1;
-    int64_t t = 0;
-    for (int64_t b = block_lo; b < block_hi; b++) {
-        int64_t lo = b * BLOCK, hi = lo + BLOCK;
-        while (t < ntensors && ends[t] <= lo) t++;
-        if (t == ntensors || starts[t] >= hi) continue;
-        decode_block(m_codes + lo, m_scales[b], m_qmap, m);
-        decode_block(v_codes + lo, v_scales[b], v_qmap, v);
-        for (int64_t u = t; u < ntensors && starts[u] < hi; u++) {
-            int64_t a = starts[u] > lo ? starts[u] : lo, e = ends[u] < hi ? ends[u] : hi;
-            if (a >= e) continue;
-            if (steps[u] != coeffs_step) {
-                adam_coeffs(&k, hyper, steps[u]);
-                coeffs_step = steps[u];
-            }
-            int64_t tail = ends[u] - (ends[u] - starts[u]) % width;
-            int64_t split = tail < a ? a : (tail > e ? e : tail);
-            int64_t at = a - starts[u];
-            adam_elements(params[u] + at, grads[u] + at, m + (a - lo), v + (a - lo), split - a,
-                          &k, 0);
-            at = split - starts[u];
-            adam_elements(params[u] + at, grads[u] + at, m + (split - lo), v + (split - lo),
-                          e - split, &k, 1);
-        }
-        encode_block(m, m_codes + lo, m_scales + b, m_base, m_thresholds);
-        encode_block(v, v_codes + lo, v_scales + b, v_base, v_thresholds);
-    }
-}
-"""
+SOURCE = Path(__file__).with_name("lowbit_kernel.c").read_text()
+"""The kernels' C source (``lowbit_kernel.c`` beside this module)."""
 
 FLAGS = [
     "-O3",
@@ -268,15 +105,42 @@ def load() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError):
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.tw_quantize.argtypes = [ptr, ptr, ptr, i64, ptr, ptr]
+    lib.tw_quantize.argtypes = [ptr, ptr, ptr, i64, ptr]
     lib.tw_quantize.restype = None
     lib.tw_dequantize.argtypes = [ptr, ptr, ptr, i64, ptr]
     lib.tw_dequantize.restype = None
-    lib.tw_adam_int8.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, i64, *[ptr] * 12]
+    lib.tw_adam_int8.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, i64, *[ptr] * 10]
     lib.tw_adam_int8.restype = None
     lib.tw_adam_fp32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_double, ptr]
     lib.tw_adam_fp32.restype = None
     return lib
+
+
+SLOT_LEAST, SLOT_MOST, SLOT_SIGN = 0x34000000, 0x3F810000, 2947
+"""The clamp of a scaled value's magnitude bits and the offset of the negative slots
+([Note: int8 code slots] in ``lowbit_kernel.c``, which defines the same numbers)."""
+
+
+def code_slots(base: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """The kernels' 2 x SLOT_SIGN code slots (int32 entries, [Note: int8 code slots]) from
+    ``base``, the code at each of the 65536 buckets' lower end (indexed by the top 16 bits read
+    as unsigned), and the 256 ``thresholds`` by code. Raises when a bucket's slot would not give
+    the bucket's own codes."""
+    top = torch.arange(65536, dtype=torch.int64)
+    magnitude = (top & 0x7FFF) << 16
+    nan = magnitude >= 0x7F800000  # or infinity
+    clamped = magnitude.clamp(SLOT_LEAST, SLOT_MOST)
+    slot = (clamped >> 16) - (SLOT_LEAST >> 16) + nan.long() + (top >> 15) * SLOT_SIGN
+    base = base.cpu().to(torch.int64)
+    inside = thresholds.cpu()[base].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    has = (inside >> 16) == top  # the threshold lies in the bucket (NaN's never does)
+    low = torch.where(top >= 0x8000, 0xFFFF - (inside & 0xFFFF), inside & 0xFFFF)
+    entry = torch.where(has, (base << 16) | low, ((base - 1) & 0xFF) << 16)
+    slots = torch.zeros(2 * SLOT_SIGN, dtype=torch.int64)
+    slots[slot] = entry  # where buckets share a slot, their entries must agree (checked below)
+    if not torch.equal(slots[slot], entry):
+        raise AssertionError("int8 code slots: two buckets with different codes share a slot")
+    return slots.to(torch.int32)
 
 
 _VECTOR_WIDTHS = {"AVX2": 8, "AVX512": 16}
@@ -346,18 +210,16 @@ def quantize(
     values: torch.Tensor,
     codes: torch.Tensor,
     scales: torch.Tensor,
-    base: torch.Tensor,
-    thresholds: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     """Encode whole blocks of fp32 ``values`` into ``codes`` and ``scales`` ([Note: int8 code
-    lookup]: ``base`` indexed by the top 16 bits, then the code's ``thresholds`` entry)."""
+    lookup]: ``slots`` from ``code_slots``, [Note: int8 code slots])."""
     lib.tw_quantize(
         values.data_ptr(),
         codes.data_ptr(),
         scales.data_ptr(),
         scales.numel(),
-        base.data_ptr(),
-        thresholds.data_ptr(),
+        slots.data_ptr(),
     )
 
 
@@ -385,8 +247,8 @@ def adam_int8(
     ``moments``: (exp_avg codes, its block scales, exp_avg_sq codes, its scales) of a whole
     shard; ``tensors``: (start, master, gradient, step) with each master and gradient holding
     the shard's elements ``start:start + numel`` (contiguous fp32 on a CPU, not overlapping);
-    ``hyper``: (lr, beta1, beta2, eps, weight_decay, decoupled); ``tables``: the signed map,
-    bucket codes and code thresholds, then the unsigned ones ([Note: int8 code lookup]); ``blocks``: the
+    ``hyper``: (lr, beta1, beta2, eps, weight_decay, decoupled); ``tables``: the signed map and
+    its code slots, then the unsigned ones (``state_formats.kernel_tables``); ``blocks``: the
     range of blocks to update, split between ``threads`` threads (ctypes lets go of the GIL
     while the C code runs); ``width``: ``one_pass_width``."""
     tensors = sorted(tensors, key=lambda t: t[0])
@@ -429,6 +291,7 @@ __all__ = [
     "FLAGS",
     "SOURCE",
     "adam_int8",
+    "code_slots",
     "dequantize",
     "load",
     "one_pass_width",

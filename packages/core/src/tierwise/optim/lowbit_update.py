@@ -12,7 +12,7 @@ import torch
 
 from tierwise.optim import lowbit_kernel
 from tierwise.optim.adam import AdamHyper, adam_update_tensors
-from tierwise.optim.state_formats import WORKSPACES, device_tables, moment_formats
+from tierwise.optim.state_formats import WORKSPACES, kernel_tables, moment_formats
 from tierwise.precision import QUANT_BLOCK
 from tierwise.tiers.ledger import MemoryPool
 
@@ -70,12 +70,7 @@ class PieceMoments:
             return
         fmt = moment_formats("int8")
         moments = (*fmt[0].split(stored[0]), *fmt[1].split(stored[1]))
-        tables = [
-            table
-            for signed in (True, False)
-            for i, table in enumerate(device_tables(signed, masters[0].device))
-            if i != 2  # the kernel looks thresholds up by code
-        ]
+        tables = [table for signed in (True, False) for table in kernel_tables(signed)]
         tensors = [
             (s, m, g.to(torch.float32).contiguous(), step)
             for s, m, g, step in zip(starts, masters, grads, steps, strict=True)

@@ -137,6 +137,14 @@ def device_tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, ...
     )
 
 
+@functools.cache
+def kernel_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(map, code slots) on the CPU, as the compiled kernels decode and encode: [Note: int8
+    code slots] in ``lowbit_kernel.c``."""
+    qmap, base, _, thresholds = device_tables(signed, torch.device("cpu"))
+    return qmap, lowbit_kernel.code_slots(base, thresholds)
+
+
 class Workspaces:
     """Scratch tensors reused by each thread (fresh temporaries of a piece's size fault their
     pages in on every call, see [Note: updates in pieces], which cost more than the
@@ -191,11 +199,11 @@ def quantize_blocks(
     by the compiled loop of [Note: compiled int8 kernels] when it is built. Block
     scale = largest magnitude (at least 1e-12), code = nearest entry of the signed or unsigned
     map to value / scale, rounded as torchao rounds ([Note: int8 code lookup])."""
-    _, base, inside, thresholds = device_tables(signed, values.device)
     kernel = lowbit_kernel.load()
     if kernel is not None and lowbit_kernel.usable(values, codes, scales):
-        lowbit_kernel.quantize(kernel, values, codes, scales, base, thresholds)
+        lowbit_kernel.quantize(kernel, values, codes, scales, kernel_tables(signed)[1])
         return
+    _, base, inside, thresholds = device_tables(signed, values.device)
     for lo in range(0, values.numel(), QUANT_PIECE):
         hi = min(lo + QUANT_PIECE, values.numel())
         scaled, bucket, threshold, up = WORKSPACES.get(
@@ -369,6 +377,7 @@ __all__ = [
     "WORKSPACES",
     "MomentFormat",
     "device_tables",
+    "kernel_tables",
     "decode_piece",
     "dequantize_blocks",
     "dynamic_map",

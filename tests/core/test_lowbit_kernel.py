@@ -56,6 +56,48 @@ def test_compiled_kernels_match_torch_ops_bit_for_bit(monkeypatch, signed):
     assert torch.equal(_bits(decoded), _bits(ref_decoded))
 
 
+def _every_bucket(signed: bool) -> torch.Tensor:
+    """Scaled values from every bucket of top 16 bits a quotient can have (|q| <= 1): both ends
+    of each, the middle and a random low half, plus each threshold and its two neighbours
+    ([Note: int8 code slots] clamps, merges and compares on the low 16 bits)."""
+    gen = torch.Generator().manual_seed(5)
+    top = torch.arange(65536, dtype=torch.int64)
+    top = top[(top & 0x7FFF) <= 0x3F80]
+    lows = [0, 1, 0x7FFF, 0x8000, 0xFFFE, 0xFFFF]
+    lows = torch.tensor(lows).expand(top.numel(), -1)
+    lows = torch.cat([lows, torch.randint(0, 65536, (top.numel(), 1), generator=gen)], dim=1)
+    bits = ((top[:, None] << 16) | lows).flatten()
+    thresholds = formats.device_tables(signed, torch.device("cpu"))[3][:-1]
+    near = thresholds.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    bits = torch.cat([bits, near - 1, near, near + 1])
+    values = (bits & 0xFFFFFFFF).to(torch.int64).to(torch.int32).view(torch.float32)
+    return values[values.abs() <= 1.0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("signed", [True, False])
+def test_compiled_encode_matches_torch_ops_in_every_bucket(monkeypatch, signed):
+    values = _every_bucket(signed)
+    per_block = QUANT_BLOCK - 1
+    pad = -values.numel() % per_block
+    values = torch.cat([values, torch.zeros(pad)]).view(-1, per_block)
+    # each block's largest magnitude is 1 (both signs), so the scaled values are the values
+    ones = torch.where(torch.arange(values.shape[0]) % 2 == 0, 1.0, -1.0)[:, None]
+    values = torch.cat([ones, values], dim=1).flatten().contiguous()
+    codes, scales = (
+        torch.empty(values.numel(), dtype=torch.uint8),
+        torch.empty(values.numel() // 256),
+    )
+    formats.quantize_blocks(values, codes, scales, signed=signed)
+    with monkeypatch.context() as m:
+        _torch_ops(m)
+        ref_codes, ref_scales = torch.empty_like(codes), torch.empty_like(scales)
+        formats.quantize_blocks(values, ref_codes, ref_scales, signed=signed)
+    assert torch.equal(_bits(scales), _bits(ref_scales))
+    assert torch.equal(scales, torch.ones_like(scales))
+    assert torch.equal(codes, ref_codes)
+
+
 def _whole_shard_update(states, grad, numel, spans, hyper, optimizer_states):
     """The update as it ran before the fused pieces: both moments decoded whole with torch
     ops, one fused Adam(W) call, encoded back over the spans' blocks."""

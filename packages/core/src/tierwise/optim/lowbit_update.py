@@ -134,7 +134,8 @@ per piece cost little (at 64K elements they cost bf16 states more than they save
 # With int8 moments on a CPU and the compiled kernels built, a chunk's update is one C pass
 # (``tw_adam_int8`` in ``lowbit_kernel``) over its 256-element blocks: decode both moments of a
 # block into two stack arrays, run the Adam(W) update on the elements of the block that the
-# update's tensors hold, encode the block back; the fp32 moments never reach memory and no
+# update's tensors hold (the loop also keeps each moment's largest magnitude, so the encode
+# does not read the block once more for its scale), encode the block back; the fp32 moments never reach memory and no
 # kernel call or per-thread buffer is paid per piece. The blocks are split into
 # ``torch.get_num_threads()`` contiguous ranges run on threads beside the caller (ctypes lets
 # go of the GIL). The update is torch's CPU fused Adam(W) (ATen's FusedAdamKernel.cpp, its

@@ -37,10 +37,12 @@ data is then 2 bytes (params, then gradients) + 12 (fp32 master, m, v) = 14 byte
   into its undo record beside the states' undo copies, counted in the host tier the same way
   (no room: the chunk is updated after backward). After-backward updates run after every check,
   so nothing needs the gradients after them.
-- Optimizer states on a storage tier (NVMe) with a host home, or home and states both on NVMe:
-  the NVMe pipeline's update reads the gradients from host memory (the host home itself, or for
-  an NVMe home the host buffer in front of it: [Note: active gradient offloading], whose spills
-  and read-backs then use the home's region). Until the step commits, the committed master holds
+- Optimizer states on a storage tier (NVMe) with a host, NVMe or (sharded) device home: the
+  NVMe pipeline's update reads the gradients from host memory (the host home itself; for an
+  NVMe home the host buffer in front of it: [Note: active gradient offloading], whose spills
+  and read-backs then use the home's region; for a device home a host buffer the engine's
+  thread copies the home into when it lends the gradients to the update: [Note: gradients
+  staged from a device home]). Until the step commits, the committed master holds
   the parameters (``home_holds_grads`` includes UPDATED for these chunks): loads and
   ``zero_grad`` read it from disk and cast it (``cast_master_into``). An update after backward
   writes the new parameters over the gradients; a step that fails before the commit puts those
@@ -54,10 +56,8 @@ data is then 2 bytes (params, then gradients) + 12 (fp32 master, m, v) = 14 byte
 - Other chunks keep a gradient shard (``grad`` slab): fp32 (the master is the home already, or
   the home is on another tier and a fp32 gradient would not fit a bf16 home), a device home the
   model computes in (single rank: its gradients are autograd's kept tensors, [Note: gradients
-  without copies]; the shard only takes them before a re-layout), a device home with states on
-  NVMe (the pipeline's worker must not read device memory: [Note: CUDA threading model]), and an
-  NVMe home with host states (the host update would read the gradients from disk: a host shard
-  costs the same host bytes as the buffers in front of the disk).
+  without copies]; the shard only takes them before a re-layout), and an NVMe home with host
+  states (see below).
 """
 
 from __future__ import annotations
@@ -163,8 +163,9 @@ class PayloadSpec:
             return False
         if addressable(optim_tier):
             return addressable(home_tier)
-        # states on a storage tier: the pipeline reads the gradients from host memory
-        return home_tier == "host" or not addressable(home_tier)
+        # states on a storage tier: the pipeline reads the gradients from host memory (a host
+        # home, or the host buffers an NVMe home's or a device home's gradients go through)
+        return True
 
     def kinds(
         self, *, master_is_home: bool = False, grads_in_home: bool = False

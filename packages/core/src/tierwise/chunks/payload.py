@@ -57,7 +57,25 @@ data is then 2 bytes (params, then gradients) + 12 (fp32 master, m, v) = 14 byte
   the home is on another tier and a fp32 gradient would not fit a bf16 home), a device home the
   model computes in (single rank: its gradients are autograd's kept tensors, [Note: gradients
   without copies]; the shard only takes them before a re-layout), and an NVMe home with host
-  states (see below).
+  states. Both stay at 16 bytes, and ``model_data_by_tier`` counts 16:
+  - The device home the model computes in: its parameters are views of the home, so a
+    gradient written into it would be read by the next micro-batch's forward unless the home
+    were cast back from the master first (2 bytes written per element and micro-batch), and
+    moving each chunk's gradients into the home once complete adds a copy of every gradient
+    to the fast path the per-step overhead target measures. The grad slab's storage is given
+    back between steps ([Note: gradient memory between steps]) and stands for autograd's
+    kept tensors in the device tier's count: 2 + 2 + 12 is what the device holds after
+    backward. A planner-chosen 14-byte variant for models that miss the device by those
+    2 bytes is not built.
+  - An NVMe home with host states: its gradient shard is in host memory, so the host holds
+    14 bytes per element (12 of states, 2 of gradients), as a host home with host states does,
+    and the disk carries no gradients. In the home, the gradients would go through the
+    GRAD_OFFLOAD_BUFFERS host buffers, saving those 2 host bytes per element, but what the
+    buffers cannot hold after backward is written over the home and read back at the update
+    (2 + 2 bytes of disk traffic per element and step: ``grad_disk_bytes_per_param_per_step``
+    of nvme/nvme in ``bench/nvme_bytes_per_param.py``), and the host worker's in-backward
+    update and its undo record would read spilled gradients from disk. The search reaches this placement only by
+    moving one chunk's states from NVMe back to host memory, for speed.
 """
 
 from __future__ import annotations

@@ -140,8 +140,19 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--chunk-size", type=int, default=0, help="elements; 0: the planner's")
+    parser.add_argument(
+        "--placements", default="", help="comma-separated home/optim[/ranks] (default: all)"
+    )
     args = parser.parse_args()
-    for home, optim, ranks in PLACEMENTS:
+    chosen = PLACEMENTS
+    if args.placements:
+        names = args.placements.split(",")
+        chosen = [
+            p
+            for p in PLACEMENTS
+            if "/".join(map(str, p[:2])) in names or "/".join(map(str, p)) in names
+        ]
+    for home, optim, ranks in chosen:
         with tempfile.TemporaryDirectory(dir=args.nvme_dir) as nvme_dir:
             if ranks == 1:
                 emit(**measure(args, home, optim, nvme_dir))

@@ -34,13 +34,15 @@ HAND = [
     # copies] holds autograd's tensors; the shard takes them before a re-layout)
     ("bf16", "fp32", "device", "device", False, {"device": 2 * N + 12 * N + 2 * N}),
     ("bf16", "fp32", "device", "host", False, {"device": 2 * N, "host": 12 * N + 2 * N}),
-    # NVMe: two copies of each state; the gradients in a host or NVMe home, a gradient shard
-    # beside host states of an NVMe home and beside NVMe states of a device home
+    # NVMe: two copies of each state; the gradients in a host, NVMe or sharded device home
+    # ([Note: gradients staged from a device home]), a gradient shard beside host states of an
+    # NVMe home and beside NVMe states of a device home the model computes in
     ("bf16", "fp32", "nvme", "nvme", False, {"nvme": 2 * N + 2 * 12 * N}),
     ("bf16", "fp32", "host", "nvme", False, {"host": 2 * N, "nvme": 2 * 12 * N}),
     ("bf16", "fp32", "host", "nvme", True, {"host": 2 * N, "nvme": 2 * 12 * N}),
     ("bf16", "fp32", "nvme", "host", False, {"nvme": 2 * N, "host": 12 * N + 2 * N}),
-    ("bf16", "fp32", "device", "nvme", True, {"device": 2 * N, "nvme": 2 * 12 * N + 2 * N}),
+    ("bf16", "fp32", "device", "nvme", True, {"device": 2 * N, "nvme": 2 * 12 * N}),
+    ("bf16", "fp32", "device", "nvme", False, {"device": 2 * N, "nvme": 2 * 12 * N + 2 * N}),
     ("fp32", "fp32", "nvme", "nvme", False, {"nvme": 2 * 12 * N + 4 * N}),
     # fp32: the master is the parameter payload where they share a tier; gradients 4 bytes
     ("fp32", "fp32", "host", "host", False, {"host": 4 * N + 8 * N + 4 * N}),

@@ -14,10 +14,10 @@ sharding over N ranks each rank's home tiers hold 1/N of every chunk, rCache blo
 [Note: engine memory] The byte counts are core's (``tierwise.chunks.payload.PayloadSpec``) so that
 ``Plan.device_allowance`` is exactly what the device tier will be asked for: a trainable chunk
 that does not keep its gradients in its parameter payload (``PayloadSpec.grads_in_home``: fp32,
-a device home the model computes in or with NVMe optimizer states, an NVMe home with host
-states) has a gradient shard of L_c bytes/element in its optimizer tier; gradient shards on NVMe
-(that one, or an NVMe home holding the gradients) have ``grad_offload_buffers`` host buffers of
-the largest shard in front of them; with fp32 a chunk whose params and optimizer share a tier
+a device home the model computes in, an NVMe home with host states) has a gradient shard of
+L_c bytes/element in its optimizer tier; gradients on their way to NVMe states (a shard on NVMe,
+an NVMe home holding them, a sharded device home's staged copy) have ``grad_offload_buffers``
+host buffers of the largest shard in front of them; with fp32 a chunk whose params and optimizer share a tier
 keeps only the master copy;
 every rCache block is as large as the largest chunk; with several ranks, full-chunk gradient
 staging buffers live on the device. With optimizer states on NVMe the optimizer pipeline's
@@ -121,6 +121,15 @@ def storage_host_bytes(tier: str, config, optimizer_buffer_bytes: int = 0) -> in
 
     planned = getattr(get_plugin_host().tier_classes().get(tier), "planned_host_buffer_bytes", None)
     return 0 if planned is None else planned(config, optimizer_buffer_bytes=optimizer_buffer_bytes)
+
+
+def _grads_in_home(s: Setting) -> np.ndarray:
+    """[param tier, optim tier] -> whether a trainable chunk keeps its gradients in its home
+    (``PayloadSpec.grads_in_home``: [Note: gradients in the parameter payload])."""
+    return np.array(
+        [[s.payload.grads_in_home(a, b, sharded=s.shard > 1) for b in TIERS] for a in TIERS],
+        dtype=bool,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -306,15 +315,15 @@ class CostModel:
         # gradient shards live in the optimizer tier unless the gradients are written into the
         # parameter payload ([Note: gradients in the parameter payload]); on NVMe, host memory
         # holds GRAD_OFFLOAD_BUFFERS of the largest shard ([Note: active gradient offloading])
-        in_home = np.array(
-            [[s.payload.grads_in_home(a, b, sharded=s.shard > 1) for b in TIERS] for a in TIERS],
-            dtype=bool,
-        )[p, o]
+        in_home = _grads_in_home(s)[p, o]
         for tier in (DEVICE, HOST, NVME):
             with_shard = train & (o == tier) & ~in_home
             totals[tier] += s.payload.slab_bytes("grad", int(shard[with_shard].sum()))
-        # gradient shards on NVMe: beside the states, or the NVMe home itself
-        offloaded = int((train & (((o == NVME) & ~in_home) | (in_home & (p == NVME)))).sum())
+        # gradients that pass the host buffers: a shard on NVMe, an NVMe home holding them,
+        # a device home's staged for NVMe states ([Note: gradients staged from a device home])
+        offloaded = int(
+            (train & (((o == NVME) & ~(in_home & (p == HOST))) | (in_home & (p == NVME)))).sum()
+        )
         if offloaded:
             buffers = grad_offload_buffers(offloaded)
             totals[HOST] += buffers * int(shard.max(initial=0)) * s.param_bytes
@@ -378,13 +387,16 @@ class CostModel:
         h2d_opt = shard_bytes[offload_grad & (p == DEVICE)].sum()
         d2h_opt = shard_bytes[train & (o == DEVICE) & (p != DEVICE)].sum()
         nvme_write_opt += shard_bytes[train & (p == NVME)].sum()
+        # gradients staged from a device home stay there: never written to disk for a redo
+        # or spilled ([Note: gradients staged from a device home])
+        to_disk = optim_nvme & ~(_grads_in_home(s)[p, o] & (p == DEVICE))
         if s.optimizer_in_backward and s.keep_grads_for_redo:  # [Note: speculation pricing]
-            nvme_write_opt += shard_bytes[optim_nvme].sum()
-        if not s.optimizer_in_backward and optim_nvme.any():
+            nvme_write_opt += shard_bytes[to_disk].sum()
+        if not s.optimizer_in_backward and to_disk.any():
             # gradient shards the host buffers cannot hold go to disk in backward and come back
             # for the update ([Note: active gradient offloading])
             held = grad_offload_buffers(int(optim_nvme.sum())) * shard_bytes.max()
-            spilled = max(0.0, shard_bytes[optim_nvme].sum() - held)
+            spilled = max(0.0, shard_bytes[to_disk].sum() - held)
             nvme_write_fb += spilled
             nvme_read_opt += spilled
 

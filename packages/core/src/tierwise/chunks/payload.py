@@ -37,10 +37,12 @@ data is then 2 bytes (params, then gradients) + 12 (fp32 master, m, v) = 14 byte
   into its undo record beside the states' undo copies, counted in the host tier the same way
   (no room: the chunk is updated after backward). After-backward updates run after every check,
   so nothing needs the gradients after them.
-- Optimizer states on a storage tier (NVMe) with a host home, or home and states both on NVMe:
-  the NVMe pipeline's update reads the gradients from host memory (the host home itself, or for
-  an NVMe home the host buffer in front of it: [Note: active gradient offloading], whose spills
-  and read-backs then use the home's region). Until the step commits, the committed master holds
+- Optimizer states on a storage tier (NVMe) with a host, NVMe or (sharded) device home: the
+  NVMe pipeline's update reads the gradients from host memory (the host home itself; for an
+  NVMe home the host buffer in front of it: [Note: active gradient offloading], whose spills
+  and read-backs then use the home's region; for a device home a host buffer the engine's
+  thread copies the home into when it lends the gradients to the update: [Note: gradients
+  staged from a device home]). Until the step commits, the committed master holds
   the parameters (``home_holds_grads`` includes UPDATED for these chunks): loads and
   ``zero_grad`` read it from disk and cast it (``cast_master_into``). An update after backward
   writes the new parameters over the gradients; a step that fails before the commit puts those
@@ -54,10 +56,28 @@ data is then 2 bytes (params, then gradients) + 12 (fp32 master, m, v) = 14 byte
 - Other chunks keep a gradient shard (``grad`` slab): fp32 (the master is the home already, or
   the home is on another tier and a fp32 gradient would not fit a bf16 home), a device home the
   model computes in (single rank: its gradients are autograd's kept tensors, [Note: gradients
-  without copies]; the shard only takes them before a re-layout), a device home with states on
-  NVMe (the pipeline's worker must not read device memory: [Note: CUDA threading model]), and an
-  NVMe home with host states (the host update would read the gradients from disk: a host shard
-  costs the same host bytes as the buffers in front of the disk).
+  without copies]; the shard only takes them before a re-layout), and an NVMe home with host
+  states. Both stay at 16 bytes, and ``model_data_by_tier`` counts 16:
+  - The device home the model computes in: its parameters are views of the home, so a
+    gradient written into it would be read by the next micro-batch's forward unless the home
+    were cast back from the master first (2 bytes written per element and micro-batch), and
+    moving each chunk's gradients into the home once complete adds a copy of every gradient
+    to the fast path the per-step overhead target measures. The grad slab's storage is given
+    back between steps ([Note: gradient memory between steps]) and stands for autograd's
+    kept tensors in the device tier's count: 2 + 2 + 12 is what the device holds after
+    backward. A planner-chosen 14-byte variant for models that miss the device by those
+    2 bytes is not built.
+  - An NVMe home with host states: its gradient shard is in host memory, so the host holds
+    14 bytes per element (12 of states, 2 of gradients), as a host home with host states does,
+    and the disk carries no gradients. In the home, the gradients would go through the
+    GRAD_OFFLOAD_BUFFERS host buffers, saving those 2 host bytes per element, but what the
+    buffers cannot hold after backward is written over the home and read back (by every
+    accumulating micro-batch, the norm and the update): measured on nvme/nvme, the same path,
+    12.1 bytes of disk traffic per parameter and step for 2 host bytes saved
+    (``bench/nvme_bytes_per_param.py``: 8 chunks, 2 micro-batches, clipping,
+    ``grad_disk_bytes_per_param_per_step``), and the host worker's in-backward update and
+    its undo record would read spilled gradients from disk. The search reaches this
+    placement only by moving one chunk's states from NVMe back to host memory, for speed.
 """
 
 from __future__ import annotations
@@ -163,8 +183,9 @@ class PayloadSpec:
             return False
         if addressable(optim_tier):
             return addressable(home_tier)
-        # states on a storage tier: the pipeline reads the gradients from host memory
-        return home_tier == "host" or not addressable(home_tier)
+        # states on a storage tier: the pipeline reads the gradients from host memory (a host
+        # home, or the host buffers an NVMe home's or a device home's gradients go through)
+        return True
 
     def kinds(
         self, *, master_is_home: bool = False, grads_in_home: bool = False

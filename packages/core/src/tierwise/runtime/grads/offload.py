@@ -39,11 +39,28 @@ if TYPE_CHECKING:
 # With the gradients in an NVMe parameter payload ([Note: gradients in the parameter payload])
 # the shard's region is the home's: a spill writes gradients over the parameters, which
 # ``zero_grad`` rewrites from the master.
+# A device home holding the gradients of a chunk whose states are on NVMe ([Note: gradients
+# staged from a device home]) borrows a buffer only while its update is queued: ``stage``.
 # A buffer lent to a queued update is pinned until the pipeline reports the job done (updated,
 # or dropped after a failure): a buffer request waits for such a release before it spills, and
 # spills only when nothing is pinned. Spills and read-backs wait for their I/O on the calling
 # thread, so a failed write surfaces there: in backward it ends the backward ([Note: an
 # abandoned backward]); in ``step`` before anything is committed ([Note: atomic optimizer step]).
+
+
+# [Note: gradients staged from a device home]
+# A sharded bf16/fp16 device home whose optimizer states are on NVMe keeps its gradients in the
+# home ([Note: gradients in the parameter payload]): no gradient shard on NVMe, 14 bytes of
+# model data per element. The NVMe pipeline's worker must not read device memory ([Note: CUDA
+# threading model]), so when the chunk's update is built (``GradStorage.lend``: on an engine
+# thread, in backward or at ``step``) the engine's thread takes one of the host buffers in front
+# of the pipeline, copies the home into it (the device tier's read: a non-blocking copy into
+# page-locked memory and its event) and waits for that event, once per chunk ([Note: one host
+# wait per chunk]), before the job is queued; the worker reads the buffer only. The buffer is
+# lent, never held (``stage``), so it is never spilled: until the update the gradients stay in
+# the device home, which a redo after a rollback copies again. The update's new values go back
+# through ``HomeWrites`` as for any device home; the home holds gradients, not parameters, until
+# then, so loads cast the committed master ([Note: gradients in the parameter payload]).
 
 
 class GradientOffload:
@@ -101,6 +118,26 @@ class GradientOffload:
     def offloads(chunk: Chunk) -> bool:
         """Whether the chunk's gradient shard lives on a storage tier."""
         return chunk.optim is not None and not chunk.optim.grad.tier.ADDRESSABLE
+
+    @staticmethod
+    def stages(chunk: Chunk) -> bool:
+        """Whether the chunk's gradients are in its device home and its optimizer states on a
+        storage tier: [Note: gradients staged from a device home]."""
+        optim = chunk.optim
+        return (
+            optim is not None
+            and optim.grads_in_home
+            and not optim.tier.ADDRESSABLE
+            and chunk.home.tier.name == "device"
+        )
+
+    def stage(self, chunk: Chunk) -> torch.Tensor:
+        """[Note: gradients staged from a device home]: a host buffer holding a copy of the
+        chunk's device home (its gradients), lent until ``consumed(chunk)``; the copy is issued
+        and waited for on the calling thread (an engine thread)."""
+        buffer = self.lend(chunk, fresh=True)
+        chunk.home.tier.read(chunk.home, buffer).wait()
+        return buffer
 
     def hold(self, chunk: Chunk, *, fresh: bool) -> torch.Tensor:
         """The chunk's gradient shard in host memory: its buffer, or a buffer that the shard is
@@ -232,11 +269,12 @@ class GradientOffload:
 
 
 def gradient_offload_for(groups, tiers: dict, dtype: torch.dtype) -> GradientOffload | None:
-    """The engine's gradient offload when some chunk's gradient shard is on a storage tier:
+    """The engine's gradient offload when some chunk's gradient shard is on a storage tier
+    (or staged from its device home: [Note: gradients staged from a device home]):
     ``grad_offload_buffers`` buffers as large as the largest shard of any chunk (as the planners
     count them), reserved in the host tier."""
     chunks = [c for g in groups for c in g.chunks]
-    offloaded = sum(1 for c in chunks if GradientOffload.offloads(c))
+    offloaded = sum(1 for c in chunks if GradientOffload.offloads(c) or GradientOffload.stages(c))
     if not offloaded:
         return None
     return GradientOffload(

@@ -102,6 +102,11 @@ class GradStorage:
         offloading])."""
         return self.grad_offload is not None and self.grad_offload.offloads(chunk)
 
+    def stages(self, chunk: Chunk) -> bool:
+        """Whether the chunk's update reads its device home's gradients from a host buffer
+        ([Note: gradients staged from a device home])."""
+        return self.grad_offload is not None and self.grad_offload.stages(chunk)
+
     def memory(self, chunk: Chunk, *, start: bool) -> torch.Tensor:
         """The chunk's gradient shard in addressable memory (``start``: the first gradient
         since zero_grad is written next, nothing to keep): the shard itself, or for a shard on
@@ -154,6 +159,10 @@ class GradStorage:
         if self.offloads(chunk):
             self._refuse_consumed(chunk)
             return ChunkGrads(chunk, self.grad_offload.lend(chunk), kept)
+        if self.stages(chunk):  # [Note: gradients staged from a device home]
+            self._refuse_consumed(chunk)
+            self.traffic.count("device->host", chunk.home.nbytes)
+            return ChunkGrads(chunk, self.grad_offload.stage(chunk), kept)
         return ChunkGrads(chunk, chunk.optim.grad.tensor, kept)
 
     def _refuse_consumed(self, chunk: Chunk) -> None:
@@ -195,5 +204,5 @@ class GradStorage:
 
     def give_back(self, chunk: Chunk) -> None:
         """The update that was lent ``chunk``'s shard ran or was dropped (any thread)."""
-        if self.offloads(chunk):
+        if self.offloads(chunk) or self.stages(chunk):
             self.grad_offload.consumed(chunk)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import tierwise
 import torch
-from helpers.models import tiny_batch, tiny_model
+from helpers.models import tiny_model
 from helpers.train import max_rel_diff, run_reference, run_tierwise, train
 from tierwise.config import ConfigError
 

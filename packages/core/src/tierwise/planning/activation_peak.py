@@ -31,7 +31,8 @@ positionally is swapped with each block). The step's moments:
 A forward is smaller than its block's backward (which holds the same saved activations plus
 their gradients), so it is not a moment of its own. A profile taken with checkpointing
 (``Profile.checkpointed``) already saves only each block's inputs and re-runs the block in its
-backward, so there "recompute" holds ``S_j``. The read-ahead is a bound: the runtime's budget
+backward, so there "recompute" holds ``S_j`` and recompute_host / recompute_nvme move ``S_j``
+and hold nothing (its S_j do not tell shared inputs apart). The read-ahead is a bound: the runtime's budget
 includes the unused part of the block in backward. A profile without per-module backward peaks
 (made by hand or traced by the runtime) bounds ``W_j`` by ``S_j`` plus the bytes outside the
 blocks at the step's peak; one without input sizes counts no inputs (it cannot know them).
@@ -108,8 +109,9 @@ def activation_peak(profile: Profile, policy: dict[str, str]) -> ActivationPeak:
         action = policy.get(block, "keep")
         if action in SWAP_ACTIONS:
             held[block], moved[block] = 0, nbytes
-        elif action in INPUT_SWAP_ACTIONS:  # its shared inputs stay
-            held[block], moved[block] = inputs[block] - least_inputs, inputs[block]
+        elif action in INPUT_SWAP_ACTIONS:  # its shared inputs stay (unknown when checkpointed)
+            shared = 0 if checkpointed else inputs[block] - least_inputs
+            held[block], moved[block] = shared, inputs[block]
         elif action == "recompute" and not checkpointed:
             held[block] = inputs[block]
         else:

@@ -161,3 +161,19 @@ def test_core_auto_recomputes_from_host_inputs_only_when_recomputing_does_not_fi
     # with room to recompute from inputs on the device, that is chosen (no traffic)
     roomy = plan_for(int(1.25 * 260 * mib) + 2 * need)
     assert set(roomy.activation_policy.values()) == {"recompute"}
+
+
+def test_a_plain_block_stack_moves_exactly_each_blocks_input():
+    """A stack of Linear -> tanh blocks under the manager alone: each block's checkpoint saves
+    its input (rows x width fp32, half of what the block itself saves), and the gradients are the
+    plain stack's, bit for bit."""
+    from helpers.block_stack import block_bytes, gradients
+
+    shape = dict(rows=64, width=32, depth=3)
+    reference, _ = gradients("cpu", **shape)
+    grads, stats = gradients("cpu", **shape, policy="recompute_host")
+    assert all(torch.equal(grads[k], reference[k]) for k in reference)
+    moved = shape["depth"] * block_bytes(shape["rows"], shape["width"]) // 2
+    assert stats["swapped_out_bytes"] == {"host": moved, "nvme": 0}
+    assert stats["swapped_in_bytes"] == stats["swapped_out_bytes"]
+    assert (stats["recomputed_blocks"], stats["saved_peak_bytes"]) == (shape["depth"], 0)

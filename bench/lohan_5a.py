@@ -1,9 +1,10 @@
 """LoHan's Figure 5a point (Llama 13B, batch 32 x 1024, bf16, one RTX 4090, 768 GiB of host
 memory, an NVMe drive) as ``tierwise plan --activation-offload auto`` counts its activations:
 one JSON line per activation choice ([Note: activation peak under a policy]: the bytes, the
-moment they peak, the device the choice needs before any model data), plus LoHan's own scheme
-(blocks recomputed from inputs swapped to the host), which tierwise's runtime cannot run, counted
-from the step profiled with checkpointing.
+moment they peak, the device the choice needs before any model data), among them LoHan's own
+scheme, every block recomputed from its inputs swapped to the host (``recompute_host``), then the
+same scheme counted from the step profiled with checkpointing (a cross-check), then the plan
+``tierwise plan`` makes (the search): its activation policy, allowances and predicted step.
 
     python bench/lohan_5a.py > bench/results/<dir>/lohan_5a.jsonl
 """
@@ -22,6 +23,7 @@ from tierwise.planning.activation_peak import activation_peak, uniform_policy  #
 from tierwise.target import target_hardware  # noqa: E402
 from tierwise_search.activations import activation_choices  # noqa: E402
 from tierwise_search.cli import plan_config, plan_profile  # noqa: E402
+from tierwise_search.search import search_plan  # noqa: E402
 
 GIB = 2**30
 
@@ -46,11 +48,9 @@ def main() -> None:
         )
         config = plan_config(args, target.hardware.device_type)
         profile = plan_profile(args, config)
-        if checkpointing:  # LoHan: recompute every block from its inputs, swapped to the host
-            peaks = [("LoHan: recompute from inputs on the host (no runtime action)", "host")]
-            found = [
-                (name, activation_peak(profile, uniform_policy(profile, a))) for name, a in peaks
-            ]
+        if checkpointing:  # the checkpoint keeps each block's inputs: swap those to the host
+            name = "recompute from host, counted on the checkpointed profile"
+            found = [(name, activation_peak(profile, uniform_policy(profile, "recompute_host")))]
         else:
             found = [
                 (c.name, c.peak)
@@ -73,6 +73,21 @@ def main() -> None:
                 room_left_for_model_data_gib=round(
                     (device - need) * config.alloc_fraction / GIB, 3
                 ),
+            )
+        if not checkpointing:
+            plan = search_plan(profile, target.hardware, config)
+            policy = list(plan.activation_policy.values())
+            emit(
+                bench="lohan_5a",
+                plan="accepted",
+                activation_policy={a: policy.count(a) for a in sorted(set(policy))},
+                activation_allowance_gib=round(plan.activation_allowance / GIB, 3),
+                device_allowance_gib=round(plan.device_allowance / GIB, 3),
+                device_gib=round(device / GIB, 3),
+                param_tier=plan.param_tier,
+                optim_tier=plan.optim_tier,
+                predicted_s={k: round(v, 3) for k, v in plan.predicted_step_s.items()},
+                predicted_gib={k: round(v / GIB, 3) for k, v in plan.predicted_bytes.items()},
             )
 
 

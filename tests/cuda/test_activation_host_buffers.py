@@ -71,3 +71,23 @@ def test_swaps_lock_at_most_the_pinned_budget_and_lower_the_device_peak(device, 
     assert 0 < recording.peak <= 2 * BLOCK_BYTES
     assert recording.registered == {}
     assert peaks["host"] <= peaks[None]
+
+
+@pytest.mark.parametrize("device", ONLY_CUDA)
+@pytest.mark.parametrize("pinned_bytes", [64 << 20, BLOCK_BYTES // 4], ids=["ample", "tiny"])
+def test_recompute_from_host_inputs_through_the_pinned_pool_leaves_the_gradients(
+    device, pinned_bytes
+):
+    """``recompute_host`` ([Note: recompute from swapped inputs]): only each block's input
+    (rows x width fp32, half a block's saved bytes) goes through the pool; its copies are issued
+    on the side stream with events, and the recompute reads the copy back."""
+    with deterministic(device):
+        reference, _ = gradients(device, **SHAPE)
+        grads, stats = gradients(
+            device, **SHAPE, policy="recompute_host", pinned_bytes=pinned_bytes
+        )
+    assert all(torch.equal(grads[k], reference[k]) for k in reference)
+    assert stats["swapped_out_bytes"]["host"] == SHAPE["depth"] * BLOCK_BYTES // 2
+    assert stats["swapped_in_bytes"] == stats["swapped_out_bytes"]
+    assert stats["recomputed_blocks"] == SHAPE["depth"]
+    assert 0 < stats["host_buffers"]["high_water_bytes"] <= pinned_bytes

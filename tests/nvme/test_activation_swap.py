@@ -268,3 +268,27 @@ def test_the_ledger_explains_the_peak_rss_growth_with_activations_on_nvme(nvme_d
     )
     assert record["ledger"]["activation_pageable_buffers"]["peak_bytes"] > 0
     assert_within_ledger(record, tolerance=TOLERANCE, what="3 steps with activations on nvme")
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_recompute_from_nvme_inputs_trains_bitwise_like_keep(nvme_dir, kind):
+    """``recompute_nvme`` on every block ([Note: recompute from swapped inputs]): the inputs each
+    block's checkpoint saves go to nvme and back once a step, the training is keep's."""
+    kw = dict(precision="fp32", device="cpu")
+    blocks = "transformer.h.*" if kind == "gpt2" else "model.layers.*"
+    base_losses, base = run_tierwise(kind, 2, **kw)
+    losses, model = run_tierwise(
+        kind, 2, nvme_path=str(nvme_dir), activation_policy={blocks: "recompute_nvme"}, **kw
+    )
+    assert losses == base_losses and _same(model, base)
+    engine = tierwise.engine_of(model)
+    act = engine.stats()["activations"]
+    # by hand: each block's fp32 hidden states (b x s x h), and GPT-2's float causal mask
+    # (b x 1 x s x s), which it hands every block positionally
+    b, s, h = 2, 16, model.config.hidden_size
+    per_block = 4 * b * s * h + (4 * b * s * s if kind == "gpt2" else 0)
+    assert act["swapped_out_bytes"] == {"host": 0, "nvme": 2 * per_block}
+    assert act["swapped_in_bytes"] == act["swapped_out_bytes"]
+    assert (act["recomputed_blocks"], act["saved_peak_bytes"]) == (2, 0)
+    assert engine.activations.swapped_now() == {"device": 0, "host": 0, "nvme": 0}
+    engine.close()

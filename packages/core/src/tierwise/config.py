@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from tierwise.plan import check_policy_entries
+from tierwise.plan import check_policy_entries, swap_target
 from tierwise.precision import PRECISIONS, STATE_PRECISIONS
 from tierwise.units import parse_bytes
 
@@ -189,7 +189,9 @@ class ActivationsPolicy:
 
     activation_policy: dict[str, str] | None = None
     """Per transformer block, what happens to its saved activations: a dict of block name or
-    fnmatch pattern (e.g. "model.layers.*") to "keep" | "recompute" | "host" | "nvme". It wins
+    fnmatch pattern (e.g. "model.layers.*") to "keep" | "recompute" | "host" | "nvme" |
+    "recompute_host" | "recompute_nvme" (re-run the block in backward from its inputs, which are
+    swapped to the host or nvme tier between its forward and its backward: LoHan's scheme). It wins
     over ``activation_offload`` and ``activation_checkpointing`` for the blocks it matches (a
     later entry over an earlier one); a pattern matching no block is an error."""
 
@@ -354,7 +356,9 @@ class Config(
 
     def _check_nvme_has_a_path(self) -> None:
         """Across policies: asking for the "nvme" placement or swap target needs nvme_path."""
-        swaps_to_nvme = "nvme" in (self.activation_policy or {}).values()
+        swaps_to_nvme = any(
+            swap_target(action) == "nvme" for action in (self.activation_policy or {}).values()
+        )
         if swaps_to_nvme and not self.nvme_path:
             _refuse(
                 self,

@@ -9,11 +9,20 @@ from typing import Any
 from tierwise.jsonable import JsonDataclass
 from tierwise.units import format_bytes
 
-ACTIVATION_ACTIONS = ("keep", "recompute", "host", "nvme")
-"""What may happen to a transformer block's saved activations (``Config.activation_policy``)."""
-DEVICE_ACTIONS = ("keep", "recompute")
-"""The actions that leave a block's saved activations on the device; every other action is the
-name of the tier they are swapped to."""
+ACTIVATION_ACTIONS = ("keep", "recompute", "host", "nvme", "recompute_host", "recompute_nvme")
+"""What may happen to a transformer block's saved activations (``Config.activation_policy``):
+kept, recomputed from its inputs kept on the device, swapped to the host or nvme tier, or
+recomputed from its inputs swapped to the host or nvme tier (LoHan's scheme)."""
+RECOMPUTE_ACTIONS = ("recompute", "recompute_host", "recompute_nvme")
+"""The actions that re-run a block's forward in its backward."""
+
+
+def swap_target(action: str) -> str | None:
+    """The tier ``action`` swaps a block's saved tensors (or, recomputing, its inputs) to:
+    "host", "nvme", or None for the actions that keep them on the device."""
+    return {"host": "host", "nvme": "nvme", "recompute_host": "host", "recompute_nvme": "nvme"}.get(
+        action
+    )
 
 
 def check_policy_entries(policy: Any) -> str | None:
@@ -107,8 +116,8 @@ class Plan(JsonDataclass):
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward."""
     activation_policy: dict[str, str] = field(default_factory=dict)
-    """Per transformer block (or layer, or fnmatch pattern, as planners give it): "keep",
-    "recompute", "host" or "nvme" (swap target). After setup: the action each block runs with."""
+    """Per transformer block (or layer, or fnmatch pattern, as planners give it): one of
+    ``ACTIVATION_ACTIONS``. After setup: the action each block runs with."""
     activation_allowance: int | None = None
     """Bytes of saved activations the plan lets stay on the compute device (Invariant 4: the
     warm-up forward measures them); None: not bounded by the plan."""

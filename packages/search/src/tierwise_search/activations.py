@@ -19,11 +19,16 @@ beside that placement (a recomputed block keeps its inputs on the device, so rec
 can need more than swapping everything). Keeping every block and recomputing every block are
 choices of their own.
 
+LoHan's own scheme is a choice too ("recompute from host", "recompute from nvme"): a block that
+does not swap its saved activations is recomputed from its inputs, swapped to that tier
+(``recompute_host`` / ``recompute_nvme``, [Note: recompute from swapped inputs] in
+tierwise.runtime.activations.recompute), so the device holds neither; its own policy recomputes
+every block that way, and a split swaps the first ``x`` blocks' saved activations instead. The
+cost model adds both swaps' traffic and the recompute time.
+
 With ``activation_checkpointing`` and ``activation_offload="auto"`` the runtime recomputes every
 block (checkpointing comes before the plan's policy in
 ``tierwise.runtime.activations.policy.resolve_policy``), so that is the only choice offered.
-LoHan's own scheme, recomputing a block from inputs swapped to the host, is not an action the
-runtime has, so no choice here plans it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tierwise.planning.activation_peak import ActivationPeak, activation_peak
+from tierwise.planning.activation_peak import (
+    INPUT_SWAP_ACTIONS,
+    ActivationPeak,
+    activation_peak,
+    block_input_bytes,
+)
 from tierwise.profile import Profile, activation_blocks
 
 from tierwise_search.compute import block_seconds
@@ -43,7 +53,8 @@ class ActivationChoice:
     """Which layers leave the device, and where swapped ones go."""
 
     name: str
-    """"keep", "checkpointing", "swap to host", "swap to nvme"."""
+    """"keep", "checkpointing", "swap to host", "swap to nvme", "recompute from host",
+    "recompute from nvme"."""
     leaving: tuple[str, ...]
     """Layers not kept, by offloading benefit (forward seconds per byte), highest first."""
     target: str | None
@@ -54,6 +65,10 @@ class ActivationChoice:
     """Its moments: where it peaks."""
     host_reserve: int
     """Host bytes reserved for swapped activations (all leaving layers, an upper bound)."""
+    recompute: str = "recompute"
+    """The action of a leaving block that is not swapped: "recompute", or "recompute_host" /
+    "recompute_nvme" (from its inputs swapped to ``target``; then the choice's own policy
+    recomputes every leaving block)."""
 
 
 def block_usage(profile: Profile, seconds: dict[str, float]) -> dict[str, tuple[int, float]]:
@@ -80,26 +95,51 @@ def _by_benefit(usage: dict[str, tuple[int, float]], blocks) -> tuple[str, ...]:
 
 
 def split_policy(
-    usage: dict[str, tuple[int, float]], swapped, recomputed, target: str | None
+    usage: dict[str, tuple[int, float]],
+    swapped,
+    recomputed,
+    target: str | None,
+    recompute: str = "recompute",
 ) -> dict[str, str]:
-    """Every block's action: ``swapped`` ones go to ``target``, ``recomputed`` ones are
-    recomputed, the rest kept."""
+    """Every block's action: ``swapped`` ones go to ``target``, ``recomputed`` ones get
+    ``recompute``, the rest kept."""
     policy = dict.fromkeys(usage, "keep")
-    policy.update(dict.fromkeys(recomputed, "recompute"))
+    policy.update(dict.fromkeys(recomputed, recompute))
     policy.update(dict.fromkeys(swapped, target))
     return policy
 
 
 def _choice(
-    profile: Profile, usage: dict[str, tuple[int, float]], name: str, leaving, target: str | None
+    profile: Profile,
+    usage: dict[str, tuple[int, float]],
+    name: str,
+    leaving,
+    target: str | None,
+    recompute: str = "recompute",
 ) -> ActivationChoice:
     order = _by_benefit(usage, leaving)
-    policy = (
-        split_policy(usage, order, (), target) if target else split_policy(usage, (), order, None)
-    )
+    swapped = order[: _own_swapped(order, target, recompute)]
+    policy = split_policy(usage, swapped, order[len(swapped) :], target, recompute)
     peak = activation_peak(profile, policy)
-    reserve = sum(usage[block][0] for block in leaving) if target == "host" else 0
-    return ActivationChoice(name, order, target, peak.peak_bytes, peak, reserve)
+    reserve = 0
+    if target == "host":  # the most any of its splits swaps to the host
+        inputs = _moved_inputs(profile) if recompute in INPUT_SWAP_ACTIONS else {}
+        reserve = sum(max(usage[b][0], inputs.get(b, 0)) for b in leaving)
+    return ActivationChoice(name, order, target, peak.peak_bytes, peak, reserve, recompute)
+
+
+def _own_swapped(order, target: str | None, recompute: str) -> int:
+    """How many leaving blocks a choice's own policy swaps: all (swap choices), none (recompute
+    choices, from swapped inputs or not)."""
+    return len(order) if target and recompute == "recompute" else 0
+
+
+def _moved_inputs(profile: Profile) -> dict[str, int]:
+    """The bytes a block recomputed from swapped inputs moves each way (its inputs; those a
+    checkpointed profile's blocks save)."""
+    if profile.checkpointed:
+        return {block: usage[0] for block, usage in block_usage(profile, {}).items()}
+    return block_input_bytes(profile)
 
 
 def activation_choices(
@@ -117,9 +157,14 @@ def activation_choices(
         return [keep]
     if offload in ("host", "nvme"):
         return [_choice(profile, usage, f"swap to {offload}", blocks, offload)]
-    choices = [keep, recompute_all, _choice(profile, usage, "swap to host", blocks, "host")]
-    if nvme:
-        choices.append(_choice(profile, usage, "swap to nvme", blocks, "nvme"))
+    choices = [keep, recompute_all]
+    for target in ("host", "nvme") if nvme else ("host",):
+        choices.append(_choice(profile, usage, f"swap to {target}", blocks, target))
+        choices.append(
+            _choice(
+                profile, usage, f"recompute from {target}", blocks, target, f"recompute_{target}"
+            )
+        )
     return choices
 
 
@@ -129,9 +174,15 @@ def traffic_for(
     swapped: tuple[str, ...],
     recomputed: tuple[str, ...],
     target: str | None,
+    recompute: str = "recompute",
 ) -> ActivationTraffic:
+    """The traffic and recompute time of swapping ``swapped`` to ``target`` and giving
+    ``recomputed`` the ``recompute`` action (from inputs swapped to ``target``, they move too)."""
     usage = block_usage(profile, seconds)
     moved = float(sum(usage[block][0] for block in swapped))
+    if recompute in INPUT_SWAP_ACTIONS:
+        inputs = _moved_inputs(profile)
+        moved += float(sum(inputs[block] for block in recomputed))
     return ActivationTraffic(
         recompute_s=float(sum(usage[block][1] for block in recomputed)),
         d2h=moved,
@@ -154,19 +205,24 @@ def best_split(
     order = choice.leaving
     usage = block_usage(profile, seconds)
     counts = range(len(order) + 1) if choice.target else [0]
+    own = _own_swapped(order, choice.target, choice.recompute)
     best = None
     for swapped_count in counts:
         swapped, recomputed = order[:swapped_count], order[swapped_count:]
-        policy = split_policy(usage, swapped, recomputed, choice.target)
-        if room is not None and swapped_count < len(order):
+        policy = split_policy(usage, swapped, recomputed, choice.target, choice.recompute)
+        if room is not None and swapped_count != own:
             if activation_peak(profile, policy).peak_bytes > max(room, choice.device_bytes):
-                continue  # its recomputed blocks' inputs do not fit beside the model data
-        traffic = traffic_for(profile, seconds, swapped, recomputed, choice.target)
+                continue  # what it holds does not fit beside the model data
+        traffic = traffic_for(
+            profile, seconds, swapped, recomputed, choice.target, choice.recompute
+        )
         prediction = evaluate(traffic)
         if best is None or prediction.total < best[2].total:
             best = (swapped_count, traffic, prediction)
     swapped_count, traffic, prediction = best
-    policy = split_policy(usage, order[:swapped_count], order[swapped_count:], choice.target)
+    policy = split_policy(
+        usage, order[:swapped_count], order[swapped_count:], choice.target, choice.recompute
+    )
     return policy, traffic, prediction
 
 
@@ -192,6 +248,12 @@ def block_reasons(
             )
         elif action == "recompute" and choice.target is None:
             why = "checkpointing: every block is recomputed"
+        elif action in INPUT_SWAP_ACTIONS:
+            why = (
+                f"benefit rank {rank[block]}/{len(choice.leaving)}: recomputed from its inputs "
+                f"swapped to {choice.target} (LoHan), as swapping more than the top {swapped} "
+                "saved activations would cost more link time than it saves compute"
+            )
         elif action == "recompute":
             why = (
                 f"benefit rank {rank[block]}/{len(choice.leaving)}: swapping more than the top "

@@ -274,8 +274,8 @@ class _Search:
         )
 
     def model(self, chunk_size: int, choice: ActivationChoice) -> CostModel:
-        """The cost model at one chunk size, every leaving layer recomputed (the swap/recompute
-        split comes after placement: it frees the same device memory either way)."""
+        """The cost model at one chunk size, every leaving layer recomputed, from inputs swapped
+        out for a choice that does so (the swap/recompute split comes after placement)."""
         table, trace = self.layout(chunk_size)
         world = self.rates.world_size
         receive = 0
@@ -288,7 +288,9 @@ class _Search:
         else:
             staging = 2
         traffic = replace(
-            traffic_for(self.profile, self.times.layers, (), choice.leaving, None),
+            traffic_for(
+                self.profile, self.times.layers, (), choice.leaving, choice.target, choice.recompute
+            ),
             host_bytes=choice.host_reserve,
         )
         io_bytes = pipeline_bytes = 0

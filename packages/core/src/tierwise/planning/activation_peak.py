@@ -5,7 +5,13 @@ The profile is of a step that keeps every block's saved activations (``S_j``: th
 layers save, ``tierwise.profile.activation_blocks``). Between its forward and its backward a
 block holds on the device, by action: keep ``S_j``; recompute the tensors it was handed
 (``I_j``, ``Profile.module_input_bytes``: what the checkpoint keeps); host or nvme nothing (the
-bytes are on the host or the storage tier: a way to fit, counted as one). The step's moments:
+bytes are on the host or the storage tier: a way to fit, counted as one); recompute_host or
+recompute_nvme (LoHan's scheme: recompute from inputs swapped out) none of its inputs but those it
+shares with the other blocks ([Note: recompute from swapped inputs] in
+tierwise.runtime.activations.recompute: the tensors handed by keyword stay on the device). The
+profile counts a tensor handed to several blocks with the first, so a block's shared inputs are
+its ``I_j`` less the smallest ``I`` of those blocks: an upper bound (a shared tensor handed
+positionally is swapped with each block). The step's moments:
 
 - the loss: everything outside the blocks at the loss's backward (the logits, the loss's fp32
   copies and their gradients: the profile's bytes there less every ``S_j``) plus what the
@@ -15,15 +21,18 @@ bytes are on the host or the storage tier: a way to fit, counted as one). The st
   it ([Note: backward peaks by module] in tierwise_profiler.recorder): its own saved
   activations, brought back or recomputed, its gradients and temporaries, and whatever outside
   the blocks is still alive (the logits the caller's output holds). A recomputed block also
-  holds its inputs until its backward ends; the swapped blocks before it read back ahead.
+  holds its inputs until its backward ends (a block recomputed from swapped inputs too, once
+  read back); the swapped blocks before it read back ahead.
 - read-ahead: in backward the runtime reads the next swapped blocks back while the bytes read and
   not yet used stay within twice the largest swapped block, and at least the next one
-  ([Note: activation swapping] in tierwise.runtime.activations.swaps).
+  ([Note: activation swapping] in tierwise.runtime.activations.swaps). A swapped block moves
+  ``S_j``, one recomputed from swapped inputs ``I_j``.
 
 A forward is smaller than its block's backward (which holds the same saved activations plus
 their gradients), so it is not a moment of its own. A profile taken with checkpointing
 (``Profile.checkpointed``) already saves only each block's inputs and re-runs the block in its
-backward, so there "recompute" holds ``S_j``. The read-ahead is a bound: the runtime's budget
+backward, so there "recompute" holds ``S_j`` and recompute_host / recompute_nvme move ``S_j``
+and hold nothing (its S_j do not tell shared inputs apart). The read-ahead is a bound: the runtime's budget
 includes the unused part of the block in backward. A profile without per-module backward peaks
 (made by hand or traced by the runtime) bounds ``W_j`` by ``S_j`` plus the bytes outside the
 blocks at the step's peak; one without input sizes counts no inputs (it cannot know them).
@@ -36,6 +45,9 @@ from dataclasses import dataclass
 from tierwise.profile import Profile, activation_blocks
 
 SWAP_ACTIONS = ("host", "nvme")
+"""Swap a block's saved activations."""
+INPUT_SWAP_ACTIONS = ("recompute_host", "recompute_nvme")
+"""Recompute a block from its inputs, swapped: [Note: recompute from swapped inputs]."""
 READ_AHEAD_BLOCKS = 2
 """The runtime's read-ahead budget in backward, in largest swapped blocks."""
 
@@ -87,37 +99,42 @@ def activation_peak(profile: Profile, policy: dict[str, str]) -> ActivationPeak:
     """The device bytes of activations when each block gets ``policy``'s action (a block it
     does not name is kept): [Note: activation peak under a policy]."""
     saved = block_saved_bytes(profile)
-    inputs = block_input_bytes(profile)
     checkpointed = profile.checkpointed
-    held = {}
+    # a checkpointed profile's S_j are the inputs its checkpoints keep, already in W_j
+    inputs = saved if checkpointed else block_input_bytes(profile)
+    from_swapped = [b for b in saved if policy.get(b) in INPUT_SWAP_ACTIONS]
+    least_inputs = min((inputs[b] for b in from_swapped), default=0)
+    held, moved = {}, {}
     for block, nbytes in saved.items():
         action = policy.get(block, "keep")
         if action in SWAP_ACTIONS:
-            held[block] = 0
+            held[block], moved[block] = 0, nbytes
+        elif action in INPUT_SWAP_ACTIONS:  # its shared inputs stay (unknown when checkpointed)
+            shared = 0 if checkpointed else inputs[block] - least_inputs
+            held[block], moved[block] = shared, inputs[block]
         elif action == "recompute" and not checkpointed:
             held[block] = inputs[block]
         else:
             held[block] = nbytes
-    swapped = [block for block in saved if policy.get(block) in SWAP_ACTIONS]
-    budget = READ_AHEAD_BLOCKS * max((saved[b] for b in swapped), default=0)
+    budget = READ_AHEAD_BLOCKS * max(moved.values(), default=0)
     total_saved = sum(saved.values())
     peaks = profile.backward_peak_bytes
     outside = max(peaks.get("", profile.peak_activation_bytes) - total_saved, 0)
-    loss = outside + sum(held.values()) + min(budget, sum(saved[b] for b in swapped))
+    loss = outside + sum(held.values()) + min(budget, sum(moved.values()))
     blocks: dict[str, int] = {}
-    before_saved = before_held = before_swapped = 0
+    before_saved = before_held = before_moved = 0
     inside = _peak_inside(peaks, saved)
     for block, nbytes in saved.items():
         if block in inside:
             working = max(inside[block] - before_saved, nbytes)
         else:
             working = nbytes + max(profile.peak_activation_bytes - total_saved, 0)
-        if policy.get(block) == "recompute" and not checkpointed:
+        if policy.get(block) in ("recompute", *INPUT_SWAP_ACTIONS) and not checkpointed:
             working += inputs[block]
-        blocks[block] = before_held + working + min(budget, before_swapped)
+        blocks[block] = before_held + working + min(budget, before_moved)
         before_saved += nbytes
         before_held += held[block]
-        before_swapped += nbytes if block in swapped else 0
+        before_moved += moved.get(block, 0)
     peak, moment = loss, "the loss"
     for block, nbytes in blocks.items():
         if nbytes > peak:
@@ -146,6 +163,8 @@ def uniform_policy(profile: Profile, action: str) -> dict[str, str]:
 
 
 __all__ = [
+    "INPUT_SWAP_ACTIONS",
+    "SWAP_ACTIONS",
     "ActivationPeak",
     "activation_peak",
     "block_input_bytes",

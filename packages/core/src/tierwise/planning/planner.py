@@ -132,8 +132,9 @@ def device_activation_bytes(profile: Profile, config: Config) -> int:
 
 def _auto_activations(profile: Profile, budget, budget_for, need_on_device: int, reasons: list):
     """Core's ``activation_offload="auto"``: recompute every block when keeping their
-    activations would push model data off the device and recomputing lets it stay; keep them
-    otherwise. (The search plugin weighs swapping against recomputing, LoHan's choice.)"""
+    activations would push model data off the device and recomputing lets it stay; else
+    recompute every block from its inputs swapped to the host (LoHan's scheme) when that lets it
+    stay; keep them otherwise. (The search plugin weighs swapping against recomputing.)"""
     blocks = activation_blocks(profile)
     if not blocks:
         reasons.append("activations: auto, but the profile has no per-block activations: kept")
@@ -147,13 +148,24 @@ def _auto_activations(profile: Profile, budget, budget_for, need_on_device: int,
             f"model data, which needs {format_bytes(need_on_device)} on the device"
         )
         return budget_recompute, {b: "recompute" for b in blocks}
+    from_host = activation_peak(profile, uniform_policy(profile, "recompute_host")).peak_bytes
+    budget_from_host = budget_for(from_host)
+    if budget is not None and budget < need_on_device <= budget_from_host:
+        reasons.append(
+            f"activations: recompute all {len(blocks)} blocks from inputs swapped to the host: "
+            f"keeping them leaves {format_bytes(budget)} for model data, recomputing from inputs "
+            f"kept on the device {format_bytes(budget_recompute)}; it needs "
+            f"{format_bytes(need_on_device)} on the device"
+        )
+        return budget_from_host, {b: "recompute_host" for b in blocks}
     why = (
         "device memory unknown"
         if budget is None
         else (
             "model data fits beside them"
             if budget >= need_on_device
-            else "recomputing would not keep model data on the device either"
+            else "recomputing, from swapped inputs or not, would not keep model data on the "
+            "device either"
         )
     )
     reasons.append(f"activations: keep all {len(blocks)} blocks ({why})")

@@ -21,7 +21,7 @@ from tierwise.config import Config
 from tierwise.hf_compat import hf_checkpointing_enabled
 from tierwise.optim import DynamicLossScaler
 from tierwise.parallel.collectives import Collectives
-from tierwise.plan import Plan
+from tierwise.plan import RECOMPUTE_ACTIONS, Plan
 from tierwise.planning.planner import REDUCTION_BLOCKS, may_recompute
 from tierwise.precision import compute_dtype
 from tierwise.protocols import MemoryTracer
@@ -349,7 +349,7 @@ class Engine:
             recompute=(
                 may_recompute(self.config)
                 or self.plan.activation_checkpointing
-                or "recompute" in self.plan.activation_policy.values()
+                or any(a in RECOMPUTE_ACTIONS for a in self.plan.activation_policy.values())
                 or hf_checkpointing_enabled(self.model)
             ),
         )

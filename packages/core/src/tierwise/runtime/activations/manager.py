@@ -6,7 +6,9 @@ Each block has one action (``policy.resolve_policy``) and the ``ActivationManage
 - ``recompute``: that block alone is checkpointed (non-reentrant) by ``recompute.RecomputeSwitches``,
   see [Note: per-block recompute];
 - ``host`` / ``nvme``: the tensors the block saves for backward are swapped out while forward
-  runs and swapped back in backward by ``swaps.ActivationSwaps``, see [Note: activation swapping].
+  runs and swapped back in backward by ``swaps.ActivationSwaps``, see [Note: activation swapping];
+- ``recompute_host`` / ``recompute_nvme``: the block is checkpointed and the inputs its checkpoint
+  saves are swapped like that, see [Note: recompute from swapped inputs].
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from functools import partial
 
 import torch
 
+from tierwise.plan import RECOMPUTE_ACTIONS, swap_target
 from tierwise.runtime.activations.pinned_pool import PINNED_POOL_BYTES
 from tierwise.runtime.activations.policy import ActivationPolicyError
 from tierwise.runtime.activations.recompute import RecomputeSwitches
@@ -70,7 +73,7 @@ class ActivationManager:
         unknown = sorted(set(policy) - set(blocks))
         if unknown:
             raise ActivationPolicyError(f"activation policy names unknown blocks {unknown}")
-        if "nvme" in policy.values() and nvme is None:
+        if any(swap_target(a) == "nvme" for a in policy.values()) and nvme is None:
             raise ActivationPolicyError(
                 "activation policy swaps to nvme but no nvme tier was given: install "
                 "tierwise-nvme and set Config.nvme_path"
@@ -165,7 +168,9 @@ class ActivationManager:
     def _enter(self, name: str, module, args) -> None:
         if not torch.is_grad_enabled() or self._hooks is not None:
             return
-        swap = self.policy.get(name, "keep") in ("host", "nvme")
+        action = self.policy.get(name, "keep")
+        self._recomputed += action in RECOMPUTE_ACTIONS  # its recompute runs no module hooks
+        swap = swap_target(action) is not None
         pack = partial(self._pack, name) if swap else partial(self._count_kept, name)
         unpack = self._unpack if swap else self._unpack_kept
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)

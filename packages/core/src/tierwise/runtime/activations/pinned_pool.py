@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from tierwise.plan import swap_target
 from tierwise.tiers.arena import round_up
 from tierwise.tiers.ledger import MemoryPool
 
@@ -51,7 +52,7 @@ def pinned_swap_bytes(config, policy: dict[str, str]) -> int:
     reserves them in the host tier, so ``host_memory`` counts them."""
     if torch.device(config.device).type != "cuda":
         return 0
-    if not any(action in ("host", "nvme") for action in policy.values()):
+    if not any(swap_target(action) for action in policy.values()):
         return 0
     return PINNED_POOL_BYTES if config.pinned_memory is None else config.pinned_memory
 

@@ -1,7 +1,8 @@
 """Per-block recompute and the Hugging Face switches it needs.
 
-``RecomputeSwitches`` puts a policy's ``recompute`` blocks under activation checkpointing and turns
-the KV cache off in training forwards; ``close`` undoes every change.
+``RecomputeSwitches`` puts a policy's recomputing blocks (``plan.RECOMPUTE_ACTIONS``) under
+activation checkpointing and turns the KV cache off in training forwards; ``close`` undoes every
+change.
 
 [Note: per-block recompute]
 A Hugging Face ``GradientCheckpointingLayer`` has its own per-layer switch: setting
@@ -11,6 +12,20 @@ HF checkpoint that layer alone. Every other block is wrapped in
 block is never checkpointed twice: a layer HF already checkpoints is only switched off when its
 action is not ``recompute``. A recomputed layer must not be handed the KV cache (the recompute
 would update it twice): see [Note: no KV cache in training].
+
+[Note: recompute from swapped inputs]
+``recompute_host`` / ``recompute_nvme`` (LoHan's scheme) checkpoint the block like ``recompute``
+and swap what the checkpoint saves, the block's inputs, to that tier. A non-reentrant checkpoint
+saves its positional tensor inputs as saved tensors *before* it pushes its own saved-tensor hooks,
+so the activation manager's hooks, pushed by the block's forward pre-hook, pack them: they go
+through ``ActivationSwaps`` like a swapped block's saved tensors (swap-out as the forward starts,
+read-ahead in backward, [Note: activation swapping]) and the recompute unpacks them. Everything
+the block computes is saved by the checkpoint's hooks (nothing: it is re-run). So these blocks
+are always wrapped through an instance ``forward``, never HF's per-layer switch: the module
+hooks must run outside the checkpoint in forward and not at all in the recompute (which calls
+the original ``forward``). Tensors handed by keyword (the causal mask, the rotary tables, the
+same for every block) are kept by the checkpoint's closure, on the device, until the block's
+backward.
 
 [Note: no KV cache in training]
 A Hugging Face model builds a KV cache in every forward whose ``use_cache`` is on (its config's
@@ -33,6 +48,8 @@ from functools import partial
 
 import torch
 
+from tierwise.plan import RECOMPUTE_ACTIONS
+
 
 class RecomputeSwitches:
     """The changes a policy's ``recompute`` makes to a model and its ``blocks`` (name -> module),
@@ -49,9 +66,12 @@ class RecomputeSwitches:
         """Checkpoint each ``recompute`` block, switch HF checkpointing off on the others, and turn
         the KV cache off in training forwards."""
         for name, block in self.blocks.items():
-            recompute = self.policy.get(name, "keep") == "recompute"
-            self._set_hf_checkpointing(block, recompute)
-            if recompute and not _is_hf_layer(block):
+            action = self.policy.get(name, "keep")
+            hf_switch = action == "recompute" and _is_hf_layer(block)
+            self._set_hf_checkpointing(block, hf_switch)
+            if (
+                action in RECOMPUTE_ACTIONS and not hf_switch
+            ):  # [Note: recompute from swapped inputs]
                 self._wrap_checkpoint(block)
         self._cache_off_in_training()
 

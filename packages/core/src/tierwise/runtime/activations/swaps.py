@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from tierwise.plan import swap_target
 from tierwise.runtime.activations.pinned_pool import HostBufferPool
 from tierwise.runtime.activations.pinned_pool import transfer_done as _done
 from tierwise.runtime.activations.pinned_pool import wait_for_transfer as _wait
@@ -57,7 +58,8 @@ MIN_WRITE_BUDGET = 8 << 20
 class ActivationSwaps:
     """The swapped storages of every block and their transfers: [Note: activation swapping].
 
-    Collaborators: the ``policy`` (block -> action; this part acts on "host" and "nvme"), the
+    Collaborators: the ``policy`` (block -> action; this part acts on those with a
+    ``plan.swap_target``), the
     blocks' forward ``order``, the compute ``device``, the ``nvme`` tier (None when no block swaps
     to nvme) and ``untraced`` (the warm-up memory tracer does not count what runs under it).
     """
@@ -145,7 +147,7 @@ class ActivationSwaps:
 
     def _swap_out(self, name: str, storage: torch.UntypedStorage) -> StoredStorage:
         """Start moving one storage off the device: [Note: activation swapping]."""
-        target = self.policy[name]
+        target = swap_target(self.policy[name])
         nbytes = storage.nbytes()
         source = bytes_of(storage, self.device)
         stored = StoredStorage(name, target, nbytes)

@@ -12,7 +12,7 @@ import torch
 from tierwise.chunks import ChunkGroup, OptimSlabs
 from tierwise.chunks.payload import PayloadSpec
 from tierwise.config import Config, ConfigError
-from tierwise.plan import DEVICE_ACTIONS, Plan
+from tierwise.plan import Plan, swap_target
 from tierwise.plugins import PluginHost
 from tierwise.precision import OPTIM_STATES, compute_dtype
 from tierwise.runtime.activations.pinned_pool import pinned_swap_bytes
@@ -51,7 +51,7 @@ def allocate(
     dtype = compute_dtype(config.precision)
     needed = {plan.param_tier_of(g.name, c.index) for g in groups for c in g.chunks}
     needed |= {plan.optim_tier_of(g.name, c.index) for g in groups if g.trainable for c in g.chunks}
-    needed |= set(plan.activation_policy.values()) - set(DEVICE_ACTIONS)  # swaps name their tier
+    needed |= {swap_target(a) for a in plan.activation_policy.values()} - {None}
     tiers: dict = {}
     allocated: list = []
     grad_offload = None

@@ -9,7 +9,7 @@ import torch
 
 from tierwise.chunks import ChunkGroup, ParamSlot, SlotSpec
 from tierwise.config import Config, ConfigError
-from tierwise.plan import Plan
+from tierwise.plan import RECOMPUTE_ACTIONS, Plan
 from tierwise.plan import io_buffer_bytes as plan_io_buffer_bytes
 from tierwise.planning.planner import may_recompute, profile_min_blocks
 from tierwise.precision import compute_dtype
@@ -117,7 +117,7 @@ def _check_cache_minimum(config: Config, profile: Profile, planned: Planned, gro
         may_recompute(config)
         or plan.activation_checkpointing
         or planned.hf_checkpointing
-        or "recompute" in plan.activation_policy.values()
+        or any(a in RECOMPUTE_ACTIONS for a in plan.activation_policy.values())
     )
     minimum = profile_min_blocks(profile, chunk_of, recompute=recompute)
     if plan.cache_blocks < minimum:

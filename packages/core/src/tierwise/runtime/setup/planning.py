@@ -11,7 +11,7 @@ import torch
 from tierwise.config import Config, ConfigError
 from tierwise.hardware import Hardware
 from tierwise.hf_compat import hf_checkpointing_enabled
-from tierwise.plan import Plan
+from tierwise.plan import Plan, swap_target
 from tierwise.plugins import PluginHost
 from tierwise.runtime.activations.policy import find_blocks, resolve_policy
 from tierwise.runtime.activations.policy import plan_action as planned_action
@@ -82,7 +82,7 @@ def _activation_blocks(
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    on_nvme = [b for b, a in policy.items() if a == "nvme"]
+    on_nvme = [b for b, a in policy.items() if swap_target(a) == "nvme"]
     if on_nvme and "nvme" not in host.tier_classes():
         raise ConfigError(
             f"the activation policy swaps {len(on_nvme)} block(s) ({on_nvme[0]}, ...) to nvme, "

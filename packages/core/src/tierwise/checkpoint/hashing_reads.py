@@ -13,6 +13,12 @@ the file and returns the SHA-256 of all of it: equal to ``hashlib`` over the fil
 goes through the file in its order, as the export does (the rank file holds its pieces in the
 model's chunk order, [Note: checkpoint by parameter name]), so reads each byte once.
 
+Hashing runs on a thread of its own, one buffer behind the reads: a buffer's hash starts once
+it is read and is waited for after the next read, so hashing (hashlib releases the GIL) and the
+disk overlap, and at most one buffer besides the caller's is held for it. The caller leaves the
+bytes it was given unchanged until the next read or ``digest`` (a changed byte fails the check,
+it cannot pass a corrupt file). Blocks read only to be hashed alternate between two buffers.
+
 Nothing read may be used for output before ``digest`` matched the manifest (the export publishes
 its shards only then: [Note: pipelined export]). Calls must not overlap: one thread reads.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 SKIP_BLOCK_BYTES = 4 << 20
@@ -37,7 +44,9 @@ class HashingReads:
         self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self._hash = hashlib.sha256()
         self._cursor = 0
-        self._skip: memoryview | None = None
+        self._hashing = ThreadPoolExecutor(1, thread_name_prefix="tierwise-hash")
+        self._last: Future | None = None
+        self._skip: list[memoryview] = []
         self.bytes_read = 0
         """Bytes read from the file so far (each file byte once, plus ``reread_bytes``)."""
         self.reread_bytes = 0
@@ -53,28 +62,44 @@ class HashingReads:
             return
         self._hash_up_to(offset)
         self._pread(view, offset)
-        self._hash.update(view)
+        self._hash_next(view)
         self._cursor = offset + len(view)
 
     def digest(self) -> str:
         """The file's SHA-256 (hex): the rest of the file is read and hashed first."""
         self._hash_up_to(self.size)
+        self._wait_hashed()
         return self._hash.hexdigest()
 
     def close(self) -> None:
+        self._hashing.shutdown(wait=True)
+        self._last = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
+    def _hash_next(self, view: memoryview) -> None:
+        """Hash ``view`` after the bytes before it, on the hashing thread (read just now: the
+        previous buffer's hash is waited for first, so one is in hashing at a time)."""
+        self._wait_hashed()
+        self._last = self._hashing.submit(self._hash.update, view)
+
+    def _wait_hashed(self) -> None:
+        if self._last is not None:
+            last, self._last = self._last, None
+            last.result()
+
     def _hash_up_to(self, offset: int) -> None:
         if offset <= self._cursor:
             return
-        if self._skip is None:
-            self._skip = memoryview(bytearray(SKIP_BLOCK_BYTES))
+        if not self._skip:  # two: one read while the other is hashed
+            self._skip = [memoryview(bytearray(SKIP_BLOCK_BYTES)) for _ in range(2)]
         while self._cursor < offset:
-            part = self._skip[: min(SKIP_BLOCK_BYTES, offset - self._cursor)]
-            self._pread(part, self._cursor)
-            self._hash.update(part)
+            buffer = self._skip[0]
+            self._skip.reverse()
+            part = buffer[: min(SKIP_BLOCK_BYTES, offset - self._cursor)]
+            self._pread(part, self._cursor)  # its buffer's previous hash was waited for
+            self._hash_next(part)
             self._cursor += len(part)
 
     def _pread(self, view: memoryview, offset: int) -> None:

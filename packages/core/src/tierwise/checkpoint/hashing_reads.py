@@ -32,6 +32,10 @@ from pathlib import Path
 
 SKIP_BLOCK_BYTES = 4 << 20
 """Bytes read per step while hashing a range nobody asked for (reused buffer)."""
+ADVISE_AHEAD_BYTES = 64 << 20
+"""Bytes past the cursor the kernel is asked to read ahead (``POSIX_FADV_WILLNEED``): the
+disk works on the next parameter while this one is converted, within the page cache (which
+the kernel may take back), not the process's memory."""
 
 
 class HashingReads:
@@ -46,6 +50,7 @@ class HashingReads:
         self._cursor = 0
         self._hashing = ThreadPoolExecutor(1, thread_name_prefix="tierwise-hash")
         self._last: Future | None = None
+        self._advised = 0  # file bytes before it were given to the kernel to read ahead
         self._skip: list[memoryview] = []
         self.bytes_read = 0
         """Bytes read from the file so far (each file byte once, plus ``reread_bytes``)."""
@@ -64,6 +69,7 @@ class HashingReads:
         self._pread(view, offset)
         self._hash_next(view)
         self._cursor = offset + len(view)
+        self._advise_ahead()
 
     def digest(self) -> str:
         """The file's SHA-256 (hex): the rest of the file is read and hashed first."""
@@ -77,6 +83,16 @@ class HashingReads:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def _advise_ahead(self) -> None:
+        """Ask the kernel to read the next ``ADVISE_AHEAD_BYTES`` (once each; no-op where
+        ``posix_fadvise`` is missing)."""
+        end = min(self.size, self._cursor + ADVISE_AHEAD_BYTES)
+        if end - self._advised < ADVISE_AHEAD_BYTES // 4 or not hasattr(os, "posix_fadvise"):
+            return
+        start = max(self._cursor, self._advised)
+        os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_WILLNEED)
+        self._advised = end
 
     def _hash_next(self, view: memoryview) -> None:
         """Hash ``view`` after the bytes before it, on the hashing thread (read just now: the
@@ -101,6 +117,7 @@ class HashingReads:
             self._pread(part, self._cursor)  # its buffer's previous hash was waited for
             self._hash_next(part)
             self._cursor += len(part)
+            self._advise_ahead()
 
     def _pread(self, view: memoryview, offset: int) -> None:
         done = 0

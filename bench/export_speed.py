@@ -28,6 +28,7 @@ bandwidth, side by side in one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -184,19 +185,25 @@ def child(case: str, n_layer: int, root: Path) -> None:
     print(json.dumps(result), flush=True)
 
 
-def run_child(case: str, n_layer: int, root: Path, timeout: float) -> dict:
+def run_child(case: str, n_layer: int, root: Path, timeout: float, cap: int | None) -> dict:
+    """Run ``case`` in a child process, in a memory cgroup of ``cap`` bytes (its page cache
+    included) when given and one can be made."""
+    from pretrained_load import memory_group
+
     env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", case, str(n_layer), str(root)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    with memory_group(cap) if cap else contextlib.nullcontext() as procs:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", case, str(n_layer), str(root)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            preexec_fn=(lambda: procs.write_text(str(os.getpid()))) if procs else None,
+        )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         return {"case": case, "exit_code": proc.returncode, "stderr": proc.stderr[-2000:]}
-    return json.loads(lines[-1])
+    return {**json.loads(lines[-1]), "cap": cap, "capped": bool(cap and procs)}
 
 
 def main() -> None:
@@ -207,7 +214,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument(
+        "--cap", default=None, help="memory cgroup of each case, page cache included (1.5GiB)"
+    )
     args = parser.parse_args()
+    from tierwise.units import parse_bytes
+
+    cap = parse_bytes(args.cap) if args.cap else None
     root = Path(args.dir)
     if root.exists():
         raise SystemExit(f"{root} exists: give a new directory")
@@ -220,7 +233,7 @@ def main() -> None:
         for case in args.cases.split(","):
             case_dir = root / case
             (case_dir / "nvme").mkdir(parents=True)
-            result = run_child(case, args.layers, case_dir, args.timeout)
+            result = run_child(case, args.layers, case_dir, args.timeout, cap)
             shutil.rmtree(case_dir, ignore_errors=True)
             results.append(result)
             emit(bench="export_speed", phase="case", params=params, **result)
@@ -240,6 +253,8 @@ def main() -> None:
                 nvme_bytes_read=result.get("nvme_bytes_read"),
                 checkpoint_bytes=result.get("checkpoint_bytes"),
                 disk_bytes_read=result.get("disk_bytes_read"),
+                cap=result.get("cap"),
+                capped=result.get("capped"),
                 dd_write_bytes_per_s=[round(dd[index]), round(dd[index + 1])],
                 export_s=round(result["export_s"], 2),
                 export_bytes_per_s=round(speed),

@@ -12,9 +12,15 @@ bandwidth, side by side in one run.
    - ``tierwise export --dtype bf16`` of a `tierwise train`-style run directory whose
      checkpoint holds the same model (the CLI's path: the checkpoint checked and read by
      parameter name).
+   The CLI case syncs and drops the page cache (``/proc/sys/vm/drop_caches`` as root, else the
+   checkpoint's pages by ``posix_fadvise``) between the save and the export, so its checkpoint
+   reads come from the disk, and counts them (``/proc/self/io`` ``read_bytes``): one pass reads
+   the rank file once ([Note: hashing while reading]).
 3. One JSON line per measurement and one per case with ``export_over_disk_write``: the export's
-   bytes per second over the mean of the two dd figures. Every line has the machine (a shared
-   2-core machine: its 1-minute load is in it). Everything written is deleted at the end.
+   bytes per second over the mean of the dd runs right before and right after that case (dd
+   runs before every case and after the last: this disk's rate moves within minutes). Every
+   line has the machine (a shared 2-core machine: its 1-minute load is in it). Everything
+   written is deleted at the end.
 
     python bench/export_speed.py --dir /work/export-bench [--layers 12]
 """
@@ -22,6 +28,7 @@ bandwidth, side by side in one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -107,6 +114,27 @@ def source_bytes_by_tier(engine) -> dict[str, int]:
     return out
 
 
+def drop_caches(folder: Path) -> str:
+    """Drop the page cache: all of it where allowed (root), else ``folder``'s files' pages."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "drop_caches"
+    except OSError:
+        from pretrained import drop_page_cache
+
+        drop_page_cache(folder)
+        return "fadvise"
+
+
+def disk_bytes_read() -> int:
+    """Bytes this process has had read from the disk (not from the page cache)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
 def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -143,27 +171,39 @@ def child(case: str, n_layer: int, root: Path) -> None:
         import gc
 
         gc.collect()
+        result["checkpoint_bytes"] = sum(
+            f.stat().st_size for f in (run / "checkpoints" / "step-000000").iterdir()
+        )
+        result["page_cache"] = drop_caches(run)
+        read_before = disk_bytes_read()
         begin = time.perf_counter()
         export(run, out, dtype=dtype)
         result["export_s"] = time.perf_counter() - begin
+        result["disk_bytes_read"] = disk_bytes_read() - read_before
     result["exported_bytes"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     result["peak_rss"] = peak_rss()
     print(json.dumps(result), flush=True)
 
 
-def run_child(case: str, n_layer: int, root: Path, timeout: float) -> dict:
+def run_child(case: str, n_layer: int, root: Path, timeout: float, cap: int | None) -> dict:
+    """Run ``case`` in a child process, in a memory cgroup of ``cap`` bytes (its page cache
+    included) when given and one can be made."""
+    from pretrained_load import memory_group
+
     env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", case, str(n_layer), str(root)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    with memory_group(cap) if cap else contextlib.nullcontext() as procs:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", case, str(n_layer), str(root)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            preexec_fn=(lambda: procs.write_text(str(os.getpid()))) if procs else None,
+        )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         return {"case": case, "exit_code": proc.returncode, "stderr": proc.stderr[-2000:]}
-    return json.loads(lines[-1])
+    return {**json.loads(lines[-1]), "cap": cap, "capped": bool(cap and procs)}
 
 
 def main() -> None:
@@ -174,29 +214,35 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument(
+        "--cap", default=None, help="memory cgroup of each case, page cache included (1.5GiB)"
+    )
     args = parser.parse_args()
+    from tierwise.units import parse_bytes
+
+    cap = parse_bytes(args.cap) if args.cap else None
     root = Path(args.dir)
     if root.exists():
         raise SystemExit(f"{root} exists: give a new directory")
     params = args.layers * (12 * N_EMBD * N_EMBD + 13 * N_EMBD) + (VOCAB + 128) * N_EMBD
     root.mkdir(parents=True)
     try:
-        before = dd_write(root)
-        emit(bench="export_speed", phase="dd_write", when="before", bytes_per_s=round(before))
+        dd = [dd_write(root)]
+        emit(bench="export_speed", phase="dd_write", when="before", bytes_per_s=round(dd[0]))
         results = []
         for case in args.cases.split(","):
             case_dir = root / case
             (case_dir / "nvme").mkdir(parents=True)
-            result = run_child(case, args.layers, case_dir, args.timeout)
+            result = run_child(case, args.layers, case_dir, args.timeout, cap)
             shutil.rmtree(case_dir, ignore_errors=True)
             results.append(result)
             emit(bench="export_speed", phase="case", params=params, **result)
-        after = dd_write(root)
-        emit(bench="export_speed", phase="dd_write", when="after", bytes_per_s=round(after))
-        disk = (before + after) / 2
-        for result in results:
+            dd.append(dd_write(root))
+            emit(bench="export_speed", phase="dd_write", after=case, bytes_per_s=round(dd[-1]))
+        for index, result in enumerate(results):
             if "export_s" not in result:
                 continue
+            disk = (dd[index] + dd[index + 1]) / 2  # right before and right after it
             speed = result["exported_bytes"] / result["export_s"]
             emit(
                 bench="export_speed",
@@ -205,6 +251,11 @@ def main() -> None:
                 params=params,
                 exported_bytes=result["exported_bytes"],
                 nvme_bytes_read=result.get("nvme_bytes_read"),
+                checkpoint_bytes=result.get("checkpoint_bytes"),
+                disk_bytes_read=result.get("disk_bytes_read"),
+                cap=result.get("cap"),
+                capped=result.get("capped"),
+                dd_write_bytes_per_s=[round(dd[index]), round(dd[index + 1])],
                 export_s=round(result["export_s"], 2),
                 export_bytes_per_s=round(speed),
                 disk_write_bytes_per_s=round(disk),

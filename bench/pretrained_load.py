@@ -129,11 +129,19 @@ def spawn(procs: Path | None, argv: list[str], timeout: float) -> dict:
     return result
 
 
+def proc_io() -> dict[str, int]:
+    """This process's I/O counters (``read_bytes``/``write_bytes``: what reached the disk)."""
+    fields = (line.split(":") for line in Path("/proc/self/io").read_text().splitlines())
+    return {key: int(value) for key, value in fields}
+
+
 def child(checkpoint: str, nvme: str, case: str, host_memory: int) -> None:
     """Load ``checkpoint`` with ``case``'s placement; print the timing."""
     import tierwise
     import torch
 
+    io_before = proc_io()
+    cpu_before = resource.getrusage(resource.RUSAGE_SELF)
     begin = time.perf_counter()
     model, _ = tierwise.from_pretrained(
         checkpoint,
@@ -144,6 +152,8 @@ def child(checkpoint: str, nvme: str, case: str, host_memory: int) -> None:
         chunk_size=4 * N_EMBD * N_EMBD + 16 * N_EMBD,  # a layer packs into three
     )
     load_s = time.perf_counter() - begin
+    cpu = resource.getrusage(resource.RUSAGE_SELF)
+    io_after = proc_io()
     engine = tierwise.engine_of(model)
     nvme_tier = engine.tiers["nvme"]
     nonzero = 0
@@ -160,6 +170,12 @@ def child(checkpoint: str, nvme: str, case: str, host_memory: int) -> None:
                 "nonzero_payload_bytes": nonzero,
                 "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "threads": torch.get_num_threads(),
+                # where the time goes: the CPU seconds of every thread (2 cores: load_s * 2 is
+                # all of them) and what the disk really moved (not the page cache)
+                "user_s": round(cpu.ru_utime - cpu_before.ru_utime, 1),
+                "system_s": round(cpu.ru_stime - cpu_before.ru_stime, 1),
+                "disk_read_bytes": io_after["read_bytes"] - io_before["read_bytes"],
+                "disk_write_bytes": io_after["write_bytes"] - io_before["write_bytes"],
             }
         ),
         flush=True,

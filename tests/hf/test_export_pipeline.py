@@ -206,7 +206,7 @@ def test_read_ahead_yields_in_order_with_a_bounded_number_alive():
 
 
 def test_export_of_a_corrupt_checkpoint_names_it_and_leaves_nothing(tmp_path, capsys):
-    """The checksums are checked beside the export: a flipped byte in the rank file fails the
+    """The checksums are hashed by the export's reads: a flipped byte in the rank file fails the
     export with the checksum error (not whatever the bad byte broke) and OUT_DIR is gone."""
     from tierwise.cli import main
     from tierwise.train.lora import describe_model
@@ -225,6 +225,61 @@ def test_export_of_a_corrupt_checkpoint_names_it_and_leaves_nothing(tmp_path, ca
     data[len(data) // 2] ^= 0xFF  # inside the values: the file still parses
     rank_file.write_bytes(bytes(data))
     capsys.readouterr()
+    assert main(["export", str(run), str(tmp_path / "bad")]) == 2
+    assert "does not match its checksum" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+def _saved_run(tmp_path):
+    """A run folder with one checkpoint of a trained-then-saved fp32 GPT-2 (masters and moments)."""
+    from tierwise.train.lora import describe_model
+
+    run = tmp_path / "run"
+    model = _gpt2()
+    describe_model(run, model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = tierwise.setup(model, optimizer, precision="fp32", device="cpu")
+    model(torch.arange(16).view(1, 16), labels=torch.arange(16).view(1, 16)).loss.backward()
+    optimizer.step()
+    checkpoint = run / "checkpoints" / "step-000001"
+    tierwise.save_checkpoint(checkpoint, model, optimizer)
+    (run / "checkpoints" / "latest").write_text("step-000001")
+    return run, checkpoint, model.state_dict()
+
+
+def test_the_cli_export_reads_the_checkpoint_once(tmp_path, monkeypatch):
+    """[Note: hashing while reading]: the export hashes the rank file with the reads of its
+    values, so every byte of it is read exactly once, and the files it writes are the values."""
+    import tierwise.checkpoint.reader as reader_module
+    from tierwise.train.export import export
+
+    run, checkpoint, state = _saved_run(tmp_path)
+    made = []
+
+    class Recorded(reader_module.HashingReads):
+        def __init__(self, path):
+            super().__init__(path)
+            made.append(self)
+
+    monkeypatch.setattr(reader_module, "HashingReads", Recorded)
+    export(run, tmp_path / "out")
+    (rank_file,) = checkpoint.glob("rank*.safetensors")
+    assert [r.path for r in made] == [rank_file]
+    assert (made[0].bytes_read, made[0].reread_bytes) == (rank_file.stat().st_size, 0)
+    written = safetensors.torch.load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(v, state[k]) for k, v in written.items())
+
+
+def test_a_corrupt_byte_the_export_does_not_use_still_fails_it(tmp_path, capsys):
+    """The last bytes of the rank file are a moment, which the export never reads as a value:
+    the one-pass hash still covers them, so the export fails and leaves nothing."""
+    from tierwise.cli import main
+
+    run, checkpoint, _ = _saved_run(tmp_path)
+    (rank_file,) = checkpoint.glob("rank*.safetensors")
+    data = bytearray(rank_file.read_bytes())
+    data[-1] ^= 0x01
+    rank_file.write_bytes(bytes(data))
     assert main(["export", str(run), str(tmp_path / "bad")]) == 2
     assert "does not match its checksum" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from tierwise.checkpoint.manifest import CheckpointError, check_file, read_manifest
+from tierwise.checkpoint.hashing_reads import HashingReads
+from tierwise.checkpoint.manifest import MANIFEST, CheckpointError, check_file, read_manifest
 from tierwise.checkpoint.plain_data import load_plain
 from tierwise.optim.state_formats import decode_piece
 from tierwise.weights.safetensors_io import SafetensorsFile
@@ -45,10 +46,14 @@ class CheckpointReader:
     ...     m = reader.read(name, "exp_avg", 0, 10)  # the first 10 elements of its first moment
     """
 
-    def __init__(self, path: str | os.PathLike, *, check_on_open: bool = True):
-        """``check_on_open=False``: files are not checksummed when opened; the caller runs
-        :meth:`check_all` (beside its reads) and uses nothing it read before that passed (an
-        export publishes its shards only then: [Note: pipelined export])."""
+    def __init__(
+        self, path: str | os.PathLike, *, check_on_open: bool = True, hash_reads: bool = True
+    ):
+        """``check_on_open=False``: a file is not checksummed when opened; with
+        ``hash_reads`` its safetensors files are hashed by the reads themselves ([Note:
+        hashing while reading]). The caller runs :meth:`check_all` after its reads (or, without
+        ``hash_reads``, checks on another reader) and uses nothing it read before that passed
+        (an export publishes its shards only then: [Note: pipelined export])."""
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
         self._params: dict[str, dict[str, Any]] = self.manifest["params"]
@@ -56,12 +61,33 @@ class CheckpointReader:
         self._files: dict[str, SafetensorsFile | dict[str, torch.Tensor]] = {}
         self._verified: set[str] = set()
         self._check_on_open = check_on_open
+        self._hash_reads = hash_reads and not check_on_open
+        self.hashing: dict[str, HashingReads] = {}
+        """The files read through a ``HashingReads`` (``check_on_open=False``), by name."""
 
     def check_all(self) -> None:
         """Check every file of the checkpoint against its manifest checksum (raises
-        :class:`CheckpointError` naming the first that does not match)."""
+        :class:`CheckpointError` naming the first that does not match). A file hashed while
+        it was read is finished (its unread rest read once), the others are read whole."""
         for file in self.manifest["files"]:
-            self._checked(file)
+            if file not in self.hashing:
+                self._checked(file)
+                continue
+            reads = self.hashing[file]
+            try:
+                matches = reads.digest() == self.manifest["files"][file]["sha256"]
+            except EOFError:
+                matches = False
+            if not matches:
+                raise CheckpointError(
+                    f"checkpoint {self.path} is corrupt: {file} does not match its checksum "
+                    f"in {MANIFEST}"
+                )
+
+    def close(self) -> None:
+        """Close the files read through a ``HashingReads``."""
+        for reads in self.hashing.values():
+            reads.close()
 
     # -- what is in it ------------------------------------------------------------------------
     @property
@@ -240,7 +266,11 @@ class CheckpointReader:
         if file not in self._files:
             checked = file in self._verified or not self._check_on_open
             path = self.path / file if checked else self._checked(file)
-            if file.endswith(".safetensors"):
+            if file.endswith(".safetensors") and self._hash_reads:
+                if file not in self.hashing:  # kept across ``release``: the hash goes on
+                    self.hashing[file] = HashingReads(path)
+                self._files[file] = SafetensorsFile(path, reads=self.hashing[file].read_into)
+            elif file.endswith(".safetensors"):
                 self._files[file] = SafetensorsFile(path)
             else:
                 self._files[file] = load_plain(self.path, file, mmap=True)

@@ -33,7 +33,7 @@ import json
 import math
 import shutil
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -125,11 +125,10 @@ def export(
     lora = _read_json(model_folder / "adapter_config.json")
     if merge_lora and lora is None:
         raise TrainError(f"--merge-lora: {run} trained no LoRA adapters (it has no --lora)")
-    # the checksums are checked beside the export, before any shard is named
+    # the checksums are computed by the reads themselves and checked before any shard is
+    # named ([Note: hashing while reading])
     reader = CheckpointReader(checkpoint, check_on_open=False)
     out.mkdir(parents=True, exist_ok=True)
-    checking = ThreadPoolExecutor(1, thread_name_prefix="tierwise-export-check")
-    checked = checking.submit(reader.check_all)
     try:
         options = _options(run)
         if lora is not None and not merge_lora:
@@ -144,24 +143,17 @@ def export(
                     DTYPES[dtype],
                     max_shard_bytes,
                     merge=False,
-                    checked=checked,
                 )
-            checked.result()
+            reader.check_all()
             _write_adapters(reader, out, lora, DTYPES[dtype], base)
         else:
-            _write_model(
-                reader, out, model_folder, lora, DTYPES[dtype], max_shard_bytes, checked=checked
-            )
+            _write_model(reader, out, model_folder, lora, DTYPES[dtype], max_shard_bytes)
         _copy_tokenizer(options, out)
-    except BaseException as err:
+    except BaseException:
         shutil.rmtree(out, ignore_errors=True)
-        if isinstance(err, Exception):  # a corrupt checkpoint is the error to report
-            corrupt = checked.exception()
-            if corrupt is not None:
-                raise corrupt from None
         raise
     finally:
-        checking.shutdown(wait=False)  # done, or an interrupted export leaves it to finish
+        reader.close()
     return out
 
 
@@ -192,11 +184,13 @@ def _write_model(
     max_shard_bytes: int,
     *,
     merge: bool = True,
-    checked: Future | None = None,
 ) -> None:
     """The (for LoRA: base, merged when ``merge``) model as a from_pretrained folder ``out``;
-    the shards are named only once ``checked`` (the checkpoint's checksums) has passed."""
-    adapters = _adapters(reader) if lora is not None and merge else {}
+    the shards are named only once the checkpoint's checksums, hashed by the reads, have
+    passed ([Note: hashing while reading])."""
+    adapters = {}
+    if lora is not None and merge:  # small, out of the file's order: checked by ``reader``
+        adapters = _adapters(CheckpointReader(reader.path, check_on_open=False, hash_reads=False))
     out.mkdir(parents=True, exist_ok=True)
     sizes = {}
     for name in reader.names():
@@ -217,8 +211,7 @@ def _write_model(
                         value = _merged(value, adapters, module.removesuffix(".base_layer"), lora)
                 writer.add(out_name, value, dtype)  # converted by the writer's workers
                 del value
-        if checked is not None:
-            checked.result()
+        reader.check_all()  # what the rank files hold besides is read (and hashed) here
         writer.close()
     except BaseException:
         writer.abort()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -114,8 +115,10 @@ class Chunk:
     cached chunk its storage is empty while not resident (see [Note: chunk storage]): whether
     it is, and in which rCache block, residency keeps in its own table."""
 
-    @property
+    @cached_property
     def key(self) -> tuple[str, int]:
+        """(group name, index): fixed for the chunk's life (a re-layout makes new chunks), so
+        made once; the hooks read it per access ([Note: per-module hook cost])."""
         return (self.group.name, self.index)
 
     @property

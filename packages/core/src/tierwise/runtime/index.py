@@ -66,3 +66,9 @@ class ChunkIndex:
         }
         self.by_key = {c.key: c for c in self.chunks()}
         """chunk key -> chunk."""
+        self.module_chunks = {
+            m: tuple((s, self.slot_chunk[id(s.param)]) for s in slots)
+            for m, slots in self.modules.items()
+        }
+        """Module -> (slot, chunk) of each parameter it owns directly, built once here rather
+        than looked up per access ([Note: per-module hook cost])."""

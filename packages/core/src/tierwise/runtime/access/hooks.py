@@ -21,7 +21,9 @@ model they, not the kernels, bound a step (bench/overhead_hooks.py). What runs p
 proportional to the module's own parameters: a module's arguments are read directly unless they
 hold containers (then flattened as a pytree), an output node gets one pre-hook however many
 outputs it has, a gradient finds its slot by a dict lookup, the victim search scans the rCache's
-blocks rather than every chunk, and prefetch is skipped when there is no rCache.
+blocks rather than every chunk, and prefetch is skipped when there is no rCache. A module's
+(slot, chunk) pairs are listed once per layout (``ChunkIndex.module_chunks``), and after the
+warm-up an access enters no tracing context and marks no moment.
 """
 
 from __future__ import annotations

@@ -86,34 +86,36 @@ class ModuleAccess:
             tracing.mark(f"{phase}:{self._module_names.get(module, '?')}")
 
     def _acquire(self, module: torch.nn.Module) -> None:
+        if self.tracing.tracer is None:  # after warm-up: no context to enter per access
+            self._acquire_untraced(module)
+            return
         with self.tracing.untraced():
             self._acquire_untraced(module)
 
     def _acquire_untraced(self, module: torch.nn.Module) -> None:
         first_use = self.residency.trace.recording and not self.phases.in_backward
         fetched = None
-        slot_chunk = self.index.slot_chunk
+        fetch, pin = self.residency.fetch, self.residency.pin
         slot_pins, chunk_pins = self._slot_pins, self._chunk_pins
-        for slot in self.index.modules[module]:
+        for slot, chunk in self.index.module_chunks[module]:
             if first_use:
                 self.first_use.setdefault(slot.name)
-            chunk = slot_chunk[id(slot.param)]
             if chunk is not fetched:  # consecutive slots of one chunk: fetched once
-                self.residency.fetch(chunk)
+                fetch(chunk)
                 fetched = chunk
             uses = slot_pins.get(slot, 0)
             if uses == 0:
                 slot.set_state(TensorState.COMPUTE)
                 in_use = chunk_pins.get(chunk, 0)
                 if in_use == 0:
-                    self.residency.pin(chunk)
+                    pin(chunk)
                 chunk_pins[chunk] = in_use + 1
             slot_pins[slot] = uses + 1
         self.residency.prefetch()  # after pinning: prefetch never displaces what it needs
 
     def _release(self, module: torch.nn.Module, new_state: TensorState) -> None:
         slot_pins, chunk_pins = self._slot_pins, self._chunk_pins
-        for slot in self.index.modules[module]:
+        for slot, chunk in self.index.module_chunks[module]:
             uses = slot_pins.get(slot, 0)
             if uses == 0:
                 continue
@@ -121,7 +123,6 @@ class ModuleAccess:
                 slot_pins[slot] = uses - 1
                 continue
             del slot_pins[slot]
-            chunk = self.index.slot_chunk[id(slot.param)]
             in_use = chunk_pins.pop(chunk) - 1
             if in_use:
                 chunk_pins[chunk] = in_use
@@ -131,7 +132,8 @@ class ModuleAccess:
 
     def pre_forward(self, module: torch.nn.Module) -> None:
         in_backward = self.phases.in_backward
-        self._mark("backward" if in_backward else "forward", module)
+        if self.residency.trace.recording or self.tracing.tracer is not None:
+            self._mark("backward" if in_backward else "forward", module)
         self._acquire(module)
         if in_backward:  # a checkpoint re-forward
             self.phases.reforward_pins.append(module)
@@ -179,10 +181,9 @@ class ModuleAccess:
     # released by the LM head's input hook.
     def release_finished_backward(self, param: torch.nn.Parameter) -> None:
         """A gradient of ``param`` arrived: release the modules whose backward is done."""
+        backward_pins = self.phases.backward_pins
         for module in self.index.modules_of_param.get(id(param), ()):
-            if module in self.phases.backward_pins and all(
-                slot.got_grad and slot.param.requires_grad for slot in self.index.modules[module]
-            ):
+            if module in backward_pins and _backward_done(self.index.module_chunks[module]):
                 self.post_backward(module)
 
     def scale_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
@@ -208,3 +209,11 @@ class ModuleAccess:
         self._slot_pins.clear()
         self._chunk_pins.clear()
         self.residency.unpin_all()
+
+
+def _backward_done(slot_chunks: tuple) -> bool:
+    """Every parameter of a module is trainable and has its gradient of this backward."""
+    for slot, _ in slot_chunks:
+        if not (slot.got_grad and slot.param.requires_grad):
+            return False
+    return True

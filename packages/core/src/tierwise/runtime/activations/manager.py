@@ -187,37 +187,40 @@ class ActivationManager:
         self._kept_open.clear()
         self.swaps.end_block()
 
-    def _model_data(self, name: str, tensor: torch.Tensor) -> bool:
-        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+    def _model_data(self, name: str, tensor: torch.Tensor, ptr: int) -> bool:
+        if any(storage.data_ptr() == ptr for storage in self._block_storages):
             return True
-        ptr = tensor.untyped_storage().data_ptr()
-        return any(storage.data_ptr() == ptr for storage in self._block_storages)
+        return _is_parameter(tensor) or _is_parameter(tensor._base)
 
     def _worth(self, name: str, tensor: torch.Tensor) -> bool:
+        # runs for every saved tensor: its storage object made once ([Note: per-module hook cost])
+        storage = tensor.untyped_storage()
         return (
             tensor.device.type == self.device.type
-            and tensor.untyped_storage().nbytes() >= self.min_bytes
-            and not self._model_data(name, tensor)
+            and storage.nbytes() >= self.min_bytes
+            and not self._model_data(name, tensor, storage.data_ptr())
         )
 
     def _count_kept(self, name: str, tensor: torch.Tensor):
         if self._worth(name, tensor):
-            ptr = tensor.untyped_storage().data_ptr()
-            live = self._kept_live.setdefault(ptr, [tensor.untyped_storage().nbytes(), 0])
+            storage = tensor.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            live = self._kept_live.setdefault(ptr, [nbytes, 0])
             live[1] += 1
             if ptr not in self._kept_open:
                 self._kept_open[ptr] = tensor  # counted once per block, like a swap
-                self._kept_bytes += tensor.untyped_storage().nbytes()
-                self._kept_by_block[name] += tensor.untyped_storage().nbytes()
+                self._kept_bytes += nbytes
+                self._kept_by_block[name] += nbytes
         return tensor
 
     def _unpack_kept(self, tensor: torch.Tensor) -> torch.Tensor:
         """A kept tensor reaches its backward: counted as freed once all its users did."""
-        live = self._kept_live.get(tensor.untyped_storage().data_ptr())
+        ptr = tensor.untyped_storage().data_ptr()
+        live = self._kept_live.get(ptr)
         if live is not None:
             live[1] -= 1
             if live[1] <= 0:
-                del self._kept_live[tensor.untyped_storage().data_ptr()]
+                del self._kept_live[ptr]
         return tensor
 
     def _pack(self, name: str, tensor: torch.Tensor):
@@ -338,3 +341,11 @@ def _distinct_storages(params: tuple[torch.nn.Parameter, ...]) -> list[torch.Unt
         storage = param.untyped_storage()
         storages.setdefault(storage._cdata, storage)
     return list(storages.values())
+
+
+def _is_parameter(tensor: torch.Tensor | None) -> bool:
+    """``isinstance(tensor, Parameter)`` without Parameter's Python-level instance check for a
+    plain tensor, which most saved tensors are ([Note: per-module hook cost])."""
+    if tensor is None or type(tensor) is torch.Tensor:
+        return False
+    return isinstance(tensor, torch.nn.Parameter)

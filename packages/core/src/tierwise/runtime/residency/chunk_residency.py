@@ -88,10 +88,11 @@ class Residency:
         wait until its values are there ([Note: prefetch overlap])."""
         key = chunk.key
         self.trace.touch(key)
+        if chunk.computes_in_home:  # resident always, never loaded
+            return
         block_id = self.cache.block_of(key)
-        if block_id is not None or chunk.computes_in_home:  # resident already
-            if block_id is not None:
-                self.cache.touch(block_id)
+        if block_id is not None:  # resident already
+            self.cache.touch(block_id)
             self.loads.finish(key)
             return
         block_id = self.cache.free_block()

@@ -285,7 +285,7 @@ def return_freed_host_memory() -> None:
     [Note: the profile's freed memory]
     Setup's profile runs each distinct forward op once for real ([Note: layer timing]) and
     frees every tensor it made, but glibc keeps freed blocks in its heaps (fragmented, one
-    arena per thread) rather than returning them: on the demo model 64 of the 78 MiB the
+    arena per thread) rather than returning them: on the demo model 64 of the 85 MiB the
     profile stage added to the RSS were such free blocks, owned by no ledger pool and counted
     as training memory by nobody but the summary's prediction. Trimming after the profile
     returns them; what stays is imported code and PyTorch's caches (measured in

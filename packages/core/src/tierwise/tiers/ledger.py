@@ -278,6 +278,32 @@ def process_memory() -> dict[str, int | None]:
         }
 
 
+def return_freed_host_memory() -> None:
+    """Hand the memory the C allocator holds freed back to the operating system (glibc's
+    ``malloc_trim``; nothing elsewhere).
+
+    [Note: the profile's freed memory]
+    Setup's profile runs each distinct forward op once for real ([Note: layer timing]) and
+    frees every tensor it made, but glibc keeps freed blocks in its heaps (fragmented, one
+    arena per thread) rather than returning them: on the demo model 64 of the 85 MiB the
+    profile stage added to the RSS were such free blocks, owned by no ledger pool and counted
+    as training memory by nobody but the summary's prediction. Trimming after the profile
+    returns them; what stays is imported code and PyTorch's caches (measured in
+    ``bench/results/cpu-2026-11-28/notes/audit36.md``)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+
+
 __all__ = [
     "MEMORIES",
     "MemoryPool",
@@ -288,5 +314,6 @@ __all__ = [
     "memory_report",
     "peak_bound",
     "process_memory",
+    "return_freed_host_memory",
     "tier_entry",
 ]

@@ -15,6 +15,7 @@ from tierwise.parallel import ParallelPattern
 from tierwise.plugins import PluginHost
 from tierwise.profile import ParamInfo, Profile
 from tierwise.runtime.setup.patterns import Patterns
+from tierwise.tiers.ledger import return_freed_host_memory
 
 
 @dataclass
@@ -54,6 +55,7 @@ def profile_model(
     """The prepared model's distinct parameters and profile; changes nothing on it."""
     params = collect_params(model, optimizer, patterns.patterns)
     profile = host.profile_model(model=model, example_batch=example_batch, config=config)
+    return_freed_host_memory()  # [Note: the profile's freed memory]
     if profile is None:
         profile = static_profile(params)
     group_of = {m.name: m.group_name for m in params.values()}

@@ -276,3 +276,108 @@ def test_one_block_spills_and_uploads_without_blocking_and_matches_ddp_bitwise()
         for name, value in ddp[1].items():
             rel = (uneven["state"][name] - value).abs().max() / value.abs().max()
             assert rel <= 1e-5, (name, float(rel))
+
+
+def _no_sync_uploads(rank, world, budget):
+    """The static run with one block (so a ``no_sync`` sum's upload finds no free block) and
+    ``device_memory=budget``: per upload, the device tier's bytes before and while it is in
+    flight, and the bytes it asked for."""
+    from tierwise.runtime import engine as engine_module
+    from tierwise.runtime.grads.reduce.blocks import BlockPool
+
+    uploads, original = [], BlockPool.upload_target
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module, "REDUCTION_BLOCKS", 1)
+        model = Chain()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        model, opt = tierwise.setup(
+            model,
+            opt,
+            precision="fp32",
+            device="cpu",
+            chunk_size=2 * 1056,
+            shard=False,
+            device_memory=budget,
+        )
+        engine = tierwise.engine_of(model)
+        device = engine.tiers["device"]
+
+        def recorded(pool, numel, what):
+            before = device.used_bytes
+            out = original(pool, numel, what)
+            uploads.append((before, device.used_bytes, numel * pool.dtype.itemsize))
+            return out
+
+        patch.setattr(BlockPool, "upload_target", recorded)
+        losses = []
+        try:
+            for step in range(STEPS):
+                with tierwise.no_sync(model):
+                    model(*_static(rank, step, 0)).backward()
+                loss = model(*_static(rank, step, 1))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            entry = engine.stats()["memory"]["device"]
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            fallbacks = engine.gradients.reducer.local_sums.fallbacks
+        finally:
+            engine.close()
+    return dict(uploads=uploads, entry=entry, losses=losses, state=state, fallbacks=fallbacks)
+
+
+def _no_sync_ranks(rank, world):
+    unbounded = _no_sync_uploads(rank, world, None)
+    # the unbounded run's peak as the budget: the planner fills it (more rCache blocks), so no
+    # room is left for the uploads, which fall back to adding on the host
+    bounded = _no_sync_uploads(rank, world, unbounded["entry"]["peak_bytes"])
+    return dict(ddp=_ddp(rank, world, "static"), unbounded=unbounded, bounded=bounded)
+
+
+def test_no_sync_uploads_land_in_device_memory_counted_in_the_device_tier():
+    """[Note: no_sync buffers]: with one reduction block every ``no_sync`` sum is uploaded into
+    device memory reserved in the device tier (before: an uncounted ``empty_like``), and the
+    tier's peak includes it; under a budget the plan fills, the sums are added through host
+    memory instead and the budget is kept. Both runs bitwise DDP's."""
+    for rank, result in enumerate(run_ranks(_no_sync_ranks, 2)):
+        unbounded, bounded = result["unbounded"], result["bounded"]
+        assert unbounded["uploads"], rank
+        for before, during, nbytes in unbounded["uploads"]:
+            assert during == before + nbytes, (rank, unbounded["uploads"])
+            assert unbounded["entry"]["peak_bytes"] >= during, rank
+        assert bounded["fallbacks"] > 0, (rank, bounded["uploads"])
+        for run in (unbounded, bounded):  # a device tier without a budget has no bound here
+            entry = run["entry"]
+            assert entry["budget"] is None or entry["peak_bytes"] <= entry["budget"], entry
+        assert bounded["entry"]["budget"] is not None
+        for name in ("unbounded", "bounded"):
+            run, what = result[name], f"{name}, rank {rank}"
+            assert run["losses"] == result["ddp"][0], what
+            for key, value in result["ddp"][1].items():
+                assert torch.equal(run["state"][key], value), (what, key)
+
+
+def test_a_no_sync_upload_target_is_a_free_block_or_reserved_device_memory():
+    """``BlockPool.upload_target``: a free block; else bytes reserved in the device tier until
+    given back; else the tier's error (the caller's cue to add on the host)."""
+    from tierwise.config import Config
+    from tierwise.runtime.grads.reduce.blocks import BlockPool
+    from tierwise.tiers.base import TierBudgetError
+    from tierwise.tiers.memory import DeviceTier
+
+    tier = DeviceTier(device=torch.device("cpu"), budget=4096, config=Config(device="cpu"))
+    pool = BlockPool(tier, torch.float32, 1)
+    pool.block_numel = 512
+    block = pool.take()  # the only block, 2 KiB of the 4 KiB budget
+    target, give_back = pool.upload_target(256, "a no_sync gradient sum's upload")
+    assert tier.used_bytes == 2048 + 1024  # reserved until the upload lands
+    give_back()
+    assert tier.used_bytes == 2048
+    with pytest.raises(TierBudgetError):
+        pool.upload_target(1024, "a no_sync gradient sum's upload")
+    assert tier.used_bytes == 2048
+    pool.give(block)
+    target, give_back = pool.upload_target(512, "a no_sync gradient sum's upload")
+    assert target.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()  # free block
+    give_back()

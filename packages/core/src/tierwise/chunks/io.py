@@ -10,10 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tierwise.chunks.master_cast import MasterCast
+from tierwise.tiers.base import DONE, IOHandle
+
 if TYPE_CHECKING:
     from tierwise.chunks.chunk import Chunk
     from tierwise.parallel.collectives import Collectives
-    from tierwise.tiers.base import Slab
+    from tierwise.tiers.base import Slab, Tier
 
 
 def read_slab(slab: Slab, numel: int | None = None) -> torch.Tensor:
@@ -37,21 +40,30 @@ MASTER_PIECE = 1 << 20
 fp32: the host memory it takes stays small whatever the chunk size)."""
 
 
-def cast_master_into(master: Slab, out: torch.Tensor, *, offset: int = 0) -> None:
+def cast_master_into(
+    master: Slab, out: torch.Tensor, *, offset: int = 0, into: Tier | None = None
+) -> IOHandle:
     """Write ``master[offset : offset + out.numel()]`` (fp32) rounded to ``out``'s dtype into
-    ``out`` (any device): the parameters of a home that holds gradients, bitwise the values it
-    had ([Note: gradients in the parameter payload]). A master on a storage tier is read a piece
-    at a time."""
+    ``out``: the parameters of a home that holds gradients, bitwise the values it had ([Note:
+    gradients in the parameter payload]). ``into``: the memory tier ``out`` is in (its
+    ``cast_buffers`` hold the pieces; the device tier's memory is copied into without blocking);
+    None: ``out`` is a plain host buffer. Returns the cast's handle: a master in addressable
+    memory is copied at once (DONE); one on a storage tier is read a piece at a time, reads
+    overlapping casts and copies, finished by ``wait`` (``progress`` moves it on): [Note:
+    casting a master from storage]."""
     numel = out.numel()
     if master.tensor is not None:
         values = master.tensor[offset : offset + numel]
         out.copy_(values, non_blocking=values.is_pinned())
-        return
-    piece = torch.empty(min(MASTER_PIECE, numel), dtype=master.dtype)
-    for at in range(0, numel, piece.numel()):
-        part = piece[: min(piece.numel(), numel - at)]
-        master.tier.read(master, part, offset=offset + at).wait()
-        out[at : at + part.numel()].copy_(part)
+        return DONE
+    return MasterCast(
+        master,
+        out,
+        offset=offset,
+        piece=MASTER_PIECE,
+        buffers=getattr(into, "cast_buffers", None),
+        to_device=into is not None and into.name == "device",
+    )
 
 
 def cast_master_over(master: Slab, home: Slab) -> None:
@@ -60,7 +72,7 @@ def cast_master_over(master: Slab, home: Slab) -> None:
     piece = torch.empty(min(MASTER_PIECE, home.numel), dtype=home.dtype)
     for at in range(0, home.numel, piece.numel()):
         part = piece[: min(piece.numel(), home.numel - at)]
-        cast_master_into(master, part, offset=at)
+        cast_master_into(master, part, offset=at).wait()
         home.tier.write(home, part, offset=at).wait()
 
 

@@ -183,7 +183,9 @@ class ReusedBuffers:
     back (``give``) once the copy reading or writing it is done (a host read waited for it, a
     home write's handle reports it done), and ``take`` lends a free one of the dtype large
     enough, else makes one more. At most ``keep`` free buffers are kept; the rest are dropped (unlocked and
-    uncounted once garbage). Any thread.
+    uncounted once garbage). An owner that does not wait for its copy hands the buffer back
+    with the copy's event (``give(after=event)``): it is kept referenced here, neither lent nor
+    dropped, until the event has completed (a later ``take`` or ``give`` asks). Any thread.
     """
 
     def __init__(self, pool: MemoryPool, *, keep: int = 8) -> None:
@@ -191,11 +193,31 @@ class ReusedBuffers:
         """The ledger pool the buffers are counted in."""
         self.keep = keep
         self._free: list[torch.Tensor] = []
+        self._copying: list[tuple[object, torch.Tensor]] = []
+        """(event of a copy still reading or writing the buffer, buffer), given back early."""
         self._lock = threading.Lock()
+
+    @property
+    def copying(self) -> int:
+        """Buffers given back whose copy has not completed yet."""
+        with self._lock:
+            self._reclaim()
+            return len(self._copying)
+
+    def _reclaim(self) -> None:
+        """Buffers whose copy completed become free (under the lock)."""
+        copying, self._copying = self._copying, []
+        for event, buffer in copying:
+            if event.query():
+                self._free.append(buffer)
+            else:
+                self._copying.append((event, buffer))
+        del self._free[: -self.keep]
 
     def take(self, numel: int, dtype: torch.dtype, what: str = "") -> torch.Tensor:
         """A buffer of ``numel`` ``dtype`` elements (contents undefined)."""
         with self._lock:
+            self._reclaim()
             for i, raw in enumerate(self._free):
                 if raw.dtype == dtype and raw.numel() >= numel:
                     del self._free[i]
@@ -205,11 +227,16 @@ class ReusedBuffers:
             room = round_up(room * dtype.itemsize, PAGE) // dtype.itemsize
         return self.pool.empty(room, dtype, what=what)[:numel]
 
-    def give(self, buffer: torch.Tensor) -> None:
-        """``buffer`` (from ``take``), whose copies are done, may be lent again."""
+    def give(self, buffer: torch.Tensor, *, after: object = None) -> None:
+        """``buffer`` (from ``take``) may be lent again: now (its copies are done), or once
+        ``after`` (the event recorded after the copy that reads or writes it) has completed."""
         raw = buffer._base if buffer._base is not None else buffer
         with self._lock:
-            self._free.append(raw)
+            if after is not None and not after.query():
+                self._copying.append((after, raw))
+            else:
+                self._free.append(raw)
+            self._reclaim()
             del self._free[: -self.keep]
 
 

@@ -6,13 +6,28 @@ import torch
 
 from tierwise.tiers.arena import PAGE, SLAB_ALIGNMENT, PinnedArena, round_up
 from tierwise.tiers.base import DONE, IOHandle, PayloadKind, Slab, Tier
-from tierwise.tiers.ledger import MemoryPool
+from tierwise.tiers.ledger import MemoryPool, ReusedBuffers
 
 
 class MemoryTier(Tier):
     """A tier whose slabs are plain tensors on ``self.storage_device``."""
 
     ADDRESSABLE = True
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.cast_pool = MemoryPool(
+            f"{self.PLUGIN_NAME}_cast_buffers",
+            memory="host",
+            pinned=self.storage_device.type == "cuda",
+        )
+        """Host buffers of a storage-tier master's pieces read and cast on their way into this
+        tier's memory, counted in the ledger ([Note: casting a master from storage]);
+        page-locked on CUDA, where the device tier's are copied to the device."""
+        self.cast_buffers = ReusedBuffers(self.cast_pool, keep=4)
+
+    def memory_pools(self) -> list[MemoryPool]:
+        return [self.cast_pool]
 
     @property
     def storage_device(self) -> torch.device:
@@ -127,7 +142,7 @@ class HostTier(MemoryTier):
         """The arena's registered bytes in the ledger (counted whole in this tier)."""
 
     def memory_pools(self) -> list[MemoryPool]:
-        return [self.arena_pool] if self.arena is not None else []
+        return [self.cast_pool] + ([self.arena_pool] if self.arena is not None else [])
 
     def check_capacity(self, slab_bytes: list[int]) -> None:
         """On CUDA: the arena is sized for the slabs setup is about to allocate, once

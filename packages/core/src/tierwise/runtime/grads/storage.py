@@ -196,7 +196,7 @@ class GradStorage:
         parameter payload]."""
         home, master = chunk.home, chunk.optim.master
         if home.tensor is not None:
-            cast_master_into(master, home.tensor)
+            cast_master_into(master, home.tensor, into=home.tier).wait()
         else:
             cast_master_over(master, home)
         if master.tier is not home.tier:

@@ -157,12 +157,15 @@ class Residency:
         start, end = chunk.shard_range()
         shard = block[start:end]
         # a master in addressable memory (pinned on CUDA): a cast on copy, waited for by the
-        # load's event like any host read; on a storage tier: read in pieces, waited for here
-        cast_master_into(master, shard)
+        # load's event like any host read; on a storage tier: read, cast and copied in pieces
+        # that overlap, finished with the load ([Note: casting a master from storage])
+        cast = cast_master_into(master, shard, into=self.device_tier)
         if master.tier.name != "device":
             self.traffic.count(f"{master.tier.name}->device", master.nbytes)
         if not chunk.group.sharded:
-            return [], []
+            return [cast], []
+        if master.tensor is None:  # [Note: gather after read]
+            return [_GatherAfterRead(cast, self.collectives, block, shard, chunk)], [shard]
         work = self.collectives.all_gather(block, shard, chunk.group.process_group, async_op=True)
         return [work], [shard]
 
@@ -244,6 +247,11 @@ class _GatherAfterRead:
         self.read.wait()
         # in place: the shard is this rank's slice of the block (NCCL and gloo gather in place)
         self.collectives.all_gather(self.block, self.shard, self.chunk.group.process_group)
+
+    def progress(self) -> None:
+        """Move the read on (never the gather: see above)."""
+        if not self._gathered and hasattr(self.read, "progress"):
+            self.read.progress()
 
     def done(self) -> bool:
         return self._gathered

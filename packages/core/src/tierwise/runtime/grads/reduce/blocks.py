@@ -16,6 +16,8 @@ them are freed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tierwise.tiers.base import PayloadKind, Tier
@@ -71,6 +73,21 @@ class BlockPool:
         self._taken += 1
         self.peak_blocks = max(self.peak_blocks, self._taken)
         return block
+
+    def upload_target(self, numel: int, what: str) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Device memory of ``numel`` elements that an upload from host memory lands in before
+        it is added on the device (a ``no_sync`` sum: [Note: no_sync buffers]), and what gives
+        it back once the upload has landed: a free block of the pool when there is one, else
+        ``numel`` elements reserved in the device tier (counted in its budget and ``stats()``).
+        A device budget without room raises the tier's ``TierBudgetError`` (the caller falls
+        back: ``NoSyncSums.add_into``)."""
+        if self.has_free() and numel <= self.block_numel:
+            block = self.take()
+            return block[:numel], lambda: self.give(block)
+        nbytes = numel * self.dtype.itemsize
+        self.device_tier.reserve(nbytes, kind=PayloadKind.STAGING, what=what)
+        target = torch.empty(numel, dtype=self.dtype, device=self.device_tier.device)
+        return target, lambda: self.device_tier.unreserve(nbytes)
 
     def has_free(self) -> bool:
         """Whether ``take`` returns a block without waiting for one to come back."""

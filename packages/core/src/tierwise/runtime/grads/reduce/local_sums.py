@@ -11,7 +11,14 @@ gradient sums") and given back when its chunk is reduced or at zero_grad, so ``h
 bounds them and ``stats()`` shows them in the host tier's bytes and peak. On CUDA they are
 page-locked ([Note: page-locked buffers]), so the upload at the launch (``add_into``) is queued
 without blocking; the sum is kept, and its bytes reserved, until that copy lands ([Note: reduced
-gradients land per due point]). A budget without room
+gradients land per due point]). The device memory the upload lands in (it is added to the
+chunk's staging there) is a free reduction block, or, when every block is taken, a whole chunk
+reserved in the device tier: counted in ``device_memory`` and ``stats()``, held until the copy
+lands. A device budget without room for it (the planner does not count it) falls back to
+adding on the host: the chunk's staging is copied into a host buffer of the reducer's pool,
+landed (one host wait for that chunk), the sum added there and the result uploaded back, with
+no device memory beyond the staging (``NoSyncSums.fallbacks`` counts it). A host budget without
+room
 fails the backward with the host tier's error and what to change: ``Config.accumulation_steps``
 accumulates into the rank's own gradient shards (a reduction per micro-batch, no whole-chunk
 buffers), or a larger ``host_memory``.
@@ -19,7 +26,7 @@ buffers), or a larger ``host_memory``.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +50,8 @@ class NoSyncSums:
         self.pinned = bool(getattr(host, "pin", False))
         """Whether the sums are page-locked (the host tier's memory is, on CUDA)."""
         self._sums: dict[Hashable, torch.Tensor] = {}
+        self.fallbacks = 0
+        """Sums added through host memory for want of device memory (``_add_on_host``)."""
 
     def buffer(self, chunk: Chunk) -> torch.Tensor:
         """``chunk``'s sum (zeros when it has none yet): reserved in the host tier first."""
@@ -68,14 +77,48 @@ class NoSyncSums:
                 self._sums[chunk.key] = torch.zeros(chunk.capacity, dtype=self.dtype)
         return self._sums[chunk.key]
 
-    def add_into(self, full: torch.Tensor, key: Hashable, writes: HostWrites) -> None:
+    def add_into(
+        self,
+        full: torch.Tensor,
+        key: Hashable,
+        writes: HostWrites,
+        upload_target: Callable[[int, str], tuple[torch.Tensor, Callable[[], None]]],
+    ) -> None:
         """``full`` (a chunk's staging on the device) += ``key``'s sum, if it has one: uploaded
-        without blocking into a device temporary (what ``.to`` would make), the sum kept and
-        its bytes reserved until the copy lands."""
+        without blocking into device memory from ``upload_target`` (the reducer's
+        ``BlockPool.upload_target``: a free block, or bytes reserved in the device tier), the
+        sum kept and its host bytes reserved, and the device memory held, until the copy
+        lands."""
         local = self._sums.pop(key, None)
-        if local is not None:
-            on_device = torch.empty_like(full)
-            full.add_(writes.upload(on_device, local, then=lambda: self.release(local)))
+        if local is None:
+            return
+        try:
+            on_device, give_back = upload_target(full.numel(), "a no_sync gradient sum's upload")
+        except TierBudgetError:
+            self._add_on_host(full, local, writes)
+            return
+
+        def landed() -> None:
+            self.release(local)
+            give_back()
+
+        full.add_(writes.upload(on_device, local, then=landed))
+
+    def _add_on_host(self, full: torch.Tensor, local: torch.Tensor, writes: HostWrites) -> None:
+        """No device memory for the upload: ``full`` is copied into a host buffer of the
+        reducer's pool, landed (one host wait), the sum added there (the same addition of the
+        same values) and uploaded back over ``full``."""
+        self.fallbacks += 1
+        staged = writes.scratch(full.numel())
+        writes.copy(staged, full, on_host=True)
+        writes.land()
+        staged.add_(local)
+
+        def landed() -> None:
+            self.release(local)
+            writes.give_back(staged)
+
+        writes.upload(full, staged, then=landed)
 
     def release(self, buffer: torch.Tensor) -> None:
         """A sum was used (or dropped): its bytes go back to the host tier."""

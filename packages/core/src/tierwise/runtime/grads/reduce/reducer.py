@@ -287,7 +287,7 @@ class GradientReducer:
         else:
             del self._holding[key]
         zero_unwritten(chunk, full)  # zeros where no gradient arrived, plus no_sync's sums
-        self.local_sums.add_into(full, key, self.writes)
+        self.local_sums.add_into(full, key, self.writes, self.pool.upload_target)
         del self._staging[key]
         self._launched.add(key)
         self.launches.append(("reduce", key))

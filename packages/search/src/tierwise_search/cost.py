@@ -320,9 +320,14 @@ class CostModel:
             with_shard = train & (o == tier) & ~in_home
             totals[tier] += s.payload.slab_bytes("grad", int(shard[with_shard].sum()))
         # gradients that pass the host buffers: a shard on NVMe, an NVMe home holding them,
-        # a device home's staged for NVMe states ([Note: gradients staged from a device home])
+        # a device home's staged for NVMe or host states ([Note: gradients staged from a
+        # device home])
+        staged = in_home & (p == DEVICE) & (o == HOST)
         offloaded = int(
-            (train & (((o == NVME) & ~(in_home & (p == HOST))) | (in_home & (p == NVME)))).sum()
+            (
+                train
+                & (((o == NVME) & ~(in_home & (p == HOST))) | (in_home & (p == NVME)) | staged)
+            ).sum()
         )
         if offloaded:
             buffers = grad_offload_buffers(offloaded)

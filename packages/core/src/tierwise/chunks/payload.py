@@ -33,7 +33,8 @@ data is then 2 bytes (params, then gradients) + 12 (fp32 master, m, v) = 14 byte
   ([Note: updates in pieces]), so the home goes straight from gradients to new parameters; a
   committed chunk is CONSUMED (its gradients are gone, as for an offloaded shard).
 - The speculative redo ([Note: speculative updates], Invariant 9) needs the gradients after
-  the update overwrote them: a host-worker update in backward copies the home (its gradients)
+  the update overwrote them: a host-worker update in backward copies the home (its gradients;
+  a device home's from their staged host copy: [Note: gradients staged from a device home])
   into its undo record beside the states' undo copies, counted in the host tier the same way
   (no room: the chunk is updated after backward). After-backward updates run after every check,
   so nothing needs the gradients after them.

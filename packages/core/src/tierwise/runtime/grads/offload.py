@@ -49,18 +49,23 @@ if TYPE_CHECKING:
 
 
 # [Note: gradients staged from a device home]
-# A sharded bf16/fp16 device home whose optimizer states are on NVMe keeps its gradients in the
-# home ([Note: gradients in the parameter payload]): no gradient shard on NVMe, 14 bytes of
-# model data per element. The NVMe pipeline's worker must not read device memory ([Note: CUDA
-# threading model]), so when the chunk's update is built (``GradStorage.lend``: on an engine
-# thread, in backward or at ``step``) the engine's thread takes one of the host buffers in front
-# of the pipeline, copies the home into it (the device tier's read: a non-blocking copy into
-# page-locked memory and its event) and waits for that event, once per chunk ([Note: one host
-# wait per chunk]), before the job is queued; the worker reads the buffer only. The buffer is
-# lent, never held (``stage``), so it is never spilled: until the update the gradients stay in
-# the device home, which a redo after a rollback copies again. The update's new values go back
-# through ``HomeWrites`` as for any device home; the home holds gradients, not parameters, until
-# then, so loads cast the committed master ([Note: gradients in the parameter payload]).
+# A sharded bf16/fp16 device home whose optimizer states are on NVMe, or in host memory, keeps
+# its gradients in the home ([Note: gradients in the parameter payload]): 14 bytes of model data
+# per element. A worker thread (the NVMe pipeline's, or the host worker of [Note: host updates
+# in backward]) must not read device memory ([Note: CUDA threading model]), so when such an
+# update is built for a worker (``GradStorage.lend``: on an engine thread, in backward or at
+# ``step``) the engine's thread takes one of the host buffers in front of the pipeline, copies
+# the home into it (the device tier's read: a non-blocking copy into page-locked memory and its
+# event) and waits for that event, once per chunk ([Note: one host wait per chunk]), before the
+# job is queued; the worker reads the buffer only. The buffer is lent, never held (``stage``),
+# so it is never spilled. NVMe states: until the update the gradients stay in the device home,
+# which a redo after a rollback copies again. Host states: the host worker's update writes new
+# parameters over the home, so its undo record clones the staged buffer (on the worker: host
+# memory) and a rollback copies that clone back into the home on the engine's thread. Host
+# states updated after backward run on the engine's thread and read the home directly (nothing
+# staged). The update's new values go back through ``HomeWrites`` as for any device home; the
+# home holds gradients, not parameters, until then, so loads cast the committed master ([Note:
+# gradients in the parameter payload]).
 
 
 class GradientOffload:
@@ -121,13 +126,14 @@ class GradientOffload:
 
     @staticmethod
     def stages(chunk: Chunk) -> bool:
-        """Whether the chunk's gradients are in its device home and its optimizer states on a
-        storage tier: [Note: gradients staged from a device home]."""
+        """Whether the chunk's gradients are in its device home and its update may run on a
+        host worker thread (optimizer states on a storage tier, or in host memory updated in
+        backward): [Note: gradients staged from a device home]."""
         optim = chunk.optim
         return (
             optim is not None
             and optim.grads_in_home
-            and not optim.tier.ADDRESSABLE
+            and (not optim.tier.ADDRESSABLE or optim.tier.name == "host")
             and chunk.home.tier.name == "device"
         )
 

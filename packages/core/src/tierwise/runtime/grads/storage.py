@@ -152,14 +152,17 @@ class GradStorage:
         be written out again when another is read: use it before reading the next)."""
         return ChunkGrads(chunk, self.memory(chunk, start=False), chunk.optim.grads_kept)
 
-    def lend(self, chunk: Chunk) -> ChunkGrads:
-        """``chunk``'s gradients for its update: a shard on a storage tier is lent as its host
-        buffer until ``give_back`` ([Note: active gradient offloading])."""
+    def lend(self, chunk: Chunk, *, on_worker: bool = False) -> ChunkGrads:
+        """``chunk``'s gradients for its update (``on_worker``: it runs on a worker thread): a
+        shard on a storage tier is lent as its host buffer until ``give_back`` ([Note: active
+        gradient offloading]), a device home's as a staged copy ([Note: gradients staged from
+        a device home])."""
         kept = chunk.optim.grads_kept
         if self.offloads(chunk):
             self._refuse_consumed(chunk)
             return ChunkGrads(chunk, self.grad_offload.lend(chunk), kept)
-        if self.stages(chunk):  # [Note: gradients staged from a device home]
+        staged = self.stages(chunk) and (on_worker or not chunk.optim.tier.ADDRESSABLE)
+        if staged:  # [Note: gradients staged from a device home]
             self._refuse_consumed(chunk)
             self.traffic.count("device->host", chunk.home.nbytes)
             return ChunkGrads(chunk, self.grad_offload.stage(chunk), kept)
@@ -204,5 +207,6 @@ class GradStorage:
 
     def give_back(self, chunk: Chunk) -> None:
         """The update that was lent ``chunk``'s shard ran or was dropped (any thread)."""
-        if self.offloads(chunk) or self.stages(chunk):
+        staged = self.stages(chunk) and chunk.optim.grad_buffer is not None
+        if self.offloads(chunk) or staged:
             self.grad_offload.consumed(chunk)

@@ -60,15 +60,20 @@ class HostUpdates:
         update: Callable[[list[torch.Tensor]], None],
         *,
         on_done: Callable[[], None],
+        undo_from: list[torch.Tensor] | None = None,
     ) -> None:
-        """Queue: copy ``states`` for undo (``reserve_undo`` counted it), then ``update``."""
+        """Queue: copy ``states`` for undo (``reserve_undo`` counted it), then ``update``.
+        ``undo_from``: host tensors holding the same values to copy instead (a device home's
+        staged gradients: [Note: gradients staged from a device home]); ``restore`` writes the
+        copies into ``states`` on the engine's thread."""
+        sources = states if undo_from is None else undo_from
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierwise-host-adam")
 
         def job() -> None:
             began = time.perf_counter()
             try:
-                copies = [t.clone() for t in states]
+                copies = [t.clone() for t in sources]
                 with self._lock:
                     self._undo[chunk] = (states, copies)
                 update(states)

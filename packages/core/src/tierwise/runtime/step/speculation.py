@@ -200,11 +200,15 @@ class Speculation:
         update = self.updates.build(chunk, hyper, self.unscale(), on_worker=True)
         self.updates.count_traffic(chunk)
         self.grad_states.move(chunk, GradState.UPDATING, _OWNER)
+        # the worker clones a device home's gradients from their staged host copy ([Note:
+        # gradients staged from a device home])
+        staged = self.storage.stages(chunk) and optim.grad_buffer is not None
         self.host_updates.submit(
             chunk,
             undone,
             lambda tensors: update(tensors[:3]),
             on_done=lambda: self.updates.done(chunk),
+            undo_from=states + [optim.grad_buffer] if staged else None,
         )
 
     def write_deferred_homes(self) -> None:

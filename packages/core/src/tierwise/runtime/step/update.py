@@ -112,7 +112,7 @@ class ChunkUpdates:
         undo = self.step_undo
         # a shard on a storage tier: its host buffer, lent until the pipeline reports the job
         # done ([Note: active gradient offloading]); else the shard itself
-        grads = self.storage.lend(chunk)
+        grads = self.storage.lend(chunk, on_worker=on_worker)
         shard = grads.shard
         kept = [(s, self.step_counts[s.name]) for s in grads.kept_slots()] if grads.kept else None
         home = chunk.home if chunk.home is not optim.master and not keep_home else None

@@ -23,8 +23,7 @@ def test_refusal_quotes_the_smallest_minimum_not_keeping_everything(tmp_path):
     recomputed = LAYERS * INPUT + BLOCK + HEAD
     # every block recomputed from inputs swapped to the host: the third block's backward, its
     # inputs read back and two blocks' read ahead
-    from_host = HEAD + BLOCK + 3 * INPUT
-    assert from_host < recomputed < swapped
+    from_host = HEAD + BLOCK + 3 * INPUT  # the smallest: from_host < recomputed < swapped
     config = Config(
         device="cuda", precision="bf16", activation_offload="auto", nvme_path=str(tmp_path)
     )
@@ -39,6 +38,7 @@ def test_refusal_quotes_the_smallest_minimum_not_keeping_everything(tmp_path):
         plan_on(int(1.25 * from_host))  # too small for every choice
     need = info.value.need
     assert 1.25 * from_host < need < 1.25 * keep  # the closest choice's device, not keep's
+    assert need < 1.25 * recomputed < 1.25 * swapped  # nor the other choices'
     assert need - 1.25 * from_host < 2**20 * 10  # + model data in the rCache and buffers
     assert "recompute from host: peak at the backward of layers.2" in str(info.value)
 

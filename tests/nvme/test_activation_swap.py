@@ -18,6 +18,8 @@ from helpers.models import tiny_batch, tiny_model  # noqa: E402
 from helpers.process_memory import TOLERANCE, assert_within_ledger, gpt2_growth  # noqa: E402
 from helpers.train import run_tierwise, train  # noqa: E402
 from nvme_helpers import FailingBackend, swap_files  # noqa: E402
+from tierwise.runtime.activations import manager as manager_module  # noqa: E402
+from tierwise.tiers import ledger  # noqa: E402
 from tierwise_nvme import NVMeIOError, NVMeSpaceError  # noqa: E402
 
 MIXED = {
@@ -150,7 +152,7 @@ def test_failed_swap_in_drops_the_step_and_the_engine_goes_on(nvme_dir, failing_
 
 
 RSS_CHILD = r"""
-import json, sys, warnings
+import json, resource, sys, time, warnings
 warnings.simplefilter("ignore")
 import torch, tierwise
 import transformers as tf
@@ -168,18 +170,28 @@ opt = torch.optim.AdamW(model.parameters())
 settings = json.loads(sys.argv[1])
 model, opt = tierwise.setup(model, opt, device="cpu", precision="fp32", **settings)
 ids = torch.randint(0, 128, (4, 512), generator=torch.Generator().manual_seed(0))
-growth = []
-for step in range(3):
+_, setup_rss = hwm_and_rss()
+growth, seconds, faults = [], [], []
+for step in range(int(sys.argv[2]) if len(sys.argv) > 2 else 3):
     open("/proc/self/clear_refs", "w").write("5")  # reset the peak RSS (VmHWM) to now
-    _, before = hwm_and_rss()
+    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start = time.perf_counter()
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     opt.zero_grad()
+    seconds.append(time.perf_counter() - start)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
     peak, _ = hwm_and_rss()
-    growth.append(peak - before)
-print(json.dumps({"growth": growth[1:],
-                  "swapped": tierwise.engine_of(model).stats()["activations"]["swapped_out_bytes"]}))
+    growth.append(peak - setup_rss)
+engine = tierwise.engine_of(model)
+print(json.dumps({"growth": growth[1:], "seconds": seconds[1:], "minor_faults": faults[1:],
+                  "swapped": engine.stats()["activations"]["swapped_out_bytes"],
+                  "large_blocks_unmapped": engine.activations.large_blocks_unmapped}))
 """
+"""Peak RSS of each step over the RSS setup left (steps after the first: the first also makes
+the optimizer's states), with glibc malloc's defaults: the peak of a step, not the growth within
+it, because glibc keeps what an earlier step freed resident ([Note: swapped activations' freed
+memory] in tierwise.tiers.ledger)."""
 
 
 def _peak_rss_growth(settings: dict) -> dict:
@@ -187,9 +199,8 @@ def _peak_rss_growth(settings: dict) -> dict:
     import subprocess
     import sys
 
-    # large blocks mmapped (and unmapped when freed), so the resident set follows live memory
-    # rather than what glibc keeps for reuse
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)  # glibc's defaults: what a user gets
     done = subprocess.run(
         [sys.executable, "-c", RSS_CHILD, json.dumps(settings)],
         capture_output=True,
@@ -209,7 +220,37 @@ def test_nvme_swap_at_least_halves_the_peak_rss_growth_of_a_step(nvme_dir):
     keep = _peak_rss_growth({})
     nvme = _peak_rss_growth({"activation_offload": "nvme", "nvme_path": str(nvme_dir)})
     assert keep["swapped"] == {"host": 0, "nvme": 0} and nvme["swapped"]["nvme"] > 0
+    assert not keep["large_blocks_unmapped"]  # a plan that does not swap leaves malloc alone
     assert max(nvme["growth"]) <= min(keep["growth"]) / 2, (keep, nvme)
+
+
+def test_unmapping_large_blocks_is_a_no_op_without_glibc(monkeypatch):
+    """musl and macOS: the C library is not glibc, nothing is set and the swaps still work."""
+    import ctypes.util
+
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    assert ledger.unmap_large_freed_blocks() is False
+    monkeypatch.undo()
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the user's own choice stays
+    assert ledger.unmap_large_freed_blocks() is False
+
+
+def test_only_cpu_plans_swapping_to_nvme_set_the_malloc_threshold(monkeypatch, nvme_dir):
+    calls = []
+    monkeypatch.setattr(manager_module, "unmap_large_freed_blocks", lambda: calls.append(1) or True)
+    for settings, expected in (
+        ({}, 0),
+        ({"activation_offload": "host"}, 0),
+        ({"activation_offload": "nvme", "nvme_path": str(nvme_dir)}, 1),
+    ):
+        model = tiny_model("gpt2")
+        opt = torch.optim.AdamW(model.parameters())
+        model, opt = tierwise.setup(model, opt, device="cpu", precision="fp32", **settings)
+        engine = tierwise.engine_of(model)
+        assert engine.activations.large_blocks_unmapped is bool(expected), settings
+        assert len(calls) == expected, settings
+        calls.clear()
+        engine.close()
 
 
 @pytest.mark.parametrize("device", ONLY_CUDA)

@@ -27,7 +27,7 @@ from tierwise.runtime.activations.policy import ActivationPolicyError
 from tierwise.runtime.activations.recompute import RecomputeSwitches
 from tierwise.runtime.activations.swap_records import PackedTensor, SwapCounts, with_block
 from tierwise.runtime.activations.swaps import ActivationSwaps
-from tierwise.tiers.ledger import MemoryPool, memory_of
+from tierwise.tiers.ledger import MemoryPool, memory_of, unmap_large_freed_blocks
 
 MIN_SWAP_BYTES = 1024
 """Storages smaller than this are never swapped (the bookkeeping would cost more)."""
@@ -123,6 +123,13 @@ class ActivationManager:
             pinned_bytes=pinned_bytes,
         )
         """The swapped storages of "host" and "nvme" blocks ([Note: activation swapping])."""
+        self.large_blocks_unmapped = (
+            self.device.type == "cpu"
+            and any(swap_target(a) == "nvme" for a in self.policy.values())
+            and unmap_large_freed_blocks()
+        )
+        """Whether this plan made the C allocator unmap large freed blocks, so that swapping to
+        nvme lowers the RSS: [Note: swapped activations' freed memory] in tierwise.tiers.ledger."""
         self.saved_memory = MemoryPool(
             "saved_activations", memory=memory_of(self.device), budget=allowance
         )

@@ -240,7 +240,6 @@ def test_only_cpu_plans_swapping_to_nvme_set_the_malloc_threshold(monkeypatch, n
     monkeypatch.setattr(manager_module, "unmap_large_freed_blocks", lambda: calls.append(1) or True)
     for settings, expected in (
         ({}, 0),
-        ({"activation_offload": "host"}, 0),
         ({"activation_offload": "nvme", "nvme_path": str(nvme_dir)}, 1),
     ):
         model = tiny_model("gpt2")

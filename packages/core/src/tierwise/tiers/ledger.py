@@ -365,13 +365,16 @@ def unmap_large_freed_blocks() -> bool:
     block freed raises its threshold to that block's size (up to 32 MiB), so every later
     activation lands in the heap, and freed heap blocks stay resident and fragment; the
     backward's swap-ins and gradients then grow the heap past them. Measured on the test's GPT-2
-    (8 x 64, seq 512, batch 4), peak RSS over setup's: keep 273-296 MiB, nvme 150-213 MiB with
-    the defaults, 62-63 MiB with the threshold fixed. ``malloc_trim`` after each block's
-    swap-outs (12 ms a call there) or after forward did not help: the peak comes in backward.
+    (8 x 64, seq 512, batch 4), each step's peak RSS over setup's: keep 318-325 MiB, nvme
+    141-199 MiB with the defaults, 63 MiB with the threshold fixed. Tried and not enough:
+    ``malloc_trim`` after each block's swap-outs (12 ms a call there; peaks 133-182 MiB) or
+    after forward (155-174), the threshold fixed during forward only (148-164), swap-in
+    buffers mapped separately (220-228), one arena (142-219): the peak comes in backward.
     The cost: every large allocation is a fresh mapping whose pages fault in zeroed on first
-    touch (about 270 000 more minor faults a step there), measured side by side in
-    ``bench/rss_swap_malloc.py``. So only plans that swap activations to nvme from a CPU device
-    set it (the activation manager); nothing else touches the allocator. glibc cannot go back
+    touch (269 000 more minor faults a step there; steps 1.43x as long on 2 shared cores),
+    measured side by side by ``bench/rss_swap_malloc.py``. So only plans that swap activations
+    to nvme from a CPU device set it (the activation manager); nothing else touches the
+    allocator. glibc cannot go back
     to its dynamic threshold, so the setting outlives the engine. A CUDA device's swaps go
     through the bounded pinned pool ([Note: bounded pinned buffers]) and need none of this."""
     import ctypes

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from functools import cache
 
 from tierwise.chunks import first_use_order, pack, sharded_capacity
-from tierwise.chunks.payload import model_data_by_tier
+from tierwise.chunks.payload import grad_offload_host_bytes, model_data_by_tier
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError, io_buffer_bytes, resolve_policy
@@ -338,7 +338,14 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
     )
     largest = max(p.numel for p in profile.params)
     io_bytes = io_buffer_bytes(largest, max(cap for cap, *_ in caps))
-    host_data = model_data(param_tier, optim_tier).get("host", 0)  # what setup puts there
+    # what setup puts there: model data and the gradient offload buffers
+    host_data = model_data(param_tier, optim_tier).get("host", 0) + grad_offload_host_bytes(
+        chunk_shards,
+        precision=config.precision,
+        param_tier=param_tier,
+        optim_tier=optim_tier,
+        pinned=hardware.device_type == "cuda",
+    )
     _check_host(config, host_data, io_bytes, param_tier, optim_tier, reasons)
     return Plan(
         chunk_size=chunk_size,
@@ -375,7 +382,7 @@ def _check_host(
         return
     raise PlanError(
         f"host memory binds: this plan (params on {param_tier}, optimizer on {optim_tier}) "
-        f"needs {format_gib(host_data)} of host memory for model data, host_memory is "
+        f"needs {format_gib(host_data)} of host memory for model data and gradient buffers, host_memory is "
         f"{format_gib(config.host_memory)}: {format_gib(host_data - config.host_memory)} short; "
         "raise host_memory, or set nvme_path and place model data on NVMe",
         tier="host",

@@ -54,3 +54,31 @@ def test_training_need_is_the_model_data_and_the_load_buffers_are_reported_besid
         assert any(r.startswith("load/save buffers:") for r in plan.reasons)
     plan = _plan(data + io)  # room for both: nothing to say
     assert not any(r.startswith("load/save buffers:") for r in plan.reasons)
+
+
+def test_the_gradient_offload_buffers_are_counted_in_the_host_need(tmp_path):
+    # fp32 with params on host and optimizer states on NVMe: the host holds each chunk's fp32
+    # parameters (4 B) and, in front of the gradient shards on NVMe, GRAD_OFFLOAD_BUFFERS (2)
+    # buffers of the largest shard (N elements x 4 B): [Note: active gradient offloading]
+    data = LAYERS * N * 4
+    buffers = 2 * N * 4
+
+    def plan(host_memory):
+        return default_plan(
+            profile=_profile(),
+            hardware=Hardware(device_type="cpu"),
+            config=Config(
+                device="cpu",
+                precision="fp32",
+                chunk_size=N,
+                param_placement="host",
+                optimizer_placement="nvme",
+                nvme_path=str(tmp_path),
+                host_memory=host_memory,
+            ),
+        )
+
+    with pytest.raises(PlanError) as info:
+        plan(data + buffers - 1)
+    assert (info.value.need, info.value.limit) == (data + buffers, data + buffers - 1)
+    assert plan(data + buffers).optim_tier == "nvme"

@@ -54,3 +54,35 @@ def test_swapping_every_block_frees_all_but_one_block_on_the_device(tmp_path):
     # keeping them all needs 1.25 x 850 MiB: no plan fits
     with pytest.raises(PlanError, match="device memory binds"):
         _plan("none", device)
+
+
+def test_an_explicit_activation_policy_is_planned_as_given(tmp_path):
+    # the budget of the test above: swapping every block fits with model data on the device,
+    # keeping them does not; a policy naming the blocks is planned as the runtime resolves it
+    data = (LAYERS + 1) * N * 16
+    device = int(data / 0.95 + 1.25 * (HEAD + 3 * BLOCK)) + 2**20
+    hardware = Hardware(device_type="cuda", device_memory=device)
+    base = dict(device="cuda", precision="bf16", chunk_size=N)
+    swapped = default_plan(
+        profile=_profile(),
+        hardware=hardware,
+        config=Config(**base, activation_policy={"layers.*": "host"}),
+    )
+    assert (swapped.param_tier, swapped.optim_tier) == ("device", "device")
+    assert swapped.device_allowance <= 0.95 * (device - 1.25 * (HEAD + 3 * BLOCK))
+    # "auto" alone would recompute (each block then holds INPUT); blocks the user keeps are
+    # planned as kept: 6 kept blocks and 2 recomputed do not fit where 8 recomputed do
+    auto = default_plan(
+        profile=_profile(), hardware=hardware, config=Config(**base, activation_offload="auto")
+    )
+    assert (auto.param_tier, set(auto.activation_policy.values())) == ("device", {"recompute"})
+    with pytest.raises(PlanError, match="device memory binds"):
+        default_plan(
+            profile=_profile(),
+            hardware=hardware,
+            config=Config(
+                **base,
+                activation_offload="auto",
+                activation_policy={f"layers.{b}": "keep" for b in range(6)},
+            ),
+        )

@@ -100,3 +100,38 @@ def test_under_a_budget_the_pools_shrink_and_still_count_and_no_room_fails_at_se
     assert "\n" not in str(info.value)
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_planners_gradient_buffer_count_is_the_engines(nvme_dir, precision):
+    """The planners count the gradient offload buffers with ``grad_offload_host_bytes`` from
+    tier names; setup sizes them from its chunks: the same bytes, and the ledger pool's peak
+    over 2 steps stays inside them."""
+    from tierwise.chunks.payload import grad_offload_host_bytes
+
+    config = {**PLAN, "precision": precision}
+    model = tiny_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = tierwise.setup(
+        model,
+        opt,
+        nvme_path=str(nvme_dir),
+        param_placement="host",
+        optimizer_placement="nvme",
+        **config,
+    )
+    engine = tierwise.engine_of(model)
+    try:
+        chunks = [(c.shard_size, c.optim is not None, False) for c in engine.chunks()]
+        planned = grad_offload_host_bytes(
+            chunks, precision=precision, param_tier="host", optim_tier="nvme", pinned=False
+        )
+        held = engine.grad_offload.nbytes if engine.grad_offload is not None else 0
+        assert planned == held
+        assert (held > 0) == (precision == "fp32")  # bf16: the gradients stay in the host home
+        train(model, opt, 2)
+        if held:
+            pool = engine.grad_offload.memory
+            assert 0 < pool.peak_bytes <= held
+    finally:
+        engine.close()

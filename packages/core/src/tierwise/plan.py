@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fnmatch
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,52 @@ def check_policy_entries(policy: Any) -> str | None:
         if action not in ACTIVATION_ACTIONS:
             return f"{pattern!r} -> {action!r}: choose one of {', '.join(ACTIVATION_ACTIONS)}"
     return None
+
+
+class ActivationPolicyError(ValueError):
+    """An activation policy names blocks that do not exist or an action that cannot run."""
+
+
+def plan_action(block: str, plan_policy: dict[str, str]) -> str | None:
+    """The plan's action for ``block``: its own entry, else the most common one among entries
+    of modules inside it (a profile can be per innermost module)."""
+    if block in plan_policy:
+        return plan_policy[block]
+    inner = [a for name, a in plan_policy.items() if name.startswith(block + ".")]
+    return Counter(inner).most_common(1)[0][0] if inner else None
+
+
+def resolve_policy(
+    blocks: list[str],
+    *,
+    policy: dict[str, str] | None,
+    offload: str,
+    checkpointing: bool,
+    plan_policy: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """Action per block, in this order of precedence: ``policy`` (name or fnmatch pattern ->
+    action; a later entry wins over an earlier one for the same block), then ``offload``
+    "host"/"nvme" (every block), then ``checkpointing`` (every block recomputed), then for
+    ``offload="auto"`` the plan's per-layer policy; anything left is kept."""
+    if offload in ("host", "nvme"):
+        default = {b: offload for b in blocks}
+    elif checkpointing:
+        default = {b: "recompute" for b in blocks}
+    elif offload == "auto":
+        default = {b: plan_action(b, plan_policy or {}) or "keep" for b in blocks}
+    else:
+        default = {b: "keep" for b in blocks}
+    for pattern, action in (policy or {}).items():
+        matched = [b for b in blocks if b == pattern or fnmatch.fnmatchcase(b, pattern)]
+        if not matched:
+            shown = ", ".join(blocks) if blocks else "none found"
+            raise ActivationPolicyError(
+                f"Config.activation_policy: {pattern!r} matches no transformer block; the blocks "
+                f"are: {shown}"
+            )
+        for block in matched:
+            default[block] = action
+    return default
 
 
 class PlanError(ValueError):

@@ -89,7 +89,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 
 import numpy as np
-from tierwise.chunks.payload import PayloadSpec, grad_offload_buffers
+from tierwise.chunks.payload import PayloadSpec, grad_offload_buffers, grad_offload_bytes
 from tierwise.precision import OPTIM_BYTES, optim_bytes
 
 from tierwise_search.belady import AccessTrace, simulate
@@ -330,8 +330,12 @@ class CostModel:
             ).sum()
         )
         if offloaded:
-            buffers = grad_offload_buffers(offloaded)
-            totals[HOST] += buffers * int(shard.max(initial=0)) * s.param_bytes
+            # the runtime's size (page rounding on CUDA aside: a few KiB the search leaves out)
+            totals[HOST] += grad_offload_bytes(
+                grad_offload_buffers(offloaded),
+                int(shard.max(initial=0)) * s.param_bytes,
+                pinned=False,
+            )
         block = s.block_numel * s.param_bytes
         if s.uses_rcache(p).any():
             totals[DEVICE] += placement.n_blocks * block

@@ -97,6 +97,7 @@ from tierwise.precision import (
     param_bytes,
     state_dtype,
 )
+from tierwise.tiers.arena import PAGE, round_up
 from tierwise.tiers.base import PayloadKind
 
 if TYPE_CHECKING:
@@ -130,6 +131,59 @@ def grad_offload_buffers(offloaded_chunks: int) -> int:
     """Host gradient buffers for this many chunks with gradient shards on a storage tier (never
     more buffers than chunks)."""
     return min(GRAD_OFFLOAD_BUFFERS, offloaded_chunks)
+
+
+def grad_offload_bytes(buffers: int, largest_shard_bytes: int, *, pinned: bool) -> int:
+    """Host bytes of ``buffers`` gradient offload buffers (the ledger pool
+    ``grad_offload_buffers``), each as large as the largest shard of any chunk, page-locked ones
+    in whole pages: what the runtime reserves and the planners count."""
+    each = round_up(largest_shard_bytes, PAGE) if pinned else largest_shard_bytes
+    return buffers * each
+
+
+def passes_grad_offload(
+    spec: PayloadSpec,
+    home_tier: str,
+    optim_tier: str,
+    *,
+    sharded: bool,
+    addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
+) -> bool:
+    """Whether a chunk's gradients go through the host gradient buffers: its gradient shard (or
+    the home holding its gradients) on a storage tier, or gradients in a device home staged for
+    host or storage-tier optimizer states ([Note: gradients staged from a device home]); the
+    tier-name form of ``GradientOffload.offloads`` / ``stages``."""
+    if not spec.trainable:
+        return False
+    in_home = spec.grads_in_home(home_tier, optim_tier, sharded=sharded, addressable=addressable)
+    grad_tier = home_tier if in_home else optim_tier
+    staged = (
+        in_home and home_tier == "device" and (optim_tier == "host" or not addressable(optim_tier))
+    )
+    return not addressable(grad_tier) or staged
+
+
+def grad_offload_host_bytes(
+    chunks: Iterable[tuple[int, bool, bool]],
+    *,
+    precision: str,
+    param_tier: str,
+    optim_tier: str,
+    pinned: bool,
+    addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
+) -> int:
+    """``grad_offload_bytes`` for ``chunks`` ((shard elements, trainable, sharded) each, as
+    ``model_data_by_tier`` takes them) placed on ``param_tier`` / ``optim_tier``."""
+    chunks = list(chunks)
+    specs = {t: PayloadSpec(precision=precision, trainable=t) for t in (True, False)}
+    offloaded = sum(
+        passes_grad_offload(
+            specs[trainable], param_tier, optim_tier, sharded=sharded, addressable=addressable
+        )
+        for _, trainable, sharded in chunks
+    )
+    largest = max((shard for shard, _, _ in chunks), default=0) * specs[True].param_bytes
+    return grad_offload_bytes(grad_offload_buffers(offloaded), largest, pinned=pinned)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -320,6 +374,9 @@ __all__ = [
     "MOMENT_KINDS",
     "PayloadSpec",
     "grad_offload_buffers",
+    "grad_offload_bytes",
+    "grad_offload_host_bytes",
     "model_data_by_tier",
+    "passes_grad_offload",
     "slab_of",
 ]

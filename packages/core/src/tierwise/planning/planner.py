@@ -12,11 +12,11 @@ from collections.abc import Callable
 from functools import cache
 
 from tierwise.chunks import first_use_order, pack, sharded_capacity
-from tierwise.chunks.payload import model_data_by_tier
+from tierwise.chunks.payload import grad_offload_host_bytes, model_data_by_tier
 from tierwise.config import Config
 from tierwise.hardware import Hardware
-from tierwise.plan import Plan, PlanError, io_buffer_bytes
-from tierwise.planning.activation_peak import activation_peak, uniform_policy
+from tierwise.plan import Plan, PlanError, io_buffer_bytes, resolve_policy
+from tierwise.planning.activation_peak import activation_peak
 from tierwise.planning.cache_minimum import min_cache_blocks, recompute_blocks
 from tierwise.planning.chunk_size import auto_chunk_sizes
 from tierwise.precision import PARAM_BYTES
@@ -118,28 +118,40 @@ def _min_blocks(profile: Profile, layout, config: Config) -> int:
     return max(1, profile_min_blocks(profile, chunk_of, recompute=may_recompute(config)))
 
 
-def device_activation_bytes(profile: Profile, config: Config) -> int:
+def planned_policy(profile: Profile, config: Config, auto: str | None = None) -> dict[str, str]:
+    """Each profiled block's action as setup will resolve it (``tierwise.plan.resolve_policy``:
+    an explicit ``activation_policy`` wins, planned as given), with ``auto`` as the plan's
+    action for every block under ``activation_offload="auto"``."""
+    blocks = list(activation_blocks(profile))
+    return resolve_policy(
+        blocks,
+        policy=config.activation_policy if blocks else None,
+        offload=config.activation_offload,
+        checkpointing=config.activation_checkpointing,
+        plan_policy=dict.fromkeys(blocks, auto) if auto else None,
+    )
+
+
+def device_activation_bytes(profile: Profile, config: Config, auto: str | None = None) -> int:
     """Peak activation bytes on the device under ``config``'s activation settings, each block
-    given the action the runtime gives it (swapped with ``activation_offload`` "host"/"nvme",
-    else recomputed with checkpointing, else kept), counted as
-    [Note: activation peak under a policy]: a way to fit, counted as one."""
-    if config.activation_offload in ("host", "nvme"):
-        action = config.activation_offload
-    else:
-        action = "recompute" if config.activation_checkpointing else "keep"
-    return activation_peak(profile, uniform_policy(profile, action)).peak_bytes
+    given the action the runtime gives it (``planned_policy``), counted as [Note: activation
+    peak under a policy]: a way to fit, counted as one."""
+    return activation_peak(profile, planned_policy(profile, config, auto)).peak_bytes
 
 
-def _auto_activations(profile: Profile, budget, budget_for, need_on_device: int, reasons: list):
+def _auto_activations(
+    profile: Profile, config: Config, budget, budget_for, need_on_device: int, reasons: list
+):
     """Core's ``activation_offload="auto"``: recompute every block when keeping their
     activations would push model data off the device and recomputing lets it stay; else
     recompute every block from its inputs swapped to the host (LoHan's scheme) when that lets it
-    stay; keep them otherwise. (The search plugin weighs swapping against recomputing.)"""
+    stay; keep them otherwise. Blocks an explicit ``activation_policy`` names keep its action
+    (``planned_policy``). (The search plugin weighs swapping against recomputing.)"""
     blocks = activation_blocks(profile)
     if not blocks:
         reasons.append("activations: auto, but the profile has no per-block activations: kept")
         return budget, {}
-    recomputing = activation_peak(profile, uniform_policy(profile, "recompute")).peak_bytes
+    recomputing = device_activation_bytes(profile, config, "recompute")
     budget_recompute = budget_for(recomputing)
     if budget is not None and budget < need_on_device <= budget_recompute:
         reasons.append(
@@ -148,7 +160,7 @@ def _auto_activations(profile: Profile, budget, budget_for, need_on_device: int,
             f"model data, which needs {format_bytes(need_on_device)} on the device"
         )
         return budget_recompute, {b: "recompute" for b in blocks}
-    from_host = activation_peak(profile, uniform_policy(profile, "recompute_host")).peak_bytes
+    from_host = device_activation_bytes(profile, config, "recompute_host")
     budget_from_host = budget_for(from_host)
     if budget is not None and budget < need_on_device <= budget_from_host:
         reasons.append(
@@ -265,6 +277,7 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
     if config.activation_offload == "auto":
         budget, activation_policy = _auto_activations(
             profile,
+            config,
             budget,
             budget_for,
             device_need("device", "device", blocks_for("device")),
@@ -325,7 +338,14 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
     )
     largest = max(p.numel for p in profile.params)
     io_bytes = io_buffer_bytes(largest, max(cap for cap, *_ in caps))
-    host_data = model_data(param_tier, optim_tier).get("host", 0)  # what setup puts there
+    # what setup puts there: model data and the gradient offload buffers
+    host_data = model_data(param_tier, optim_tier).get("host", 0) + grad_offload_host_bytes(
+        chunk_shards,
+        precision=config.precision,
+        param_tier=param_tier,
+        optim_tier=optim_tier,
+        pinned=hardware.device_type == "cuda",
+    )
     _check_host(config, host_data, io_bytes, param_tier, optim_tier, reasons)
     return Plan(
         chunk_size=chunk_size,
@@ -362,7 +382,7 @@ def _check_host(
         return
     raise PlanError(
         f"host memory binds: this plan (params on {param_tier}, optimizer on {optim_tier}) "
-        f"needs {format_gib(host_data)} of host memory for model data, host_memory is "
+        f"needs {format_gib(host_data)} of host memory for model data and gradient buffers, host_memory is "
         f"{format_gib(config.host_memory)}: {format_gib(host_data - config.host_memory)} short; "
         "raise host_memory, or set nvme_path and place model data on NVMe",
         tier="host",

@@ -10,9 +10,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tierwise.chunks.payload import GRAD_OFFLOAD_BUFFERS, grad_offload_buffers
+from tierwise.chunks.payload import (
+    GRAD_OFFLOAD_BUFFERS,
+    grad_offload_buffers,
+    grad_offload_bytes,
+)
 from tierwise.parallel.timeouts import wait_timeout_s, wait_until
-from tierwise.tiers.arena import PAGE, round_up
 from tierwise.tiers.base import PayloadKind
 from tierwise.tiers.ledger import MemoryPool
 
@@ -88,8 +91,7 @@ class GradientOffload:
         self.dtype = dtype
         self.count = count
         self._pin = host.device.type == "cuda"
-        buffer_bytes = numel * dtype.itemsize
-        self.nbytes = count * (round_up(buffer_bytes, PAGE) if self._pin else buffer_bytes)
+        self.nbytes = grad_offload_bytes(count, numel * dtype.itemsize, pinned=self._pin)
         """Host bytes the buffers take (page-locked ones in whole pages), counted in the host
         tier and the budget of their ledger pool."""
         host.reserve(self.nbytes, kind=PayloadKind.GRAD_SHARD, what="gradient offload buffers")

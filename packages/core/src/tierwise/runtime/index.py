@@ -72,3 +72,7 @@ class ChunkIndex:
         }
         """Module -> (slot, chunk) of each parameter it owns directly, built once here rather
         than looked up per access ([Note: per-module hook cost])."""
+        self.all_in_home = all(c.home is not None and c.computes_in_home for c in self.chunks())
+        """Every chunk computes in its home payload, none goes through the rCache: module access
+        fetches, pins and prefetches nothing after the warm-up ([Note: accesses when every chunk
+        computes in its home])."""

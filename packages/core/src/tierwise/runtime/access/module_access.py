@@ -92,26 +92,36 @@ class ModuleAccess:
         with self.tracing.untraced():
             self._acquire_untraced(module)
 
+    # [Note: accesses when every chunk computes in its home]
+    # When every chunk computes in its home payload (``ChunkIndex.all_in_home``: everything on
+    # the device, not sharded) there is no rCache traffic to drive: a fetch returns at once, a
+    # pin protects nothing from eviction and there is nothing to prefetch. The warm-up still
+    # records the access trace as usual; after it an access only moves its slots to COMPUTE and
+    # counts its pins, the per-module work plain PyTorch does not have ([Note: per-module hook
+    # cost]).
     def _acquire_untraced(self, module: torch.nn.Module) -> None:
-        first_use = self.residency.trace.recording and not self.phases.in_backward
+        trace = self.residency.trace
+        first_use = trace.recording and not self.phases.in_backward
+        moves = trace.recording or not self.index.all_in_home  # [Note: accesses when every ...]
         fetched = None
         fetch, pin = self.residency.fetch, self.residency.pin
         slot_pins, chunk_pins = self._slot_pins, self._chunk_pins
         for slot, chunk in self.index.module_chunks[module]:
             if first_use:
                 self.first_use.setdefault(slot.name)
-            if chunk is not fetched:  # consecutive slots of one chunk: fetched once
+            if moves and chunk is not fetched:  # consecutive slots of one chunk: fetched once
                 fetch(chunk)
                 fetched = chunk
             uses = slot_pins.get(slot, 0)
             if uses == 0:
                 slot.set_state(TensorState.COMPUTE)
                 in_use = chunk_pins.get(chunk, 0)
-                if in_use == 0:
+                if in_use == 0 and moves:
                     pin(chunk)
                 chunk_pins[chunk] = in_use + 1
             slot_pins[slot] = uses + 1
-        self.residency.prefetch()  # after pinning: prefetch never displaces what it needs
+        if moves:
+            self.residency.prefetch()  # after pinning: prefetch never displaces what it needs
 
     def _release(self, module: torch.nn.Module, new_state: TensorState) -> None:
         slot_pins, chunk_pins = self._slot_pins, self._chunk_pins
@@ -126,7 +136,7 @@ class ModuleAccess:
             in_use = chunk_pins.pop(chunk) - 1
             if in_use:
                 chunk_pins[chunk] = in_use
-            else:
+            elif not self.index.all_in_home:  # [Note: accesses when every chunk computes ...]
                 self.residency.unpin(chunk)
             slot.set_state(TensorState.HOLD_AFTER_BWD if slot.got_grad else new_state)
 

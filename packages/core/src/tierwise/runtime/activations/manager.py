@@ -108,6 +108,9 @@ class ActivationManager:
         parameters share one): taken when the block's forward begins, as a parameter's storage
         object changes only at a re-layout, between steps. Their addresses are read afresh
         (an rCache fetch inside the block gives a storage its memory)."""
+        self._model_ptrs: set[int] = set()
+        """Addresses the running "keep" block saved model data at ([Note: kept tensors counted
+        in one pass])."""
         self._kept_bytes = 0
         self._kept_live: dict[int, list[int]] = {}  # storage -> [bytes, users not yet unpacked]
         self._handles: list = []
@@ -184,6 +187,7 @@ class ActivationManager:
         self._hooks.__enter__()
         self._block_storages = _distinct_storages(self._block_params[name])
         self._kept_open.clear()
+        self._model_ptrs.clear()
         self.swaps.start_block()
 
     def _exit(self, name: str, module, args, output) -> None:
@@ -209,16 +213,41 @@ class ActivationManager:
         )
 
     def _count_kept(self, name: str, tensor: torch.Tensor):
-        if self._worth(name, tensor):
-            storage = tensor.untyped_storage()
-            ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            live = self._kept_live.setdefault(ptr, [nbytes, 0])
+        """A "keep" block saves ``tensor``: its storage counted once per block (like a swap),
+        each use of it counted until its backward ([Note: kept tensors counted in one pass])."""
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        live = self._kept_live.get(ptr)
+        if live is not None and ptr in self._kept_open:  # counted in this block already
             live[1] += 1
-            if ptr not in self._kept_open:
-                self._kept_open[ptr] = tensor  # counted once per block, like a swap
-                self._kept_bytes += nbytes
-                self._kept_by_block[name] += nbytes
+            return tensor
+        nbytes = storage.nbytes()
+        if ptr in self._model_ptrs or nbytes < self.min_bytes:
+            return tensor
+        if tensor.device.type != self.device.type:
+            return tensor
+        if self._model_data(name, tensor, ptr):
+            self._model_ptrs.add(ptr)
+            return tensor
+        if live is None:
+            live = self._kept_live[ptr] = [nbytes, 0]
+        live[1] += 1
+        if ptr not in self._kept_open:
+            self._kept_open[ptr] = tensor
+            self._kept_bytes += nbytes
+            self._kept_by_block[name] += nbytes
         return tensor
+
+    # [Note: kept tensors counted in one pass]
+    # A "keep" block's saved-tensor hook runs for every tensor it saves, every step (a linear
+    # saves its input and its weight): one storage object and one address read per tensor.
+    # A storage counted in the running block (``_kept_open``) was already found worth counting
+    # (on the device, large enough, not model data), so a later use of it in the block only
+    # adds a user; only a storage seen first is checked. An address found holding model data
+    # (a weight each of the block's linears saves) is remembered for the block too: model data
+    # stays where it is while its block runs (a parameter's memory is its home or a pinned rCache
+    # block, never freed for an activation to take), so the scan of the block's parameter
+    # storages runs once per weight and block rather than once per saved tensor.
 
     def _unpack_kept(self, tensor: torch.Tensor) -> torch.Tensor:
         """A kept tensor reaches its backward: counted as freed once all its users did."""
@@ -292,6 +321,9 @@ class ActivationManager:
         """Start the step's figures and kept tensors from zero."""
         self._saved_peak = self._recomputed = 0
         self.swaps.take_counts()
+        self._model_ptrs: set[int] = set()
+        """Addresses the running "keep" block saved model data at ([Note: kept tensors counted
+        in one pass])."""
         self._kept_bytes = 0
         self._kept_live.clear()
 

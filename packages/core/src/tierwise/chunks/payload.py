@@ -174,12 +174,14 @@ class PayloadSpec:
         optim_tier: str,
         *,
         sharded: bool,
+        grads_in_device_home: bool = False,
         addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
     ) -> bool:
         """Whether a chunk with its parameters on ``home_tier`` (``sharded`` over ranks) and its
         optimizer states on ``optim_tier`` keeps its gradients in its home: [Note: gradients in
-        the parameter payload]."""
-        computes_in_home = home_tier == "device" and not sharded
+        the parameter payload]; ``grads_in_device_home``: an unsharded device home does too,
+        [Note: the 14-byte device home]."""
+        computes_in_home = home_tier == "device" and not (sharded or grads_in_device_home)
         if not self.trainable or self.master_may_be_home or computes_in_home:
             return False
         if addressable(optim_tier):
@@ -252,18 +254,23 @@ class PayloadSpec:
         optim_tier: str,
         copies: Callable[[str], int],
         sharded: bool = False,
+        grads_in_device_home: bool = False,
         addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
     ) -> list[tuple[str, int]]:
         """(tier, bytes) of every slab a chunk with a ``shard``-element shard has, in
         allocation order; ``copies(tier)`` is the tier's ``STATE_COPIES``, ``sharded`` whether
-        the chunk is sharded over ranks, ``addressable(tier)`` whether a tier's slabs are
-        tensors in memory."""
+        the chunk is sharded over ranks, ``grads_in_device_home`` the plan's 14-byte device
+        home, ``addressable(tier)`` whether a tier's slabs are tensors in memory."""
         sizes = []
         if self.trainable:
             states = [self.slab_bytes(kind, shard) for kind in OPTIM_STATES]
             sizes += [(optim_tier, n) for n in states * copies(optim_tier)]
             if not self.grads_in_home(
-                home_tier, optim_tier, sharded=sharded, addressable=addressable
+                home_tier,
+                optim_tier,
+                sharded=sharded,
+                grads_in_device_home=grads_in_device_home,
+                addressable=addressable,
             ):
                 sizes.append((optim_tier, self.slab_bytes("grad", shard)))
         if not self.home_is_master(home_tier, optim_tier):
@@ -280,13 +287,15 @@ def model_data_by_tier(
     optim_tier: str,
     copies: Callable[[str], int] = lambda tier: 1,
     addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
+    grads_in_device_home: bool = False,
 ) -> dict[str, int]:
     """Tier -> bytes of model data (parameters, gradients, optimizer states as stored) that
     ``chunks`` hold with every chunk's parameters on ``param_tier`` and its optimizer states on
     ``optim_tier``: the one count setup allocates, ``totals`` prints and the planners check
     ([Note: payload spec], [Note: gradients in the parameter payload]). ``chunks`` are
     (shard elements, trainable, sharded over ranks) per chunk; ``copies(tier)`` is the tier's
-    ``STATE_COPIES`` ([Note: atomic optimizer step])."""
+    ``STATE_COPIES`` ([Note: atomic optimizer step]); ``grads_in_device_home``: the plan's
+    14-byte device home ([Note: the 14-byte device home])."""
     totals: dict[str, int] = {}
     specs = {
         trainable: PayloadSpec(
@@ -301,6 +310,7 @@ def model_data_by_tier(
             optim_tier=optim_tier,
             copies=copies,
             sharded=sharded,
+            grads_in_device_home=grads_in_device_home,
             addressable=addressable,
         ):
             totals[tier] = totals.get(tier, 0) + nbytes

@@ -199,9 +199,8 @@ def _overflowing_gpt2():
     [
         (_gpt2, dict(accum=2, clip=0.05)),
         (_overflowing_gpt2, dict(precision="fp16", clip=1.0)),
-        (lambda: tiny_model("opt"), dict(steps=3, clip=1.0)),  # re-laid out after step 1
     ],
-    ids=["accumulation+clipping", "fp16-overflow-skip", "relayout"],
+    ids=["accumulation+clipping", "fp16-overflow-skip"],
 )
 def test_the_variant_trains_bitwise_like_the_16_byte_plan(kind_model, schedule):
     want = _run(kind_model, {}, **schedule)
@@ -210,6 +209,78 @@ def test_the_variant_trains_bitwise_like_the_16_byte_plan(kind_model, schedule):
     assert got[0] == want[0]
     for key, value in want[1].items():
         assert torch.equal(got[1][key], value), key
+
+
+def _layout(model) -> list[str]:
+    return [s.name for c in tierwise.engine_of(model).chunks() for s in c.slots]
+
+
+def _ask_for_the_variant(monkeypatch) -> None:
+    """Core's planner (the search disabled), its plan asking for the variant with 4 rCache
+    blocks and no device budget: an explicit plan, as a planner plugin may give one."""
+    import tierwise.planning.planner as planner
+
+    made = planner.default_plan
+
+    def asking(**kwargs):
+        plan = made(**kwargs)
+        plan.grads_in_device_home, plan.cache_blocks, plan.device_allowance = True, 4, None
+        return plan
+
+    monkeypatch.setenv("TIERWISE_DISABLE_PLUGINS", "search")
+    monkeypatch.setattr(planner, "default_plan", asking)
+
+
+def test_the_variant_is_re_laid_out_after_warm_up_bitwise(monkeypatch):
+    """OPT defines modules out of use order: its chunks are re-packed after step 1 (the homes
+    between steps hold parameters, the gradient slab is the home). The plan asks for the
+    variant explicitly (a budget tight enough to choose it leaves no host room to re-pack)."""
+    want = _run(lambda: tiny_model("opt"), {}, steps=3, clip=1.0)
+    _ask_for_the_variant(monkeypatch)
+    model, opt = _setup(tiny_model("opt"))
+    engine = tierwise.engine_of(model)
+    try:
+        assert engine.plan.grads_in_device_home
+        before = _layout(model)
+        assert train(model, opt, 3, clip=1.0) == want[0]
+        assert _layout(model) != before and engine.layout_note is None
+        assert all(c.optim.grads_in_home for c in engine.chunks())
+        for key, value in want[1].items():
+            assert torch.equal(model.state_dict()[key], value), key
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_host_states_updated_in_backward_roll_back_and_redo_bitwise(monkeypatch, precision):
+    """A device home with host states, updated on the host worker during backward
+    (optimizer_overlap="in-backward"); clipping after those updates rolls them back and redoes
+    them with the gradients the undo record copied from the home's staged host copy ([Note:
+    gradients staged from a device home]). Bitwise the 16-byte plan (a host gradient shard)."""
+    placement = dict(
+        param_placement="device",
+        optimizer_placement="host",
+        optimizer_overlap="in-backward",
+        accumulation_steps=2,
+    )
+    monkeypatch.setenv("TIERWISE_DISABLE_PLUGINS", "search")
+    want = _run(_gpt2, placement, precision=precision, steps=3, accum=2, clip=0.05)
+    _ask_for_the_variant(monkeypatch)
+    model, opt = _setup(_gpt2(), precision=precision, **placement)
+    engine = tierwise.engine_of(model)
+    try:
+        assert engine.plan.grads_in_device_home
+        assert all(
+            c.optim.grads_in_home and c.home.tier.name == "device"
+            for c in engine.chunks()
+            if c.trainable
+        )
+        assert train(model, opt, 3, accum=2, clip=0.05) == want[0]
+        assert engine.stats()["optimizer_overlap"]["rollbacks"] >= 1
+        for key, value in want[1].items():
+            assert torch.equal(model.state_dict()[key], value), key
+    finally:
+        engine.close()
 
 
 def test_checkpoint_resume_with_the_variant_is_bitwise(tmp_path):

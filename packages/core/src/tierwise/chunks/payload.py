@@ -66,8 +66,8 @@ data is then 2 bytes (params, then gradients) + 12 (fp32 master, m, v) = 14 byte
     to the fast path the per-step overhead target measures. The grad slab's storage is given
     back between steps ([Note: gradient memory between steps]) and stands for autograd's
     kept tensors in the device tier's count: 2 + 2 + 12 is what the device holds after
-    backward. A planner-chosen 14-byte variant for models that miss the device by those
-    2 bytes is not built.
+    backward. A model that misses the device by those 2 bytes gets the planner-chosen
+    14-byte variant instead: [Note: the 14-byte device home].
   - An NVMe home with host states: its gradient shard is in host memory, so the host holds
     14 bytes per element (12 of states, 2 of gradients), as a host home with host states does,
     and the disk carries no gradients. In the home, the gradients would go through the
@@ -79,6 +79,36 @@ data is then 2 bytes (params, then gradients) + 12 (fp32 master, m, v) = 14 byte
     ``grad_disk_bytes_per_param_per_step``), and the host worker's in-backward update and
     its undo record would read spilled gradients from disk. The search reaches this
     placement only by moving one chunk's states from NVMe back to host memory, for speed.
+
+[Note: the 14-byte device home]
+One rank, bf16/fp16, a trainable chunk whose home is on the device: when the 16-byte plan does
+not fit the device, the planners (core's after device/device at 16 bytes; the search when its
+16-byte plan leaves model data off the device and the variant is predicted faster) set
+``Plan.grads_in_device_home``, and such a chunk is treated as a sharded device home with one
+rank: it does not compute in its home but in an rCache block (``ChunkGroup.
+device_home_cached``, ``Chunk.computes_in_home`` False), so its home can hold gradients
+(``grads_in_home``) and the whole machinery above applies unchanged, no new path:
+- Each parameter's gradient is copied into its slot of the home as it arrives (the single-rank
+  gradient path's copy into ``storage.memory``: one device-to-device copy per gradient, and
+  autograd's tensor is dropped at once); a later micro-batch's gradient is added there.
+- A load into an rCache block copies the home (a device-to-device copy per fetch) until the
+  first gradient; from then until the update it casts the fp32 master (``cast_master_into``):
+  the next micro-batch's forward and a chunk evicted and needed again in backward read the
+  parameters, never the gradients. zero_grad and a skipped fp16 step rewrite the home from
+  the master; the update reads each piece of gradients before writing its new parameters.
+- Rollback and the speculative redo are those of the placements above: device states update
+  after backward (nothing needs the gradients after it); host or NVMe states stage the home's
+  gradients through the host buffers ([Note: gradients staged from a device home]) and a redo
+  copies them again from the home, which keeps them until the step commits.
+- Cost: the device holds 2 + 12 = 14 bytes per trainable element plus the plan's rCache
+  blocks (whole chunks in the compute precision, the transient the variant adds; a frozen
+  chunk still computes in its home), and each step copies every chunk into a block at least
+  once per micro-batch and every gradient into its home. That is why the 16-byte plan stays
+  the default whenever it fits (its fast path is untouched) and the search prices the copies
+  (``device_copies``) against offloading chunks instead.
+The plan asks for it as a whole; a plan asking for it in fp32 (no 2-byte payload to reuse) or
+with chunks replicated over several ranks (their gradients are all-reduced into a shard) is
+refused at layout. Sharded device homes keep their gradients in place anyway.
 """
 
 from __future__ import annotations

@@ -129,7 +129,8 @@ class Chunk:
     def computes_in_home(self) -> bool:
         """Home on the device, not sharded and not the 14-byte variant: compute uses the home
         payload in place (the chunk never goes through the rCache)."""
-        return self.home.tier.name == "device" and not self.group.device_home_cached
+        group = self.group  # read per module access: two attributes, no property call
+        return self.home.tier.name == "device" and not (group.sharded or group.grads_in_device_home)
 
     def attach_params(self, device: torch.device) -> None:
         """Give the chunk its compute buffer and make every parameter a view of it: the home

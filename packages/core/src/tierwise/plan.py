@@ -161,6 +161,11 @@ class Plan(JsonDataclass):
     """Per chunk group, the tier of each chunk's optimizer states (overrides ``optim_tier``)."""
     shard: bool = True
     """Shard chunks across data-parallel ranks (False: replicate, all-reduce gradients)."""
+    grads_in_device_home: bool = False
+    """bf16/fp16, unsharded chunks (one rank): a trainable chunk whose home is on the device
+    keeps its gradients in that home and computes in an rCache block, 14 bytes per element
+    instead of 16 ([Note: the 14-byte device home] in ``chunks/payload.py``). Planners choose it
+    when the 16-byte plan does not fit the device."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward."""
     activation_policy: dict[str, str] = field(default_factory=dict)
@@ -250,6 +255,8 @@ class Plan(JsonDataclass):
             ("shard across ranks", str(self.shard)),
             ("activation checkpointing", str(self.activation_checkpointing)),
         ]
+        if self.grads_in_device_home:
+            rows.append(("gradients in device homes", "yes (14 bytes per element)"))
         if self.device_allowance is not None:
             rows.append(("device allowance", format_bytes(self.device_allowance)))
         if self.io_buffer_bytes is not None:

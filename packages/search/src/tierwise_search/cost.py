@@ -127,7 +127,15 @@ def _grads_in_home(s: Setting) -> np.ndarray:
     """[param tier, optim tier] -> whether a trainable chunk keeps its gradients in its home
     (``PayloadSpec.grads_in_home``: [Note: gradients in the parameter payload])."""
     return np.array(
-        [[s.payload.grads_in_home(a, b, sharded=s.shard > 1) for b in TIERS] for a in TIERS],
+        [
+            [
+                s.payload.grads_in_home(
+                    a, b, sharded=s.shard > 1, grads_in_device_home=s.grads_in_device_home
+                )
+                for b in TIERS
+            ]
+            for a in TIERS
+        ],
         dtype=bool,
     )
 
@@ -194,6 +202,10 @@ class Setting:
     host_budget: int | None = None
     """Host bytes per rank (None: unlimited): what the model data leaves is the room for the
     undo copies of host-resident states."""
+    grads_in_device_home: bool = False
+    """``Plan.grads_in_device_home`` (one rank, bf16/fp16): trainable device homes hold their
+    gradients (14 bytes per element) and go through the rCache (core's [Note: the 14-byte
+    device home]); each fetch and each gradient is then a copy in device memory."""
 
     @property
     def param_bytes(self) -> int:
@@ -231,6 +243,8 @@ class Setting:
         (a device-resident shard is still all-gathered into a block)."""
         if self.shard > 1:
             return np.ones(self.table.n_chunks, bool)
+        if self.grads_in_device_home:  # [Note: the 14-byte device home]
+            return (param_tier != DEVICE) | self.table.trainable
         return param_tier != DEVICE
 
 
@@ -384,6 +398,10 @@ class CostModel:
             else:  # replicas: all-reduce gradients
                 comm = 2 * part * chunk_bytes[train].sum()
         compute = s.forward_s + s.backward_s + act.recompute_s
+        device_copies = 0.0
+        if s.grads_in_device_home:  # fetches from device homes, gradients into them: read + write
+            copied = fetched[p == DEVICE].sum() + shard_bytes[train & (p == DEVICE)].sum()
+            device_copies = 2 * copied / r.memory_bandwidth
 
         # optimizer phase
         host_opt = elems[offload_grad].sum() / r.host_adam
@@ -432,6 +450,7 @@ class CostModel:
             phase_fb = max(compute, nvme_fb, *links)
         else:
             phase_fb = max(compute + sum(links), nvme_fb)
+        phase_fb += device_copies  # on the compute stream (or cores), beside nothing
         host_in_place = host_opt - host_opt_pipe
         k = s.accumulation_steps
         lead = (k - 1) * phase_fb  # the earlier micro-batches: nothing updates in them
@@ -478,6 +497,8 @@ class CostModel:
         }
         if rollback:
             seconds["rollback"] = rollback
+        if device_copies:
+            seconds["device_copies"] = k * device_copies
         moved = {
             "h2d": h2d_fb + h2d_opt,
             "d2h": d2h_fb + d2h_opt,

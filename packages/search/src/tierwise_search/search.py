@@ -12,6 +12,7 @@ Settings the user forced in Config (not "auto") are taken exactly as given.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -42,6 +43,7 @@ from tierwise_search.activations import (
 )
 from tierwise_search.compute import BACKWARD_OVER_FORWARD, layer_times
 from tierwise_search.cost import (
+    DEVICE,
     TIERS,
     ActivationTraffic,
     CostModel,
@@ -223,6 +225,8 @@ class _Search:
         # any number of ranks, under clipping and fp16 (speculatively: core's [Note: speculative
         # updates]); "auto" from the second step: the steady state is what the plan is for
         self.optimizer_in_backward = config.optimizer_overlap in ("auto", "in-backward")
+        self.grads_in_device_home = False
+        """Plan the 14-byte device home (core's [Note: the 14-byte device home])."""
 
     # -- pieces ---------------------------------------------------------------------------
     def allowed(self, choice: ActivationChoice) -> int | None:
@@ -328,6 +332,7 @@ class _Search:
                 # CPU, or forced ([Note: host updates in backward])
                 host_in_backward=self.optimizer_in_backward,
                 host_budget=self.host_capacity,
+                grads_in_device_home=self.grads_in_device_home,
             )
         )
 
@@ -492,6 +497,34 @@ def search_plan(
         checkpointing=config.activation_checkpointing,
         nvme=config.nvme_path is not None,
     )
+    outcomes, errors = _outcomes(search, choices)
+    if _device_home_variant_may_help(search, outcomes):
+        # [Note: the 14-byte device home]: the 16-byte plan keeps model data off the device
+        # (or fits nowhere); the variant is searched the same way and kept when predicted faster
+        variant = copy.copy(search)
+        variant.grads_in_device_home, variant.reasons = True, list(search.reasons)
+        in_home, in_home_errors = _outcomes(variant, choices)
+        if in_home and (not outcomes or in_home[0].prediction.total < outcomes[0].prediction.total):
+            variant.reasons.append(
+                "gradients kept in the device homes (14 bytes per element): "
+                + (
+                    "the 16-byte plan does not fit"
+                    if not outcomes
+                    else f"predicted {in_home[0].prediction.total:.4g} s vs "
+                    f"{outcomes[0].prediction.total:.4g} s with 16 bytes per element"
+                )
+            )
+            search, outcomes = variant, in_home
+        errors += in_home_errors
+    if not outcomes:
+        # the smallest plan is that of the activation choice needing least: swapping and
+        # recomputing are ways to fit, so a refusal quotes the one that comes closest
+        raise min(errors, key=_shortfall)
+    return _to_plan(search, outcomes[0], outcomes[1:])
+
+
+def _outcomes(search: _Search, choices) -> tuple[list[Outcome], list[PlanError]]:
+    """The outcome of each activation choice that fits (fastest first), the others' errors."""
     outcomes: list[Outcome] = []
     errors: list[PlanError] = []
     for choice in choices:
@@ -499,13 +532,20 @@ def search_plan(
             outcomes.append(search.outcome(choice))
         except PlanError as err:
             errors.append(err)
-    if not outcomes:
-        # the smallest plan is that of the activation choice needing least: swapping and
-        # recomputing are ways to fit, so a refusal quotes the one that comes closest
-        raise min(errors, key=_shortfall)
     outcomes.sort(key=lambda o: o.prediction.total)
-    best = outcomes[0]
-    return _to_plan(search, best, outcomes[1:])
+    return outcomes, errors
+
+
+def _device_home_variant_may_help(search: _Search, outcomes: list[Outcome]) -> bool:
+    """One rank in bf16/fp16 whose best 16-byte plan leaves model data off the device."""
+    if search.config.precision == "fp32" or search.rates.world_size > 1:
+        return False
+    if not outcomes:
+        return True
+    placement, trainable = outcomes[0].step.placement, outcomes[0].table.trainable
+    return bool(
+        (placement.param_tier != DEVICE).any() or (placement.optim_tier[trainable] != DEVICE).any()
+    )
 
 
 def _shortfall(err: PlanError) -> float:
@@ -549,7 +589,7 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
     all_optims = [t for tiers in optim_tiers.values() for t in tiers]
     n_device = all_params.count("device")
     memory = best.step.memory
-    uses_rcache = search.shard > 1 or n_device < table.n_chunks
+    uses_rcache = search.shard > 1 or n_device < table.n_chunks or search.grads_in_device_home
     # [Note: one source] the explanation quotes the values the Plan carries (the table prints
     # the same fields): cache_blocks and the bytes moved by the final placement, never the
     # intermediate figures the chunk-size scoring saw
@@ -631,6 +671,7 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
         param_tiers=param_tiers,
         optim_tiers=optim_tiers,
         shard=config.shard,
+        grads_in_device_home=search.grads_in_device_home,
         activation_checkpointing=config.activation_checkpointing,
         activation_policy=best.policy,
         activation_allowance=(

@@ -127,9 +127,10 @@ class Chunk:
 
     @property
     def computes_in_home(self) -> bool:
-        """Home on the device and not sharded: compute uses the home payload in place (the
-        chunk never goes through the rCache)."""
-        return self.home.tier.name == "device" and not self.group.sharded
+        """Home on the device, not sharded and not the 14-byte variant: compute uses the home
+        payload in place (the chunk never goes through the rCache)."""
+        group = self.group  # read per module access: two attributes, no property call
+        return self.home.tier.name == "device" and not (group.sharded or group.grads_in_device_home)
 
     def attach_params(self, device: torch.device) -> None:
         """Give the chunk its compute buffer and make every parameter a view of it: the home
@@ -174,6 +175,16 @@ class ChunkGroup:
     rank: int
     sharded: bool
     chunks: list[Chunk] = field(default_factory=list)
+    grads_in_device_home: bool = False
+    """Unsharded, trainable, bf16/fp16 (``Plan.grads_in_device_home``): a chunk whose home is on
+    the device keeps its gradients there and computes in an rCache block ([Note: the 14-byte
+    device home] in ``chunks/payload.py``)."""
+
+    @property
+    def device_home_cached(self) -> bool:
+        """A device home of this group is read through the rCache, not computed in: sharded,
+        or the 14-byte variant."""
+        return self.sharded or self.grads_in_device_home
 
     @staticmethod
     def make_name(pattern_key: str, param_group: int, trainable: bool) -> str:

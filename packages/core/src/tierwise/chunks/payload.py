@@ -66,8 +66,8 @@ data is then 2 bytes (params, then gradients) + 12 (fp32 master, m, v) = 14 byte
     to the fast path the per-step overhead target measures. The grad slab's storage is given
     back between steps ([Note: gradient memory between steps]) and stands for autograd's
     kept tensors in the device tier's count: 2 + 2 + 12 is what the device holds after
-    backward. A planner-chosen 14-byte variant for models that miss the device by those
-    2 bytes is not built.
+    backward. A model that misses the device by those 2 bytes gets the planner-chosen
+    14-byte variant instead: [Note: the 14-byte device home].
   - An NVMe home with host states: its gradient shard is in host memory, so the host holds
     14 bytes per element (12 of states, 2 of gradients), as a host home with host states does,
     and the disk carries no gradients. In the home, the gradients would go through the
@@ -79,6 +79,36 @@ data is then 2 bytes (params, then gradients) + 12 (fp32 master, m, v) = 14 byte
     ``grad_disk_bytes_per_param_per_step``), and the host worker's in-backward update and
     its undo record would read spilled gradients from disk. The search reaches this
     placement only by moving one chunk's states from NVMe back to host memory, for speed.
+
+[Note: the 14-byte device home]
+One rank, bf16/fp16, a trainable chunk whose home is on the device: when the 16-byte plan does
+not fit the device, the planners (core's after device/device at 16 bytes; the search when its
+16-byte plan leaves model data off the device and the variant is predicted faster) set
+``Plan.grads_in_device_home``, and such a chunk is treated as a sharded device home with one
+rank: it does not compute in its home but in an rCache block (``ChunkGroup.
+device_home_cached``, ``Chunk.computes_in_home`` False), so its home can hold gradients
+(``grads_in_home``) and the whole machinery above applies unchanged, no new path:
+- Each parameter's gradient is copied into its slot of the home as it arrives (the single-rank
+  gradient path's copy into ``storage.memory``: one device-to-device copy per gradient, and
+  autograd's tensor is dropped at once); a later micro-batch's gradient is added there.
+- A load into an rCache block copies the home (a device-to-device copy per fetch) until the
+  first gradient; from then until the update it casts the fp32 master (``cast_master_into``):
+  the next micro-batch's forward and a chunk evicted and needed again in backward read the
+  parameters, never the gradients. zero_grad and a skipped fp16 step rewrite the home from
+  the master; the update reads each piece of gradients before writing its new parameters.
+- Rollback and the speculative redo are those of the placements above: device states update
+  after backward (nothing needs the gradients after it); host or NVMe states stage the home's
+  gradients through the host buffers ([Note: gradients staged from a device home]) and a redo
+  copies them again from the home, which keeps them until the step commits.
+- Cost: the device holds 2 + 12 = 14 bytes per trainable element plus the plan's rCache
+  blocks (whole chunks in the compute precision, the transient the variant adds; a frozen
+  chunk still computes in its home), and each step copies every chunk into a block at least
+  once per micro-batch and every gradient into its home. That is why the 16-byte plan stays
+  the default whenever it fits (its fast path is untouched) and the search prices the copies
+  (``device_copies``) against offloading chunks instead.
+The plan asks for it as a whole; a plan asking for it in fp32 (no 2-byte payload to reuse) or
+with chunks replicated over several ranks (their gradients are all-reduced into a shard) is
+refused at layout. Sharded device homes keep their gradients in place anyway.
 """
 
 from __future__ import annotations
@@ -228,12 +258,14 @@ class PayloadSpec:
         optim_tier: str,
         *,
         sharded: bool,
+        grads_in_device_home: bool = False,
         addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
     ) -> bool:
         """Whether a chunk with its parameters on ``home_tier`` (``sharded`` over ranks) and its
         optimizer states on ``optim_tier`` keeps its gradients in its home: [Note: gradients in
-        the parameter payload]."""
-        computes_in_home = home_tier == "device" and not sharded
+        the parameter payload]; ``grads_in_device_home``: an unsharded device home does too,
+        [Note: the 14-byte device home]."""
+        computes_in_home = home_tier == "device" and not (sharded or grads_in_device_home)
         if not self.trainable or self.master_may_be_home or computes_in_home:
             return False
         if addressable(optim_tier):
@@ -306,18 +338,23 @@ class PayloadSpec:
         optim_tier: str,
         copies: Callable[[str], int],
         sharded: bool = False,
+        grads_in_device_home: bool = False,
         addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
     ) -> list[tuple[str, int]]:
         """(tier, bytes) of every slab a chunk with a ``shard``-element shard has, in
         allocation order; ``copies(tier)`` is the tier's ``STATE_COPIES``, ``sharded`` whether
-        the chunk is sharded over ranks, ``addressable(tier)`` whether a tier's slabs are
-        tensors in memory."""
+        the chunk is sharded over ranks, ``grads_in_device_home`` the plan's 14-byte device
+        home, ``addressable(tier)`` whether a tier's slabs are tensors in memory."""
         sizes = []
         if self.trainable:
             states = [self.slab_bytes(kind, shard) for kind in OPTIM_STATES]
             sizes += [(optim_tier, n) for n in states * copies(optim_tier)]
             if not self.grads_in_home(
-                home_tier, optim_tier, sharded=sharded, addressable=addressable
+                home_tier,
+                optim_tier,
+                sharded=sharded,
+                grads_in_device_home=grads_in_device_home,
+                addressable=addressable,
             ):
                 sizes.append((optim_tier, self.slab_bytes("grad", shard)))
         if not self.home_is_master(home_tier, optim_tier):
@@ -334,13 +371,15 @@ def model_data_by_tier(
     optim_tier: str,
     copies: Callable[[str], int] = lambda tier: 1,
     addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
+    grads_in_device_home: bool = False,
 ) -> dict[str, int]:
     """Tier -> bytes of model data (parameters, gradients, optimizer states as stored) that
     ``chunks`` hold with every chunk's parameters on ``param_tier`` and its optimizer states on
     ``optim_tier``: the one count setup allocates, ``totals`` prints and the planners check
     ([Note: payload spec], [Note: gradients in the parameter payload]). ``chunks`` are
     (shard elements, trainable, sharded over ranks) per chunk; ``copies(tier)`` is the tier's
-    ``STATE_COPIES`` ([Note: atomic optimizer step])."""
+    ``STATE_COPIES`` ([Note: atomic optimizer step]); ``grads_in_device_home``: the plan's
+    14-byte device home ([Note: the 14-byte device home])."""
     totals: dict[str, int] = {}
     specs = {
         trainable: PayloadSpec(
@@ -355,6 +394,7 @@ def model_data_by_tier(
             optim_tier=optim_tier,
             copies=copies,
             sharded=sharded,
+            grads_in_device_home=grads_in_device_home,
             addressable=addressable,
         ):
             totals[tier] = totals.get(tier, 0) + nbytes

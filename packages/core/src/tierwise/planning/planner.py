@@ -221,18 +221,22 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
     n_chunks = len(caps)
     n_sharded = sum(1 for *_, shards in caps if shards > 1)
     chunk_shards = [(-(-cap // shards), t, shards > 1) for cap, t, _, shards in caps]
+    # [Note: the 14-byte device home]: bf16/fp16, unsharded trainable chunks on one rank only
+    unsharded = [dp for _, t, dp, shards in caps if t and shards == 1]
+    variant_ok = config.precision != "fp32" and bool(unsharded) and max(unsharded) == 1
 
     @cache
-    def model_data(param_tier: str, optim_tier: str) -> dict[str, int]:
+    def model_data(param_tier: str, optim_tier: str, in_home: bool = False) -> dict[str, int]:
         """Tier -> model data bytes as setup allocates them ([Note: payload spec], [Note:
-        gradients in the parameter payload]; Adam moments as stored: [Note: low-bit
-        optimizer states])."""
+        gradients in the parameter payload], ``in_home``: [Note: the 14-byte device home];
+        Adam moments as stored: [Note: low-bit optimizer states])."""
         return model_data_by_tier(
             chunk_shards,
             precision=config.precision,
             optimizer_states=config.optimizer_states,
             param_tier=param_tier,
             optim_tier=optim_tier,
+            grads_in_device_home=in_home,
         )
 
     # gradients in flight between ranks: a fixed pool, [Note: bounded gradient blocks], and
@@ -246,15 +250,15 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
 
     reasons = []
 
-    def device_need(param_tier: str, optim_tier: str, blocks: int) -> int:
+    def device_need(param_tier: str, optim_tier: str, blocks: int, in_home: bool = False) -> int:
         return (
             blocks * block_bytes
             + staging_bytes
-            + model_data(param_tier, optim_tier).get("device", 0)
+            + model_data(param_tier, optim_tier, in_home).get("device", 0)
         )
 
-    def blocks_for(param_tier: str) -> int:
-        if param_tier == "device":  # sharded chunks: keep every gathered one (ZeRO-2-like)
+    def blocks_for(param_tier: str, in_home: bool = False) -> int:
+        if param_tier == "device" and not in_home:  # sharded: keep every gathered one (ZeRO-2)
             return n_sharded
         return min(n_chunks, min_blocks + config.prefetch)
 
@@ -283,41 +287,53 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
             device_need("device", "device", blocks_for("device")),
             reasons,
         )
-    fits = lambda p, o, b: budget is None or device_need(p, o, b) <= budget  # noqa: E731
+    fits = lambda p, o, b, v=False: budget is None or device_need(p, o, b, v) <= budget  # noqa: E731
     forced_p = None if config.param_placement == "auto" else config.param_placement
     forced_o = None if config.optimizer_placement == "auto" else config.optimizer_placement
     forced_blocks = config.cache_blocks if isinstance(config.cache_blocks, int) else None
+    placements = [("device", "device"), ("host", "device"), ("host", "host")]
     if forced_p and forced_o:
-        param_tier, optim_tier = forced_p, forced_o
-    else:
-        for p_tier, o_tier in (("device", "device"), ("host", "device"), ("host", "host")):
-            p_tier, o_tier = forced_p or p_tier, forced_o or o_tier
-            # a forced cache_blocks is what the placement must fit with
-            if fits(
-                p_tier, o_tier, forced_blocks if forced_blocks is not None else blocks_for(p_tier)
-            ):
-                break
-        param_tier, optim_tier = p_tier, o_tier
+        placements = [(forced_p, forced_o)]
+    # each placement with 16 bytes first, then (a device home) the 14-byte variant
+    candidates = [
+        (forced_p or p, forced_o or o, in_home)
+        for p, o in placements
+        for in_home in (False, True)
+        if not in_home or ((forced_p or p) == "device" and variant_ok)
+    ]
+    for p_tier, o_tier, in_home in candidates:
+        # a forced cache_blocks is what the placement must fit with
+        blocks = forced_blocks if forced_blocks is not None else blocks_for(p_tier, in_home)
+        if fits(p_tier, o_tier, blocks, in_home):
+            break
+    param_tier, optim_tier = p_tier, o_tier
+    if not (forced_p and forced_o):
         reasons.append(
-            f"model data {format_bytes(sum(model_data(param_tier, optim_tier).values()))} vs "
-            "device budget "
+            f"model data {format_bytes(sum(model_data(param_tier, optim_tier, in_home).values()))}"
+            " vs device budget "
             f"{format_bytes(budget) if budget is not None else 'unlimited'}: params on {param_tier}, "
             f"optimizer states on {optim_tier}"
+        )
+    if in_home:
+        reasons.append(
+            "gradients kept in the device homes (14 bytes per element; the 16-byte plan needs "
+            f"{format_bytes(device_need(param_tier, optim_tier, blocks_for(param_tier)))} on the "
+            "device): the chunks compute in rCache blocks"
         )
     if forced_blocks is not None:
         cache_blocks = forced_blocks
     else:
-        cache_blocks = blocks_for(param_tier)
+        cache_blocks = blocks_for(param_tier, in_home)
         if param_tier == "device" and n_sharded and not fits(param_tier, optim_tier, cache_blocks):
             cache_blocks = min(n_sharded, min_blocks + config.prefetch)
-        while cache_blocks > 0 and not fits(param_tier, optim_tier, cache_blocks):
+        while cache_blocks > 0 and not fits(param_tier, optim_tier, cache_blocks, in_home):
             cache_blocks -= 1
-        if param_tier != "device" or n_sharded:
+        if param_tier != "device" or n_sharded or in_home:
             cache_blocks = max(cache_blocks, min_blocks)
             if budget is not None and cache_blocks < n_chunks:
-                spare = budget - device_need(param_tier, optim_tier, cache_blocks)
+                spare = budget - device_need(param_tier, optim_tier, cache_blocks, in_home)
                 cache_blocks = min(n_chunks, cache_blocks + max(0, spare // block_bytes))
-    need = device_need(param_tier, optim_tier, cache_blocks)
+    need = device_need(param_tier, optim_tier, cache_blocks, in_home)
     if budget is not None and need > budget:
         raise _device_binds(
             need=need,
@@ -329,7 +345,9 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
             min_blocks=min_blocks,
             staging_blocks=staging_blocks,
             block_bytes=block_bytes,
-            smallest=lambda blocks: device_need(forced_p or "host", forced_o or "host", blocks),
+            smallest=lambda blocks: device_need(
+                forced_p or "host", forced_o or "host", blocks, in_home
+            ),
             smallest_tiers=(forced_p or "host", forced_o or "host"),
         )
     reasons.append(
@@ -354,6 +372,7 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
         param_tier=param_tier,
         optim_tier=optim_tier,
         shard=config.shard,
+        grads_in_device_home=in_home,
         activation_checkpointing=config.activation_checkpointing,
         activation_policy=activation_policy,
         device_allowance=need,

@@ -203,6 +203,7 @@ def _new_grads_in_home(parts: LayoutParts, group: ChunkGroup, tiers: dict) -> li
             home,
             optim,
             sharded=group.sharded,
+            grads_in_device_home=group.grads_in_device_home,
             addressable=lambda name: parts.tiers[name].ADDRESSABLE,
         )
         for home, optim in zip(tiers["home"], tiers["master"], strict=True)
@@ -246,7 +247,9 @@ def _cannot_move(
     if reason is not None:
         return reason, {}
     cached = [
-        c for c, t in zip(chunks, tiers["home"], strict=True) if t != "device" or group.sharded
+        c
+        for c, t in zip(chunks, tiers["home"], strict=True)
+        if t != "device" or group.device_home_cached
     ]
     if cached and max(c.capacity for c in cached) > parts.cache.block_numel:
         return "a new chunk would not fit an rCache block", {}

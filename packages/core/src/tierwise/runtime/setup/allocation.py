@@ -113,6 +113,7 @@ def payload_sizes(
                 optim_tier=plan.optim_tier_of(group.name, chunk.index) if group.trainable else "",
                 copies=lambda name: tiers[name].STATE_COPIES,  # [Note: atomic optimizer step]
                 sharded=group.sharded,
+                grads_in_device_home=group.grads_in_device_home,
                 addressable=lambda name: tiers[name].ADDRESSABLE,
             )
             for tier, nbytes in slabs:
@@ -143,6 +144,7 @@ def allocate_payloads(
                     home,
                     optim,
                     sharded=group.sharded,
+                    grads_in_device_home=group.grads_in_device_home,
                     addressable=lambda name: tiers[name].ADDRESSABLE,
                 )
                 kinds = payload.kinds(

@@ -69,16 +69,20 @@ def layout_groups(
         first = params[names[0]]
         pg, world, rank = world_rank[first.pattern.key]
         sharded = plan.shard and world > 1
+        trainable = first.param.requires_grad
+        if plan.grads_in_device_home and trainable:
+            _check_grads_in_device_home(group_name, dtype, world, sharded)
         group = ChunkGroup(
             name=group_name,
             pattern_key=first.pattern.key,
             param_group=first.param_group,
-            trainable=first.param.requires_grad,
+            trainable=trainable,
             dtype=dtype,
             process_group=pg,
             world=world,
             rank=rank,
             sharded=sharded,
+            grads_in_device_home=plan.grads_in_device_home and trainable and not sharded,
         )
 
         def make_slot(s: SlotSpec) -> ParamSlot:
@@ -91,6 +95,25 @@ def layout_groups(
         )
         groups.append(group)
     return groups
+
+
+def _check_grads_in_device_home(group: str, dtype: torch.dtype, world: int, sharded: bool) -> None:
+    """Refuse ``Plan.grads_in_device_home`` where it cannot hold ([Note: the 14-byte device
+    home]): fp32 has no 2-byte home to reuse, and replicated chunks on several ranks reduce
+    into a gradient shard."""
+    if dtype == torch.float32:
+        raise ConfigError(
+            "the plan asks for grads_in_device_home, which keeps bf16/fp16 gradients in their "
+            "parameter payload; with precision='fp32' the gradients need 4 bytes of their own: "
+            "set grads_in_device_home=False or use bf16/fp16"
+        )
+    if world > 1 and not sharded:
+        raise ConfigError(
+            f"the plan asks for grads_in_device_home, but group {group} is replicated over "
+            f"{world} ranks (shard=False), whose gradients are all-reduced into a gradient "
+            "shard: set shard=True (sharded device homes keep their gradients in place already) "
+            "or grads_in_device_home=False"
+        )
 
 
 def io_buffer_bytes(groups: list[ChunkGroup]) -> int:
@@ -111,7 +134,7 @@ def _check_cache_minimum(config: Config, profile: Profile, planned: Planned, gro
         for g in groups
         for chunk in g.chunks
         for slot in chunk.slots
-        if g.sharded or plan.param_tier_of(g.name, chunk.index) != "device"
+        if g.device_home_cached or plan.param_tier_of(g.name, chunk.index) != "device"
     }
     recompute = (
         may_recompute(config)

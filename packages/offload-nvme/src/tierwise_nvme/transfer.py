@@ -282,6 +282,17 @@ class Transfers:
         """(event or None, pinned buffer) of device reads: the buffer goes back to ``staging``
         once its host-to-device copy is done ([Note: storage reads into device memory])."""
 
+    def reserve_bounces_in_host(self, budget: int) -> None:
+        """Bound each bounce cache by ``budget`` bytes, counted by the host tier from now on
+        ([Note: bounce buffers in the host budget])."""
+        for cache in {id(c): c for c in (self.bounces, self.staging)}.values():
+            cache.reserve_in_host(budget)
+
+    def reserved_bounce_bytes(self) -> int:
+        """Bytes of the bounce caches the host tier counts (0 before ``reserve_bounces_in_host``)."""
+        caches = {id(c): c for c in (self.bounces, self.staging)}.values()
+        return sum(c.budget for c in caches if c.pool.within == "host")
+
     def memory_pools(self) -> list[MemoryPool]:
         """The bounce buffers' pools ([Note: the memory ledger])."""
         pools = [self.bounces.pool]

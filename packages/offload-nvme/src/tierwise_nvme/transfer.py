@@ -94,7 +94,11 @@ class NVMeHandle(IOHandle):
                 except Exception as err:  # never let a copy error hang the waiter
                     self._fail(err)
             self._keep = self._finalize = None
-            for callback in self._on_complete:
+            # the callbacks hold the transfer's bounce buffers: dropped once run, so a buffer a
+            # cache lets go of is freed even while its finished handle is kept ([Note: bounce
+            # buffers in the host budget])
+            callbacks, self._on_complete = self._on_complete, []
+            for callback in callbacks:
                 try:
                     callback()
                 except Exception as err:  # [Note: bounded NVMe waits]

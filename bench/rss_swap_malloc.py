@@ -24,7 +24,7 @@ from test_activation_swap import RSS_CHILD  # noqa: E402
 
 WITHOUT_FIX = (
     "import tierwise.runtime.activations.manager as manager\n"
-    "manager.unmap_large_freed_blocks = lambda: False\n"
+    "manager.keep_large_blocks_off_the_heap = lambda: False\n"
 )
 
 parser = argparse.ArgumentParser()

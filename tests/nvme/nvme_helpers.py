@@ -77,8 +77,14 @@ class FailingBackend:
 
 
 def nvme_pool_bytes(engine) -> int:
-    """Host bytes of the NVMe tier's own pools as built: its staged-read pool and its optimizer
-    pipeline's pool ([Note: storage tiers' host buffers])."""
+    """Host bytes of the NVMe tier's own pools as built: its staged-read pool, its optimizer
+    pipeline's pool and its bounce buffers' budget ([Note: storage tiers' host buffers],
+    [Note: bounce buffers in the host budget])."""
     tier = engine.tiers["nvme"]
     pools = [tier.staging] + [p.pool for p in engine.optimizer.pipelines.values()]
-    return sum(pool.count * pool.buffer_bytes for pool in pools)
+    return sum(pool.count * pool.buffer_bytes for pool in pools) + bounce_budget_bytes(tier)
+
+
+def bounce_budget_bytes(tier) -> int:
+    """The budgets of the tier's bounce caches that the host tier counts."""
+    return sum(p.budget for p in tier.memory_pools() if p.within == "host" and "bounce" in p.name)

@@ -229,15 +229,17 @@ def test_unmapping_large_blocks_is_a_no_op_without_glibc(monkeypatch):
     import ctypes.util
 
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
-    assert ledger.unmap_large_freed_blocks() is False
+    assert ledger.keep_large_blocks_off_the_heap() is False
     monkeypatch.undo()
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the user's own choice stays
-    assert ledger.unmap_large_freed_blocks() is False
+    assert ledger.keep_large_blocks_off_the_heap() is False
 
 
 def test_only_cpu_plans_swapping_to_nvme_set_the_malloc_threshold(monkeypatch, nvme_dir):
     calls = []
-    monkeypatch.setattr(manager_module, "unmap_large_freed_blocks", lambda: calls.append(1) or True)
+    monkeypatch.setattr(
+        manager_module, "keep_large_blocks_off_the_heap", lambda: calls.append(1) or True
+    )
     for settings, expected in (
         ({}, 0),
         ({"activation_offload": "nvme", "nvme_path": str(nvme_dir)}, 1),

@@ -13,7 +13,7 @@ pytest.importorskip("tierwise_nvme")
 import tierwise  # noqa: E402
 from helpers.models import tiny_model  # noqa: E402
 from helpers.train import train  # noqa: E402
-from nvme_helpers import nvme_pool_bytes  # noqa: E402
+from nvme_helpers import bounce_budget_bytes, nvme_pool_bytes  # noqa: E402
 from tierwise.plan import PlanError  # noqa: E402
 from tierwise.tiers import TierBudgetError  # noqa: E402
 
@@ -71,6 +71,7 @@ def test_under_a_budget_the_pools_shrink_and_still_count_and_no_room_fails_at_se
     unbudgeted = engine.tiers["host"].used_bytes
     rest = unbudgeted - nvme_pool_bytes(engine)  # slabs and gradient offload buffers
     read_buffer = engine.tiers["nvme"].staging.buffer_bytes
+    bounces = bounce_budget_bytes(engine.tiers["nvme"])  # sized by the chunk, not the budget
     pipeline_buffer = engine.optimizer.pipelines["nvme"].pool.buffer_bytes
     engine.close()
 
@@ -88,7 +89,7 @@ def test_under_a_budget_the_pools_shrink_and_still_count_and_no_room_fails_at_se
     finally:
         engine.close()
 
-    smallest = rest + read_buffer + 3 * (1 + 2) * pipeline_buffer
+    smallest = rest + read_buffer + 3 * (1 + 2) * pipeline_buffer + bounces
     model, opt, setup = build(
         nvme_dir, param_placement="nvme", optimizer_placement="nvme", host_memory=smallest - 1
     )

@@ -54,6 +54,21 @@ def memoryview_of(byte_tensor: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
+def bounce_budget(*, limit: int, transfer_bytes: int) -> int:
+    """[Note: bounce buffers in the host budget]
+    The bounce buffers are host memory like any slab, so setup reserves their budget in the host
+    tier ([Note: storage tiers' host buffers]) and planners count it. The largest buffer one
+    transfer takes is its whole widened range (a misaligned chunk payload written back: at most
+    ``transfer_bytes``, a chunk's elements at 4 bytes, plus its two partial pages), or two
+    one-page bounces; each is counted with one page of alignment. So a budget of
+    ``transfer_bytes`` rounded up to pages plus four pages lets every transfer run (larger ones
+    wait for room, [Note: bounded bounce buffers]), and ``limit`` (NVMeOptions.bounce_bytes)
+    caps it. Before, the cache's budget was 256 MiB outside every budget: a 1B LoRA run on NVMe
+    homes kept 133.7 MiB of bounce buffers its host budget did not count."""
+    needed = -(-transfer_bytes // ALIGNMENT) * ALIGNMENT + 4 * ALIGNMENT
+    return max(2 * ALIGNMENT, min(limit, needed))
+
+
 class BounceBudgetError(RuntimeError):
     """A bounce buffer would not fit the cache's byte budget."""
 
@@ -110,6 +125,16 @@ class BounceCache:
     def budget(self) -> int:
         return self.pool.budget
 
+    def reserve_in_host(self, budget: int) -> None:
+        """Bound the buffers by ``budget`` bytes, which the host tier counts from now on
+        ([Note: bounce buffers in the host budget]); cached buffers are dropped."""
+        if budget < 2 * ALIGNMENT:
+            raise ValueError(f"a bounce cache needs a budget of at least {2 * ALIGNMENT} bytes")
+        with self._changed:
+            self._free.clear()
+            self.pool.budget = budget
+            self.pool.within = "host"
+
     def take(self, nbytes: int) -> torch.Tensor:
         counted = nbytes + ALIGNMENT  # what the pool counts for an aligned buffer
         if counted > self.budget:
@@ -165,6 +190,7 @@ __all__ = [
     "BounceBudgetError",
     "BounceCache",
     "aligned_empty",
+    "bounce_budget",
     "byte_view",
     "is_aligned",
     "memoryview_of",

@@ -15,6 +15,7 @@ from tierwise.tiers.base import ZERO_PIECE
 from tierwise.tiers.ledger import MemoryPool
 
 from tierwise_nvme.backends import IOBackend, open_backend
+from tierwise_nvme.buffers import bounce_budget
 from tierwise_nvme.options import NVMeOptions
 from tierwise_nvme.preflight import check_directory, check_space
 from tierwise_nvme.staged_read import StagedReads
@@ -383,24 +384,41 @@ class NVMeTier(Tier):
         ([Note: the memory ledger])."""
         return [self.staging.memory, self.pipeline_memory, *self._transfers.memory_pools()]
 
+    def size_host_buffers(self, *, transfer_bytes: int) -> None:
+        """Bound the bounce buffers for transfers of at most ``transfer_bytes`` and count them
+        in ``host_buffer_bytes`` ([Note: bounce buffers in the host budget])."""
+        limit = self.options.bounce_bytes
+        self._transfers.reserve_bounces_in_host(
+            bounce_budget(limit=limit, transfer_bytes=transfer_bytes)
+        )
+
     def host_buffer_bytes(self, *, optimizer_buffer_bytes: int = 0) -> int:
-        """[Note: storage tiers' host buffers] The staged-read pool, and with
-        ``optimizer_buffer_bytes`` the pool of the optimizer pipeline the engine makes
-        (``optimizer_pipeline`` with an automatic lookahead): both hold at most this."""
-        return self.staging.count * self.staging.buffer_bytes + planned_pipeline_bytes(
-            self.options, self.config, optimizer_buffer_bytes
+        """[Note: storage tiers' host buffers] The staged-read pool, the bounce buffers once
+        ``size_host_buffers`` bounded them, and with ``optimizer_buffer_bytes`` the pool of the
+        optimizer pipeline the engine makes (``optimizer_pipeline`` with an automatic
+        lookahead): all hold at most this."""
+        return (
+            self.staging.count * self.staging.buffer_bytes
+            + self._transfers.reserved_bounce_bytes()
+            + planned_pipeline_bytes(self.options, self.config, optimizer_buffer_bytes)
         )
 
     @classmethod
-    def planned_host_buffer_bytes(cls, config: Config, *, optimizer_buffer_bytes: int = 0) -> int:
+    def planned_host_buffer_bytes(
+        cls, config: Config, *, optimizer_buffer_bytes: int = 0, transfer_bytes: int = 0
+    ) -> int:
         """``host_buffer_bytes`` of a tier made with ``config`` and the environment's options
-        (for planners, before any tier exists)."""
+        and sized for transfers of ``transfer_bytes`` (for planners, before any tier exists)."""
         options = NVMeOptions.from_env()
         reads = read_pool_count(
             block_size=options.block_size, queue_depth=options.queue_depth, host=host_bytes(config)
         )
-        return reads * options.block_size + planned_pipeline_bytes(
-            options, config, optimizer_buffer_bytes
+        caches = 2 if torch.device(config.device).type == "cuda" else 1  # + the pinned copies
+        bounces = bounce_budget(limit=options.bounce_bytes, transfer_bytes=transfer_bytes)
+        return (
+            reads * options.block_size
+            + (caches * bounces if transfer_bytes else 0)
+            + planned_pipeline_bytes(options, config, optimizer_buffer_bytes)
         )
 
     def file_bytes(self) -> int:

@@ -94,7 +94,11 @@ class NVMeHandle(IOHandle):
                 except Exception as err:  # never let a copy error hang the waiter
                     self._fail(err)
             self._keep = self._finalize = None
-            for callback in self._on_complete:
+            # the callbacks hold the transfer's bounce buffers: dropped once run, so a buffer a
+            # cache lets go of is freed even while its finished handle is kept ([Note: bounce
+            # buffers in the host budget])
+            callbacks, self._on_complete = self._on_complete, []
+            for callback in callbacks:
                 try:
                     callback()
                 except Exception as err:  # [Note: bounded NVMe waits]
@@ -281,6 +285,17 @@ class Transfers:
         self._returns: list[tuple] = []
         """(event or None, pinned buffer) of device reads: the buffer goes back to ``staging``
         once its host-to-device copy is done ([Note: storage reads into device memory])."""
+
+    def reserve_bounces_in_host(self, budget: int) -> None:
+        """Bound each bounce cache by ``budget`` bytes, counted by the host tier from now on
+        ([Note: bounce buffers in the host budget])."""
+        for cache in {id(c): c for c in (self.bounces, self.staging)}.values():
+            cache.reserve_in_host(budget)
+
+    def reserved_bounce_bytes(self) -> int:
+        """Bytes of the bounce caches the host tier counts (0 before ``reserve_bounces_in_host``)."""
+        caches = {id(c): c for c in (self.bounces, self.staging)}.values()
+        return sum(c.budget for c in caches if c.pool.within == "host")
 
     def memory_pools(self) -> list[MemoryPool]:
         """The bounce buffers' pools ([Note: the memory ledger])."""

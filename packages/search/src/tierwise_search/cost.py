@@ -113,14 +113,20 @@ def state_copies(tier: str) -> int:
     return getattr(get_plugin_host().tier_classes().get(tier), "STATE_COPIES", 1)
 
 
-def storage_host_bytes(tier: str, config, optimizer_buffer_bytes: int = 0) -> int:
-    """Host bytes the ``tier`` plugin's own buffers hold at most (its
-    ``planned_host_buffer_bytes``: core's [Note: storage tiers' host buffers], which setup
-    reserves in the host tier); 0 if it has none."""
+def storage_host_bytes(
+    tier: str, config, optimizer_buffer_bytes: int = 0, *, transfer_bytes: int = 0
+) -> int:
+    """Host bytes the ``tier`` plugin's own buffers hold at most when its transfers move at
+    most ``transfer_bytes`` (its ``planned_host_buffer_bytes``: core's [Note: storage tiers'
+    host buffers], which setup reserves in the host tier); 0 if it has none."""
     from tierwise.plugins import get_plugin_host
 
     planned = getattr(get_plugin_host().tier_classes().get(tier), "planned_host_buffer_bytes", None)
-    return 0 if planned is None else planned(config, optimizer_buffer_bytes=optimizer_buffer_bytes)
+    if planned is None:
+        return 0
+    return planned(
+        config, optimizer_buffer_bytes=optimizer_buffer_bytes, transfer_bytes=transfer_bytes
+    )
 
 
 def _grads_in_home(s: Setting) -> np.ndarray:

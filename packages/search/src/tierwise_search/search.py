@@ -300,8 +300,12 @@ class _Search:
         io_bytes = pipeline_bytes = 0
         if self.config.nvme_path:  # [Note: storage tiers' host buffers]
             shard_bytes = 4 * int(-(-table.capacity.max(initial=0) // self.shard))
-            io_bytes = storage_host_bytes("nvme", self.config)
-            pipeline_bytes = storage_host_bytes("nvme", self.config, shard_bytes) - io_bytes
+            chunk_bytes = 4 * int(table.capacity.max(initial=0))  # the bounce buffers' size
+            io_bytes = storage_host_bytes("nvme", self.config, transfer_bytes=chunk_bytes)
+            pipeline_bytes = (
+                storage_host_bytes("nvme", self.config, shard_bytes, transfer_bytes=chunk_bytes)
+                - io_bytes
+            )
         return CostModel(
             Setting(
                 table=table,

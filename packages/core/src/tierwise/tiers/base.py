@@ -139,6 +139,11 @@ class Tier(ABC):
         (a missing system library, say); None when nothing is missing."""
         return None
 
+    def size_host_buffers(self, *, transfer_bytes: int) -> None:  # noqa: B027 - optional hook
+        """Size this tier's own transfer buffers for transfers of at most ``transfer_bytes``
+        (a chunk's elements at 4 bytes) before setup reserves ``host_buffer_bytes``. Default:
+        nothing to size."""
+
     def host_buffer_bytes(self, *, optimizer_buffer_bytes: int = 0) -> int:
         """Host memory this tier's own transfer buffers hold at most (a storage tier's staging
         pools; with ``optimizer_buffer_bytes`` > 0, also the pool of the optimizer pipeline over

@@ -25,6 +25,7 @@ and a dropped buffer is unlocked and freed.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import weakref
 from collections.abc import Iterable, Mapping
@@ -308,7 +309,6 @@ def process_memory() -> dict[str, int | None]:
 def _glibc(function: str):
     """The C library's ``function`` when that library is glibc; None elsewhere (musl, macOS,
     Windows), where the allocator has no such knob and the callers do nothing."""
-    import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
@@ -335,8 +335,6 @@ def return_freed_host_memory() -> None:
     as training memory by nobody but the summary's prediction. Trimming after the profile
     returns them; what stays is imported code and PyTorch's caches (measured in
     ``bench/results/cpu-2026-11-28/notes/audit36.md``)."""
-    import ctypes
-
     trim = _glibc("malloc_trim")
     if trim is None:
         return
@@ -344,40 +342,45 @@ def return_freed_host_memory() -> None:
     trim(0)
 
 
-LARGE_BLOCK_BYTES = 128 << 10
-"""Allocations of at least this many bytes get their own mapping once
-``unmap_large_freed_blocks`` ran: glibc's initial mmap threshold, kept fixed."""
+MMAP_THRESHOLD_BYTES = 64 << 10
+"""Host allocations at least this large are mapped on their own and unmapped when freed, once
+``keep_large_blocks_off_the_heap`` ran ([Note: large blocks off the heap])."""
 
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc's malloc.h)
 
 
-def unmap_large_freed_blocks() -> bool:
-    """Make the C allocator give every block of ``LARGE_BLOCK_BYTES`` or more its own mapping,
-    returned to the operating system when freed, for the rest of the process (glibc's
-    ``mallopt(M_MMAP_THRESHOLD)``). Returns whether the setting is in effect: False where the
-    C library is not glibc (nothing changes) or the user chose a threshold with glibc's
-    ``MALLOC_MMAP_THRESHOLD_`` (theirs stays).
+def keep_large_blocks_off_the_heap() -> bool:
+    """Have the C allocator map every block of ``MMAP_THRESHOLD_BYTES`` or more on its own, its
+    pages returned to the operating system when freed, for the rest of the process (glibc's
+    ``mallopt(M_MMAP_THRESHOLD)``). Returns whether the setting is in effect: False where the C
+    library is not glibc (macOS, musl: nothing changes) or the user chose a threshold with
+    glibc's ``MALLOC_MMAP_THRESHOLD_`` (theirs stays).
 
-    [Note: swapped activations' freed memory]
-    A CPU device swapping a block's saved activations to nvme frees each storage once its write
-    landed, and the point is that the process's RSS drops by those bytes. With glibc's defaults
-    it does not: glibc starts mapping blocks of 128 KiB and more separately, but the first such
-    block freed raises its threshold to that block's size (up to 32 MiB), so every later
-    activation lands in the heap, and freed heap blocks stay resident and fragment; the
-    backward's swap-ins and gradients then grow the heap past them. Measured on the test's GPT-2
-    (8 x 64, seq 512, batch 4), each step's peak RSS over setup's: keep 318-325 MiB, nvme
-    141-199 MiB with the defaults, 63 MiB with the threshold fixed. Tried and not enough:
-    ``malloc_trim`` after each block's swap-outs (12 ms a call there; peaks 133-182 MiB) or
-    after forward (155-174), the threshold fixed during forward only (148-164), swap-in
-    buffers mapped separately (220-228), one arena (142-219): the peak comes in backward.
+    [Note: large blocks off the heap]
+    glibc's mmap threshold starts at 128 KiB but rises to the size of each mapped block that is
+    freed, up to 32 MiB. After a few large tensors come and go, later large blocks (a step's
+    temporaries, the NVMe tier's transfer buffers, saved activations) are carved out of the heap,
+    and a freed heap block stays resident (fragmented, one arena per thread) where no ledger
+    pool counts it. A fixed threshold turns the rise off: large blocks are mapped and their
+    pages go back on free. Two callers, measured (bench/results/cpu-2026-11-28/notes/rss36-s6.md,
+    act36-s6.md):
+    - ``tierwise train`` (``train/prepare.py``), before it builds the model: on a 202M-parameter
+      LoRA run with its frozen base on NVMe the steps' peak over the ledger fell from 330 to
+      21 MiB, and the >= 4 GB pretrained LoRA case from 1.334 to 0.796 of its RSS bound.
+    - [Note: swapped activations' freed memory] The activation manager, when a CPU device swaps
+      activations to nvme: each saved storage is freed once its write landed, and the point is
+      that the RSS drops by those bytes. With glibc's defaults it does not (the test's GPT-2,
+      each step's peak RSS over setup's: keep 318-325 MiB, nvme 141-199 with the defaults,
+      63 with the threshold fixed at 64 or 128 KiB). Tried and not enough: ``malloc_trim``
+      after each block's swap-outs (12 ms a call; 133-182 MiB) or after forward (155-174), the
+      threshold fixed during forward only (148-164), swap-in buffers mapped separately
+      (220-228), one arena (142-219): the peak comes in backward.
     The cost: every large allocation is a fresh mapping whose pages fault in zeroed on first
-    touch (269 000 more minor faults a step there; steps 1.43x as long on 2 shared cores),
-    measured side by side by ``bench/rss_swap_malloc.py``. So only plans that swap activations
-    to nvme from a CPU device set it (the activation manager); nothing else touches the
-    allocator. glibc cannot go back
-    to its dynamic threshold, so the setting outlives the engine. A CUDA device's swaps go
-    through the bounded pinned pool ([Note: bounded pinned buffers]) and need none of this."""
-    import ctypes
+    touch (269 000 more minor faults a step on that GPT-2; its steps 1.43x as long on 2 shared
+    cores, ``bench/rss_swap_malloc.py``). Library use of the engine without nvme activation swaps
+    leaves the allocator alone. glibc cannot go back to its dynamic threshold, so the setting
+    outlives the engine. A CUDA device's swaps go through the bounded pinned pool ([Note:
+    bounded pinned buffers]) and need none of this."""
     import os
 
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
@@ -386,12 +389,12 @@ def unmap_large_freed_blocks() -> bool:
     if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return mallopt(_M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES) == 1
+    return mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
 
 
 __all__ = [
-    "LARGE_BLOCK_BYTES",
     "MEMORIES",
+    "MMAP_THRESHOLD_BYTES",
     "MemoryPool",
     "PoolBudgetError",
     "ReusedBuffers",
@@ -400,7 +403,7 @@ __all__ = [
     "memory_report",
     "peak_bound",
     "process_memory",
+    "keep_large_blocks_off_the_heap",
     "return_freed_host_memory",
-    "unmap_large_freed_blocks",
     "tier_entry",
 ]

@@ -26,7 +26,7 @@ from tierwise.plan import PlanError
 from tierwise.planning import totals
 from tierwise.plugins import get_plugin_host
 from tierwise.tiers import TierBudgetError
-from tierwise.tiers.ledger import process_memory
+from tierwise.tiers.ledger import keep_large_blocks_off_the_heap, process_memory
 from tierwise.train import blocks, lora, presets, token_cache
 from tierwise.train.data import read_documents
 from tierwise.train.distributed import World
@@ -80,6 +80,7 @@ class PreparedRun:
 def prepare_run(request: Request, world: World, console: Console) -> PreparedRun:
     """Read, build and set up what ``request`` asks for on this rank; nothing is written."""
     options = request.options
+    keep_large_blocks_off_the_heap()  # [Note: large blocks off the heap]: RSS within budgets
     _quiet_transformers()
     tokenizer = load_tokenizer(_tokenizer_dir(options))
     model, model_name = _build_model(options, tokenizer)

@@ -27,7 +27,7 @@ from tierwise.runtime.activations.policy import ActivationPolicyError
 from tierwise.runtime.activations.recompute import RecomputeSwitches
 from tierwise.runtime.activations.swap_records import PackedTensor, SwapCounts, with_block
 from tierwise.runtime.activations.swaps import ActivationSwaps
-from tierwise.tiers.ledger import MemoryPool, memory_of, unmap_large_freed_blocks
+from tierwise.tiers.ledger import MemoryPool, keep_large_blocks_off_the_heap, memory_of
 
 MIN_SWAP_BYTES = 1024
 """Storages smaller than this are never swapped (the bookkeeping would cost more)."""
@@ -129,7 +129,7 @@ class ActivationManager:
         self.large_blocks_unmapped = (
             self.device.type == "cpu"
             and any(swap_target(a) == "nvme" for a in self.policy.values())
-            and unmap_large_freed_blocks()
+            and keep_large_blocks_off_the_heap()
         )
         """Whether this plan made the C allocator unmap large freed blocks, so that swapping to
         nvme lowers the RSS: [Note: swapped activations' freed memory] in tierwise.tiers.ledger."""

@@ -206,12 +206,13 @@ def release_payloads(groups: list[ChunkGroup]) -> None:
 def reserve_storage_buffers(groups: list, plan, tiers: dict) -> None:
     """[Note: storage tiers' host buffers]
     A storage tier moves data through host buffers of its own (the NVMe tier's staged-read
-    pool and its optimizer pipeline's pool). They are host memory like any slab, so setup
+    pool, its bounce buffers and its optimizer pipeline's pool). They are host memory like any slab, so setup
     reserves what each tier says they hold at most in the host tier, for the engine's life:
     ``host_memory`` counts them, and a budget without room for them fails here with the host
     tier's error, before the model is changed. The optimizer pipeline's buffers are fp32 copies
     of the largest shard (``OptimizerStep._make_pipelines``)."""
     shard = max((c.shard_size for g in groups for c in g.chunks), default=0)
+    chunk = max((c.capacity for g in groups for c in g.chunks), default=0)
     for name, tier in sorted(tiers.items()):
         if tier.ADDRESSABLE:
             continue
@@ -221,6 +222,7 @@ def reserve_storage_buffers(groups: list, plan, tiers: dict) -> None:
             if g.trainable
             for c in g.chunks
         )
+        tier.size_host_buffers(transfer_bytes=chunk * 4)  # the widest payload: fp32
         nbytes = tier.host_buffer_bytes(optimizer_buffer_bytes=shard * 4 if holds_states else 0)
         if nbytes:
             tiers["host"].reserve(

@@ -137,7 +137,7 @@ def code_slots(base: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
     inside = thresholds.cpu()[base].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     has = (inside >> 16) == top  # the threshold lies in the bucket (NaN's never does)
     low = torch.where(top >= 0x8000, 0xFFFF - (inside & 0xFFFF), inside & 0xFFFF)
-    entry = torch.where(has, (base << 16) | low, ((base - 1) & 0xFF) << 16)
+    entry = (base << 16) + torch.where(has, 0x10000 - low, 0)  # bits 16..23 of entry + key
     slots = torch.zeros(2 * SLOT_SIGN, dtype=torch.int64)
     slots[slot] = entry  # where buckets share a slot, their entries must agree (checked below)
     if not torch.equal(slots[slot], entry):

@@ -211,6 +211,8 @@ def test_one_pass_int8_adam_matches_torch_fused_adamw(
     hyper = AdamHyper(
         lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay, decoupled=decoupled
     )
+    # blocks claimed two at a time, so the 24 blocks are shared by the threads
+    monkeypatch.setattr(lowbit_kernel, "CLAIM_BLOCKS", 2)
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

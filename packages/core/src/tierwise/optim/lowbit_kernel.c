@@ -126,13 +126,19 @@ static inline __m256i slots_and_keys(__m256 q, uint32_t *slot) {
 /* 32 codes: byte 2 of each entry + key, in order */
 static inline void store_codes32(uint8_t *c, const uint32_t *slot, const __m256i *key,
                                  const uint32_t *slots) {
-    const __m256i pick = _mm256_setr_epi8(2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                          -1, -1, 2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1,
-                                          -1, -1, -1, -1);
+    const __m256i pick[4] = {
+        _mm256_setr_epi8(2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                         2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1),
+        _mm256_setr_epi8(-1, -1, -1, -1, 2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1,
+                         -1, -1, -1, -1, 2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1),
+        _mm256_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 2, 6, 10, 14, -1, -1, -1, -1,
+                         -1, -1, -1, -1, -1, -1, -1, -1, 2, 6, 10, 14, -1, -1, -1, -1),
+        _mm256_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 2, 6, 10, 14,
+                         -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 2, 6, 10, 14)};
     __m256i packed = _mm256_setzero_si256();
     for (int k = 0; k < 4; k++) {
         __m256i sum = _mm256_add_epi32(entries8(slots, slot + 8 * k), key[k]);
-        packed = _mm256_or_si256(packed, _mm256_slli_si256(_mm256_shuffle_epi8(sum, pick), 4 * k));
+        packed = _mm256_or_si256(packed, _mm256_shuffle_epi8(sum, pick[k]));
     }
     /* lane 0 holds elements 0..3 of each group of eight, lane 1 elements 4..7 */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -407,7 +413,12 @@ void tw_adam_int8(int64_t block_lo, int64_t block_hi, int64_t width, uint8_t *m_
     float m[BLOCK], v[BLOCK];
     Coeffs k = {0};
     double coeffs_step = -1;
-    int64_t t = 0;
+    int64_t t = 0, above = ntensors; /* the first tensor ending after block_lo's start */
+    while (t < above) {
+        int64_t mid = t + (above - t) / 2;
+        if (ends[mid] <= block_lo * BLOCK) t = mid + 1;
+        else above = mid;
+    }
     for (int64_t b = block_lo; b < block_hi; b++) {
         int64_t lo = b * BLOCK, hi = lo + BLOCK;
         while (t < ntensors && ends[t] <= lo) t++;
@@ -457,5 +468,26 @@ void tw_adam_int8(int64_t block_lo, int64_t block_hi, int64_t width, uint8_t *m_
         v_scales[b] = block_scale(largest[1]);
         encode_scaled(m, m_codes + lo, m_scales[b], m_slots);
         encode_scaled(v, v_codes + lo, v_scales[b], v_slots);
+    }
+}
+
+/* [Note: blocks claimed by threads]
+   Threads sharing one update take CLAIM blocks at a time from the shared counter *next until
+   block_hi, rather than one fixed range each: on a shared machine one thread is often slowed by
+   other work, and with fixed halves the update waited for the slower one (measured:
+   bench/results/cpu-2026-11-28/notes/int8-s6.md). Each block is still updated by exactly one
+   thread, as one whole block, so the bytes do not depend on which thread took it. */
+void tw_adam_int8_claimed(int64_t *next, int64_t block_hi, int64_t claim, int64_t width,
+                          uint8_t *m_codes, float *m_scales, uint8_t *v_codes, float *v_scales,
+                          int64_t ntensors, const int64_t *starts, const int64_t *ends,
+                          float *const *params, const float *const *grads, const double *steps,
+                          const double *hyper, const float *m_qmap, const uint32_t *m_slots,
+                          const float *v_qmap, const uint32_t *v_slots) {
+    for (;;) {
+        int64_t lo = __atomic_fetch_add(next, claim, __ATOMIC_RELAXED);
+        if (lo >= block_hi) return;
+        int64_t hi = lo + claim < block_hi ? lo + claim : block_hi;
+        tw_adam_int8(lo, hi, width, m_codes, m_scales, v_codes, v_scales, ntensors, starts, ends,
+                     params, grads, steps, hyper, m_qmap, m_slots, v_qmap, v_slots);
     }
 }

@@ -113,6 +113,8 @@ def load() -> ctypes.CDLL | None:
     lib.tw_dequantize.restype = None
     lib.tw_adam_int8.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, i64, *[ptr] * 10]
     lib.tw_adam_int8.restype = None
+    lib.tw_adam_int8_claimed.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, *[ptr] * 10]
+    lib.tw_adam_int8_claimed.restype = None
     lib.tw_adam_fp32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_double, ptr]
     lib.tw_adam_fp32.restype = None
     return lib
@@ -266,21 +268,33 @@ def adam_int8(
     pointers = [m.data_ptr() for m in moments]
     table_pointers = [t.data_ptr() for t in tables]
 
-    def run(lo: int, hi: int) -> None:
+    first, last = blocks
+    threads = max(1, min(threads, -(-(last - first) // CLAIM_BLOCKS)))
+    if threads == 1:
         lib.tw_adam_int8(
-            lo, hi, width, *pointers, n, starts, ends, params, grads, steps, values, *table_pointers
+            first, last, width, *pointers, n, starts, ends, params, grads, steps, values,
+            *table_pointers,
+        )  # fmt: skip
+        return
+    after = (n, starts, ends, params, grads, steps, values, *table_pointers)
+    claimed = ctypes.c_int64(first)  # [Note: blocks claimed by threads] in lowbit_kernel.c
+
+    def run() -> None:
+        lib.tw_adam_int8_claimed(
+            ctypes.byref(claimed), last, CLAIM_BLOCKS, width, *pointers, *after
         )
 
-    first, last = blocks
-    threads = max(1, min(threads, last - first))
-    if threads == 1:
-        run(first, last)
-        return
-    bounds = [first + (last - first) * i // threads for i in range(threads + 1)]
-    futures = [_pool().submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
-    run(bounds[0], bounds[1])
+    futures = [_pool().submit(run) for _ in range(threads - 1)]
+    run()
     for future in futures:
         future.result()
+
+
+CLAIM_BLOCKS = 64
+"""Blocks a thread of a shared update takes at a time ([Note: blocks claimed by threads] in
+``lowbit_kernel.c``): 16K elements, tens of microseconds of work, so the threads finish within
+about that of each other while the shared counter is touched a few hundred times per 4M
+elements."""
 
 
 @functools.cache

@@ -106,6 +106,11 @@ def load() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError):
         return None
+    return declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (a build of ``SOURCE``) with its functions' argument types set."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.tw_quantize.argtypes = [ptr, ptr, ptr, i64, ptr]
     lib.tw_quantize.restype = None
@@ -308,6 +313,7 @@ __all__ = [
     "SOURCE",
     "adam_int8",
     "code_slots",
+    "declare",
     "dequantize",
     "load",
     "one_pass_width",

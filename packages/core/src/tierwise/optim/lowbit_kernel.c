@@ -57,9 +57,11 @@ static inline float block_scale(uint32_t largest) {
    Where the compiler targets AVX2 with FMA (``-march=native`` on such a machine; the build is
    cached per machine), the block loops are written with intrinsics; elsewhere the plain C loops
    below run (the same operations, vectorised or not by the compiler). The table lookups stay
-   scalar loads (AVX2 gathers measured slower on AMD Zen 3), but each is one load inserted into a
-   vector register (vinsertps/vpinsrd with a memory operand), the indices read eight codes or two
-   slots at a time from a general register, instead of a store and a reload per value. The update
+   scalar loads (AVX2 gathers measured slower on AMD Zen 3), but each is one instruction that
+   loads into a lane of a vector register (vinsertps/vpinsrd with a memory operand, written in
+   inline assembly: GCC splits the intrinsics into a load and an insert, 7% slower here), the
+   indices read eight codes or two slots at a time from a general register, instead of a store
+   and a reload per value. The update
    is the same IEEE operations as the plain loop, lane by lane (``_mm256_sqrt_ps`` and
    ``_mm256_div_ps`` round correctly, ``_mm256_fmadd_ps`` where ``fmaf`` is), so the bits are the
    same; ``tw_adam_fp32`` runs this vector code too, so ``one_pass_width`` checks it against
@@ -68,16 +70,23 @@ static inline float block_scale(uint32_t largest) {
    encoded in another (the scale needs the whole block first): ``fused_block``. */
 #ifdef TW_AVX2
 
+/* one load inserted into lane `lane` of v: a single instruction with a memory operand (GCC
+   emits a separate load and a register insert for the intrinsics) */
+#define LOAD_INTO_PS(v, address, lane) \
+    __asm__("vinsertps %2, %1, %0, %0" : "+x"(v) : "m"(*(address)), "i"((lane) << 4))
+#define LOAD_INTO_EPI32(v, address, lane) \
+    __asm__("vpinsrd %2, %1, %0, %0" : "+x"(v) : "m"(*(address)), "i"(lane))
+
 /* the map's values of eight codes, packed little-endian in w */
 static inline __m256 lookup8(const float *table, uint64_t w) {
-    __m128 lo = _mm_load_ss(table + (w & 0xff));
-    lo = _mm_insert_ps(lo, _mm_load_ss(table + ((w >> 8) & 0xff)), 0x10);
-    lo = _mm_insert_ps(lo, _mm_load_ss(table + ((w >> 16) & 0xff)), 0x20);
-    lo = _mm_insert_ps(lo, _mm_load_ss(table + ((w >> 24) & 0xff)), 0x30);
-    __m128 hi = _mm_load_ss(table + ((w >> 32) & 0xff));
-    hi = _mm_insert_ps(hi, _mm_load_ss(table + ((w >> 40) & 0xff)), 0x10);
-    hi = _mm_insert_ps(hi, _mm_load_ss(table + ((w >> 48) & 0xff)), 0x20);
-    hi = _mm_insert_ps(hi, _mm_load_ss(table + (w >> 56)), 0x30);
+    uint32_t a = (uint32_t)w, b = (uint32_t)(w >> 32);
+    __m128 lo = _mm_load_ss(table + (a & 0xff)), hi = _mm_load_ss(table + (b & 0xff));
+    LOAD_INTO_PS(lo, table + ((a >> 8) & 0xff), 1);
+    LOAD_INTO_PS(hi, table + ((b >> 8) & 0xff), 1);
+    LOAD_INTO_PS(lo, table + ((a >> 16) & 0xff), 2);
+    LOAD_INTO_PS(hi, table + ((b >> 16) & 0xff), 2);
+    LOAD_INTO_PS(lo, table + (a >> 24), 3);
+    LOAD_INTO_PS(hi, table + (b >> 24), 3);
     return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
 }
 
@@ -89,13 +98,13 @@ static inline __m256i entries8(const uint32_t *slots, const uint32_t *slot) {
     memcpy(&c, slot + 4, 8);
     memcpy(&d, slot + 6, 8);
     __m128i lo = _mm_cvtsi32_si128((int)slots[(uint32_t)a]);
-    lo = _mm_insert_epi32(lo, (int)slots[a >> 32], 1);
-    lo = _mm_insert_epi32(lo, (int)slots[(uint32_t)b], 2);
-    lo = _mm_insert_epi32(lo, (int)slots[b >> 32], 3);
     __m128i hi = _mm_cvtsi32_si128((int)slots[(uint32_t)c]);
-    hi = _mm_insert_epi32(hi, (int)slots[c >> 32], 1);
-    hi = _mm_insert_epi32(hi, (int)slots[(uint32_t)d], 2);
-    hi = _mm_insert_epi32(hi, (int)slots[d >> 32], 3);
+    LOAD_INTO_EPI32(lo, slots + (a >> 32), 1);
+    LOAD_INTO_EPI32(hi, slots + (c >> 32), 1);
+    LOAD_INTO_EPI32(lo, slots + (uint32_t)b, 2);
+    LOAD_INTO_EPI32(hi, slots + (uint32_t)d, 2);
+    LOAD_INTO_EPI32(lo, slots + (b >> 32), 3);
+    LOAD_INTO_EPI32(hi, slots + (d >> 32), 3);
     return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
 }
 

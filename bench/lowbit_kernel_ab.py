@@ -6,7 +6,7 @@ times; the line gives the least CPU time per element of each (the least is the r
 processes on a shared machine disturbed least) and whether both left the same bytes (masters,
 codes, scales). Sizes: one that stays in the L2 cache and the engine's 4M-element shard.
 
-    python bench/lowbit_kernel_ab.py [--before 011a0e8] [--repeats 60]
+    python bench/lowbit_kernel_ab.py [--before 319da43] [--repeats 60]
 """
 
 from __future__ import annotations
@@ -49,20 +49,32 @@ def _build(source: str, directory: Path, name: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(so_file))
 
 
-def _tables(old: bool) -> list[torch.Tensor]:
-    """The kernel's lookup tables: before code slots, (map, 65536 bucket codes, 256 thresholds)
-    per map; now (map, code slots)."""
+def _tables(source: str) -> list[torch.Tensor]:
+    """The lookup tables ``source`` takes: before code slots, (map, 65536 bucket codes, 256
+    thresholds) per map; then (map, code slots), the slots' entries in the form ``source``
+    reads ([Note: int8 code slots]: a comparison with the low 16 bits, now the carry of an
+    addition)."""
     from tierwise.optim import state_formats
 
     cpu = torch.device("cpu")
-    if old:
+    if "code_slot" not in source:
         return [
             t
             for signed in (True, False)
             for i, t in enumerate(state_formats.device_tables(signed, cpu))
             if i != 2
         ]
-    return [t for signed in (True, False) for t in state_formats.kernel_tables(signed)]
+    tables = [t for signed in (True, False) for t in state_formats.kernel_tables(signed)]
+    if "entry + key" in source:
+        return tables
+    for i in (1, 3):  # (base << 16) + 0x10000 - low  ->  (base << 16) | low, or (base - 1) << 16
+        entry = tables[i].to(torch.int64)
+        low = entry & 0xFFFF
+        compared = torch.where(
+            low == 0, ((entry >> 16) - 1 & 0xFF) << 16, (entry >> 16 << 16) | (0x10000 - low)
+        )
+        tables[i] = compared.to(torch.int32)
+    return tables
 
 
 def compare(before: str, numel: int, repeats: int) -> dict:
@@ -82,7 +94,7 @@ def compare(before: str, numel: int, repeats: int) -> dict:
         runs = {}
         for name, source in (("before", _source_before(before)), ("now", lowbit_kernel.SOURCE)):
             lib = _build(source, Path(tmp), name)
-            tables = _tables(old=name == "before" and "code_slot" not in source)
+            tables = _tables(source)
             lib.tw_adam_int8.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4
             lib.tw_adam_int8.argtypes += [ctypes.c_int64] + [ctypes.c_void_p] * (6 + len(tables))
             runs[name] = (lib, tables, master.clone(), [s.clone() for s in stored], [])
@@ -106,7 +118,7 @@ def compare(before: str, numel: int, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", default="011a0e8", help="the commit to compare with")
+    parser.add_argument("--before", default="319da43", help="the commit to compare with")
     parser.add_argument("--repeats", type=int, default=60)
     args = parser.parse_args()
     torch.set_num_threads(1)

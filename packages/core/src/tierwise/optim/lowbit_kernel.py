@@ -8,14 +8,16 @@ same IEEE operations in the same order ([Note: int8 code lookup]): the block's l
 (NaN when any value is NaN, as ``amax`` gives), at least 1e-12 as ``clip`` rounds it to fp32,
 one correctly rounded fp32 division per value, the code looked up from the top 16 bits plus one
 comparison ([Note: int8 code slots] in ``lowbit_kernel.c``: one 32-bit entry per clamped bucket,
-23 KiB per map, and the comparison on the low 16 bits; the torch ops' 65536 codes and 65536
-thresholds per map did not fit the L1 cache); decoding is one fp32 multiplication of the map's
-entry by the block's scale. The table loads are scalar (AVX2 gathers measured slower on this
-machine's AMD EPYC: 1.5 against 1.1-1.2 ns per encoded element); the division, the slot
-arithmetic and the comparison are loops the compiler vectorises. So the bytes are bitwise those
-of the torch ops (``tests/core/test_lowbit_kernel.py`` checks both on the same values, NaN,
-infinities and zero blocks included, and every bucket a quotient can fall in with its ends and
-the thresholds' neighbours). No fast-math and no contraction flags: the compiler may vectorise
+23 KiB per map, and the comparison on the low 16 bits as the carry of an addition; the torch
+ops' 65536 codes and 65536 thresholds per map did not fit the L1 cache); decoding is one fp32
+multiplication of the map's entry by the block's scale. The table loads are scalar (AVX2
+gathers measured slower on this machine's AMD EPYC: 1.5 against 1.1-1.2 ns per encoded
+element); on AVX2 machines each is one instruction loading into a vector lane and the rest is
+intrinsics ([Note: int8 kernels in AVX2] in ``lowbit_kernel.c``), elsewhere plain loops the
+compiler vectorises. So the bytes are bitwise those of the torch ops
+(``tests/core/test_lowbit_kernel.py`` checks both on the same values, NaN, infinities and zero
+blocks included, and every bucket a quotient can fall in with its ends and the thresholds'
+neighbours, and a build without AVX2 against this machine's). No fast-math and no contraction flags: the compiler may vectorise
 the loops but not change the arithmetic.
 
 Why not ``torch.compile``: its C++ code for the encode (a gather through a 65536-entry table
@@ -258,8 +260,9 @@ def adam_int8(
     the shard's elements ``start:start + numel`` (contiguous fp32 on a CPU, not overlapping);
     ``hyper``: (lr, beta1, beta2, eps, weight_decay, decoupled); ``tables``: the signed map and
     its code slots, then the unsigned ones (``state_formats.kernel_tables``); ``blocks``: the
-    range of blocks to update, split between ``threads`` threads (ctypes lets go of the GIL
-    while the C code runs); ``width``: ``one_pass_width``."""
+    range of blocks to update, shared by ``threads`` threads that claim CLAIM_BLOCKS at a time
+    ([Note: blocks claimed by threads] in ``lowbit_kernel.c``; ctypes lets go of the GIL while
+    the C code runs); ``width``: ``one_pass_width``."""
     tensors = sorted(tensors, key=lambda t: t[0])
     n = len(tensors)
     starts = (ctypes.c_int64 * n)(*(t[0] for t in tensors))

@@ -60,9 +60,8 @@ static inline float block_scale(uint32_t largest) {
    scalar loads (AVX2 gathers measured slower on AMD Zen 3), but each is one instruction that
    loads into a lane of a vector register (vinsertps/vpinsrd with a memory operand, written in
    inline assembly: GCC splits the intrinsics into a load and an insert, 7% slower here), the
-   indices read eight codes or two slots at a time from a general register, instead of a store
-   and a reload per value. The update
-   is the same IEEE operations as the plain loop, lane by lane (``_mm256_sqrt_ps`` and
+   indices read two codes or two slots at a time into a general register, instead of a store
+   and a reload per value. The update is the same IEEE operations as the plain loop, lane by lane (``_mm256_sqrt_ps`` and
    ``_mm256_div_ps`` round correctly, ``_mm256_fmadd_ps`` where ``fmaf`` is), so the bits are the
    same; ``tw_adam_fp32`` runs this vector code too, so ``one_pass_width`` checks it against
    torch's kernel. A block that one tensor covers with no element of its scalar remainder (all
@@ -77,16 +76,17 @@ static inline float block_scale(uint32_t largest) {
 #define LOAD_INTO_EPI32(v, address, lane) \
     __asm__("vpinsrd %2, %1, %0, %0" : "+x"(v) : "m"(*(address)), "i"(lane))
 
-/* the map's values of eight codes, packed little-endian in w */
-static inline __m256 lookup8(const float *table, uint64_t w) {
-    uint32_t a = (uint32_t)w, b = (uint32_t)(w >> 32);
-    __m128 lo = _mm_load_ss(table + (a & 0xff)), hi = _mm_load_ss(table + (b & 0xff));
-    LOAD_INTO_PS(lo, table + ((a >> 8) & 0xff), 1);
-    LOAD_INTO_PS(hi, table + ((b >> 8) & 0xff), 1);
-    LOAD_INTO_PS(lo, table + ((a >> 16) & 0xff), 2);
-    LOAD_INTO_PS(hi, table + ((b >> 16) & 0xff), 2);
-    LOAD_INTO_PS(lo, table + (a >> 24), 3);
-    LOAD_INTO_PS(hi, table + (b >> 24), 3);
+/* the map's values of codes[0..8): two codes per 16-bit read, each split by a byte move */
+static inline __m256 lookup8(const float *table, const uint8_t *codes) {
+    uint16_t c[4];
+    memcpy(c, codes, 8);
+    __m128 lo = _mm_load_ss(table + (c[0] & 0xff)), hi = _mm_load_ss(table + (c[2] & 0xff));
+    LOAD_INTO_PS(lo, table + (c[0] >> 8), 1);
+    LOAD_INTO_PS(hi, table + (c[2] >> 8), 1);
+    LOAD_INTO_PS(lo, table + (c[1] & 0xff), 2);
+    LOAD_INTO_PS(hi, table + (c[3] & 0xff), 2);
+    LOAD_INTO_PS(lo, table + (c[1] >> 8), 3);
+    LOAD_INTO_PS(hi, table + (c[3] >> 8), 3);
     return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
 }
 
@@ -165,11 +165,7 @@ static void encode_scaled(const float *x, uint8_t *c, float scale, const uint32_
 
 static void decode_block(const uint8_t *c, float scale, const float *qmap, float *out) {
     const __m256 s = _mm256_set1_ps(scale);
-    for (int i = 0; i < BLOCK; i += 8) {
-        uint64_t w;
-        memcpy(&w, c + i, 8);
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(lookup8(qmap, w), s));
-    }
+    for (int i = 0; i < BLOCK; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(lookup8(qmap, c + i), s));
 }
 
 #else
@@ -333,11 +329,8 @@ static inline __attribute__((always_inline)) void fused_block(
     const __m256 m_in = _mm256_set1_ps(*m_scale), v_in = _mm256_set1_ps(*v_scale);
     __m256i m_largest = _mm256_setzero_si256(), v_largest = _mm256_setzero_si256();
     for (int i = 0; i < BLOCK; i += 8) {
-        uint64_t m8, v8;
-        memcpy(&m8, m_codes + i, 8);
-        memcpy(&v8, v_codes + i, 8);
-        __m256 avg = _mm256_mul_ps(lookup8(m_qmap, m8), m_in);
-        __m256 avg_sq = _mm256_mul_ps(lookup8(v_qmap, v8), v_in);
+        __m256 avg = _mm256_mul_ps(lookup8(m_qmap, m_codes + i), m_in);
+        __m256 avg_sq = _mm256_mul_ps(lookup8(v_qmap, v_codes + i), v_in);
         adam8(p + i, g + i, &avg, &avg_sq, k, mode);
         _mm256_store_ps(m + i, avg);
         _mm256_store_ps(v + i, avg_sq);

@@ -3,25 +3,26 @@
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define TW_AVX2 1 /* [Note: int8 kernels in AVX2] */
+#define TW_AVX2 1 /* [Note: int8 kernels in AVX2]
+ */
 #endif
 
 #define BLOCK 256
 
 /* [Note: int8 code slots]
    The code of a scaled value q (q = x / max|x|: |q| <= 1, or a quiet NaN) is base + (q >=
-   thresholds[base]), base the count of thresholds at the lower end of q's bucket (its top 16
-   bits: [Note: int8 code lookup]). Where that threshold lies inside the bucket, it shares q's top
-   16 bits, so the comparison is one of the low 16 bits (reversed for negative values); where it
-   lies above, the code is base for the whole bucket. So each bucket needs one 32-bit entry,
-   (base << 16) + (0x10000 - the low bits t to compare with) (or base << 16 without a threshold
-   inside), and the code is bits 16..23 of entry + key: the sum carries into bit 16 exactly when
-   key >= t (key < 0x10000 never carries from an entry without one). One table load per value and
-   an addition. All buckets below 2^-23 share one entry, as do all above 1.0's and all NaN and infinite ones, so the
+   thresholds[base]), base the count of thresholds at the lower end of q's bucket (its top 16 bits:
+   [Note: int8 code lookup]). Where that threshold lies inside the bucket, it shares q's top 16
+   bits, so the comparison is one of the low 16 bits (reversed for negative values); where it lies
+   above, the code is base for the whole bucket. So each bucket needs one 32-bit entry, (base <<
+   16) + (0x10000 - the low bits t to compare with) (or base << 16 without a threshold inside), and
+   the code is bits 16..23 of entry + key: the sum carries into bit 16 exactly when key >= t (key <
+   0x10000 never carries from an entry without one). One table load per value and an addition. All
+   buckets below 2^-23 share one entry, as do all above 1.0's and all NaN and infinite ones, so the
    magnitude's bits are clamped to [SLOT_LEAST, SLOT_MOST], NaN and infinity take the next slot,
    and the sign adds SLOT_SIGN: 5894 slots (23 KiB per map; the 65536 bytes per map of the table
-   before did not fit the L1 cache with their thresholds). ``lowbit_kernel.code_slots`` builds
-   them from the 65536-entry table and checks every bucket's entry. */
+   before did not fit the L1 cache with their thresholds). ``lowbit_kernel.code_slots`` builds them
+   from the 65536-entry table and checks every bucket's entry. */
 #define SLOT_LEAST 0x34000000u /* 2^-23: exponent 104, mantissa 0 */
 #define SLOT_MOST 0x3f810000u  /* above 1.0's bucket: every threshold is below */
 #define SLOT_FIRST 0x3400u     /* SLOT_LEAST >> 16 */
@@ -61,10 +62,10 @@ static inline float block_scale(uint32_t largest) {
    loads into a lane of a vector register (vinsertps/vpinsrd with a memory operand, written in
    inline assembly: GCC splits the intrinsics into a load and an insert, 7% slower here), the
    indices read two codes or two slots at a time into a general register, instead of a store
-   and a reload per value. The update is the same IEEE operations as the plain loop, lane by lane (``_mm256_sqrt_ps`` and
-   ``_mm256_div_ps`` round correctly, ``_mm256_fmadd_ps`` where ``fmaf`` is), so the bits are the
-   same; ``tw_adam_fp32`` runs this vector code too, so ``one_pass_width`` checks it against
-   torch's kernel. A block that one tensor covers with no element of its scalar remainder (all
+   and a reload per value. The update is the same IEEE operations as the plain loop, lane by
+   lane (``_mm256_sqrt_ps`` and ``_mm256_div_ps`` round correctly, ``_mm256_fmadd_ps`` where
+   ``fmaf`` is), so the bits are the same; ``tw_adam_fp32`` runs this vector code too, so
+   ``one_pass_width`` checks it against torch's kernel. A block that one tensor covers with no element of its scalar remainder (all
    but a tensor's ends) is decoded, updated and its largest magnitudes found in one loop, then
    encoded in another (the scale needs the whole block first): ``fused_block``. */
 #ifdef TW_AVX2
@@ -127,7 +128,8 @@ static inline __m256i slots_and_keys(__m256 q, uint32_t *slot) {
     __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7f7fffff)); /* -1: NaN or inf */
     a = _mm256_min_epi32(_mm256_max_epi32(a, least), most);
     __m256i s = _mm256_sub_epi32(_mm256_srli_epi32(a, 16), _mm256_set1_epi32(SLOT_FIRST));
-    s = _mm256_add_epi32(_mm256_sub_epi32(s, nan), _mm256_and_si256(neg, _mm256_set1_epi32(SLOT_SIGN)));
+    __m256i sign = _mm256_and_si256(neg, _mm256_set1_epi32(SLOT_SIGN));
+    s = _mm256_add_epi32(_mm256_sub_epi32(s, nan), sign);
     _mm256_store_si256((__m256i *)slot, s);
     return _mm256_and_si256(_mm256_xor_si256(bits, neg), _mm256_set1_epi32(0xffff));
 }
@@ -165,7 +167,8 @@ static void encode_scaled(const float *x, uint8_t *c, float scale, const uint32_
 
 static void decode_block(const uint8_t *c, float scale, const float *qmap, float *out) {
     const __m256 s = _mm256_set1_ps(scale);
-    for (int i = 0; i < BLOCK; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(lookup8(qmap, c + i), s));
+    for (int i = 0; i < BLOCK; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(lookup8(qmap, c + i), s));
 }
 
 #else
@@ -210,7 +213,8 @@ void tw_dequantize(const uint8_t *codes, const float *scales, float *out, int64_
         decode_block(codes + b * BLOCK, scales[b], qmap, out + b * BLOCK);
 }
 
-/* torch's fused Adam(W) CPU kernel on fp32, operation for operation: [Note: int8 Adam in one pass] */
+/* torch's fused Adam(W) CPU kernel on fp32, operation for operation:
+   [Note: int8 Adam in one pass] */
 typedef struct {
     float decay, l2, coeff, beta2, sq_coeff, bc2_sqrt, eps, neg_step;
     int keep_m, mode; /* mode: 0 no weight decay, 1 decoupled (AdamW), 2 L2 (Adam) */
@@ -358,11 +362,14 @@ static void fused_block_any(float *p, const float *g, uint8_t *m_codes, uint8_t 
     const float *m_qmap = tables[0], *v_qmap = tables[2];
     const uint32_t *m_slots = (const uint32_t *)tables[1], *v_slots = (const uint32_t *)tables[3];
     if (k->mode == 1)
-        fused_block(p, g, m_codes, v_codes, m_scale, v_scale, k, 1, m_qmap, m_slots, v_qmap, v_slots);
+        fused_block(p, g, m_codes, v_codes, m_scale, v_scale, k, 1, m_qmap, m_slots, v_qmap,
+                    v_slots);
     else if (k->mode == 2)
-        fused_block(p, g, m_codes, v_codes, m_scale, v_scale, k, 2, m_qmap, m_slots, v_qmap, v_slots);
+        fused_block(p, g, m_codes, v_codes, m_scale, v_scale, k, 2, m_qmap, m_slots, v_qmap,
+                    v_slots);
     else
-        fused_block(p, g, m_codes, v_codes, m_scale, v_scale, k, 0, m_qmap, m_slots, v_qmap, v_slots);
+        fused_block(p, g, m_codes, v_codes, m_scale, v_scale, k, 0, m_qmap, m_slots, v_qmap,
+                    v_slots);
 }
 #endif
 
@@ -391,7 +398,8 @@ static inline void prefetch_ahead(int64_t ahead, int64_t start, int64_t end, con
                                   const float *grad, const uint8_t *m_codes,
                                   const uint8_t *v_codes) {
     if (ahead < start || ahead + BLOCK > end) return;
-    const char *p = (const char *)(param + (ahead - start)), *g = (const char *)(grad + (ahead - start));
+    const char *p = (const char *)(param + (ahead - start));
+    const char *g = (const char *)(grad + (ahead - start));
     for (int i = 0; i < BLOCK * 4; i += 64) {
         __builtin_prefetch(p + i, 1);
         __builtin_prefetch(g + i, 0);
@@ -433,7 +441,8 @@ void tw_adam_int8(int64_t block_lo, int64_t block_hi, int64_t width, uint8_t *m_
                 adam_coeffs(&k, hyper, steps[t]);
                 coeffs_step = steps[t];
             }
-            const float *tables[4] = {m_qmap, (const float *)m_slots, v_qmap, (const float *)v_slots};
+            const float *tables[4] = {m_qmap, (const float *)m_slots, v_qmap,
+                                      (const float *)v_slots};
             fused_block_any(params[t] + (lo - starts[t]), grads[t] + (lo - starts[t]),
                             m_codes + lo, v_codes + lo, m_scales + b, v_scales + b, &k, tables);
             continue;

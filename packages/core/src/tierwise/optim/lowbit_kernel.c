@@ -3,8 +3,7 @@
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define TW_AVX2 1 /* [Note: int8 kernels in AVX2]
- */
+#define TW_AVX2 1 /* [Note: int8 kernels in AVX2] */
 #endif
 
 #define BLOCK 256
@@ -58,16 +57,16 @@ static inline float block_scale(uint32_t largest) {
    Where the compiler targets AVX2 with FMA (``-march=native`` on such a machine; the build is
    cached per machine), the block loops are written with intrinsics; elsewhere the plain C loops
    below run (the same operations, vectorised or not by the compiler). The table lookups stay
-   scalar loads (AVX2 gathers measured slower on AMD Zen 3), but each is one instruction that
-   loads into a lane of a vector register (vinsertps/vpinsrd with a memory operand, written in
-   inline assembly: GCC splits the intrinsics into a load and an insert, 7% slower here), the
-   indices read two codes or two slots at a time into a general register, instead of a store
-   and a reload per value. The update is the same IEEE operations as the plain loop, lane by
-   lane (``_mm256_sqrt_ps`` and ``_mm256_div_ps`` round correctly, ``_mm256_fmadd_ps`` where
-   ``fmaf`` is), so the bits are the same; ``tw_adam_fp32`` runs this vector code too, so
-   ``one_pass_width`` checks it against torch's kernel. A block that one tensor covers with no element of its scalar remainder (all
-   but a tensor's ends) is decoded, updated and its largest magnitudes found in one loop, then
-   encoded in another (the scale needs the whole block first): ``fused_block``. */
+   scalar loads (AVX2 gathers measured slower on AMD Zen 3), but each is one instruction that loads
+   into a lane of a vector register (vinsertps/vpinsrd with a memory operand, written in inline
+   assembly: GCC splits the intrinsics into a load and an insert, 7% slower here), the indices read
+   two codes or two slots at a time into a general register, instead of a store and a reload per
+   value. The update is the same IEEE operations as the plain loop, lane by lane
+   (``_mm256_sqrt_ps`` and ``_mm256_div_ps`` round correctly, ``_mm256_fmadd_ps`` where ``fmaf``
+   is), so the bits are the same; ``tw_adam_fp32`` runs this vector code too, so ``one_pass_width``
+   checks it against torch's kernel. A block that one tensor covers with no element of its scalar
+   remainder (all but a tensor's ends) is decoded, updated and its largest magnitudes found in one
+   loop, then encoded in another (the scale needs the whole block first): ``fused_block``. */
 #ifdef TW_AVX2
 
 /* one load inserted into lane `lane` of v: a single instruction with a memory operand (GCC

@@ -133,6 +133,17 @@ static inline __m256i slots_and_keys(__m256 q, uint32_t *slot) {
     return _mm256_and_si256(_mm256_xor_si256(bits, neg), _mm256_set1_epi32(0xffff));
 }
 
+/* slots_and_keys where the block's scale is finite, so |q| <= 1 and no q is NaN or infinite:
+   only the lower clamp is left */
+static inline __m256i finite_slots_and_keys(__m256 q, uint32_t *slot) {
+    __m256i bits = _mm256_castps_si256(q), neg = _mm256_srai_epi32(bits, 31);
+    __m256i a = _mm256_max_epi32(magnitude_bits(q), _mm256_set1_epi32(SLOT_LEAST));
+    __m256i s = _mm256_sub_epi32(_mm256_srli_epi32(a, 16), _mm256_set1_epi32(SLOT_FIRST));
+    s = _mm256_add_epi32(s, _mm256_and_si256(neg, _mm256_set1_epi32(SLOT_SIGN)));
+    _mm256_store_si256((__m256i *)slot, s);
+    return _mm256_and_si256(_mm256_xor_si256(bits, neg), _mm256_set1_epi32(0xffff));
+}
+
 /* 32 codes: byte 2 of each entry + key, in order */
 static inline void store_codes32(uint8_t *c, const uint32_t *slot, const __m256i *key,
                                  const uint32_t *slots) {
@@ -345,9 +356,20 @@ static inline __attribute__((always_inline)) void fused_block(
     const __m256 m_out = _mm256_set1_ps(*m_scale), v_out = _mm256_set1_ps(*v_scale);
     uint32_t m_slot[BLOCK] __attribute__((aligned(32))), v_slot[BLOCK] __attribute__((aligned(32)));
     __m256i m_key[BLOCK / 8], v_key[BLOCK / 8];
-    for (int i = 0; i < BLOCK; i += 8) {
-        m_key[i / 8] = slots_and_keys(_mm256_div_ps(_mm256_load_ps(m + i), m_out), m_slot + i);
-        v_key[i / 8] = slots_and_keys(_mm256_div_ps(_mm256_load_ps(v + i), v_out), v_slot + i);
+    if (isfinite(*m_scale) && isfinite(*v_scale)) {
+        for (int i = 0; i < BLOCK; i += 8) {
+            __m256 mq = _mm256_div_ps(_mm256_load_ps(m + i), m_out);
+            __m256 vq = _mm256_div_ps(_mm256_load_ps(v + i), v_out);
+            m_key[i / 8] = finite_slots_and_keys(mq, m_slot + i);
+            v_key[i / 8] = finite_slots_and_keys(vq, v_slot + i);
+        }
+    } else {
+        for (int i = 0; i < BLOCK; i += 8) {
+            __m256 mq = _mm256_div_ps(_mm256_load_ps(m + i), m_out);
+            __m256 vq = _mm256_div_ps(_mm256_load_ps(v + i), v_out);
+            m_key[i / 8] = slots_and_keys(mq, m_slot + i);
+            v_key[i / 8] = slots_and_keys(vq, v_slot + i);
+        }
     }
     for (int i = 0; i < BLOCK; i += 32) {
         store_codes32(m_codes + i, m_slot + i, m_key + i / 8, m_slots);

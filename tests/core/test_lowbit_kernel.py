@@ -4,6 +4,10 @@ bitwise what the torch ops, torch's fused AdamW and the whole-shard way give."""
 
 from __future__ import annotations
 
+import ctypes
+import platform
+import subprocess
+
 import pytest
 import torch
 from tierwise.optim import AdamHyper, adam_update_ranges, lowbit_kernel, lowbit_update
@@ -211,6 +215,8 @@ def test_one_pass_int8_adam_matches_torch_fused_adamw(
     hyper = AdamHyper(
         lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay, decoupled=decoupled
     )
+    # blocks claimed two at a time, so the 24 blocks are shared by the threads
+    monkeypatch.setattr(lowbit_kernel, "CLAIM_BLOCKS", 2)
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -243,10 +249,16 @@ def test_one_pass_int8_adam_matches_torch_fused_adamw(
 
 
 @needs_kernel
-def test_one_pass_int8_adam_is_torchs_kernel_on_decoded_moments():
-    """The one-pass update equals torch's fused AdamW run directly on the decoded moments
+@pytest.mark.parametrize(
+    ("beta1", "weight_decay", "decoupled"),
+    [(0.8, 0.1, True), (0.4, 0.1, False), (0.9, 0.0, True)],
+)
+def test_one_pass_int8_adam_is_torchs_kernel_on_decoded_moments(beta1, weight_decay, decoupled):
+    """The one-pass update equals torch's fused Adam(W) run directly on the decoded moments
     (every element updated, one tensor, an odd length: torch's vector loop and its scalar
-    remainder both), then encoded: the arithmetic is torch's, not only the pieces way's."""
+    remainder both), then encoded: the arithmetic is torch's, not only the pieces way's. The
+    whole blocks take the AVX2 loop of [Note: int8 kernels in AVX2] where it is built: AdamW,
+    Adam's L2 term and no weight decay, and a beta1 whose lerp weight 1 - beta1 is >= 0.5."""
     numel = 9 * QUANT_BLOCK - 3
     gen = torch.Generator().manual_seed(7)
     fmts = formats.moment_formats("int8")
@@ -257,7 +269,9 @@ def test_one_pass_int8_adam_is_torchs_kernel_on_decoded_moments():
         fmts[1].encoded(_awkward(numel, gen, 1e-4).abs()),
     ]
     ours = [master.clone(), *(s.clone() for s in stored)]
-    hyper = AdamHyper(lr=1e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, decoupled=True)
+    hyper = AdamHyper(
+        lr=1e-2, beta1=beta1, beta2=0.99, eps=1e-6, weight_decay=weight_decay, decoupled=decoupled
+    )
 
     def update(master, moments, lo, hi):
         moments.adam(masters=[master], grads=[grad], starts=[0], steps=[4], hyper=hyper)
@@ -266,10 +280,69 @@ def test_one_pass_int8_adam_is_torchs_kernel_on_decoded_moments():
 
     m, v = (f.decoded(s, numel).clone() for f, s in zip(fmts, stored, strict=True))
     ref_master = master.clone()
-    torch._fused_adamw_(
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    kernel(
         [ref_master], [grad.clone()], [m], [v], [], [torch.tensor(4.0)],
-        lr=1e-2, beta1=0.8, beta2=0.99, weight_decay=0.1, eps=1e-6, amsgrad=False, maximize=False,
+        lr=1e-2, beta1=beta1, beta2=0.99, weight_decay=weight_decay, eps=1e-6, amsgrad=False,
+        maximize=False,
     )  # fmt: skip
     assert torch.equal(_bits(ours[0]), _bits(ref_master))
     for f, s, values in zip(fmts, ours[1:], (m, v), strict=True):
         assert torch.equal(s, f.encoded(values))
+
+
+def _plain_build(tmp_path) -> ctypes.CDLL:
+    """The kernels built for the x86-64 baseline (no AVX2): the plain C loops."""
+    compiler = lowbit_kernel._compiler()
+    flags = [f for f in lowbit_kernel.FLAGS if not f.startswith("-march=")] + ["-march=x86-64"]
+    source, built = tmp_path / "plain.c", tmp_path / "plain.so"
+    source.write_text(lowbit_kernel.SOURCE)
+    subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"], check=True)
+    return lowbit_kernel.declare(ctypes.CDLL(str(built)))
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for the x86-64 baseline")
+def test_build_without_avx2_gives_the_same_bytes(tmp_path, monkeypatch):
+    """[Note: int8 kernels in AVX2]: a build for a CPU without AVX2 runs the plain C loops; they
+    give the bytes the machine's build gives (encode, decode and the one-pass update of ragged
+    tensors and of whole blocks, threads claiming blocks), so the kernel still runs there."""
+    native, plain = lowbit_kernel.load(), _plain_build(tmp_path)
+    width = lowbit_kernel.one_pass_width(native)
+    if width is None:
+        pytest.skip("the one-pass update is not torch's kernel here")
+    numel = 40 * QUANT_BLOCK
+    gen = torch.Generator().manual_seed(11)
+    for signed in (True, False):
+        values = _values(numel, signed)
+        qmap, slots = formats.kernel_tables(signed)
+        out = []
+        for lib in (native, plain):
+            codes = torch.empty(numel, dtype=torch.uint8)
+            scales, decoded = torch.empty(numel // QUANT_BLOCK), torch.empty(numel)
+            lowbit_kernel.quantize(lib, values, codes, scales, slots)
+            lowbit_kernel.dequantize(lib, codes, scales, decoded, qmap)
+            out.append((codes, _bits(scales), _bits(decoded)))
+        assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
+    fmts = formats.moment_formats("int8")
+    master, grad = _awkward(numel, gen, 1.0), _awkward(numel, gen, 1.0)
+    stored = [
+        fmts[0].encoded(_awkward(numel, gen, 1e-2)),
+        fmts[1].encoded(_awkward(numel, gen, 1e-4).abs()),
+    ]
+    tables = [t for signed in (True, False) for t in formats.kernel_tables(signed)]
+    hyper = (3e-3, 0.9, 0.999, 1e-8, 0.05, True)
+    ragged = [(a, b, s) for a, b, s in _ragged(numel // 2, gen)]
+    whole = [(numel // 2 + 3, numel - 5, 2)]  # many whole blocks, then a remainder
+    monkeypatch.setattr(lowbit_kernel, "CLAIM_BLOCKS", 4)  # two threads share the 40 blocks
+    results = []
+    for lib in (native, plain):
+        m, moments = master.clone(), [s.clone() for s in stored]
+        split = (*fmts[0].split(moments[0]), *fmts[1].split(moments[1]))
+        tensors = [(a, m[a:b], grad[a:b], s) for a, b, s in ragged + whole]
+        blocks = (0, numel // QUANT_BLOCK)
+        lowbit_kernel.adam_int8(lib, split, tensors, hyper, tables, blocks, 2, width)
+        results.append((m, *moments))
+    assert lowbit_kernel.same_bits(results[0][0], results[1][0])
+    for a, b in zip(results[0][1:], results[1][1:], strict=True):
+        assert torch.equal(a, b)

@@ -8,14 +8,16 @@ same IEEE operations in the same order ([Note: int8 code lookup]): the block's l
 (NaN when any value is NaN, as ``amax`` gives), at least 1e-12 as ``clip`` rounds it to fp32,
 one correctly rounded fp32 division per value, the code looked up from the top 16 bits plus one
 comparison ([Note: int8 code slots] in ``lowbit_kernel.c``: one 32-bit entry per clamped bucket,
-23 KiB per map, and the comparison on the low 16 bits; the torch ops' 65536 codes and 65536
-thresholds per map did not fit the L1 cache); decoding is one fp32 multiplication of the map's
-entry by the block's scale. The table loads are scalar (AVX2 gathers measured slower on this
-machine's AMD EPYC: 1.5 against 1.1-1.2 ns per encoded element); the division, the slot
-arithmetic and the comparison are loops the compiler vectorises. So the bytes are bitwise those
-of the torch ops (``tests/core/test_lowbit_kernel.py`` checks both on the same values, NaN,
-infinities and zero blocks included, and every bucket a quotient can fall in with its ends and
-the thresholds' neighbours). No fast-math and no contraction flags: the compiler may vectorise
+23 KiB per map, and the comparison on the low 16 bits as the carry of an addition; the torch
+ops' 65536 codes and 65536 thresholds per map did not fit the L1 cache); decoding is one fp32
+multiplication of the map's entry by the block's scale. The table loads are scalar (AVX2
+gathers measured slower on this machine's AMD EPYC: 1.5 against 1.1-1.2 ns per encoded
+element); on AVX2 machines each is one instruction loading into a vector lane and the rest is
+intrinsics ([Note: int8 kernels in AVX2] in ``lowbit_kernel.c``), elsewhere plain loops the
+compiler vectorises. So the bytes are bitwise those of the torch ops
+(``tests/core/test_lowbit_kernel.py`` checks both on the same values, NaN, infinities and zero
+blocks included, and every bucket a quotient can fall in with its ends and the thresholds'
+neighbours, and a build without AVX2 against this machine's). No fast-math and no contraction flags: the compiler may vectorise
 the loops but not change the arithmetic.
 
 Why not ``torch.compile``: its C++ code for the encode (a gather through a 65536-entry table
@@ -106,6 +108,11 @@ def load() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError):
         return None
+    return declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (a build of ``SOURCE``) with its functions' argument types set."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.tw_quantize.argtypes = [ptr, ptr, ptr, i64, ptr]
     lib.tw_quantize.restype = None
@@ -113,6 +120,8 @@ def load() -> ctypes.CDLL | None:
     lib.tw_dequantize.restype = None
     lib.tw_adam_int8.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, i64, *[ptr] * 10]
     lib.tw_adam_int8.restype = None
+    lib.tw_adam_int8_claimed.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, *[ptr] * 10]
+    lib.tw_adam_int8_claimed.restype = None
     lib.tw_adam_fp32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_double, ptr]
     lib.tw_adam_fp32.restype = None
     return lib
@@ -137,7 +146,7 @@ def code_slots(base: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
     inside = thresholds.cpu()[base].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     has = (inside >> 16) == top  # the threshold lies in the bucket (NaN's never does)
     low = torch.where(top >= 0x8000, 0xFFFF - (inside & 0xFFFF), inside & 0xFFFF)
-    entry = torch.where(has, (base << 16) | low, ((base - 1) & 0xFF) << 16)
+    entry = (base << 16) + torch.where(has, 0x10000 - low, 0)  # bits 16..23 of entry + key
     slots = torch.zeros(2 * SLOT_SIGN, dtype=torch.int64)
     slots[slot] = entry  # where buckets share a slot, their entries must agree (checked below)
     if not torch.equal(slots[slot], entry):
@@ -251,8 +260,9 @@ def adam_int8(
     the shard's elements ``start:start + numel`` (contiguous fp32 on a CPU, not overlapping);
     ``hyper``: (lr, beta1, beta2, eps, weight_decay, decoupled); ``tables``: the signed map and
     its code slots, then the unsigned ones (``state_formats.kernel_tables``); ``blocks``: the
-    range of blocks to update, split between ``threads`` threads (ctypes lets go of the GIL
-    while the C code runs); ``width``: ``one_pass_width``."""
+    range of blocks to update, shared by ``threads`` threads that claim CLAIM_BLOCKS at a time
+    ([Note: blocks claimed by threads] in ``lowbit_kernel.c``; ctypes lets go of the GIL while
+    the C code runs); ``width``: ``one_pass_width``."""
     tensors = sorted(tensors, key=lambda t: t[0])
     n = len(tensors)
     starts = (ctypes.c_int64 * n)(*(t[0] for t in tensors))
@@ -266,21 +276,33 @@ def adam_int8(
     pointers = [m.data_ptr() for m in moments]
     table_pointers = [t.data_ptr() for t in tables]
 
-    def run(lo: int, hi: int) -> None:
+    first, last = blocks
+    threads = max(1, min(threads, -(-(last - first) // CLAIM_BLOCKS)))
+    if threads == 1:
         lib.tw_adam_int8(
-            lo, hi, width, *pointers, n, starts, ends, params, grads, steps, values, *table_pointers
+            first, last, width, *pointers, n, starts, ends, params, grads, steps, values,
+            *table_pointers,
+        )  # fmt: skip
+        return
+    after = (n, starts, ends, params, grads, steps, values, *table_pointers)
+    claimed = ctypes.c_int64(first)  # [Note: blocks claimed by threads] in lowbit_kernel.c
+
+    def run() -> None:
+        lib.tw_adam_int8_claimed(
+            ctypes.byref(claimed), last, CLAIM_BLOCKS, width, *pointers, *after
         )
 
-    first, last = blocks
-    threads = max(1, min(threads, last - first))
-    if threads == 1:
-        run(first, last)
-        return
-    bounds = [first + (last - first) * i // threads for i in range(threads + 1)]
-    futures = [_pool().submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
-    run(bounds[0], bounds[1])
+    futures = [_pool().submit(run) for _ in range(threads - 1)]
+    run()
     for future in futures:
         future.result()
+
+
+CLAIM_BLOCKS = 64
+"""Blocks a thread of a shared update takes at a time ([Note: blocks claimed by threads] in
+``lowbit_kernel.c``): 16K elements, tens of microseconds of work, so the threads finish within
+about that of each other while the shared counter is touched a few hundred times per 4M
+elements."""
 
 
 @functools.cache
@@ -294,6 +316,7 @@ __all__ = [
     "SOURCE",
     "adam_int8",
     "code_slots",
+    "declare",
     "dequantize",
     "load",
     "one_pass_width",

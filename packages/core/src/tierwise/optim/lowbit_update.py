@@ -136,9 +136,10 @@ per piece cost little (at 64K elements they cost bf16 states more than they save
 # block into two stack arrays, run the Adam(W) update on the elements of the block that the
 # update's tensors hold (the loop also keeps each moment's largest magnitude, so the encode
 # does not read the block once more for its scale), encode the block back; the fp32 moments never reach memory and no
-# kernel call or per-thread buffer is paid per piece. The blocks are split into
-# ``torch.get_num_threads()`` contiguous ranges run on threads beside the caller (ctypes lets
-# go of the GIL). The update is torch's CPU fused Adam(W) (ATen's FusedAdamKernel.cpp, its
+# kernel call or per-thread buffer is paid per piece. ``torch.get_num_threads()`` threads share
+# the blocks, each taking the next 64 from a shared counter ([Note: blocks claimed by threads] in
+# ``lowbit_kernel.c``; ctypes lets go of the GIL); on AVX2 machines the loops are intrinsics
+# ([Note: int8 kernels in AVX2]). The update is torch's CPU fused Adam(W) (ATen's FusedAdamKernel.cpp, its
 # AVX2/AVX512 ``Vectorized`` path, built by GCC, which fuses a multiplication into the
 # following addition where it can) operation for operation: the coefficients in double as
 # torch computes them (``pow`` of the step count) and then rounded to fp32; AdamW's decay a

@@ -38,7 +38,7 @@ def test_refusal_quotes_the_smallest_minimum_not_keeping_everything(tmp_path):
         plan_on(int(1.25 * from_host))  # too small for every choice
     need = info.value.need
     assert 1.25 * from_host < need < 1.25 * keep  # the closest choice's device, not keep's
-    assert need < 1.25 * recomputed < 1.25 * swapped  # nor the other choices'
+    assert need < 1.25 * min(recomputed, swapped)  # nor the other choices'
     assert need - 1.25 * from_host < 2**20 * 10  # + model data in the rCache and buffers
     assert "recompute from host: peak at the backward of layers.2" in str(info.value)
 

@@ -411,26 +411,6 @@ void tw_adam_fp32(float *p, const float *g, float *m, float *v, int64_t n, int64
     adam_elements(p + split, g + split, m + split, v + split, n - split, &k, 1, largest);
 }
 
-/* The memory a block PREFETCH_BLOCKS ahead will read, asked for now (when the same tensor holds
-   it): the hardware's prefetchers alone left the one-pass update waiting for memory on a 4M
-   element shard (measured: bench/results/cpu-2026-11-28/notes/int8-s6.md). */
-#define PREFETCH_BLOCKS 8
-static inline void prefetch_ahead(int64_t ahead, int64_t start, int64_t end, const float *param,
-                                  const float *grad, const uint8_t *m_codes,
-                                  const uint8_t *v_codes) {
-    if (ahead < start || ahead + BLOCK > end) return;
-    const char *p = (const char *)(param + (ahead - start));
-    const char *g = (const char *)(grad + (ahead - start));
-    for (int i = 0; i < BLOCK * 4; i += 64) {
-        __builtin_prefetch(p + i, 1);
-        __builtin_prefetch(g + i, 0);
-    }
-    for (int i = 0; i < BLOCK; i += 64) {
-        __builtin_prefetch(m_codes + ahead + i, 1);
-        __builtin_prefetch(v_codes + ahead + i, 1);
-    }
-}
-
 /* Blocks [block_lo, block_hi) of a shard's int8 moments: each block touched by a tensor is
    decoded, updated where the tensors lie, and encoded, while it is in the L1 cache. Tensors are
    sorted by start, do not overlap, and params[u]/grads[u] hold elements starts[u]:ends[u]; the
@@ -454,8 +434,6 @@ void tw_adam_int8(int64_t block_lo, int64_t block_hi, int64_t width, uint8_t *m_
         int64_t lo = b * BLOCK, hi = lo + BLOCK;
         while (t < ntensors && ends[t] <= lo) t++;
         if (t == ntensors || starts[t] >= hi) continue;
-        prefetch_ahead(lo + PREFETCH_BLOCKS * BLOCK, starts[t], ends[t], params[t], grads[t],
-                       m_codes, v_codes);
 #ifdef TW_AVX2
         if (starts[t] <= lo && ends[t] - (ends[t] - starts[t]) % width >= hi) {
             if (steps[t] != coeffs_step) {

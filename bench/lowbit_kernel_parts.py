@@ -53,8 +53,9 @@ _ENCODE_TO = "static void fused_block_any"
 # step = fp32(1 - 0.1) / 2^D: the products are exact, so they are fma(g, f, 0.1) and
 # fma(g, f - 1, 1) with g = fp32(1 - 0.1). The map's value is fp32(edge(f) + edge(f + 2^-D)) / 2
 # times fp32(10^(decade - 6)), the halving folded into that scale (exact: a power of two), the
-# scale an 8-entry vpermps on D; the zero code, the 1.0 code (a scale that rounds the product to
-# 1.0) and the sign are masks. ``table_free_exact`` checks every code of both maps.
+# scale an 8-entry vpermps on D. Signed: 1.0 by a scale that rounds the product to exactly 1.0,
+# zero and the sign by masks; unsigned: zero by a zero scale, 1.0 by a mask.
+# ``table_free_exact`` checks every code of both maps.
 _TABLE_FREE = r"""
 static inline __m256 dynamic_edge(__m256 x) {
     const __m256 one = _mm256_set1_ps(1.0f);

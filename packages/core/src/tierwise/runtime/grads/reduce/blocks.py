@@ -74,21 +74,27 @@ class BlockPool:
         return [self.host_memory, self.device_memory]
 
     def take(self) -> torch.Tensor:
-        """A free device block (one more is allocated while fewer than ``blocks`` exist)."""
+        """A free device block (one more is allocated while fewer than ``blocks`` exist);
+        counted first, so a block beyond ``blocks`` is refused before any memory is taken."""
+        nbytes = self.block_numel * self.dtype.itemsize
+        self.device_memory.count(nbytes, "a gradient reduction block")
         if not self._free_blocks:
-            slab = self.device_tier.allocate(
-                self.block_numel,
-                self.dtype,
-                kind=PayloadKind.STAGING,
-                what="gradient reduction block",
-            )
+            try:
+                slab = self.device_tier.allocate(
+                    self.block_numel,
+                    self.dtype,
+                    kind=PayloadKind.STAGING,
+                    what="gradient reduction block",
+                )
+            except BaseException:
+                self.device_memory.uncount(nbytes)
+                raise
             self.slabs.append(slab)
             self._free_blocks.append(slab.tensor)
         block = self._free_blocks.pop()
         storage = block.untyped_storage()
         if storage.nbytes() == 0:  # given back at the end of the last backward
             storage.resize_(block.numel() * block.element_size())
-        self.device_memory.count(self.block_numel * self.dtype.itemsize, "a reduction block")
         self._taken += 1
         self.peak_blocks = max(self.peak_blocks, self._taken)
         return block

@@ -17,4 +17,5 @@ def test_no_sync_at_core_planners_device_minimum_uploads_into_counted_blocks(mon
     results = run_ranks(at_the_minimum, 2, True)
     assert results[0]["need"] == results[1]["need"]
     for rank, result in enumerate(results):
+        assert result["ours"]["planner"] == "core"
         check_at_the_minimum(rank, result)

@@ -96,7 +96,8 @@ def tierwise_no_sync(rank: int, world: int, device_memory: int | None, **config)
         capacities = [c.capacity for c in engine.chunks() if c.trainable]
     finally:
         engine.close()
-    return dict(losses=losses, state=state, stats=stats, capacities=capacities)
+    planner = engine.plan.planner
+    return dict(losses=losses, state=state, stats=stats, capacities=capacities, planner=planner)
 
 
 def at_the_minimum(rank: int, world: int, fake_nccl: bool, **config) -> dict:

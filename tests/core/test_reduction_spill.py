@@ -278,37 +278,41 @@ def test_one_block_spills_and_uploads_without_blocking_and_matches_ddp_bitwise()
             assert rel <= 1e-5, (name, float(rel))
 
 
-def _no_sync_uploads(rank, world, budget):
-    """The static run with one block (so a ``no_sync`` sum's upload finds no free block) and
-    ``device_memory=budget``: per upload, the device tier's bytes before and while it is in
-    flight, and the bytes it asked for."""
+def _no_sync_uploads(rank, world, blocks):
+    """The static run with ``blocks`` reduction blocks: per ``no_sync`` sum added at a launch,
+    the device tier's bytes beyond the pool's blocks before and after, and the pool's blocks;
+    per upload, whether its target was memory of the pool's blocks ([Note: no_sync buffers])."""
     from tierwise.runtime import engine as engine_module
-    from tierwise.runtime.grads.reduce.blocks import BlockPool
+    from tierwise.runtime.grads.host_writes import HostWrites
+    from tierwise.runtime.grads.reduce.local_sums import NoSyncSums
 
-    uploads, original = [], BlockPool.upload_target
+    additions, targets = [], []
+    add_into, upload = NoSyncSums.add_into, HostWrites.upload
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine_module, "REDUCTION_BLOCKS", 1)
+        patch.setattr(engine_module, "REDUCTION_BLOCKS", blocks)
         model = Chain()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         model, opt = tierwise.setup(
-            model,
-            opt,
-            precision="fp32",
-            device="cpu",
-            chunk_size=2 * 1056,
-            shard=False,
-            device_memory=budget,
+            model, opt, precision="fp32", device="cpu", chunk_size=2 * 1056, shard=False
         )
         engine = tierwise.engine_of(model)
-        device = engine.tiers["device"]
+        device, pool = engine.tiers["device"], engine.gradients.reducer.pool
 
-        def recorded(pool, numel, what):
-            before = device.used_bytes
-            out = original(pool, numel, what)
-            uploads.append((before, device.used_bytes, numel * pool.dtype.itemsize))
-            return out
+        def beyond_the_pool():  # the device tier's bytes less the pool's blocks'
+            return device.used_bytes - sum(slab.nbytes for slab in pool.slabs)
 
-        patch.setattr(BlockPool, "upload_target", recorded)
+        def recorded_add(sums, full, key, writes, *args):
+            before = beyond_the_pool()
+            add_into(sums, full, key, writes, *args)
+            additions.append((before, beyond_the_pool(), len(pool.slabs)))
+
+        def recorded_upload(writes, target, source, **kwargs):
+            blocks_memory = {slab.tensor.untyped_storage().data_ptr() for slab in pool.slabs}
+            targets.append(target.untyped_storage().data_ptr() in blocks_memory)
+            return upload(writes, target, source, **kwargs)
+
+        patch.setattr(NoSyncSums, "add_into", recorded_add)
+        patch.setattr(HostWrites, "upload", recorded_upload)
         losses = []
         try:
             for step in range(STEPS):
@@ -319,65 +323,74 @@ def _no_sync_uploads(rank, world, budget):
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.item())
-            entry = engine.stats()["memory"]["device"]
+            stats = engine.stats()
             state = {k: v.clone() for k, v in model.state_dict().items()}
-            fallbacks = engine.gradients.reducer.local_sums.fallbacks
+            chunks = sum(1 for c in engine.chunks() if c.trainable)
         finally:
             engine.close()
-    return dict(uploads=uploads, entry=entry, losses=losses, state=state, fallbacks=fallbacks)
+    return dict(
+        additions=additions, targets=targets, stats=stats, losses=losses, state=state, chunks=chunks
+    )
 
 
 def _no_sync_ranks(rank, world):
-    unbounded = _no_sync_uploads(rank, world, None)
-    # the unbounded run's peak as the budget: the planner fills it (more rCache blocks), so no
-    # room is left for the uploads, which fall back to adding on the host
-    bounded = _no_sync_uploads(rank, world, unbounded["entry"]["peak_bytes"])
-    return dict(ddp=_ddp(rank, world, "static"), unbounded=unbounded, bounded=bounded)
+    return dict(
+        ddp=_ddp(rank, world, "static"),
+        planned=_no_sync_uploads(rank, world, 2),
+        one_block=_no_sync_uploads(rank, world, 1),
+    )
 
 
-def test_no_sync_uploads_land_in_device_memory_counted_in_the_device_tier():
-    """[Note: no_sync buffers]: with one reduction block every ``no_sync`` sum is uploaded into
-    device memory reserved in the device tier (before: an uncounted ``empty_like``), and the
-    tier's peak includes it; under a budget the plan fills, the sums are added through host
-    memory instead and the budget is kept. Both runs bitwise DDP's."""
+def test_no_sync_sums_are_uploaded_into_the_pools_blocks_or_added_on_the_host_below_the_plan():
+    """[Note: no_sync buffers]: with the plan's two reduction blocks every ``no_sync`` sum is
+    uploaded into a block of the pool (the device tier's bytes do not move: no memory beyond
+    what the plan counts) and the blocks in use stay within the ledger's budget; with one block
+    (below the plan) every sum is added through host memory, said in ``stats()``. Both runs
+    bitwise DDP's."""
     for rank, result in enumerate(run_ranks(_no_sync_ranks, 2)):
-        unbounded, bounded = result["unbounded"], result["bounded"]
-        assert unbounded["uploads"], rank
-        for before, during, nbytes in unbounded["uploads"]:
-            assert during == before + nbytes, (rank, unbounded["uploads"])
-            assert unbounded["entry"]["peak_bytes"] >= during, rank
-        assert bounded["fallbacks"] > 0, (rank, bounded["uploads"])
-        for run in (unbounded, bounded):  # a device tier without a budget has no bound here
-            entry = run["entry"]
-            assert entry["budget"] is None or entry["peak_bytes"] <= entry["budget"], entry
-        assert bounded["entry"]["budget"] is not None
-        for name in ("unbounded", "bounded"):
-            run, what = result[name], f"{name}, rank {rank}"
+        planned, one_block = result["planned"], result["one_block"]
+        for run, name, blocks in ((planned, "planned", 2), (one_block, "one block", 1)):
+            what = f"{name}, rank {rank}"
+            assert len(run["additions"]) == STEPS * run["chunks"], (what, run["additions"])
+            for before, after, slabs in run["additions"]:  # nothing beyond the pool's blocks
+                assert after == before and slabs <= blocks, (what, run["additions"])
             assert run["losses"] == result["ddp"][0], what
             for key, value in result["ddp"][1].items():
                 assert torch.equal(run["state"][key], value), (what, key)
+        sums = planned["stats"]["no_sync"]
+        assert sums["uploads"] == STEPS * planned["chunks"] and sums["host_additions"] == 0, sums
+        assert sums["upload_pool"] == "gradient_reduction_blocks"
+        # every upload of the run (the sums' among them) lands in memory of the pool's blocks
+        assert planned["targets"] and all(planned["targets"]), planned["targets"]
+        entry = planned["stats"]["memory"]["gradient_reduction_blocks"]
+        assert 0 < entry["peak_bytes"] <= entry["budget"] and entry["bytes"] == 0, entry
+        sums = one_block["stats"]["no_sync"]
+        assert sums["uploads"] == 0, sums
+        assert sums["host_additions"] == STEPS * one_block["chunks"], sums
 
 
-def test_a_no_sync_upload_target_is_a_free_block_or_reserved_device_memory():
-    """``BlockPool.upload_target``: a free block; else bytes reserved in the device tier until
-    given back; else the tier's error (the caller's cue to add on the host)."""
+def test_the_blocks_in_use_are_counted_against_the_planned_blocks():
+    """``BlockPool``'s ledger pool ``gradient_reduction_blocks``: every block taken (a chunk's
+    staging, a reduction, a ``no_sync`` sum's upload) is counted against ``blocks`` blocks of
+    the largest chunk and given back; one more than that is an error, not a silent extra."""
     from tierwise.config import Config
     from tierwise.runtime.grads.reduce.blocks import BlockPool
-    from tierwise.tiers.base import TierBudgetError
+    from tierwise.tiers.ledger import PoolBudgetError
     from tierwise.tiers.memory import DeviceTier
 
-    tier = DeviceTier(device=torch.device("cpu"), budget=4096, config=Config(device="cpu"))
-    pool = BlockPool(tier, torch.float32, 1)
-    pool.block_numel = 512
-    block = pool.take()  # the only block, 2 KiB of the 4 KiB budget
-    target, give_back = pool.upload_target(256, "a no_sync gradient sum's upload")
-    assert tier.used_bytes == 2048 + 1024  # reserved until the upload lands
-    give_back()
-    assert tier.used_bytes == 2048
-    with pytest.raises(TierBudgetError):
-        pool.upload_target(1024, "a no_sync gradient sum's upload")
-    assert tier.used_bytes == 2048
-    pool.give(block)
-    target, give_back = pool.upload_target(512, "a no_sync gradient sum's upload")
-    assert target.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()  # free block
-    give_back()
+    tier = DeviceTier(device=torch.device("cpu"), budget=None, config=Config(device="cpu"))
+    pool = BlockPool(tier, torch.float32, 2)
+    pool.size(512, 0)
+    entry = pool.device_memory.entry()
+    assert entry["budget"] == 2 * 512 * 4 and entry["within"] == "device"
+    first, second = pool.take(), pool.take()
+    assert pool.device_memory.bytes == 2 * 512 * 4 and not pool.has_free()
+    with pytest.raises(PoolBudgetError):
+        pool.take()  # a third block: beyond what the plan counts
+    pool.give(second)
+    third = pool.take()  # the block given back, no new memory
+    assert third.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+    assert len(pool.slabs) == 2
+    pool.give(first)
+    pool.give(third)
+    assert pool.device_memory.bytes == 0 and pool.device_memory.peak_bytes == 2 * 512 * 4

@@ -159,7 +159,8 @@ def _capacity_for(allowed: int, profile: Profile, activation_bytes: int, config:
 GRADIENT_STAGING = ("engine", "streaming")
 """How multi-rank gradients reach their shards: "engine" = core's path, a fixed pool of
 ``REDUCTION_BLOCKS`` device blocks whatever the model and world size (core's [Note: bounded
-gradient blocks]), one more with ``reduce_order="rank"`` ([Note: reduction in rank order]);
+gradient blocks]; ``no_sync`` sums are uploaded into them: [Note: no_sync buffers]), one more
+with ``reduce_order="rank"`` ([Note: reduction in rank order]);
 "streaming" = reduce-scatter each chunk as soon as its gradients are complete (Elixir,
 PatrickStar), two staging buffers."""
 

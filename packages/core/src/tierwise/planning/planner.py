@@ -26,7 +26,8 @@ from tierwise.units import format_bytes, format_gib
 REDUCTION_BLOCKS = 2
 """Device blocks (of the largest chunk) that gradients in flight between ranks hold, whatever
 the model's size and the world size: one being reduced while the next fills ([Note: bounded
-gradient blocks] in tierwise.runtime.grads.reduce.reducer)."""
+gradient blocks] in tierwise.runtime.grads.reduce.blocks); a ``no_sync`` sum's upload lands in
+one of them too, so ``no_sync`` adds no device memory to this count ([Note: no_sync buffers])."""
 
 
 def reduction_blocks(config: Config) -> int:

@@ -418,7 +418,6 @@ class Engine:
             moved.update(self.activations.moved_bytes)  # keys "act:<from>-><to>"
         if self.grad_offload is not None:  # keys "grad:<from>-><to>"
             moved.update({f"grad:{k}": v for k, v in self.grad_offload.moved_bytes.items()})
-        moments = self.memory_moments
         return {
             "bytes_by_tier": by_tier,
             "peak_bytes_by_tier": peak,
@@ -434,15 +433,16 @@ class Engine:
             "skipped_steps": self.scaler.skipped_steps if self.scaler else 0,
             "optimizer_mode": self.optimizer.last_update_mode,
             "optimizer_overlap": self.optimizer.overlap_stats(),
+            "no_sync": self.gradients.reducer.local_sums.stats(),  # [Note: no_sync buffers]
             "activations": self.activations.stats() if self.activations is not None else None,
-            "non_model_peak_bytes": max((b for _, b in moments), default=0) if moments else None,
+            "non_model_peak_bytes": max((b for _, b in self.memory_moments or ()), default=None),
             "memory": memory_report(self.tiers, self.memory_pools()),
         }
 
     def memory_pools(self) -> list[MemoryPool]:
         """Every named pool of the ledger ([Note: the memory ledger])."""
         pools = [pool for tier in self.tiers.values() for pool in tier.memory_pools()]
-        pools += [self.gradients.reducer.pool.host_memory, *self.optimizer.moments.pools()]
+        pools += [*self.gradients.reducer.pool.memory_pools(), *self.optimizer.moments.pools()]
         pools += [self.optimizer.updates.home_writes.memory, self.collectives.control_buffers.pool]
         pools += [self.relayout_memory] + ([self.grad_offload.memory] if self.grad_offload else [])
         if self.activations is not None:

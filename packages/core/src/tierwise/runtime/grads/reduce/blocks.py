@@ -11,17 +11,18 @@ waiting is spilled to the host. The reduced shard is added into the gradient sha
 block goes back to the pool. Host buffers live while chunks wait in them (a chunk whose
 gradients start while both blocks are taken; as many in the first backward as in later ones,
 [Note: due points predicted from the forward]); at the end of backward all but ``blocks`` of
-them are freed.
+them are freed. A ``no_sync`` sum is uploaded into a block taken the same way and given back
+once its addition is queued ([Note: no_sync buffers]): it adds no device memory. The ledger's
+``gradient_reduction_blocks`` counts the blocks in use against the ``blocks`` the plan counts
+(and the receive block), so a block taken beyond them is an error, not a silent extra.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from tierwise.tiers.base import PayloadKind, Tier
-from tierwise.tiers.ledger import MemoryPool
+from tierwise.tiers.ledger import MemoryPool, memory_of
 
 
 def base_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -50,20 +51,44 @@ class BlockPool:
         )
         """The ledger pool of the host buffers ([Note: the memory ledger]): as many as chunks
         wait at once, bounded by the reduction order, not by a byte budget."""
+        self.device_memory = MemoryPool(
+            "gradient_reduction_blocks", memory=memory_of(device_tier.device), within="device"
+        )
+        """The ledger pool of the blocks in use (the receive block too), budgeted at what the
+        plan counts (``size``): its peak is the most held at once, ``no_sync`` uploads
+        included ([Note: no_sync buffers])."""
         self._taken = 0
         self.peak_blocks = 0
         """Most device blocks taken at once (at most ``blocks``, and the receive block in rank
         order: ``planner.reduction_blocks``)."""
 
+    def size(self, block_numel: int, receive_numel: int) -> None:
+        """The reduced chunks' sizes: a block holds the largest, ``receive_numel`` elements
+        the receive block; the ledger pool's budget is ``blocks`` blocks and the receive block,
+        as ``planner.reduction_blocks`` counts them."""
+        self.block_numel, self.receive.numel = block_numel, receive_numel
+        itemsize = self.dtype.itemsize
+        self.device_memory.budget = (self.blocks * block_numel + receive_numel) * itemsize
+
+    def memory_pools(self) -> list[MemoryPool]:
+        return [self.host_memory, self.device_memory]
+
     def take(self) -> torch.Tensor:
-        """A free device block (one more is allocated while fewer than ``blocks`` exist)."""
+        """A free device block (one more is allocated while fewer than ``blocks`` exist);
+        counted first, so a block beyond ``blocks`` is refused before any memory is taken."""
+        nbytes = self.block_numel * self.dtype.itemsize
+        self.device_memory.count(nbytes, "a gradient reduction block")
         if not self._free_blocks:
-            slab = self.device_tier.allocate(
-                self.block_numel,
-                self.dtype,
-                kind=PayloadKind.STAGING,
-                what="gradient reduction block",
-            )
+            try:
+                slab = self.device_tier.allocate(
+                    self.block_numel,
+                    self.dtype,
+                    kind=PayloadKind.STAGING,
+                    what="gradient reduction block",
+                )
+            except BaseException:
+                self.device_memory.uncount(nbytes)
+                raise
             self.slabs.append(slab)
             self._free_blocks.append(slab.tensor)
         block = self._free_blocks.pop()
@@ -74,26 +99,12 @@ class BlockPool:
         self.peak_blocks = max(self.peak_blocks, self._taken)
         return block
 
-    def upload_target(self, numel: int, what: str) -> tuple[torch.Tensor, Callable[[], None]]:
-        """Device memory of ``numel`` elements that an upload from host memory lands in before
-        it is added on the device (a ``no_sync`` sum: [Note: no_sync buffers]), and what gives
-        it back once the upload has landed: a free block of the pool when there is one, else
-        ``numel`` elements reserved in the device tier (counted in its budget and ``stats()``).
-        A device budget without room raises the tier's ``TierBudgetError`` (the caller falls
-        back: ``NoSyncSums.add_into``)."""
-        if self.has_free() and numel <= self.block_numel:
-            block = self.take()
-            return block[:numel], lambda: self.give(block)
-        nbytes = numel * self.dtype.itemsize
-        self.device_tier.reserve(nbytes, kind=PayloadKind.STAGING, what=what)
-        target = torch.empty(numel, dtype=self.dtype, device=self.device_tier.device)
-        return target, lambda: self.device_tier.unreserve(nbytes)
-
     def has_free(self) -> bool:
         """Whether ``take`` returns a block without waiting for one to come back."""
         return bool(self._free_blocks) or len(self.slabs) < self.blocks
 
     def give(self, block: torch.Tensor) -> None:
+        self.device_memory.uncount(self.block_numel * self.dtype.itemsize)
         self._taken -= 1
         self._free_blocks.append(base_of(block))
 
@@ -117,11 +128,13 @@ class BlockPool:
 
     def take_receive(self) -> torch.Tensor:
         """The receive block ([Note: reduction in rank order]), counted with the blocks."""
+        self.device_memory.count(self.receive.numel * self.dtype.itemsize, "the receive block")
         self._taken += 1
         self.peak_blocks = max(self.peak_blocks, self._taken)
         return self.receive.take()
 
     def give_receive(self) -> None:
+        self.device_memory.uncount(self.receive.numel * self.dtype.itemsize)
         self._taken -= 1
         self.receive.give()
 
@@ -141,6 +154,7 @@ class BlockPool:
             slab.tier.release(slab)
         self.receive.release()
         self.slabs, self._free_blocks, self._taken, self._host_free = [], [], 0, []
+        self.device_memory.uncount(self.device_memory.bytes)
 
 
 class ReceiveBlock:

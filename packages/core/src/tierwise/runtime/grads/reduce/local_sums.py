@@ -11,17 +11,32 @@ gradient sums") and given back when its chunk is reduced or at zero_grad, so ``h
 bounds them and ``stats()`` shows them in the host tier's bytes and peak. On CUDA they are
 page-locked ([Note: page-locked buffers]), so the upload at the launch (``add_into``) is queued
 without blocking; the sum is kept, and its bytes reserved, until that copy lands ([Note: reduced
-gradients land per due point]). The device memory the upload lands in (it is added to the
-chunk's staging there) is a free reduction block, or, when every block is taken, a whole chunk
-reserved in the device tier: counted in ``device_memory`` and ``stats()``, held until the copy
-lands. A device budget without room for it (the planner does not count it) falls back to
-adding on the host: the chunk's staging is copied into a host buffer of the reducer's pool,
-landed (one host wait for that chunk), the sum added there and the result uploaded back, with
-no device memory beyond the staging (``NoSyncSums.fallbacks`` counts it). A host budget without
-room
-fails the backward with the host tier's error and what to change: ``Config.accumulation_steps``
-accumulates into the rank's own gradient shards (a reduction per micro-batch, no whole-chunk
-buffers), or a larger ``host_memory``.
+gradients land per due point]).
+
+The device memory the upload lands in is bounded by what the plan already counts: a second
+block of the reducer's pool, beside the one holding the chunk's staging (``full``). It is taken
+as a reduction takes one ([Note: bounded gradient blocks]): a free block, else the oldest
+reduction in flight is waited for (on CUDA ``work.wait()`` makes the engine thread's stream wait
+for NCCL's, no host wait; gloo on a CPU waits on the host, as any launch does), else a waiting
+chunk's block is spilled to the host. The sum is uploaded into it, added into ``full``, and the
+block goes back to the pool at once: the copy and the addition are queued on the engine
+thread's stream, and whatever writes the block next is queued after them on that stream (a
+collective on it first waits for that stream), as for a spilled block. So with the plan's
+``REDUCTION_BLOCKS`` (2) blocks, at most 2 blocks of the largest reduced chunk (the pool's
+``block_numel``: every chunk's sum fits, a parameter larger than ``chunk_size`` in its own
+chunk included) hold gradients, reductions and uploads together, plus the receive block with
+``reduce_order="rank"``: ``planner.reduction_blocks``, which both planners count (core's
+``staging_bytes``, the search's ``staging_blocks``). The ledger's ``gradient_reduction_blocks``
+counts the blocks in use against that figure and refuses one more. ``stats()["no_sync"]`` says
+how many sums were uploaded into a block and names the pool.
+
+A pool of one block (below the plan; test rigs build one to make every block taken) has no
+second block: the sum is added in host memory instead, the chunk's staging copied into a host
+buffer of the reducer's pool, landed (one host wait for that chunk), the sum added there and
+the result uploaded back over ``full`` (``host_additions`` in ``stats()["no_sync"]``). A host
+budget without room for the sums fails the backward with the host tier's error and what to
+change: ``Config.accumulation_steps`` accumulates into the rank's own gradient shards (a
+reduction per micro-batch, no whole-chunk buffers), or a larger ``host_memory``.
 """
 
 from __future__ import annotations
@@ -37,6 +52,7 @@ from tierwise.tiers.ledger import locked_empty
 
 if TYPE_CHECKING:
     from tierwise.runtime.grads.host_writes import HostWrites
+    from tierwise.runtime.grads.reduce.blocks import BlockPool
 
 
 class NoSyncSums:
@@ -50,8 +66,10 @@ class NoSyncSums:
         self.pinned = bool(getattr(host, "pin", False))
         """Whether the sums are page-locked (the host tier's memory is, on CUDA)."""
         self._sums: dict[Hashable, torch.Tensor] = {}
-        self.fallbacks = 0
-        """Sums added through host memory for want of device memory (``_add_on_host``)."""
+        self.uploads = 0
+        """Sums uploaded into a reduction block and added on the device."""
+        self.host_additions = 0
+        """Sums added through host memory: a pool of one block, below the plan (``_add_on_host``)."""
 
     def buffer(self, chunk: Chunk) -> torch.Tensor:
         """``chunk``'s sum (zeros when it has none yet): reserved in the host tier first."""
@@ -82,33 +100,31 @@ class NoSyncSums:
         full: torch.Tensor,
         key: Hashable,
         writes: HostWrites,
-        upload_target: Callable[[int, str], tuple[torch.Tensor, Callable[[], None]]],
+        pool: BlockPool,
+        device_block: Callable[[], torch.Tensor],
     ) -> None:
-        """``full`` (a chunk's staging on the device) += ``key``'s sum, if it has one: uploaded
-        without blocking into device memory from ``upload_target`` (the reducer's
-        ``BlockPool.upload_target``: a free block, or bytes reserved in the device tier), the
-        sum kept and its host bytes reserved, and the device memory held, until the copy
-        lands."""
+        """``full`` (a chunk's staging in a block of ``pool``) += ``key``'s sum, if it has one:
+        uploaded without blocking into a second block (``device_block``, the reducer's: a
+        free block, the oldest reduction waited for, or a waiting chunk spilled), added, and
+        that block given back; the sum kept, and its host bytes reserved, until the copy lands
+        ([Note: no_sync buffers]). A pool of one block: added on the host."""
         local = self._sums.pop(key, None)
         if local is None:
             return
-        try:
-            on_device, give_back = upload_target(full.numel(), "a no_sync gradient sum's upload")
-        except TierBudgetError:
+        if pool.blocks < 2:
             self._add_on_host(full, local, writes)
             return
-
-        def landed() -> None:
-            self.release(local)
-            give_back()
-
-        full.add_(writes.upload(on_device, local, then=landed))
+        block = device_block()
+        target = block[: full.numel()]
+        full.add_(writes.upload(target, local, then=lambda: self.release(local)))
+        pool.give(block)  # whatever writes it next is queued after the addition
+        self.uploads += 1
 
     def _add_on_host(self, full: torch.Tensor, local: torch.Tensor, writes: HostWrites) -> None:
         """No device memory for the upload: ``full`` is copied into a host buffer of the
         reducer's pool, landed (one host wait), the sum added there (the same addition of the
         same values) and uploaded back over ``full``."""
-        self.fallbacks += 1
+        self.host_additions += 1
         staged = writes.scratch(full.numel())
         writes.copy(staged, full, on_host=True)
         writes.land()
@@ -130,6 +146,15 @@ class NoSyncSums:
         for buffer in self._sums.values():
             self.release(buffer)
         self._sums.clear()
+
+    def stats(self) -> dict:
+        """``stats()["no_sync"]``: the sums' host bytes now and where their uploads went."""
+        return {
+            "sum_bytes": self.nbytes,
+            "uploads": self.uploads,
+            "upload_pool": "gradient_reduction_blocks",
+            "host_additions": self.host_additions,
+        }
 
     @property
     def nbytes(self) -> int:

@@ -150,8 +150,8 @@ class GradientReducer:
         """The chunks reduced across ranks, in layout order (the same on every rank): the
         reduction order is its reverse, every chunk due at the end of the next backward."""
         self.schedule.reset([c.key for c in reversed(chunks)])
-        self.pool.block_numel = max((c.capacity for c in chunks), default=0)
-        self.pool.receive.numel = receive_block_numel([(c.capacity, c.group.world) for c in chunks])
+        pairs = [(c.capacity, c.group.world) for c in chunks] if self.reduce_order == "rank" else []
+        self.pool.size(max((c.capacity for c in chunks), default=0), receive_block_numel(pairs))
 
     def record_forward(self, module: object, keys: set, *, limit: int) -> None:
         """A hooked module's forward starts, touching the chunks ``keys``: recorded while due
@@ -287,7 +287,7 @@ class GradientReducer:
         else:
             del self._holding[key]
         zero_unwritten(chunk, full)  # zeros where no gradient arrived, plus no_sync's sums
-        self.local_sums.add_into(full, key, self.writes, self.pool.upload_target)
+        self.local_sums.add_into(full, key, self.writes, self.pool, lambda: self._device_block(key))
         del self._staging[key]
         self._launched.add(key)
         self.launches.append(("reduce", key))

@@ -177,6 +177,7 @@ def passes_grad_offload(
     optim_tier: str,
     *,
     sharded: bool,
+    grads_in_nvme_home: bool = False,
     addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
 ) -> bool:
     """Whether a chunk's gradients go through the host gradient buffers: its gradient shard (or
@@ -185,7 +186,13 @@ def passes_grad_offload(
     tier-name form of ``GradientOffload.offloads`` / ``stages``."""
     if not spec.trainable:
         return False
-    in_home = spec.grads_in_home(home_tier, optim_tier, sharded=sharded, addressable=addressable)
+    in_home = spec.grads_in_home(
+        home_tier,
+        optim_tier,
+        sharded=sharded,
+        grads_in_nvme_home=grads_in_nvme_home,
+        addressable=addressable,
+    )
     grad_tier = home_tier if in_home else optim_tier
     staged = (
         in_home and home_tier == "device" and (optim_tier == "host" or not addressable(optim_tier))
@@ -200,15 +207,22 @@ def grad_offload_host_bytes(
     param_tier: str,
     optim_tier: str,
     pinned: bool,
+    grads_in_nvme_home: bool = False,
     addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
 ) -> int:
     """``grad_offload_bytes`` for ``chunks`` ((shard elements, trainable, sharded) each, as
-    ``model_data_by_tier`` takes them) placed on ``param_tier`` / ``optim_tier``."""
+    ``model_data_by_tier`` takes them) placed on ``param_tier`` / ``optim_tier``
+    (``grads_in_nvme_home``: the plan's 14-byte NVMe home)."""
     chunks = list(chunks)
     specs = {t: PayloadSpec(precision=precision, trainable=t) for t in (True, False)}
     offloaded = sum(
         passes_grad_offload(
-            specs[trainable], param_tier, optim_tier, sharded=sharded, addressable=addressable
+            specs[trainable],
+            param_tier,
+            optim_tier,
+            sharded=sharded,
+            grads_in_nvme_home=grads_in_nvme_home,
+            addressable=addressable,
         )
         for _, trainable, sharded in chunks
     )
@@ -259,17 +273,19 @@ class PayloadSpec:
         *,
         sharded: bool,
         grads_in_device_home: bool = False,
+        grads_in_nvme_home: bool = False,
         addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
     ) -> bool:
         """Whether a chunk with its parameters on ``home_tier`` (``sharded`` over ranks) and its
         optimizer states on ``optim_tier`` keeps its gradients in its home: [Note: gradients in
         the parameter payload]; ``grads_in_device_home``: an unsharded device home does too,
-        [Note: the 14-byte device home]."""
+        [Note: the 14-byte device home]; ``grads_in_nvme_home``: a storage-tier home over
+        states in memory does too, [Note: the 14-byte NVMe home]."""
         computes_in_home = home_tier == "device" and not (sharded or grads_in_device_home)
         if not self.trainable or self.master_may_be_home or computes_in_home:
             return False
         if addressable(optim_tier):
-            return addressable(home_tier)
+            return addressable(home_tier) or grads_in_nvme_home
         # states on a storage tier: the pipeline reads the gradients from host memory (a host
         # home, or the host buffers an NVMe home's or a device home's gradients go through)
         return True
@@ -339,12 +355,13 @@ class PayloadSpec:
         copies: Callable[[str], int],
         sharded: bool = False,
         grads_in_device_home: bool = False,
+        grads_in_nvme_home: bool = False,
         addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
     ) -> list[tuple[str, int]]:
         """(tier, bytes) of every slab a chunk with a ``shard``-element shard has, in
         allocation order; ``copies(tier)`` is the tier's ``STATE_COPIES``, ``sharded`` whether
         the chunk is sharded over ranks, ``grads_in_device_home`` the plan's 14-byte device
-        home, ``addressable(tier)`` whether a tier's slabs are tensors in memory."""
+        home, ``grads_in_nvme_home`` its 14-byte NVMe home, ``addressable(tier)`` whether a tier's slabs are tensors in memory."""
         sizes = []
         if self.trainable:
             states = [self.slab_bytes(kind, shard) for kind in OPTIM_STATES]
@@ -354,6 +371,7 @@ class PayloadSpec:
                 optim_tier,
                 sharded=sharded,
                 grads_in_device_home=grads_in_device_home,
+                grads_in_nvme_home=grads_in_nvme_home,
                 addressable=addressable,
             ):
                 sizes.append((optim_tier, self.slab_bytes("grad", shard)))
@@ -372,6 +390,7 @@ def model_data_by_tier(
     copies: Callable[[str], int] = lambda tier: 1,
     addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
     grads_in_device_home: bool = False,
+    grads_in_nvme_home: bool = False,
 ) -> dict[str, int]:
     """Tier -> bytes of model data (parameters, gradients, optimizer states as stored) that
     ``chunks`` hold with every chunk's parameters on ``param_tier`` and its optimizer states on
@@ -379,7 +398,8 @@ def model_data_by_tier(
     ([Note: payload spec], [Note: gradients in the parameter payload]). ``chunks`` are
     (shard elements, trainable, sharded over ranks) per chunk; ``copies(tier)`` is the tier's
     ``STATE_COPIES`` ([Note: atomic optimizer step]); ``grads_in_device_home``: the plan's
-    14-byte device home ([Note: the 14-byte device home])."""
+    14-byte device home ([Note: the 14-byte device home]); ``grads_in_nvme_home``: its 14-byte
+    NVMe home ([Note: the 14-byte NVMe home])."""
     totals: dict[str, int] = {}
     specs = {
         trainable: PayloadSpec(
@@ -395,6 +415,7 @@ def model_data_by_tier(
             copies=copies,
             sharded=sharded,
             grads_in_device_home=grads_in_device_home,
+            grads_in_nvme_home=grads_in_nvme_home,
             addressable=addressable,
         ):
             totals[tier] = totals.get(tier, 0) + nbytes

@@ -1,0 +1,197 @@
+"""[Note: the 14-byte NVMe home]: bf16/fp16 chunks whose home is on NVMe and whose optimizer
+states are in host memory keep their gradients in the NVMe home (``Plan.grads_in_nvme_home``):
+14 bytes per element (2 on NVMe, 12 in host memory), counted by hand, trained bitwise like the
+16-byte plan (a host gradient shard) on the same model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("tierwise_nvme")
+
+import tierwise  # noqa: E402
+from helpers.models import tiny_model  # noqa: E402
+from helpers.train import train  # noqa: E402
+from tierwise.chunks.payload import model_data_by_tier  # noqa: E402
+from tierwise.config import ConfigError  # noqa: E402
+
+N = 1000
+CHUNK = 5000
+
+
+def test_the_variant_counts_14_bytes_per_element():
+    """By hand: the home (2, holding the gradients) on NVMe, master 4 + m 4 + v 4 in host
+    memory, no gradient shard; the 16-byte plan has a 2-byte host shard more; fp32 has none to
+    save."""
+    count = dict(precision="bf16", param_tier="nvme", optim_tier="host")
+    assert model_data_by_tier([(N, True, False)], **count) == {"host": 14 * N, "nvme": 2 * N}
+    got = model_data_by_tier([(N, True, False)], **count, grads_in_nvme_home=True)
+    assert got == {"host": 12 * N, "nvme": 2 * N}
+    frozen = model_data_by_tier([(N, False, False)], **count, grads_in_nvme_home=True)
+    assert frozen == {"nvme": 2 * N}
+    fp32 = dict(count, precision="fp32")
+    assert model_data_by_tier([(N, True, False)], **fp32, grads_in_nvme_home=True) == {
+        "host": 16 * N,
+        "nvme": 4 * N,
+    }
+
+
+def _gpt2():
+    model = tiny_model("gpt2")  # tied embeddings (wte = lm_head)
+    model.transformer.wpe.weight.requires_grad_(False)  # a frozen parameter
+    return model
+
+
+def _ask_for_the_variant(monkeypatch, *, variant: bool) -> None:
+    """Core's planner (the search disabled), its plan asking for the variant or not: an
+    explicit plan, as a planner plugin may give one."""
+    import tierwise.planning.planner as planner
+
+    made = planner.default_plan
+
+    def asking(**kwargs):
+        plan = made(**kwargs)
+        plan.grads_in_nvme_home = variant
+        return plan
+
+    monkeypatch.setenv("TIERWISE_DISABLE_PLUGINS", "search")
+    monkeypatch.setattr(planner, "default_plan", asking)
+
+
+def _setup(nvme_dir, *, precision="bf16", model=None, **config):
+    model = _gpt2() if model is None else model
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return tierwise.setup(
+        model,
+        opt,
+        precision=precision,
+        device="cpu",
+        chunk_size=CHUNK,
+        cache_blocks=3,
+        param_placement="nvme",
+        optimizer_placement="host",
+        nvme_path=str(nvme_dir),
+        **config,
+    )
+
+
+def _run(monkeypatch, nvme_dir, *, variant, precision="bf16", model=None, config=None, **loop):
+    _ask_for_the_variant(monkeypatch, variant=variant)
+    model, opt = _setup(nvme_dir, precision=precision, model=model, **(config or {}))
+    engine = tierwise.engine_of(model)
+    try:
+        assert engine.plan.grads_in_nvme_home is variant
+        trainable = [c for c in engine.chunks() if c.trainable]
+        assert all(c.home.tier.name == "nvme" and c.optim.tier.name == "host" for c in trainable)
+        assert all(c.optim.grads_in_home is variant for c in trainable)
+        losses = train(model, opt, **loop)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        return losses, state, engine.stats()
+    finally:
+        engine.close()
+
+
+def _assert_same(got, want):
+    assert got[0] == want[0]
+    for key, value in want[1].items():
+        assert torch.equal(got[1][key], value), key
+
+
+def test_accumulation_with_clipping_is_bitwise_the_16_byte_plan(monkeypatch, nvme_dir):
+    loop = dict(steps=3, accum=2, clip=0.05)
+    want = _run(monkeypatch, nvme_dir / "16", variant=False, **loop)
+    got = _run(monkeypatch, nvme_dir / "14", variant=True, **loop)
+    _assert_same(got, want)
+    # the gradients went through the host buffers to the homes' regions and back
+    assert got[2]["moved_bytes"]["grad:host->nvme"] > 0
+    assert "grad:host->nvme" not in want[2]["moved_bytes"]
+
+
+def _overflowing_gpt2():
+    """fp16: the second step's loss is scaled far up, its gradients overflow, the step is
+    skipped (spilled homes get their parameters back from the masters)."""
+    model = _gpt2()
+    calls = {"n": 0}
+    forward = model.forward
+
+    def scaled(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] in (3, 4):  # both micro-batches of the second step
+            out.loss = out.loss * 1e10
+        return out
+
+    model.forward = scaled
+    return model
+
+
+def test_an_fp16_overflow_skip_is_bitwise_the_16_byte_plan(monkeypatch, nvme_dir):
+    loop = dict(steps=3, accum=2, clip=1.0)
+    want = _run(
+        monkeypatch,
+        nvme_dir / "16",
+        variant=False,
+        precision="fp16",
+        model=_overflowing_gpt2(),
+        **loop,
+    )
+    got = _run(
+        monkeypatch,
+        nvme_dir / "14",
+        variant=True,
+        precision="fp16",
+        model=_overflowing_gpt2(),
+        **loop,
+    )
+    assert got[2]["skipped_steps"] == want[2]["skipped_steps"] == 1
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_in_backward_rollback_and_redo_is_bitwise_the_16_byte_plan(
+    monkeypatch, nvme_dir, precision
+):
+    """The 16-byte plan updates its host states on the host worker during backward and rolls
+    them back under clipping; the variant updates after backward ([Note: the 14-byte NVMe
+    home]): bitwise the same."""
+    config = dict(optimizer_overlap="in-backward", accumulation_steps=2)
+    loop = dict(steps=3, accum=2, clip=0.05)
+    want = _run(
+        monkeypatch, nvme_dir / "16", variant=False, precision=precision, config=config, **loop
+    )
+    assert want[2]["optimizer_overlap"]["rollbacks"] >= 1
+    got = _run(
+        monkeypatch, nvme_dir / "14", variant=True, precision=precision, config=config, **loop
+    )
+    assert got[2]["optimizer_overlap"]["rollbacks"] == 0
+    _assert_same(got, want)
+
+
+def test_checkpoint_resume_with_the_variant_is_bitwise(monkeypatch, nvme_dir, tmp_path):
+    _ask_for_the_variant(monkeypatch, variant=True)
+    model, opt = _setup(nvme_dir / "a")
+    engine = tierwise.engine_of(model)
+    assert engine.plan.grads_in_nvme_home
+    try:
+        train(model, opt, 2, accum=2, clip=0.05)
+        tierwise.save_checkpoint(tmp_path / "ckpt", model, opt)
+        straight = train(model, opt, 2, accum=2, clip=0.05, first_seed=4)
+        final = {k: v.clone() for k, v in model.state_dict().items()}
+    finally:
+        engine.close()
+    resumed, resumed_opt = _setup(nvme_dir / "b")
+    engine = tierwise.engine_of(resumed)
+    try:
+        tierwise.load_checkpoint(tmp_path / "ckpt", resumed, resumed_opt)
+        assert train(resumed, resumed_opt, 2, accum=2, clip=0.05, first_seed=4) == straight
+        for key, value in final.items():
+            assert torch.equal(resumed.state_dict()[key], value), key
+    finally:
+        engine.close()
+
+
+def test_a_plan_asking_for_the_variant_in_fp32_is_refused(monkeypatch, nvme_dir):
+    _ask_for_the_variant(monkeypatch, variant=True)
+    with pytest.raises(ConfigError, match="precision='fp32'"):
+        _setup(nvme_dir, precision="fp32")

@@ -195,3 +195,62 @@ def test_a_plan_asking_for_the_variant_in_fp32_is_refused(monkeypatch, nvme_dir)
     _ask_for_the_variant(monkeypatch, variant=True)
     with pytest.raises(ConfigError, match="precision='fp32'"):
         _setup(nvme_dir, precision="fp32")
+
+
+def _core_plan(host_memory, *, precision="bf16"):
+    """Core's planner on 8 layers of 4096 elements in chunks of 8192 (the first two frozen, in
+    a group of their own), params on NVMe, optimizer states in host memory."""
+    from tierwise import Config, Hardware, ParamInfo, Profile
+    from tierwise.planning.planner import default_plan
+
+    names = [f"layers.{b}.w" for b in range(8)]
+    return default_plan(
+        profile=Profile(
+            params=[
+                ParamInfo(
+                    name=n,
+                    shape=(4096,),
+                    numel=4096,
+                    requires_grad=i >= 2,
+                    group="data/g0/train" if i >= 2 else "data/g0/frozen",
+                )
+                for i, n in enumerate(names)
+            ],
+            forward_order=names,
+            backward_order=names[::-1],
+            module_params={n[:-2]: [n] for n in names},
+        ),
+        hardware=Hardware(device_type="cpu"),
+        config=Config(
+            device="cpu",
+            precision=precision,
+            chunk_size=8192,
+            param_placement="nvme",
+            optimizer_placement="host",
+            nvme_path="/nonexistent-planning-only",
+            host_memory=host_memory,
+        ),
+    )
+
+
+def test_core_planner_chooses_the_variant_only_when_16_bytes_miss_the_host_budget():
+    """By hand: 4 chunks of 8192, the first frozen (no host bytes), 3 trainable: the 16-byte plan holds 12 + 2 bytes per trainable element in host memory; the
+    variant 12, plus 2 gradient buffers of one chunk in bf16."""
+    from tierwise.plan import PlanError
+
+    trainable = 3 * 8192
+    sixteen = 14 * trainable
+    variant = 12 * trainable + 2 * 8192 * 2
+    assert variant < sixteen
+    assert not _core_plan(sixteen).grads_in_nvme_home  # 16 bytes fit: nothing changes
+    plan = _core_plan(sixteen - 1)
+    assert plan.grads_in_nvme_home
+    assert any("gradients kept in the NVMe homes" in r for r in plan.reasons)
+    assert _core_plan(variant).grads_in_nvme_home
+    with pytest.raises(PlanError, match="gradients in the NVMe homes") as info:
+        _core_plan(variant - 1)
+    assert info.value.need == variant and info.value.tier == "host"
+    # fp32 has no 2-byte payload to reuse: refused at its 12 + 4 host bytes (gradient shard)
+    with pytest.raises(PlanError) as info:
+        _core_plan(sixteen - 1, precision="fp32")
+    assert info.value.need == 16 * trainable

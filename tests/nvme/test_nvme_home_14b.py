@@ -13,11 +13,22 @@ pytest.importorskip("tierwise_nvme")
 import tierwise  # noqa: E402
 from helpers.models import tiny_model  # noqa: E402
 from helpers.train import train  # noqa: E402
-from tierwise.chunks.payload import model_data_by_tier  # noqa: E402
+from nvme_helpers import nvme_pool_bytes  # noqa: E402
+from tierwise.chunks.payload import GRAD_OFFLOAD_BUFFERS, model_data_by_tier  # noqa: E402
 from tierwise.config import ConfigError  # noqa: E402
 
 N = 1000
 CHUNK = 5000
+
+
+@pytest.fixture(autouse=True)
+def _no_disk_probe(monkeypatch):
+    """Fixed NVMe rates instead of a bandwidth measurement per fresh directory (seconds each on
+    a busy disk); the arithmetic does not depend on them."""
+    import tierwise_nvme.probe
+
+    facts = {"nvme_read_bandwidth": 2e9, "nvme_write_bandwidth": 1e9, "nvme_free": 1 << 40}
+    monkeypatch.setattr(tierwise_nvme.probe, "probe_nvme", lambda directory, **kw: dict(facts))
 
 
 def test_the_variant_counts_14_bytes_per_element():
@@ -254,3 +265,64 @@ def test_core_planner_chooses_the_variant_only_when_16_bytes_miss_the_host_budge
     with pytest.raises(PlanError) as info:
         _core_plan(sixteen - 1, precision="fp32")
     assert info.value.need == 16 * trainable
+
+
+def _setup_searched(nvme_dir, host_memory):
+    model = _gpt2()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return tierwise.setup(
+        model,
+        opt,
+        precision="bf16",
+        device="cpu",
+        chunk_size=5000,
+        param_placement="nvme",
+        optimizer_placement="host",
+        nvme_path=str(nvme_dir),
+        host_memory=host_memory,
+    )
+
+
+@pytest.mark.combined
+def test_the_search_plans_it_1_byte_short_of_16_bytes_and_it_trains_inside_the_budgets(
+    tmp_path,
+):
+    """The tiny GPT-2 (7 trainable chunks of 5000): the 16-byte plan needs 14 host bytes per
+    trainable element (12 of states, 2 of gradient shard) beside the NVMe tier's own host
+    buffers; one byte less is planned with the gradients in the NVMe homes, whose host need is
+    12 bytes per element and two gradient buffers; it trains 2 clipped steps of 2 micro-batches
+    with the host ledger peaking there; one byte below that is refused."""
+    pytest.importorskip("tierwise_search")
+    from tierwise.plan import PlanError
+
+    with pytest.raises(PlanError) as refused:  # what the smallest plan needs
+        _setup_searched(tmp_path / "probe", 1)
+    trainable, largest = 7 * 5000, 5000
+    variant_data = 12 * trainable + GRAD_OFFLOAD_BUFFERS * largest * 2
+    pools = refused.value.need - variant_data  # the NVMe tier's host buffers at this size
+    sixteen = 14 * trainable + pools
+    model, opt = _setup_searched(tmp_path / "16", sixteen)
+    engine = tierwise.engine_of(model)
+    try:
+        assert not engine.plan.grads_in_nvme_home  # 16 bytes fit: nothing changes
+    finally:
+        engine.close()
+    model, opt = _setup_searched(tmp_path / "14", sixteen - 1)
+    engine = tierwise.engine_of(model)
+    try:
+        assert engine.plan.grads_in_nvme_home
+        chunks = [c for c in engine.chunks() if c.trainable]
+        assert sum(c.shard_size for c in chunks) == trainable
+        assert max(c.shard_size for c in engine.chunks()) == largest
+        assert all(c.optim.grads_in_home and c.home.tier.name == "nvme" for c in chunks)
+        assert pools == nvme_pool_bytes(engine)  # what the NVMe tier built
+        train(model, opt, 2, accum=2, clip=0.05)
+        memory = engine.stats()["memory"]
+        assert memory["host"]["peak_bytes"] == variant_data + pools <= sixteen - 1
+        assert memory["grad_offload_buffers"]["peak_bytes"] <= GRAD_OFFLOAD_BUFFERS * largest * 2
+        assert memory["host"]["budget"] == sixteen - 1
+    finally:
+        engine.close()
+    with pytest.raises(PlanError, match="host memory binds") as info:
+        _setup_searched(tmp_path / "short", variant_data + pools - 1)
+    assert info.value.need == variant_data + pools

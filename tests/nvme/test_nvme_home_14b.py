@@ -11,11 +11,14 @@ import torch
 pytest.importorskip("tierwise_nvme")
 
 import tierwise  # noqa: E402
-from helpers.models import tiny_model  # noqa: E402
+from helpers.models import tiny_batch, tiny_model  # noqa: E402
+from helpers.multiproc import run_ranks  # noqa: E402
 from helpers.train import train  # noqa: E402
 from nvme_helpers import nvme_pool_bytes  # noqa: E402
 from tierwise.chunks.payload import GRAD_OFFLOAD_BUFFERS, model_data_by_tier  # noqa: E402
 from tierwise.config import ConfigError  # noqa: E402
+from tierwise.plan import Plan  # noqa: E402
+from tierwise.planning.totals import plan_model_bytes  # noqa: E402
 
 N = 1000
 CHUNK = 5000
@@ -208,29 +211,35 @@ def test_a_plan_asking_for_the_variant_in_fp32_is_refused(monkeypatch, nvme_dir)
         _setup(nvme_dir, precision="fp32")
 
 
+def _profile():
+    from tierwise import ParamInfo, Profile
+
+    names = [f"layers.{b}.w" for b in range(8)]
+    return Profile(
+        params=[
+            ParamInfo(
+                name=n,
+                shape=(4096,),
+                numel=4096,
+                requires_grad=i >= 2,
+                group="data/g0/train" if i >= 2 else "data/g0/frozen",
+            )
+            for i, n in enumerate(names)
+        ],
+        forward_order=names,
+        backward_order=names[::-1],
+        module_params={n[:-2]: [n] for n in names},
+    )
+
+
 def _core_plan(host_memory, *, precision="bf16"):
     """Core's planner on 8 layers of 4096 elements in chunks of 8192 (the first two frozen, in
     a group of their own), params on NVMe, optimizer states in host memory."""
-    from tierwise import Config, Hardware, ParamInfo, Profile
+    from tierwise import Config, Hardware
     from tierwise.planning.planner import default_plan
 
-    names = [f"layers.{b}.w" for b in range(8)]
     return default_plan(
-        profile=Profile(
-            params=[
-                ParamInfo(
-                    name=n,
-                    shape=(4096,),
-                    numel=4096,
-                    requires_grad=i >= 2,
-                    group="data/g0/train" if i >= 2 else "data/g0/frozen",
-                )
-                for i, n in enumerate(names)
-            ],
-            forward_order=names,
-            backward_order=names[::-1],
-            module_params={n[:-2]: [n] for n in names},
-        ),
+        profile=_profile(),
         hardware=Hardware(device_type="cpu"),
         config=Config(
             device="cpu",
@@ -257,6 +266,11 @@ def test_core_planner_chooses_the_variant_only_when_16_bytes_miss_the_host_budge
     plan = _core_plan(sixteen - 1)
     assert plan.grads_in_nvme_home
     assert any("gradients kept in the NVMe homes" in r for r in plan.reasons)
+    assert "gradients in nvme homes" in plan.table()
+    assert Plan.from_json(plan.to_json()).grads_in_nvme_home
+    # totals count it from the same PayloadSpec: 12 host bytes per trainable element
+    by_tier = plan_model_bytes(_profile(), plan, "bf16")
+    assert by_tier == {"host": 12 * trainable, "nvme": 2 * 4 * 8192}
     assert _core_plan(variant).grads_in_nvme_home
     with pytest.raises(PlanError, match="gradients in the NVMe homes") as info:
         _core_plan(variant - 1)
@@ -326,3 +340,64 @@ def test_the_search_plans_it_1_byte_short_of_16_bytes_and_it_trains_inside_the_b
     with pytest.raises(PlanError, match="host memory binds") as info:
         _setup_searched(tmp_path / "short", variant_data + pools - 1)
     assert info.value.need == variant_data + pools
+
+
+def _two_ranks(rank: int, world: int, nvme_dir: str) -> dict:
+    """One gloo rank: the sharded nvme/host placement at 16 bytes, then with the variant, each
+    trained 2 clipped steps of 2 micro-batches on this rank's own batches."""
+    import os
+
+    import tierwise.planning.planner as planner
+
+    os.environ["TIERWISE_DISABLE_PLUGINS"] = "search"
+    made = planner.default_plan
+    results = {}
+    for variant in (False, True):
+
+        def asking(variant=variant, **kwargs):
+            plan = made(**kwargs)
+            plan.grads_in_nvme_home = variant
+            return plan
+
+        planner.default_plan = asking
+        model = _gpt2()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model, opt = tierwise.setup(
+            model,
+            opt,
+            precision="bf16",
+            device="cpu",
+            chunk_size=4096,
+            cache_blocks=2,
+            param_placement="nvme",
+            optimizer_placement="host",
+            nvme_path=f"{nvme_dir}/{variant}-{rank}",
+        )
+        engine = tierwise.engine_of(model)
+        losses = []
+        for step in range(2):
+            for micro in range(2):
+                loss = model(**tiny_batch(seed=100 * step + 10 * micro + rank)).loss / 2
+                loss.backward()
+                losses.append(loss.item())
+            tierwise.clip_grad_norm_(model, 0.05)
+            opt.step()
+            opt.zero_grad()
+        in_home = {c.optim.grads_in_home for c in engine.chunks() if c.trainable}
+        sharded = {c.group.sharded for c in engine.chunks()}
+        state = model.state_dict()  # a collective: every rank calls it
+        engine.close()
+        results[variant] = (losses, state, in_home, sharded)
+    return results
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_sharded_are_bitwise_the_16_byte_plan(nvme_dir):
+    per_rank = run_ranks(_two_ranks, 2, str(nvme_dir), timeout=400)
+    for rank in range(2):
+        want, got = per_rank[rank][False], per_rank[rank][True]
+        assert want[2] == {False} and got[2] == {True}
+        assert want[3] == got[3] == {True}
+        assert got[0] == want[0], f"rank {rank}: losses differ"
+        for key, value in want[1].items():
+            assert torch.equal(got[1][key], value), (rank, key)

@@ -22,6 +22,7 @@ from tierwise.planning.totals import plan_model_bytes  # noqa: E402
 
 N = 1000
 CHUNK = 5000
+NVME_FACTS = {"nvme_read_bandwidth": 2e9, "nvme_write_bandwidth": 1e9, "nvme_free": 1 << 40}
 
 
 @pytest.fixture(autouse=True)
@@ -30,8 +31,7 @@ def _no_disk_probe(monkeypatch):
     a busy disk); the arithmetic does not depend on them."""
     import tierwise_nvme.probe
 
-    facts = {"nvme_read_bandwidth": 2e9, "nvme_write_bandwidth": 1e9, "nvme_free": 1 << 40}
-    monkeypatch.setattr(tierwise_nvme.probe, "probe_nvme", lambda directory, **kw: dict(facts))
+    monkeypatch.setattr(tierwise_nvme.probe, "probe_nvme", lambda directory, **kw: dict(NVME_FACTS))
 
 
 def test_the_variant_counts_14_bytes_per_element():
@@ -69,7 +69,8 @@ def _ask_for_the_variant(monkeypatch, *, variant: bool) -> None:
         plan.grads_in_nvme_home = variant
         return plan
 
-    monkeypatch.setenv("TIERWISE_DISABLE_PLUGINS", "search")
+    # core's planner and profile, as in the nvme env (the profiler plugin's probe times matmuls)
+    monkeypatch.setenv("TIERWISE_DISABLE_PLUGINS", "search,profiler")
     monkeypatch.setattr(planner, "default_plan", asking)
 
 
@@ -348,8 +349,10 @@ def _two_ranks(rank: int, world: int, nvme_dir: str) -> dict:
     import os
 
     import tierwise.planning.planner as planner
+    import tierwise_nvme.probe
 
-    os.environ["TIERWISE_DISABLE_PLUGINS"] = "search"
+    os.environ["TIERWISE_DISABLE_PLUGINS"] = "search,profiler"
+    tierwise_nvme.probe.probe_nvme = lambda directory, **kw: dict(NVME_FACTS)
     made = planner.default_plan
     results = {}
     for variant in (False, True):

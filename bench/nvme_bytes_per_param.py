@@ -26,13 +26,22 @@ engine's own tier accounting:
   Adam m, v, 2 for a gradient shard).
 
     python bench/nvme_bytes_per_param.py --nvme-dir /path/on/disk
+
+``--nvme-home-14`` ([Note: the 14-byte NVMe home]): nvme/host twice side by side in one process,
+the 16-byte plan and ``Plan.grads_in_nvme_home``, both from core's planner (the search disabled;
+the variant asked for explicitly: which plan the planners choose under a host budget is what
+``tests/nvme/test_nvme_home_14b.py`` checks), with ``disk_bytes_per_param_per_step`` (every
+NVMe byte the steps after the first moved: parameter loads, home writes, gradient spills and
+read-backs), ``step_time_s`` (median of the steps after the first) and a last line of ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
+import time
 
 import torch
 from _common import batch, emit, gpt2_model, spawn_ranks
@@ -55,9 +64,31 @@ def _pool_bytes(engine) -> int:
     return sum(pool.count * pool.buffer_bytes for pool in pools) + extra
 
 
-def measure(args, home: str, optim: str, nvme_dir: str, ranks: int = 1) -> dict:
+def _ask_for_nvme_home_variant(variant: bool) -> None:
+    """Core's planner, its plan asking for ``Plan.grads_in_nvme_home`` or not."""
+    import tierwise.planning.planner as planner
+
+    made = getattr(planner, "_made_by_core", planner.default_plan)
+    planner._made_by_core = made
+
+    def asking(**kwargs):
+        plan = made(**kwargs)
+        plan.grads_in_nvme_home = variant
+        return plan
+
+    planner.default_plan = asking
+
+
+def _disk_bytes(moved: dict) -> int:
+    return sum(n for direction, n in moved.items() if "nvme" in direction)
+
+
+def measure(args, home: str, optim: str, nvme_dir: str, ranks: int = 1, variant=None) -> dict:
     import tierwise
     from tierwise.chunks.payload import model_data_by_tier
+
+    if variant is not None:
+        _ask_for_nvme_home_variant(variant)
 
     model = gpt2_model(n_embd=args.hidden, n_layer=args.layers, n_head=args.heads, vocab=args.vocab)
     n_params = sum(p.numel() for p in model.parameters())
@@ -76,13 +107,18 @@ def measure(args, home: str, optim: str, nvme_dir: str, ranks: int = 1) -> dict:
     )
     engine = tierwise.engine_of(model)
     try:
+        step_s, disk_after_first = [], 0
         for step in range(args.steps):
+            began = time.perf_counter()
             for micro in range(2):
                 loss = model(**batch(args.batch, args.seq, args.vocab, 10 * step + micro)).loss
                 (loss / 2).backward()
             tierwise.clip_grad_norm_(model, 1.0)
             opt.step()
             opt.zero_grad()
+            step_s.append(time.perf_counter() - began)
+            if step == 0:
+                disk_after_first = _disk_bytes(engine.stats()["moved_bytes"])
         stats = engine.stats()
         chunks = list(engine.chunks())
         in_home = sorted({c.optim.grads_in_home for c in chunks})
@@ -91,6 +127,7 @@ def measure(args, home: str, optim: str, nvme_dir: str, ranks: int = 1) -> dict:
             precision="bf16",
             param_tier=home,
             optim_tier=optim,
+            grads_in_nvme_home=bool(variant),
         )  # one copy of the states: the issue's figure
         elements = sum(c.shard_size for c in chunks)
         share = n_params / ranks  # this rank's share of the parameters
@@ -100,6 +137,7 @@ def measure(args, home: str, optim: str, nvme_dir: str, ranks: int = 1) -> dict:
         moved = stats["moved_bytes"]
         disk = moved.get("grad:host->nvme", 0) + moved.get("grad:nvme->host", 0)
         host_peak = stats["peak_bytes_by_tier"]["host"]
+        buffers = engine.grad_offload.nbytes if engine.grad_offload is not None else 0
         return {
             "bench": "nvme_bytes_per_param",
             "placement": f"{home}/{optim}",
@@ -116,6 +154,16 @@ def measure(args, home: str, optim: str, nvme_dir: str, ranks: int = 1) -> dict:
             "model_data_per_param": sum(counted.values()) / share,
             "model_data_per_chunk_element": sum(counted.values()) / elements,
             "grad_disk_bytes_per_param_per_step": disk / share / args.steps,
+            "grad_offload_buffer_bytes": buffers,
+            # model data and the gradient buffers: the NVMe tier's own pools taken off
+            "host_peak_with_grad_buffers_per_param": (host_peak - pools + buffers) / share,
+            "disk_bytes_per_param_per_step": (_disk_bytes(moved) - disk_after_first)
+            / share
+            / max(1, args.steps - 1),
+            "moved_bytes": dict(moved),
+            "step_time_s": statistics.median(step_s[1:] or step_s),
+            "step_times_s": step_s,
+            "n_chunks": len(chunks),
             "hand": {
                 "host_model_data": (2.0 if home == "host" else 0.0)
                 + (12.0 + grad_shard if optim == "host" else 0.0),
@@ -143,7 +191,15 @@ def main() -> None:
     parser.add_argument(
         "--placements", default="", help="comma-separated home/optim[/ranks] (default: all)"
     )
+    parser.add_argument(
+        "--nvme-home-14",
+        action="store_true",
+        help="nvme/host at 16 bytes and with grads_in_nvme_home, side by side",
+    )
     args = parser.parse_args()
+    if args.nvme_home_14:
+        _nvme_home_14(args)
+        return
     chosen = PLACEMENTS
     if args.placements:
         names = args.placements.split(",")
@@ -160,6 +216,31 @@ def main() -> None:
             reports = spawn_ranks(_rank, ranks, args, home, optim, nvme_dir)
             errors = [error for *_, error in reports if error]
             emit(**({"error": errors[0]} if errors else reports[0][1]))
+
+
+def _nvme_home_14(args) -> None:
+    """[Note: the 14-byte NVMe home]: the 16-byte plan, then the variant, then their ratios."""
+    os.environ["TIERWISE_DISABLE_PLUGINS"] = "search"  # core's planner, patched per case
+    results = {}
+    for variant in (False, True):
+        with tempfile.TemporaryDirectory(dir=args.nvme_dir) as nvme_dir:
+            result = measure(args, "nvme", "host", nvme_dir, variant=variant)
+        result["case"] = 14 if variant else 16
+        results[variant] = result
+        emit(**result)
+    sixteen, fourteen = results[False], results[True]
+    emit(
+        bench="nvme_bytes_per_param",
+        case="14 over 16",
+        host_peak_over_16=fourteen["host_peak_per_param"] / sixteen["host_peak_per_param"],
+        host_peak_with_grad_buffers_over_16=fourteen["host_peak_with_grad_buffers_per_param"]
+        / sixteen["host_peak_with_grad_buffers_per_param"],
+        disk_bytes_per_param_per_step={
+            16: sixteen["disk_bytes_per_param_per_step"],
+            14: fourteen["disk_bytes_per_param_per_step"],
+        },
+        step_time_over_16=fourteen["step_time_s"] / sixteen["step_time_s"],
+    )
 
 
 def _rank(rank, world, port, args, home, optim, nvme_dir, queue) -> None:

@@ -166,6 +166,11 @@ class Plan(JsonDataclass):
     keeps its gradients in that home and computes in an rCache block, 14 bytes per element
     instead of 16 ([Note: the 14-byte device home] in ``chunks/payload.py``). Planners choose it
     when the 16-byte plan does not fit the device."""
+    grads_in_nvme_home: bool = False
+    """bf16/fp16: a trainable chunk whose home is on a storage tier (NVMe) and whose optimizer
+    states are in host memory keeps its gradients in that home, through the host gradient
+    buffers, 14 bytes per element instead of 16 ([Note: the 14-byte NVMe home] in
+    ``chunks/payload.py``). Planners choose it when the 16-byte plan does not fit host memory."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward."""
     activation_policy: dict[str, str] = field(default_factory=dict)
@@ -257,6 +262,8 @@ class Plan(JsonDataclass):
         ]
         if self.grads_in_device_home:
             rows.append(("gradients in device homes", "yes (14 bytes per element)"))
+        if self.grads_in_nvme_home:
+            rows.append(("gradients in nvme homes", "yes (14 bytes per element)"))
         if self.device_allowance is not None:
             rows.append(("device allowance", format_bytes(self.device_allowance)))
         if self.io_buffer_bytes is not None:

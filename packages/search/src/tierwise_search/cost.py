@@ -136,7 +136,11 @@ def _grads_in_home(s: Setting) -> np.ndarray:
         [
             [
                 s.payload.grads_in_home(
-                    a, b, sharded=s.shard > 1, grads_in_device_home=s.grads_in_device_home
+                    a,
+                    b,
+                    sharded=s.shard > 1,
+                    grads_in_device_home=s.grads_in_device_home,
+                    grads_in_nvme_home=s.grads_in_nvme_home,
                 )
                 for b in TIERS
             ]
@@ -212,6 +216,11 @@ class Setting:
     """``Plan.grads_in_device_home`` (one rank, bf16/fp16): trainable device homes hold their
     gradients (14 bytes per element) and go through the rCache (core's [Note: the 14-byte
     device home]); each fetch and each gradient is then a copy in device memory."""
+    grads_in_nvme_home: bool = False
+    """``Plan.grads_in_nvme_home`` (bf16/fp16): trainable NVMe homes over host states hold
+    their gradients (14 bytes per element, 12 of them in host memory: core's [Note: the 14-byte
+    NVMe home]); what the host gradient buffers cannot hold is written over the homes in each
+    micro-batch and read back by the next one and by the update."""
 
     @property
     def param_bytes(self) -> int:
@@ -432,6 +441,15 @@ class CostModel:
             spilled = max(0.0, shard_bytes[to_disk].sum() - held)
             nvme_write_fb += spilled
             nvme_read_opt += spilled
+        in_nvme_home = train & (p == NVME) & (o == HOST) & _grads_in_home(s)[p, o]
+        if in_nvme_home.any():  # [Note: the 14-byte NVMe home]: updated after backward
+            held = grad_offload_buffers(int(in_nvme_home.sum())) * shard_bytes.max()
+            spilled = max(0.0, shard_bytes[in_nvme_home].sum() - held)
+            k = s.accumulation_steps
+            nvme_write_fb += spilled  # each micro-batch writes what the buffers cannot hold
+            nvme_read_fb += spilled * (k - 1) / k  # a later micro-batch adds to them
+            # the update reads them back, and a check first (the norm, fp16's overflow)
+            nvme_read_opt += spilled * (1 + s.keep_grads_for_redo)
 
         t = {
             "h2d_fb": h2d_fb / r.h2d,
@@ -524,6 +542,8 @@ class CostModel:
         pricing])."""
         s = self.setting
         host = s.table.trainable & (placement.optim_tier == HOST)
+        if s.grads_in_nvme_home:  # these update after backward ([Note: the 14-byte NVMe home])
+            host &= placement.param_tier != NVME
         early = np.zeros(s.table.n_chunks, bool)
         if not (s.host_in_backward and s.optimizer_in_backward) or s.rates.device_is_host:
             return early

@@ -228,6 +228,8 @@ class _Search:
         self.optimizer_in_backward = config.optimizer_overlap in ("auto", "in-backward")
         self.grads_in_device_home = False
         """Plan the 14-byte device home (core's [Note: the 14-byte device home])."""
+        self.grads_in_nvme_home = False
+        """Plan the 14-byte NVMe home (core's [Note: the 14-byte NVMe home])."""
 
     # -- pieces ---------------------------------------------------------------------------
     def allowed(self, choice: ActivationChoice) -> int | None:
@@ -338,6 +340,7 @@ class _Search:
                 host_in_backward=self.optimizer_in_backward,
                 host_budget=self.host_capacity,
                 grads_in_device_home=self.grads_in_device_home,
+                grads_in_nvme_home=self.grads_in_nvme_home,
             )
         )
 
@@ -521,6 +524,19 @@ def search_plan(
             )
             search, outcomes = variant, in_home
         errors += in_home_errors
+    if not outcomes and config.precision != "fp32" and config.nvme_path is not None:
+        # [Note: the 14-byte NVMe home]: no 16-byte plan fits; NVMe homes over host states
+        # keep their gradients (2 host bytes per element fewer), searched the same way
+        variant = copy.copy(search)
+        variant.grads_in_nvme_home, variant.reasons = True, list(search.reasons)
+        outcomes, nvme_home_errors = _outcomes(variant, choices)
+        if outcomes:
+            search = variant
+            search.reasons.append(
+                "gradients kept in the NVMe homes over host states (14 bytes per element): the "
+                "16-byte plan does not fit"
+            )
+        errors += nvme_home_errors
     if not outcomes:
         # the smallest plan is that of the activation choice needing least: swapping and
         # recomputing are ways to fit, so a refusal quotes the one that comes closest
@@ -677,6 +693,14 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
         optim_tiers=optim_tiers,
         shard=config.shard,
         grads_in_device_home=search.grads_in_device_home,
+        grads_in_nvme_home=search.grads_in_nvme_home
+        and bool(
+            (
+                table.trainable
+                & (placement.param_tier == TIERS.index("nvme"))
+                & (placement.optim_tier == TIERS.index("host"))
+            ).any()
+        ),
         activation_checkpointing=config.activation_checkpointing,
         activation_policy=best.policy,
         activation_allowance=(

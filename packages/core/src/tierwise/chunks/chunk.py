@@ -179,6 +179,10 @@ class ChunkGroup:
     """Unsharded, trainable, bf16/fp16 (``Plan.grads_in_device_home``): a chunk whose home is on
     the device keeps its gradients there and computes in an rCache block ([Note: the 14-byte
     device home] in ``chunks/payload.py``)."""
+    grads_in_nvme_home: bool = False
+    """Trainable, bf16/fp16 (``Plan.grads_in_nvme_home``): a chunk whose home is on a storage
+    tier and whose optimizer states are in memory keeps its gradients in that home ([Note: the
+    14-byte NVMe home] in ``chunks/payload.py``)."""
 
     @property
     def device_home_cached(self) -> bool:

@@ -76,9 +76,9 @@ data is then 2 bytes (params, then gradients) + 12 (fp32 master, m, v) = 14 byte
     accumulating micro-batch, the norm and the update): measured on nvme/nvme, the same path,
     12.1 bytes of disk traffic per parameter and step for 2 host bytes saved
     (``bench/nvme_bytes_per_param.py``: 8 chunks, 2 micro-batches, clipping,
-    ``grad_disk_bytes_per_param_per_step``), and the host worker's in-backward update and
-    its undo record would read spilled gradients from disk. The search reaches this
-    placement only by moving one chunk's states from NVMe back to host memory, for speed.
+    ``grad_disk_bytes_per_param_per_step``). So 16 bytes stay the default, and a model that
+    misses host memory by those 2 bytes gets the planner-chosen 14-byte variant: [Note: the
+    14-byte NVMe home].
 
 [Note: the 14-byte device home]
 One rank, bf16/fp16, a trainable chunk whose home is on the device: when the 16-byte plan does
@@ -109,6 +109,37 @@ device_home_cached``, ``Chunk.computes_in_home`` False), so its home can hold gr
 The plan asks for it as a whole; a plan asking for it in fp32 (no 2-byte payload to reuse) or
 with chunks replicated over several ranks (their gradients are all-reduced into a shard) is
 refused at layout. Sharded device homes keep their gradients in place anyway.
+
+[Note: the 14-byte NVMe home]
+bf16/fp16, a trainable chunk whose home is on a storage tier (NVMe) and whose optimizer states
+are in host memory: when the 16-byte plan does not fit the host budget, the planners (core's
+for that placement; the search when no 16-byte plan fits) set ``Plan.grads_in_nvme_home`` and
+such a chunk keeps its gradients in its NVMe home (``grads_in_home``; its ``grad`` slab is the
+home), the nvme/nvme path of the Note above with the states in memory. No new path:
+- Backward fills the GRAD_OFFLOAD_BUFFERS host buffers ([Note: active gradient offloading]:
+  ``GradientOffload.offloads`` is true since the ``grad`` slab is on NVMe); what they cannot
+  hold is spilled over the home's region and read back by the next micro-batch, the norm, the
+  overflow check and the update. Loads and ``zero_grad`` cast the host master while the home
+  holds gradients (``home_holds_grads``), a spilled home is rewritten from the master at
+  zero_grad or a skipped step.
+- The update runs after backward, on the engine's thread, from the buffer it borrows
+  (``GradStorage.lend``, read back when spilled), and writes the new parameters over the home
+  once the step committed (host states are updated after the NVMe commit); it gives the buffer
+  back when done (``ChunkUpdates.run``).
+- The speculative redo needs nothing: these chunks never update on the host worker in
+  backward (``Speculation._host_resident``), so no update runs before every check and no undo
+  record holds their gradients. That is the simplest exact choice: an in-backward update would
+  need an undo copy of the gradients (2 bytes per element of host memory, the very bytes the
+  variant exists to save, or a write to the home's region before each update, more disk
+  traffic), and the placement is chosen only when host memory is short, where the host
+  worker's undo copies of the states (12 bytes per element) rarely fit anyway.
+- Cost: host memory holds 12 bytes per trainable element plus the two buffers of the largest
+  shard (the 16-byte plan has no buffers); the disk carries the spilled gradients, written in
+  each micro-batch and read back by the next, by a check and by the update (the search's
+  ``nvme_write_fb``/``nvme_read_fb``/``nvme_read_opt``; ``bench/nvme_bytes_per_param.py
+  --nvme-home-14``), and 16 bytes stay the plan whenever they fit.
+The plan asks for it as a whole; a plan asking for it in fp32 (no 2-byte payload to reuse) is
+refused at layout.
 """
 
 from __future__ import annotations
@@ -177,6 +208,7 @@ def passes_grad_offload(
     optim_tier: str,
     *,
     sharded: bool,
+    grads_in_nvme_home: bool = False,
     addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
 ) -> bool:
     """Whether a chunk's gradients go through the host gradient buffers: its gradient shard (or
@@ -185,7 +217,13 @@ def passes_grad_offload(
     tier-name form of ``GradientOffload.offloads`` / ``stages``."""
     if not spec.trainable:
         return False
-    in_home = spec.grads_in_home(home_tier, optim_tier, sharded=sharded, addressable=addressable)
+    in_home = spec.grads_in_home(
+        home_tier,
+        optim_tier,
+        sharded=sharded,
+        grads_in_nvme_home=grads_in_nvme_home,
+        addressable=addressable,
+    )
     grad_tier = home_tier if in_home else optim_tier
     staged = (
         in_home and home_tier == "device" and (optim_tier == "host" or not addressable(optim_tier))
@@ -200,15 +238,22 @@ def grad_offload_host_bytes(
     param_tier: str,
     optim_tier: str,
     pinned: bool,
+    grads_in_nvme_home: bool = False,
     addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
 ) -> int:
     """``grad_offload_bytes`` for ``chunks`` ((shard elements, trainable, sharded) each, as
-    ``model_data_by_tier`` takes them) placed on ``param_tier`` / ``optim_tier``."""
+    ``model_data_by_tier`` takes them) placed on ``param_tier`` / ``optim_tier``
+    (``grads_in_nvme_home``: the plan's 14-byte NVMe home)."""
     chunks = list(chunks)
     specs = {t: PayloadSpec(precision=precision, trainable=t) for t in (True, False)}
     offloaded = sum(
         passes_grad_offload(
-            specs[trainable], param_tier, optim_tier, sharded=sharded, addressable=addressable
+            specs[trainable],
+            param_tier,
+            optim_tier,
+            sharded=sharded,
+            grads_in_nvme_home=grads_in_nvme_home,
+            addressable=addressable,
         )
         for _, trainable, sharded in chunks
     )
@@ -259,17 +304,19 @@ class PayloadSpec:
         *,
         sharded: bool,
         grads_in_device_home: bool = False,
+        grads_in_nvme_home: bool = False,
         addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
     ) -> bool:
         """Whether a chunk with its parameters on ``home_tier`` (``sharded`` over ranks) and its
         optimizer states on ``optim_tier`` keeps its gradients in its home: [Note: gradients in
         the parameter payload]; ``grads_in_device_home``: an unsharded device home does too,
-        [Note: the 14-byte device home]."""
+        [Note: the 14-byte device home]; ``grads_in_nvme_home``: a storage-tier home over
+        states in memory does too, [Note: the 14-byte NVMe home]."""
         computes_in_home = home_tier == "device" and not (sharded or grads_in_device_home)
         if not self.trainable or self.master_may_be_home or computes_in_home:
             return False
         if addressable(optim_tier):
-            return addressable(home_tier)
+            return addressable(home_tier) or grads_in_nvme_home
         # states on a storage tier: the pipeline reads the gradients from host memory (a host
         # home, or the host buffers an NVMe home's or a device home's gradients go through)
         return True
@@ -339,12 +386,14 @@ class PayloadSpec:
         copies: Callable[[str], int],
         sharded: bool = False,
         grads_in_device_home: bool = False,
+        grads_in_nvme_home: bool = False,
         addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
     ) -> list[tuple[str, int]]:
         """(tier, bytes) of every slab a chunk with a ``shard``-element shard has, in
         allocation order; ``copies(tier)`` is the tier's ``STATE_COPIES``, ``sharded`` whether
         the chunk is sharded over ranks, ``grads_in_device_home`` the plan's 14-byte device
-        home, ``addressable(tier)`` whether a tier's slabs are tensors in memory."""
+        home, ``grads_in_nvme_home`` its 14-byte NVMe home, ``addressable(tier)`` whether a
+        tier's slabs are tensors in memory."""
         sizes = []
         if self.trainable:
             states = [self.slab_bytes(kind, shard) for kind in OPTIM_STATES]
@@ -354,6 +403,7 @@ class PayloadSpec:
                 optim_tier,
                 sharded=sharded,
                 grads_in_device_home=grads_in_device_home,
+                grads_in_nvme_home=grads_in_nvme_home,
                 addressable=addressable,
             ):
                 sizes.append((optim_tier, self.slab_bytes("grad", shard)))
@@ -372,6 +422,7 @@ def model_data_by_tier(
     copies: Callable[[str], int] = lambda tier: 1,
     addressable: Callable[[str], bool] = MEMORY_TIERS.__contains__,
     grads_in_device_home: bool = False,
+    grads_in_nvme_home: bool = False,
 ) -> dict[str, int]:
     """Tier -> bytes of model data (parameters, gradients, optimizer states as stored) that
     ``chunks`` hold with every chunk's parameters on ``param_tier`` and its optimizer states on
@@ -379,7 +430,8 @@ def model_data_by_tier(
     ([Note: payload spec], [Note: gradients in the parameter payload]). ``chunks`` are
     (shard elements, trainable, sharded over ranks) per chunk; ``copies(tier)`` is the tier's
     ``STATE_COPIES`` ([Note: atomic optimizer step]); ``grads_in_device_home``: the plan's
-    14-byte device home ([Note: the 14-byte device home])."""
+    14-byte device home ([Note: the 14-byte device home]); ``grads_in_nvme_home``: its 14-byte
+    NVMe home ([Note: the 14-byte NVMe home])."""
     totals: dict[str, int] = {}
     specs = {
         trainable: PayloadSpec(
@@ -395,6 +447,7 @@ def model_data_by_tier(
             copies=copies,
             sharded=sharded,
             grads_in_device_home=grads_in_device_home,
+            grads_in_nvme_home=grads_in_nvme_home,
             addressable=addressable,
         ):
             totals[tier] = totals.get(tier, 0) + nbytes

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from functools import cache
 
 from tierwise.chunks import first_use_order, pack, sharded_capacity
-from tierwise.chunks.payload import grad_offload_host_bytes, model_data_by_tier
+from tierwise.chunks.payload import MEMORY_TIERS, grad_offload_host_bytes, model_data_by_tier
 from tierwise.config import Config
 from tierwise.hardware import Hardware
 from tierwise.plan import Plan, PlanError, io_buffer_bytes, resolve_policy
@@ -227,10 +227,13 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
     variant_ok = config.precision != "fp32" and bool(unsharded) and max(unsharded) == 1
 
     @cache
-    def model_data(param_tier: str, optim_tier: str, in_home: bool = False) -> dict[str, int]:
+    def model_data(
+        param_tier: str, optim_tier: str, in_home: bool = False, in_nvme_home: bool = False
+    ) -> dict[str, int]:
         """Tier -> model data bytes as setup allocates them ([Note: payload spec], [Note:
-        gradients in the parameter payload], ``in_home``: [Note: the 14-byte device home];
-        Adam moments as stored: [Note: low-bit optimizer states])."""
+        gradients in the parameter payload], ``in_home``: [Note: the 14-byte device home],
+        ``in_nvme_home``: [Note: the 14-byte NVMe home]; Adam moments as stored: [Note:
+        low-bit optimizer states])."""
         return model_data_by_tier(
             chunk_shards,
             precision=config.precision,
@@ -238,6 +241,7 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
             param_tier=param_tier,
             optim_tier=optim_tier,
             grads_in_device_home=in_home,
+            grads_in_nvme_home=in_nvme_home,
         )
 
     # gradients in flight between ranks: a fixed pool, [Note: bounded gradient blocks], and
@@ -357,15 +361,37 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
     )
     largest = max(p.numel for p in profile.params)
     io_bytes = io_buffer_bytes(largest, max(cap for cap, *_ in caps))
-    # what setup puts there: model data and the gradient offload buffers
-    host_data = model_data(param_tier, optim_tier).get("host", 0) + grad_offload_host_bytes(
-        chunk_shards,
-        precision=config.precision,
-        param_tier=param_tier,
-        optim_tier=optim_tier,
-        pinned=hardware.device_type == "cuda",
+
+    def host_need(in_nvme_home: bool) -> int:
+        """What setup puts in host memory: model data and the gradient offload buffers."""
+        data = model_data(param_tier, optim_tier, in_home, in_nvme_home).get("host", 0)
+        return data + grad_offload_host_bytes(
+            chunk_shards,
+            precision=config.precision,
+            param_tier=param_tier,
+            optim_tier=optim_tier,
+            pinned=hardware.device_type == "cuda",
+            grads_in_nvme_home=in_nvme_home,
+        )
+
+    host_data = host_need(False)
+    # [Note: the 14-byte NVMe home]: only when the 16-byte plan misses the host budget
+    in_nvme_home = (
+        config.precision != "fp32"
+        and param_tier not in MEMORY_TIERS
+        and optim_tier == "host"
+        and any(trainable for _, trainable, _ in chunk_shards)
+        and config.host_memory is not None
+        and host_data > config.host_memory
     )
-    _check_host(config, host_data, io_bytes, param_tier, optim_tier, reasons)
+    if in_nvme_home:
+        reasons.append(
+            "gradients kept in the NVMe homes (14 bytes per element, through the host gradient "
+            f"buffers; the 16-byte plan needs {format_bytes(host_data)} of host memory): "
+            "backward spills them over the homes, the update reads them back"
+        )
+        host_data = host_need(True)
+    _check_host(config, host_data, io_bytes, param_tier, optim_tier, reasons, in_nvme_home)
     return Plan(
         chunk_size=chunk_size,
         cache_blocks=cache_blocks,
@@ -374,6 +400,7 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
         optim_tier=optim_tier,
         shard=config.shard,
         grads_in_device_home=in_home,
+        grads_in_nvme_home=in_nvme_home,
         activation_checkpointing=config.activation_checkpointing,
         activation_policy=activation_policy,
         device_allowance=need,
@@ -384,7 +411,13 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
 
 
 def _check_host(
-    config: Config, host_data: int, io_bytes: int, param_tier: str, optim_tier: str, reasons: list
+    config: Config,
+    host_data: int,
+    io_bytes: int,
+    param_tier: str,
+    optim_tier: str,
+    reasons: list,
+    in_nvme_home: bool = False,
 ) -> None:
     """Refuse a plan whose host model data exceeds ``host_memory``. The load/save buffers
     (``Plan.io_buffer_bytes``) are not part of that need: they are taken only while weights
@@ -400,8 +433,10 @@ def _check_host(
         )
     if config.host_memory is None or host_data <= config.host_memory:
         return
+    variant = ", gradients in the NVMe homes" if in_nvme_home else ""
     raise PlanError(
-        f"host memory binds: this plan (params on {param_tier}, optimizer on {optim_tier}) "
+        f"host memory binds: this plan (params on {param_tier}, optimizer on {optim_tier}"
+        f"{variant}) "
         f"needs {format_gib(host_data)} of host memory for model data and gradient buffers, host_memory is "
         f"{format_gib(config.host_memory)}: {format_gib(host_data - config.host_memory)} short; "
         "raise host_memory, or set nvme_path and place model data on NVMe",

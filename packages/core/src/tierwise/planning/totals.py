@@ -24,7 +24,8 @@ def model_data_bytes(
     parameter payload, and the gradients have their own fp32 shard) and Adam m and v stored as
     ``optimizer_states`` (per element, before the padding of int8 blocks in each chunk).
     Placements that keep a separate gradient shard (one device computing in the parameter
-    payload without ``Plan.grads_in_device_home``, an NVMe home with host states) have one
+    payload without ``Plan.grads_in_device_home``, an NVMe home with host states without
+    ``Plan.grads_in_nvme_home``) have one
     more, and NVMe states a second copy: ``model_data_by_tier`` counts those per tier."""
     spec = PayloadSpec(precision=precision, optimizer_states=optimizer_states)
     if spec.master_may_be_home:
@@ -66,6 +67,7 @@ def plan_model_bytes(
                 param_tier=plan.param_tier_of(group, index),
                 optim_tier=plan.optim_tier_of(group, index),
                 grads_in_device_home=plan.grads_in_device_home,  # [Note: the 14-byte device home]
+                grads_in_nvme_home=plan.grads_in_nvme_home,  # [Note: the 14-byte NVMe home]
             )
             for tier, nbytes in by_tier.items():
                 out[tier] = out.get(tier, 0) + nbytes

@@ -204,6 +204,7 @@ def _new_grads_in_home(parts: LayoutParts, group: ChunkGroup, tiers: dict) -> li
             optim,
             sharded=group.sharded,
             grads_in_device_home=group.grads_in_device_home,
+            grads_in_nvme_home=group.grads_in_nvme_home,
             addressable=lambda name: parts.tiers[name].ADDRESSABLE,
         )
         for home, optim in zip(tiers["home"], tiers["master"], strict=True)

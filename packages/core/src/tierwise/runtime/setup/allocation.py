@@ -114,6 +114,7 @@ def payload_sizes(
                 copies=lambda name: tiers[name].STATE_COPIES,  # [Note: atomic optimizer step]
                 sharded=group.sharded,
                 grads_in_device_home=group.grads_in_device_home,
+                grads_in_nvme_home=group.grads_in_nvme_home,
                 addressable=lambda name: tiers[name].ADDRESSABLE,
             )
             for tier, nbytes in slabs:
@@ -145,6 +146,7 @@ def allocate_payloads(
                     optim,
                     sharded=group.sharded,
                     grads_in_device_home=group.grads_in_device_home,
+                    grads_in_nvme_home=group.grads_in_nvme_home,
                     addressable=lambda name: tiers[name].ADDRESSABLE,
                 )
                 kinds = payload.kinds(

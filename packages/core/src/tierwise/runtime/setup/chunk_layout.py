@@ -72,6 +72,12 @@ def layout_groups(
         trainable = first.param.requires_grad
         if plan.grads_in_device_home and trainable:
             _check_grads_in_device_home(group_name, dtype, world, sharded)
+        if plan.grads_in_nvme_home and trainable and dtype == torch.float32:
+            raise ConfigError(  # [Note: the 14-byte NVMe home]
+                "the plan asks for grads_in_nvme_home, which keeps bf16/fp16 gradients in "
+                "their parameter payload; with precision='fp32' the gradients need 4 bytes of "
+                "their own: set grads_in_nvme_home=False or use bf16/fp16"
+            )
         group = ChunkGroup(
             name=group_name,
             pattern_key=first.pattern.key,
@@ -83,6 +89,7 @@ def layout_groups(
             rank=rank,
             sharded=sharded,
             grads_in_device_home=plan.grads_in_device_home and trainable and not sharded,
+            grads_in_nvme_home=plan.grads_in_nvme_home and trainable,
         )
 
         def make_slot(s: SlotSpec) -> ParamSlot:

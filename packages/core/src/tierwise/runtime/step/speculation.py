@@ -168,9 +168,13 @@ class Speculation:
     def _host_resident(self, chunk: Chunk) -> bool:
         """Whether ``chunk``'s update may run on the host worker in backward: its states are in
         host memory, and the compute device is not the CPU (there backward and Adam would
-        share the same cores; "in-backward" forces it): [Note: host updates in backward]."""
+        share the same cores; "in-backward" forces it): [Note: host updates in backward]. Not
+        a chunk whose gradients are in its NVMe home: it updates after backward ([Note: the
+        14-byte NVMe home])."""
         optim = chunk.optim
         if self.host_updates is None or optim is None or optim.tier.name != "host":
+            return False
+        if self.storage.offloads(chunk):
             return False
         return self.device.type != "cpu" or self.config.optimizer_overlap == "in-backward"
 

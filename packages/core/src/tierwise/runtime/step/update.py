@@ -263,7 +263,10 @@ class ChunkUpdates:
             self.submit(pipeline, chunk, update)
         elif optim.tier.ADDRESSABLE:
             self.grad_states.move(chunk, GradState.UPDATING, _OWNER)
-            update([slab.tensor for slab in slabs])
+            try:
+                update([slab.tensor for slab in slabs])
+            finally:  # a lent host buffer goes back ([Note: the 14-byte NVMe home])
+                self.storage.give_back(chunk)
             self.grad_states.move(chunk, GradState.UPDATED, _OWNER)
         else:  # a storage tier without a pipeline: read, update, write in turn
             self.grad_states.move(chunk, GradState.UPDATING, _OWNER)

@@ -279,13 +279,12 @@ def _no_sync_pair(rank, world, room):
     torch.manual_seed(0)
     ref = tiny_model("gpt2")
     ddp = torch.nn.parallel.DistributedDataParallel(ref)
-    for micro in range(4):
-        loss = ddp(**tiny_batch(seed=10 * micro + rank)).loss / 4
+    for micro in range(4):  # DDP decides in forward whether backward reduces: both inside
         if micro < 3:
             with ddp.no_sync():
-                loss.backward()
+                (ddp(**tiny_batch(seed=10 * micro + rank)).loss / 4).backward()
         else:
-            loss.backward()
+            (ddp(**tiny_batch(seed=10 * micro + rank)).loss / 4).backward()
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters(remove_duplicate=False)}
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

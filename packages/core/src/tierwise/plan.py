@@ -187,6 +187,10 @@ class Plan(JsonDataclass):
     """Predicted training tokens per second over all ranks."""
     device_allowance: int | None = None
     """Bytes of model data the compute tier may hold (Invariant 4)."""
+    host_need: int | None = None
+    """Host bytes the plan holds in the host tier through training: host model data, gradient
+    buffers and the storage tiers' host buffers (the figure checked against ``host_memory``);
+    None: the planner did not say."""
     io_buffer_bytes: int | None = None
     """Host bytes that loading pretrained weights into the chunks (``setup(weights=...)``) and
     streaming them out (``save_pretrained``) hold beside the tiers' data, reserved on the host

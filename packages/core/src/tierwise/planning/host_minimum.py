@@ -1,0 +1,67 @@
+"""The least host budget that plans, when what a plan holds in host memory grows with the budget.
+
+[Note: the stated host minimum is a fixed point]
+A storage tier sizes its own host buffers against ``host_memory`` (the NVMe tier's staged-read
+pool and optimizer pipeline take up to HOST_FRACTION of it, never less than their floor), so the
+host need a planner states at a small budget can be short of what planning at that very budget
+needs: at 1 byte the pools are at their floor and the refusal named 4.38 MiB; at 4.38 MiB they
+are larger and planning asked for 4.55 MiB. A refusal must name a budget that plans, so the
+planners restate it as the least fixed point: starting from the refusal's need, plan again at
+the need until planning there needs no more than the budget. The need never shrinks as the
+budget grows (the pools only grow), so this climbs from below and stops at the least budget
+that plans, not at some larger one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tierwise.plan import Plan, PlanError
+from tierwise.units import format_gib
+
+MAX_ROUNDS = 64
+"""Plans tried at most: the pools have a bounded number of sizes (buffers up to the disk's
+queue depth, a read-ahead of at most a few chunks), so the climb ends well before this."""
+
+
+def least_host_budget(plan_at: Callable[[int], Plan], start: int, *, extra: int = 0) -> int:
+    """The least budget from ``start`` up at which ``plan_at(budget)`` (planning with that host
+    budget) needs at most the budget: its ``Plan.host_need`` plus ``extra``, or the need of a
+    host refusal plus ``extra``. Stops at the first budget whose planning fails on another tier.
+    """
+    budget = start
+    for _ in range(MAX_ROUNDS):
+        try:
+            plan = plan_at(budget)
+        except PlanError as err:
+            if err.tier != "host" or err.need is None:
+                return budget
+            need = err.need + extra
+        else:
+            need = (plan.host_need or 0) + extra
+        if need <= budget:
+            return budget
+        budget = need
+    raise PlanError(
+        f"planning with host_memory {format_gib(start)} and up needed more host memory each "
+        f"time, {MAX_ROUNDS} times (last asked {format_gib(budget)}): the storage tiers' host "
+        "buffers do not settle; set host_memory well above that, or report this"
+    )
+
+
+def restated(err: PlanError, budget: int) -> PlanError:
+    """``err`` (a host refusal) naming ``budget``, the least host budget that plans, as its need
+    when that is above what it named ([Note: the stated host minimum is a fixed point])."""
+    if err.need is None or budget <= err.need:
+        return err
+    return PlanError(
+        f"{err} to at least {format_gib(budget)} (at host_memory {format_gib(err.need)} the "
+        "storage tiers' host buffers, sized against host_memory, are larger: the least "
+        f"host_memory that plans is {format_gib(budget)})",
+        tier="host",
+        need=budget,
+        limit=err.limit,
+    )
+
+
+__all__ = ["MAX_ROUNDS", "least_host_budget", "restated"]

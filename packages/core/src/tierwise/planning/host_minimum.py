@@ -1,4 +1,5 @@
-"""The least host budget that plans, when what a plan holds in host memory grows with the budget.
+"""What a plan holds in host memory beside its model data, and the least host budget that plans
+when that grows with the budget.
 
 [Note: the stated host minimum is a fixed point]
 A storage tier sizes its own host buffers against ``host_memory`` (the NVMe tier's staged-read
@@ -18,6 +19,23 @@ from collections.abc import Callable
 
 from tierwise.plan import Plan, PlanError
 from tierwise.units import format_gib
+
+
+def storage_tier_host_bytes(
+    tier_class: type | None, config, optimizer_buffer_bytes: int = 0, *, transfer_bytes: int = 0
+) -> int:
+    """Host bytes a storage tier of ``tier_class`` made with ``config`` holds in its own buffers
+    when its transfers move at most ``transfer_bytes`` and, with ``optimizer_buffer_bytes``, its
+    optimizer pipeline's buffers are that large: the tier's ``planned_host_buffer_bytes``, the
+    figure setup reserves in the host tier ([Note: storage tiers' host buffers]); 0 for a class
+    without host buffers (or None). Both planners count them with this."""
+    planned = getattr(tier_class, "planned_host_buffer_bytes", None)
+    if planned is None:
+        return 0
+    return planned(
+        config, optimizer_buffer_bytes=optimizer_buffer_bytes, transfer_bytes=transfer_bytes
+    )
+
 
 MAX_ROUNDS = 64
 """Plans tried at most: the pools have a bounded number of sizes (buffers up to the disk's
@@ -64,4 +82,4 @@ def restated(err: PlanError, budget: int) -> PlanError:
     )
 
 
-__all__ = ["MAX_ROUNDS", "least_host_budget", "restated"]
+__all__ = ["MAX_ROUNDS", "least_host_budget", "restated", "storage_tier_host_bytes"]

@@ -8,17 +8,19 @@ touches plus ``prefetch`` blocks, grown while the budget allows.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from functools import cache
 
 from tierwise.chunks import first_use_order, pack, sharded_capacity
 from tierwise.chunks.payload import grad_offload_host_bytes, model_data_by_tier
 from tierwise.config import Config
 from tierwise.hardware import Hardware
-from tierwise.plan import Plan, PlanError, io_buffer_bytes, resolve_policy
+from tierwise.plan import Plan, PlanError, io_buffer_bytes, resolve_policy, swap_target
 from tierwise.planning.activation_peak import activation_peak
 from tierwise.planning.cache_minimum import min_cache_blocks, recompute_blocks
 from tierwise.planning.chunk_size import auto_chunk_sizes
+from tierwise.planning.host_minimum import least_host_budget, restated, storage_tier_host_bytes
 from tierwise.precision import PARAM_BYTES
 from tierwise.profile import Profile, activation_blocks
 from tierwise.units import format_bytes, format_gib
@@ -184,21 +186,53 @@ def _auto_activations(
     return budget, {b: "keep" for b in blocks}
 
 
-def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Plan:
+def default_plan(
+    *,
+    profile: Profile,
+    hardware: Hardware,
+    config: Config,
+    tier_classes: Mapping[str, type] | None = None,
+) -> Plan:
     """The plan at ``config.chunk_size``; for "auto", at the first of ``auto_chunk_sizes_of``
-    whose plan fits the budgets (when none does, the error at the last: the aim)."""
+    whose plan fits the budgets (when none does, the error at the last: the aim).
+    ``tier_classes`` (the plugin host's, by name): the storage tiers whose own host buffers the
+    host need counts ([Note: storage tiers' host buffers]); None counts none. A host refusal
+    names the least host budget that plans ([Note: the stated host minimum is a fixed point])."""
+    try:
+        return _plan_sizes(profile, hardware, config, tier_classes or {})
+    except PlanError as err:
+        if err.tier != "host" or err.need is None or config.host_memory is None:
+            raise
+        budget = least_host_budget(
+            lambda need: _plan_sizes(
+                profile, hardware, replace(config, host_memory=need), tier_classes or {}
+            ),
+            err.need,
+        )
+        raise restated(err, budget) from None
+
+
+def _plan_sizes(
+    profile: Profile, hardware: Hardware, config: Config, tier_classes: Mapping[str, type]
+) -> Plan:
     if isinstance(config.chunk_size, int):
-        return _plan_at(profile, hardware, config, config.chunk_size)
+        return _plan_at(profile, hardware, config, config.chunk_size, tier_classes)
     sizes = auto_chunk_sizes_of(profile)
     for chunk_size in sizes[:-1]:
         try:
-            return _plan_at(profile, hardware, config, chunk_size)
+            return _plan_at(profile, hardware, config, chunk_size, tier_classes)
         except PlanError:
             continue  # a lean size that does not fit: try the next
-    return _plan_at(profile, hardware, config, sizes[-1])
+    return _plan_at(profile, hardware, config, sizes[-1], tier_classes)
 
 
-def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: int) -> Plan:
+def _plan_at(
+    profile: Profile,
+    hardware: Hardware,
+    config: Config,
+    chunk_size: int,
+    tier_classes: Mapping[str, type],
+) -> Plan:
     lc = PARAM_BYTES[config.precision]
     layout = _layout(profile, chunk_size)
     dp_size = {
@@ -356,7 +390,8 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
     )
     largest = max(p.numel for p in profile.params)
     io_bytes = io_buffer_bytes(largest, max(cap for cap, *_ in caps))
-    # what setup puts there: model data and the gradient offload buffers
+    # what setup puts there: model data, the gradient offload buffers and the storage tiers'
+    # own host buffers, sized as setup sizes them (reserve_storage_buffers)
     host_data = model_data(param_tier, optim_tier).get("host", 0) + grad_offload_host_bytes(
         chunk_shards,
         precision=config.precision,
@@ -364,6 +399,18 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
         optim_tier=optim_tier,
         pinned=hardware.device_type == "cuda",
     )
+    widest = 4 * (block_bytes // lc)  # the largest chunk in fp32: the widest transfer
+    shard_bytes = 4 * max((shard for shard, *_ in chunk_shards), default=0)
+    holds_states = {optim_tier} if any(t for _, t, _ in chunk_shards) else set()
+    actions = {*planned_policy(profile, config).values(), *activation_policy.values()}
+    swaps = {swap_target(action) for action in actions} - {None}
+    for tier in sorted(({param_tier, optim_tier} | swaps) - {"device", "host"}):
+        host_data += storage_tier_host_bytes(
+            tier_classes.get(tier),
+            config,
+            shard_bytes if tier in holds_states else 0,
+            transfer_bytes=widest,
+        )
     _check_host(config, host_data, io_bytes, param_tier, optim_tier, reasons)
     return Plan(
         chunk_size=chunk_size,
@@ -376,6 +423,7 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
         activation_checkpointing=config.activation_checkpointing,
         activation_policy=activation_policy,
         device_allowance=need,
+        host_need=host_data,
         io_buffer_bytes=io_bytes,
         planner="core",
         reasons=reasons,
@@ -401,7 +449,8 @@ def _check_host(
         return
     raise PlanError(
         f"host memory binds: this plan (params on {param_tier}, optimizer on {optim_tier}) "
-        f"needs {format_gib(host_data)} of host memory for model data and gradient buffers, host_memory is "
+        f"needs {format_gib(host_data)} of host memory for model data, gradient buffers and storage "
+        f"tiers' host buffers, host_memory is "
         f"{format_gib(config.host_memory)}: {format_gib(host_data - config.host_memory)} short; "
         "raise host_memory, or set nvme_path and place model data on NVMe",
         tier="host",

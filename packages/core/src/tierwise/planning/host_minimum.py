@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tierwise.plan import Plan, PlanError
+from tierwise.plan import Plan, PlanError, load_buffer_minimum
 from tierwise.units import format_gib
 
 
@@ -67,6 +67,45 @@ def least_host_budget(plan_at: Callable[[int], Plan], start: int, *, extra: int 
     )
 
 
+def check_weight_load(
+    plan: Plan,
+    host_memory: int | None,
+    *,
+    largest_numel: int,
+    itemsize: int,
+    plan_at: Callable[[int], Plan],
+) -> None:
+    """[Note: the weight load checked at plan time]
+    The load buffers are not held through training ([Note: load/save buffers are not held
+    through training] in tierwise.plan), but loading pretrained weights takes them beside
+    everything the plan holds in the host tier, down to their minimum (``load_buffer_minimum``,
+    the loader's own figure). So a run that loads weights checks, right after planning and
+    before any model data is built, that ``plan.host_need`` plus that minimum fits
+    ``host_memory``, and otherwise refuses naming the least budget at which it does (planning
+    again there: the storage tiers' buffers grow with the budget, [Note: the stated host minimum
+    is a fixed point]). ``plan_at(budget)`` plans with that host budget; ``itemsize``: bytes per
+    element of the compute precision. Setup calls this for ``setup(weights=...)`` (and so
+    ``tierwise train --from-pretrained``), ``tierwise plan`` for ``--load-weights``."""
+    if host_memory is None or plan.host_need is None or plan.io_buffer_bytes is None:
+        return
+    least = load_buffer_minimum(plan.io_buffer_bytes, largest_numel, itemsize)
+    need = plan.host_need + least
+    if need <= host_memory:
+        return
+    budget = least_host_budget(plan_at, need, extra=least)
+    raise PlanError(
+        f"host memory binds while weights load: loading pretrained weights needs "
+        f"{format_gib(least)} of load buffers (two pieces of the largest parameter, or the "
+        f"whole load/save buffers when smaller) beside the {format_gib(plan.host_need)} this "
+        f"plan holds in host memory, {format_gib(need)} in all; host_memory is "
+        f"{format_gib(host_memory)}: {format_gib(need - host_memory)} short; raise host_memory "
+        f"to at least {format_gib(budget)}, or place more model data on NVMe",
+        tier="host",
+        need=budget,
+        limit=host_memory,
+    )
+
+
 def restated(err: PlanError, budget: int) -> PlanError:
     """``err`` (a host refusal) naming ``budget``, the least host budget that plans, as its need
     when that is above what it named ([Note: the stated host minimum is a fixed point])."""
@@ -82,4 +121,10 @@ def restated(err: PlanError, budget: int) -> PlanError:
     )
 
 
-__all__ = ["MAX_ROUNDS", "least_host_budget", "restated", "storage_tier_host_bytes"]
+__all__ = [
+    "MAX_ROUNDS",
+    "check_weight_load",
+    "least_host_budget",
+    "restated",
+    "storage_tier_host_bytes",
+]

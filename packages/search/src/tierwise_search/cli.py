@@ -98,6 +98,13 @@ def add_plan_command(subparsers) -> None:
         help="comma-separated module names LoRA adapts (e.g. q_proj,v_proj); default: PEFT's "
         "choice for the model type",
     )
+    parser.add_argument(
+        "--load-weights",
+        action="store_true",
+        help="the run loads pretrained weights (tierwise train --from-pretrained, "
+        "setup(weights=...)): refuse a host budget without room for the load buffers' minimum "
+        "beside the plan's host data, as setup does",
+    )
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     parser.add_argument(
         "--clip",
@@ -277,7 +284,11 @@ def run_validation(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from tierwise.planning.host_minimum import check_weight_load
     from tierwise.planning.totals import plan_totals
+    from tierwise.precision import PARAM_BYTES
     from tierwise.target import target_hardware
 
     from tierwise_search.remedies import remedies
@@ -321,6 +332,21 @@ def run_plan(args: argparse.Namespace) -> int:
                 clipping=args.clip,
                 rollback_rate=args.rollback_rate,
             )
+            if args.load_weights:  # [Note: the weight load checked at plan time], as setup
+                fill_io_buffer_bytes(plan, profile)
+                check_weight_load(
+                    plan,
+                    config.host_memory,
+                    largest_numel=max((p.numel for p in profile.params), default=0),
+                    itemsize=PARAM_BYTES[args.precision],
+                    plan_at=lambda budget: search_plan(
+                        profile,
+                        target.hardware,
+                        replace(config, host_memory=budget),
+                        clipping=args.clip,
+                        rollback_rate=args.rollback_rate,
+                    ),
+                )
         except PlanError as err:
             print(f"tierwise plan: {name_flags(str(err), PLAN_FLAGS)}", file=sys.stderr)
             for line in remedies(args, target.hardware, err):

@@ -48,6 +48,10 @@ def test_the_plan_refuses_a_budget_without_room_for_the_weight_load(tmp_path):
     engine.close()
     loader_need = held + min(wanted, 2 * largest * 12)
 
+    with pytest.raises(PlanError) as info:  # training does not fit either: the same need
+        _setup(host_memory=1, weights=folder)
+    assert (info.value.tier, info.value.need) == ("host", loader_need)
+    assert "least host_memory that plans and loads" in str(info.value)
     with pytest.raises(PlanError) as info:  # training fits here: only the load does not
         _setup(host_memory=loader_need - 1, weights=folder)
     err = info.value

@@ -9,7 +9,7 @@ import sys
 
 from tierwise.config import REDUCE_ORDERS, Config, ConfigError, config_flags, name_flags
 from tierwise.hardware import HardwareError
-from tierwise.plan import PlanError, fill_io_buffer_bytes
+from tierwise.plan import Plan, PlanError, fill_io_buffer_bytes
 from tierwise.units import parse_bytes
 
 
@@ -286,7 +286,7 @@ def run_validation(args: argparse.Namespace) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from tierwise.planning.host_minimum import check_weight_load
+    from tierwise.planning.host_minimum import plan_for_weight_load
     from tierwise.planning.totals import plan_totals
     from tierwise.precision import PARAM_BYTES
     from tierwise.target import target_hardware
@@ -324,29 +324,28 @@ def run_plan(args: argparse.Namespace) -> int:
         )
         config = plan_config(args, target.hardware.device_type)
         profile = plan_profile(args, config)
-        try:
+
+        def plan_at(budget: int | None) -> Plan:
             plan = search_plan(
                 profile,
                 target.hardware,
-                config,
+                replace(config, host_memory=budget),
                 clipping=args.clip,
                 rollback_rate=args.rollback_rate,
             )
+            fill_io_buffer_bytes(plan, profile)
+            return plan
+
+        try:
             if args.load_weights:  # [Note: the weight load checked at plan time], as setup
-                fill_io_buffer_bytes(plan, profile)
-                check_weight_load(
-                    plan,
+                plan = plan_for_weight_load(
+                    plan_at,
                     config.host_memory,
                     largest_numel=max((p.numel for p in profile.params), default=0),
                     itemsize=PARAM_BYTES[args.precision],
-                    plan_at=lambda budget: search_plan(
-                        profile,
-                        target.hardware,
-                        replace(config, host_memory=budget),
-                        clipping=args.clip,
-                        rollback_rate=args.rollback_rate,
-                    ),
                 )
+            else:
+                plan = plan_at(config.host_memory)
         except PlanError as err:
             print(f"tierwise plan: {name_flags(str(err), PLAN_FLAGS)}", file=sys.stderr)
             for line in remedies(args, target.hardware, err):

@@ -42,10 +42,12 @@ MAX_ROUNDS = 64
 queue depth, a read-ahead of at most a few chunks), so the climb ends well before this."""
 
 
-def least_host_budget(plan_at: Callable[[int], Plan], start: int, *, extra: int = 0) -> int:
+def least_host_budget(
+    plan_at: Callable[[int], Plan], start: int, *, extra: Callable[[Plan], int] | None = None
+) -> int:
     """The least budget from ``start`` up at which ``plan_at(budget)`` (planning with that host
-    budget) needs at most the budget: its ``Plan.host_need`` plus ``extra``, or the need of a
-    host refusal plus ``extra``. Stops at the first budget whose planning fails on another tier.
+    budget) needs at most the budget: its ``Plan.host_need`` plus ``extra(plan)`` (0 without),
+    or a host refusal's need. Stops at the first budget whose planning fails on another tier.
     """
     budget = start
     for _ in range(MAX_ROUNDS):
@@ -54,9 +56,9 @@ def least_host_budget(plan_at: Callable[[int], Plan], start: int, *, extra: int 
         except PlanError as err:
             if err.tier != "host" or err.need is None:
                 return budget
-            need = err.need + extra
+            need = err.need
         else:
-            need = (plan.host_need or 0) + extra
+            need = (plan.host_need or 0) + (extra(plan) if extra is not None else 0)
         if need <= budget:
             return budget
         budget = need
@@ -67,39 +69,55 @@ def least_host_budget(plan_at: Callable[[int], Plan], start: int, *, extra: int 
     )
 
 
-def check_weight_load(
-    plan: Plan,
+def plan_for_weight_load(
+    plan_at: Callable[[int | None], Plan],
     host_memory: int | None,
     *,
     largest_numel: int,
     itemsize: int,
-    plan_at: Callable[[int], Plan],
-) -> None:
+) -> Plan:
     """[Note: the weight load checked at plan time]
     The load buffers are not held through training ([Note: load/save buffers are not held
     through training] in tierwise.plan), but loading pretrained weights takes them beside
     everything the plan holds in the host tier, down to their minimum (``load_buffer_minimum``,
-    the loader's own figure). So a run that loads weights checks, right after planning and
-    before any model data is built, that ``plan.host_need`` plus that minimum fits
-    ``host_memory``, and otherwise refuses naming the least budget at which it does (planning
-    again there: the storage tiers' buffers grow with the budget, [Note: the stated host minimum
-    is a fixed point]). ``plan_at(budget)`` plans with that host budget; ``itemsize``: bytes per
-    element of the compute precision. Setup calls this for ``setup(weights=...)`` (and so
-    ``tierwise train --from-pretrained``), ``tierwise plan`` for ``--load-weights``."""
-    if host_memory is None or plan.host_need is None or plan.io_buffer_bytes is None:
-        return
-    least = load_buffer_minimum(plan.io_buffer_bytes, largest_numel, itemsize)
-    need = plan.host_need + least
+    the loader's own figure). So a run that loads weights plans (``plan_at(host_memory)``) and,
+    before any model data is built, checks that ``Plan.host_need`` plus that minimum fits
+    ``host_memory``. A refusal, the planner's or this one, names the least budget at which
+    planning again leaves that room (the storage tiers' buffers grow with the budget, and a
+    search may fill a larger budget with model data: [Note: the stated host minimum is a fixed
+    point]). ``itemsize``: bytes per element of the compute precision. Setup does this for
+    ``setup(weights=...)`` (so ``tierwise train --from-pretrained``), ``tierwise plan`` for
+    ``--load-weights``."""
+
+    def least(plan: Plan) -> int:
+        return load_buffer_minimum(plan.io_buffer_bytes or 0, largest_numel, itemsize)
+
+    try:
+        plan = plan_at(host_memory)
+    except PlanError as err:
+        if err.tier != "host" or err.need is None or host_memory is None:
+            raise
+        budget = least_host_budget(plan_at, err.need, extra=least)
+        raise PlanError(
+            f"{err}; loading pretrained weights also needs its load buffers beside that: the "
+            f"least host_memory that plans and loads is {format_gib(budget)}",
+            tier="host",
+            need=budget,
+            limit=host_memory,
+        ) from None
+    if host_memory is None or plan.host_need is None:
+        return plan
+    need = plan.host_need + least(plan)
     if need <= host_memory:
-        return
+        return plan
     budget = least_host_budget(plan_at, need, extra=least)
     raise PlanError(
         f"host memory binds while weights load: loading pretrained weights needs "
-        f"{format_gib(least)} of load buffers (two pieces of the largest parameter, or the "
-        f"whole load/save buffers when smaller) beside the {format_gib(plan.host_need)} this "
-        f"plan holds in host memory, {format_gib(need)} in all; host_memory is "
+        f"{format_gib(least(plan))} of load buffers (two pieces of the largest parameter, or "
+        f"the whole load/save buffers when smaller) beside the {format_gib(plan.host_need)} "
+        f"this plan holds in host memory, {format_gib(need)} in all; host_memory is "
         f"{format_gib(host_memory)}: {format_gib(need - host_memory)} short; raise host_memory "
-        f"to at least {format_gib(budget)}, or place more model data on NVMe",
+        f"to at least {format_gib(budget)}",
         tier="host",
         need=budget,
         limit=host_memory,
@@ -123,7 +141,7 @@ def restated(err: PlanError, budget: int) -> PlanError:
 
 __all__ = [
     "MAX_ROUNDS",
-    "check_weight_load",
+    "plan_for_weight_load",
     "least_host_budget",
     "restated",
     "storage_tier_host_bytes",

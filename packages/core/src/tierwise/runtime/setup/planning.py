@@ -13,7 +13,7 @@ from tierwise.config import Config, ConfigError
 from tierwise.hardware import Hardware
 from tierwise.hf_compat import hf_checkpointing_enabled
 from tierwise.plan import Plan, swap_target
-from tierwise.planning.host_minimum import check_weight_load
+from tierwise.planning.host_minimum import plan_for_weight_load
 from tierwise.plugins import PluginHost
 from tierwise.precision import PARAM_BYTES
 from tierwise.runtime.activations.policy import find_blocks, resolve_policy
@@ -51,19 +51,20 @@ def make_plan(
     for the load buffers ([Note: the weight load checked at plan time])."""
     hardware = Hardware(**host.probe_hardware(config=config))
     profile = profiled.profile
-    plan = host.make_plan(profile=profile, hardware=hardware, config=config)
+
+    def plan_at(budget: int | None) -> Plan:
+        changed = dataclasses.replace(config, host_memory=budget)
+        return host.make_plan(profile=profile, hardware=hardware, config=changed)
+
     if loads_weights:
-        check_weight_load(
-            plan,
+        plan = plan_for_weight_load(
+            plan_at,
             config.host_memory,
             largest_numel=max((p.numel for p in profile.params), default=0),
             itemsize=PARAM_BYTES[config.precision],
-            plan_at=lambda budget: host.make_plan(
-                profile=profile,
-                hardware=hardware,
-                config=dataclasses.replace(config, host_memory=budget),
-            ),
         )
+    else:
+        plan = host.make_plan(profile=profile, hardware=hardware, config=config)
     plan.check_tiers(host.tier_classes())
     # the plan is what runs: a planner may choose checkpointing, and Config's request stands
     plan.activation_checkpointing = plan.activation_checkpointing or config.activation_checkpointing

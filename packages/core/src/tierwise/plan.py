@@ -133,14 +133,15 @@ def io_buffer_bytes(largest_numel: int, chunk_numel: int) -> int:
 
 
 def load_buffer_minimum(
-    wanted: int, largest_numel: int, itemsize: int, *, piece: int = LOAD_PIECE
+    wanted: int, largest_numel: int, itemsize: int, *, piece: int | None = None
 ) -> int:
     """The least host bytes loading pretrained weights runs in ([Note: load buffers fit the room
     left] in tierwise.runtime.setup.weight_fill): two pieces of ``piece`` elements of the
     largest parameter (``largest_numel``), each the values read, the fp32 master's copy and the
     home's copy at ``itemsize`` bytes, or the whole buffers (``wanted``, ``Plan.io_buffer_bytes``)
     when smaller. The loader and the plan-time check ([Note: the weight load checked at plan
-    time] in tierwise.planning.host_minimum) both use this."""
+    time] in tierwise.planning.host_minimum) both use this; ``piece`` None: LOAD_PIECE."""
+    piece = LOAD_PIECE if piece is None else piece
     return min(wanted, 2 * min(piece, largest_numel) * (4 + 4 + itemsize))
 
 

@@ -109,12 +109,15 @@ def profile_min_blocks(profile: Profile, chunk_of: dict, *, recompute: bool) -> 
     return min_cache_blocks(profile.module_params, chunk_of, recompute=blocks, forward_order=traced)
 
 
-def _min_blocks(profile: Profile, layout, config: Config) -> int:
-    """Most chunks pinned at one moment, every chunk in the rCache ([Note: the rCache minimum])."""
+def _min_blocks(profile: Profile, layout, config: Config, *, trainable_only: bool = False) -> int:
+    """Most chunks pinned at one moment, every chunk in the rCache ([Note: the rCache minimum]);
+    ``trainable_only``: only the trainable chunks go through it (device homes under the 14-byte
+    variant, where frozen device homes compute in place: [Note: the 14-byte device home])."""
     chunk_of = {
         name: (group, i)
         for group, chunks in layout.items()
-        for i, (_, _, names) in enumerate(chunks)
+        for i, (_, trainable, names) in enumerate(chunks)
+        if trainable or not trainable_only
         for name in names
     }
     return max(1, profile_min_blocks(profile, chunk_of, recompute=may_recompute(config)))
@@ -281,6 +284,9 @@ def _plan_at(
     if reduced and config.reduce_order == "rank":
         staging_bytes += receive_block_numel(reduced) * lc
     min_blocks = _min_blocks(profile, layout, config)
+    # the 14-byte variant caches the trainable device homes only
+    n_trainable = sum(1 for _, trainable, *_ in caps if trainable)
+    in_home_min_blocks = _min_blocks(profile, layout, config, trainable_only=True)
 
     reasons = []
 
@@ -294,6 +300,8 @@ def _plan_at(
     def blocks_for(param_tier: str, in_home: bool = False) -> int:
         if param_tier == "device" and not in_home:  # sharded: keep every gathered one (ZeRO-2)
             return n_sharded
+        if in_home:
+            return min(n_trainable, in_home_min_blocks + config.prefetch)
         return min(n_chunks, min_blocks + config.prefetch)
 
     def budget_for(activation_bytes: int) -> int | None:
@@ -341,6 +349,10 @@ def _plan_at(
         if fits(p_tier, o_tier, blocks, in_home):
             break
     param_tier, optim_tier = p_tier, o_tier
+    # the chunks that go through the rCache under the variant: the trainable ones
+    least_blocks, cacheable = (
+        (in_home_min_blocks, n_trainable) if in_home else (min_blocks, n_chunks)
+    )
     if not (forced_p and forced_o):
         reasons.append(
             f"model data {format_bytes(sum(model_data(param_tier, optim_tier, in_home).values()))}"
@@ -363,10 +375,10 @@ def _plan_at(
         while cache_blocks > 0 and not fits(param_tier, optim_tier, cache_blocks, in_home):
             cache_blocks -= 1
         if param_tier != "device" or n_sharded or in_home:
-            cache_blocks = max(cache_blocks, min_blocks)
-            if budget is not None and cache_blocks < n_chunks:
+            cache_blocks = max(cache_blocks, least_blocks)
+            if budget is not None and cache_blocks < cacheable:
                 spare = budget - device_need(param_tier, optim_tier, cache_blocks, in_home)
-                cache_blocks = min(n_chunks, cache_blocks + max(0, spare // block_bytes))
+                cache_blocks = min(cacheable, cache_blocks + max(0, spare // block_bytes))
     need = device_need(param_tier, optim_tier, cache_blocks, in_home)
     if budget is not None and need > budget:
         raise _device_binds(
@@ -376,7 +388,7 @@ def _plan_at(
             optim_tier=optim_tier,
             cache_blocks=cache_blocks,
             forced_blocks=forced_blocks,
-            min_blocks=min_blocks,
+            min_blocks=least_blocks,
             staging_blocks=staging_blocks,
             block_bytes=block_bytes,
             smallest=lambda blocks: device_need(
@@ -385,7 +397,7 @@ def _plan_at(
             smallest_tiers=(forced_p or "host", forced_o or "host"),
         )
     reasons.append(
-        f"{cache_blocks} rCache blocks of {chunk_size:,} elements (at most {min_blocks} "
+        f"{cache_blocks} rCache blocks of {chunk_size:,} elements (at most {least_blocks} "
         f"chunks are in use at once; prefetch {config.prefetch})"
     )
     largest = max(p.numel for p in profile.params)

@@ -1,6 +1,8 @@
-"""[PLAN36 item 4, in part] An engine built at the minimum budget the planner states (the
-``need`` of its refusal one byte below) trains 2 steps with no ``TierBudgetError``: the plan
-counts what the runtime allocates, for the placements below. With every plugin installed (the
+"""[PLAN36 item 4, in part; FIXPT] An engine built at the minimum budget the planner states (the
+``need`` of its refusal at a budget of 1 byte) trains 2 steps with no ``TierBudgetError``, and
+one byte less is refused: the stated minimum is the least budget that plans ([Note: the stated
+host minimum is a fixed point]: with NVMe states the NVMe tier's host buffers grow with
+``host_memory``, so the first refusal used to name 4.38 MiB and planning there asked 4.55 MiB). With every plugin installed (the
 search plugin answers, as ``tierwise train`` installs it): ``combined``, [Note: one env per
 test]."""
 
@@ -40,17 +42,7 @@ def _minimum(tier: str, **config) -> int:
     [
         ("device", dict(precision="fp32")),
         ("device", dict(precision="bf16")),
-        pytest.param(
-            "host",
-            dict(precision="fp32", param_placement="host", optimizer_placement="nvme"),
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=PlanError,
-                reason="found by this test (PLAN36, s6): the search's refusal at host_memory=1 "
-                "names 4.34 MiB, and at 4.34 MiB it asks 4.51 MiB (the NVMe pools are sized "
-                "against host_memory, so the stated minimum is not a fixed point)",
-            ),
-        ),
+        ("host", dict(precision="fp32", param_placement="host", optimizer_placement="nvme")),
         ("host", dict(precision="bf16", param_placement="host", optimizer_placement="host")),
     ],
     ids=["device-fp32", "device-bf16", "host-fp32-nvme-states", "host-bf16"],
@@ -59,6 +51,9 @@ def test_an_engine_at_the_planned_minimum_trains(nvme_dir, tier, config):
     if config.get("optimizer_placement") == "nvme":
         config = {**config, "nvme_path": str(nvme_dir)}
     need = _minimum(tier, **config)
+    with pytest.raises(PlanError) as below:
+        _setup(**{f"{tier}_memory": need - 1}, **config)
+    assert below.value.tier == tier and below.value.need == need
     model, opt = _setup(**{f"{tier}_memory": need}, **config)
     engine = tierwise.engine_of(model)
     try:

@@ -199,3 +199,29 @@ def test_plan_with_rank_order_reduction_counts_its_receive_block(run_plan, confi
     # most chunk_size elements
     extra = rank.device_allowance - fast.device_allowance
     assert 0 < extra <= rank.chunk_size * 2 and extra % (4 * 2) == 0  # bf16
+
+
+def test_plan_command_refuses_a_budget_without_room_for_the_weight_load(run_plan, config_json):
+    """``--load-weights``: the refusal setup(weights=...) gives ([Note: the weight load checked
+    at plan time]) at a budget one byte under the plan's host data plus the loader's least
+    buffers; that budget plans."""
+    from tierwise.units import format_gib
+
+    base = ("--model", str(config_json), "--seq", "16", "--device", "cpu", "--precision", "fp32")
+    forced = ("--param-placement", "host", "--optimizer-placement", "host")
+    code, out, err = run_plan(*base, *forced, "--host-memory", "1GiB", "--json")
+    assert code == 0, err
+    plan = Plan.from_dict(json.loads(out)["plan"])
+    largest = max(p.numel() for p in plan_profile_params(config_json))
+    need = plan.host_need + min(plan.io_buffer_bytes, 2 * largest * (4 + 4 + 4))
+    assert plan.host_need < need  # training alone fits one byte under it
+    code, out, err = run_plan(*base, *forced, "--host-memory", str(need - 1))
+    assert code == 0, err  # without --load-weights the training plan is all that is checked
+    code, out, err = run_plan(*base, *forced, "--load-weights", "--host-memory", str(need - 1))
+    assert code == 2
+    assert "host memory binds while weights load" in err
+    assert f"raise host_memory to at least {format_gib(need)}" in err.replace(
+        "--host-memory", "host_memory"
+    )
+    code, out, err = run_plan(*base, *forced, "--load-weights", "--host-memory", str(need))
+    assert code == 0, err

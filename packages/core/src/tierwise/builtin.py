@@ -28,10 +28,14 @@ def tierwise_register_parallel_patterns() -> list[type]:
 
 
 @hookimpl(trylast=True)
-def tierwise_make_plan(profile: Profile, hardware: Hardware, config: Config) -> Plan | None:
+def tierwise_make_plan(
+    profile: Profile, hardware: Hardware, config: Config, tier_classes: dict[str, type]
+) -> Plan | None:
     from tierwise.planning.planner import default_plan
 
-    return default_plan(profile=profile, hardware=hardware, config=config)
+    return default_plan(
+        profile=profile, hardware=hardware, config=config, tier_classes=tier_classes
+    )
 
 
 @hookimpl(tryfirst=True)

@@ -76,11 +76,15 @@ def tierwise_profile_model(
 
 
 @hookspec(firstresult=True)
-def tierwise_make_plan(profile: Profile, hardware: Hardware, config: Config) -> Plan | None:
+def tierwise_make_plan(
+    profile: Profile, hardware: Hardware, config: Config, tier_classes: dict[str, type]
+) -> Plan | None:
     """Choose a plan (chunk size, cache blocks, per-chunk tiers, activation policy).
 
     Params: ``profile`` what the model does; ``hardware`` what the machine can do;
-    ``config`` the user's intent and budgets.
+    ``config`` the user's intent and budgets; ``tier_classes`` the registered tier classes by
+    name (a storage tier's own host buffers count in the host need: [Note: storage tiers' host
+    buffers]; a hookimpl may leave this parameter out).
     Returns: a ``tierwise.plan.Plan``, or None to defer to the next planner.
     Stops at first non-None result.
     """

@@ -132,6 +132,19 @@ def io_buffer_bytes(largest_numel: int, chunk_numel: int) -> int:
     return 2 * largest_numel * 4 + min(LOAD_PIECE, largest_numel) * 8 + chunk_numel * 4
 
 
+def load_buffer_minimum(
+    wanted: int, largest_numel: int, itemsize: int, *, piece: int | None = None
+) -> int:
+    """The least host bytes loading pretrained weights runs in ([Note: load buffers fit the room
+    left] in tierwise.runtime.setup.weight_fill): two pieces of ``piece`` elements of the
+    largest parameter (``largest_numel``), each the values read, the fp32 master's copy and the
+    home's copy at ``itemsize`` bytes, or the whole buffers (``wanted``, ``Plan.io_buffer_bytes``)
+    when smaller. The loader and the plan-time check ([Note: the weight load checked at plan
+    time] in tierwise.planning.host_minimum) both use this; ``piece`` None: LOAD_PIECE."""
+    piece = LOAD_PIECE if piece is None else piece
+    return min(wanted, 2 * min(piece, largest_numel) * (4 + 4 + itemsize))
+
+
 def fill_io_buffer_bytes(plan: Plan, profile) -> None:
     """Set ``plan.io_buffer_bytes`` from ``profile`` when the planner left it unset (an estimate:
     setup sets the exact figure after layout)."""
@@ -192,6 +205,10 @@ class Plan(JsonDataclass):
     """Predicted training tokens per second over all ranks."""
     device_allowance: int | None = None
     """Bytes of model data the compute tier may hold (Invariant 4)."""
+    host_need: int | None = None
+    """Host bytes the plan holds in the host tier through training: host model data, gradient
+    buffers and the storage tiers' host buffers (the figure checked against ``host_memory``);
+    None: the planner did not say."""
     io_buffer_bytes: int | None = None
     """Host bytes that loading pretrained weights into the chunks (``setup(weights=...)``) and
     streaming them out (``save_pretrained``) hold beside the tiers' data, reserved on the host

@@ -125,7 +125,9 @@ class PluginHost:
         )
 
     def make_plan(self, *, profile: Profile, hardware: Hardware, config: Config) -> Plan:
-        plan = self.pm.hook.tierwise_make_plan(profile=profile, hardware=hardware, config=config)
+        plan = self.pm.hook.tierwise_make_plan(
+            profile=profile, hardware=hardware, config=config, tier_classes=self.tier_classes()
+        )
         if plan is None:  # core's planner always answers; None means it was disabled
             raise PluginError("no planner answered tierwise_make_plan")
         from tierwise.plan import fill_io_buffer_bytes

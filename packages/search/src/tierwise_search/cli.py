@@ -9,7 +9,7 @@ import sys
 
 from tierwise.config import REDUCE_ORDERS, Config, ConfigError, config_flags, name_flags
 from tierwise.hardware import HardwareError
-from tierwise.plan import PlanError, fill_io_buffer_bytes
+from tierwise.plan import Plan, PlanError, fill_io_buffer_bytes
 from tierwise.units import parse_bytes
 
 
@@ -97,6 +97,13 @@ def add_plan_command(subparsers) -> None:
         metavar="NAMES",
         help="comma-separated module names LoRA adapts (e.g. q_proj,v_proj); default: PEFT's "
         "choice for the model type",
+    )
+    parser.add_argument(
+        "--load-weights",
+        action="store_true",
+        help="the run loads pretrained weights (tierwise train --from-pretrained, "
+        "setup(weights=...)): refuse a host budget without room for the load buffers' minimum "
+        "beside the plan's host data, as setup does",
     )
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     parser.add_argument(
@@ -277,7 +284,11 @@ def run_validation(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from tierwise.planning.host_minimum import plan_for_weight_load
     from tierwise.planning.totals import plan_totals
+    from tierwise.precision import PARAM_BYTES
     from tierwise.target import target_hardware
 
     from tierwise_search.remedies import remedies
@@ -313,14 +324,28 @@ def run_plan(args: argparse.Namespace) -> int:
         )
         config = plan_config(args, target.hardware.device_type)
         profile = plan_profile(args, config)
-        try:
+
+        def plan_at(budget: int | None) -> Plan:
             plan = search_plan(
                 profile,
                 target.hardware,
-                config,
+                replace(config, host_memory=budget),
                 clipping=args.clip,
                 rollback_rate=args.rollback_rate,
             )
+            fill_io_buffer_bytes(plan, profile)
+            return plan
+
+        try:
+            if args.load_weights:  # [Note: the weight load checked at plan time], as setup
+                plan = plan_for_weight_load(
+                    plan_at,
+                    config.host_memory,
+                    largest_numel=max((p.numel for p in profile.params), default=0),
+                    itemsize=PARAM_BYTES[args.precision],
+                )
+            else:
+                plan = plan_at(config.host_memory)
         except PlanError as err:
             print(f"tierwise plan: {name_flags(str(err), PLAN_FLAGS)}", file=sys.stderr)
             for line in remedies(args, target.hardware, err):

@@ -90,6 +90,7 @@ from functools import cache
 
 import numpy as np
 from tierwise.chunks.payload import PayloadSpec, grad_offload_buffers, grad_offload_bytes
+from tierwise.planning.host_minimum import storage_tier_host_bytes
 from tierwise.precision import OPTIM_BYTES, optim_bytes
 
 from tierwise_search.belady import AccessTrace, simulate
@@ -117,15 +118,15 @@ def storage_host_bytes(
     tier: str, config, optimizer_buffer_bytes: int = 0, *, transfer_bytes: int = 0
 ) -> int:
     """Host bytes the ``tier`` plugin's own buffers hold at most when its transfers move at
-    most ``transfer_bytes`` (its ``planned_host_buffer_bytes``: core's [Note: storage tiers'
-    host buffers], which setup reserves in the host tier); 0 if it has none."""
+    most ``transfer_bytes``: core's ``storage_tier_host_bytes`` for the registered class, the
+    figure core's planner counts too; 0 if it has none."""
     from tierwise.plugins import get_plugin_host
 
-    planned = getattr(get_plugin_host().tier_classes().get(tier), "planned_host_buffer_bytes", None)
-    if planned is None:
-        return 0
-    return planned(
-        config, optimizer_buffer_bytes=optimizer_buffer_bytes, transfer_bytes=transfer_bytes
+    return storage_tier_host_bytes(
+        get_plugin_host().tier_classes().get(tier),
+        config,
+        optimizer_buffer_bytes,
+        transfer_bytes=transfer_bytes,
     )
 
 

@@ -43,6 +43,10 @@ class Budgets:
     """Host bytes the load/save buffers take while weights load or save
     (``Plan.io_buffer_bytes``), reported beside the plan; not part of the training-time host
     need ([Note: load/save buffers are not held through training] in tierwise.plan)."""
+    load_room: int = 0
+    """Host bytes the moves made for speed leave free: the least buffers a weight load runs in,
+    so that a plan with room for the load at its minimum keeps it at any larger budget ([Note:
+    the weight load checked at plan time] in tierwise.planning.host_minimum)."""
 
     def host_need(self, memory: Memory) -> int:
         """Host bytes a placement needs while it trains: its model data."""
@@ -73,8 +77,9 @@ class PlacementError(ValueError):
         self.tier, self.need, self.limit = tier, need, limit
 
 
-def _fits_host(memory: Memory, budgets: Budgets) -> bool:
-    if budgets.host is not None and budgets.host_need(memory) > budgets.host:
+def _fits_host(memory: Memory, budgets: Budgets, *, keep: int = 0) -> bool:
+    """Whether ``memory`` fits the budgets with ``keep`` host bytes left free."""
+    if budgets.host is not None and budgets.host_need(memory) + keep > budgets.host:
         return False
     return budgets.nvme is None or memory.nvme <= budgets.nvme
 
@@ -226,7 +231,7 @@ def greedy(model: CostModel, start: Placement, budgets: Budgets, forced: Forced)
         best: tuple[float, Step] | None = None
         for name, candidate in _moves(model, current, forced):
             memory = model.memory(candidate)
-            if not _fits_host(memory, budgets):
+            if not _fits_host(memory, budgets, keep=budgets.load_room):
                 continue
             if not unlimited and memory.device > budgets.device:
                 continue

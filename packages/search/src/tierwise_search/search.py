@@ -21,9 +21,10 @@ import numpy as np
 from tierwise.chunks.payload import PayloadSpec
 from tierwise.config import Config
 from tierwise.hardware import Hardware
-from tierwise.plan import Plan, PlanError, io_buffer_bytes
+from tierwise.plan import Plan, PlanError, io_buffer_bytes, load_buffer_minimum
 from tierwise.planning.activation_peak import activation_peak
 from tierwise.planning.chunk_size import grid_sizes, lean_sizes
+from tierwise.planning.host_minimum import least_host_budget, restated
 from tierwise.planning.planner import (
     REDUCTION_BLOCKS,
     may_recompute,
@@ -278,6 +279,9 @@ class _Search:
             nvme=self.nvme_capacity if self.config.nvme_path else None,
             nvme_allowed=self.config.nvme_path is not None,
             io_bytes=self.io_bytes(table),
+            load_room=load_buffer_minimum(
+                self.io_bytes(table), largest_param(self.profile), self.param_bytes
+            ),
         )
 
     def model(self, chunk_size: int, choice: ActivationChoice) -> CostModel:
@@ -489,15 +493,30 @@ def search_plan(
     """The plan the search predicts fastest (see the module docstring). ``clipping``: the run
     clips gradients (in-backward NVMe updates then keep their gradients on disk for a redo);
     ``rollback_rate``: the expected share of steps whose speculative updates are rolled back
-    (core's ``SpeculationPolicy`` keeps it low; [Note: speculation pricing])."""
-    search = _Search(
-        profile,
-        hardware,
-        config,
-        gradient_staging,
-        clipping=clipping,
-        rollback_rate=rollback_rate,
+    (core's ``SpeculationPolicy`` keeps it low; [Note: speculation pricing]). A host refusal
+    names the least host budget that plans ([Note: the stated host minimum is a fixed point])."""
+    options = dict(
+        gradient_staging=gradient_staging, clipping=clipping, rollback_rate=rollback_rate
     )
+    search = _Search(profile, hardware, config, **options)
+    try:
+        return _search_plan(search)
+    except PlanError as err:
+        if err.tier != "host" or err.need is None or config.host_memory is None:
+            raise
+        per_node = search.rates.ranks_per_node  # the budget is the node's, the need a rank's
+        budget = least_host_budget(
+            lambda need: _search_plan(
+                _Search(profile, hardware, replace(config, host_memory=need * per_node), **options)
+            ),
+            err.need,
+        )
+        raise restated(err, budget) from None
+
+
+def _search_plan(search: _Search) -> Plan:
+    """``search_plan`` at ``search``'s budgets, its refusals as the search states them."""
+    profile, config = search.profile, search.config
     choices = activation_choices(
         profile,
         search.times.layers,
@@ -717,6 +736,7 @@ def _to_plan(search: _Search, best: Outcome, other: list[Outcome]) -> Plan:
             tokens * search.rates.world_size / total_s if tokens and total_s > 0 else None
         ),
         device_allowance=int(memory.device),
+        host_need=int(memory.host),
         io_buffer_bytes=search.io_bytes(table),
         planner="search",
         reasons=reasons,

@@ -8,17 +8,19 @@ touches plus ``prefetch`` blocks, grown while the budget allows.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from functools import cache
 
 from tierwise.chunks import first_use_order, pack, sharded_capacity
 from tierwise.chunks.payload import MEMORY_TIERS, grad_offload_host_bytes, model_data_by_tier
 from tierwise.config import Config
 from tierwise.hardware import Hardware
-from tierwise.plan import Plan, PlanError, io_buffer_bytes, resolve_policy
+from tierwise.plan import Plan, PlanError, io_buffer_bytes, resolve_policy, swap_target
 from tierwise.planning.activation_peak import activation_peak
 from tierwise.planning.cache_minimum import min_cache_blocks, recompute_blocks
 from tierwise.planning.chunk_size import auto_chunk_sizes
+from tierwise.planning.host_minimum import least_host_budget, restated, storage_tier_host_bytes
 from tierwise.precision import PARAM_BYTES
 from tierwise.profile import Profile, activation_blocks
 from tierwise.units import format_bytes, format_gib
@@ -108,12 +110,15 @@ def profile_min_blocks(profile: Profile, chunk_of: dict, *, recompute: bool) -> 
     return min_cache_blocks(profile.module_params, chunk_of, recompute=blocks, forward_order=traced)
 
 
-def _min_blocks(profile: Profile, layout, config: Config) -> int:
-    """Most chunks pinned at one moment, every chunk in the rCache ([Note: the rCache minimum])."""
+def _min_blocks(profile: Profile, layout, config: Config, *, trainable_only: bool = False) -> int:
+    """Most chunks pinned at one moment, every chunk in the rCache ([Note: the rCache minimum]);
+    ``trainable_only``: only the trainable chunks go through it (device homes under the 14-byte
+    variant, where frozen device homes compute in place: [Note: the 14-byte device home])."""
     chunk_of = {
         name: (group, i)
         for group, chunks in layout.items()
-        for i, (_, _, names) in enumerate(chunks)
+        for i, (_, trainable, names) in enumerate(chunks)
+        if trainable or not trainable_only
         for name in names
     }
     return max(1, profile_min_blocks(profile, chunk_of, recompute=may_recompute(config)))
@@ -185,21 +190,53 @@ def _auto_activations(
     return budget, {b: "keep" for b in blocks}
 
 
-def default_plan(*, profile: Profile, hardware: Hardware, config: Config) -> Plan:
+def default_plan(
+    *,
+    profile: Profile,
+    hardware: Hardware,
+    config: Config,
+    tier_classes: Mapping[str, type] | None = None,
+) -> Plan:
     """The plan at ``config.chunk_size``; for "auto", at the first of ``auto_chunk_sizes_of``
-    whose plan fits the budgets (when none does, the error at the last: the aim)."""
+    whose plan fits the budgets (when none does, the error at the last: the aim).
+    ``tier_classes`` (the plugin host's, by name): the storage tiers whose own host buffers the
+    host need counts ([Note: storage tiers' host buffers]); None counts none. A host refusal
+    names the least host budget that plans ([Note: the stated host minimum is a fixed point])."""
+    try:
+        return _plan_sizes(profile, hardware, config, tier_classes or {})
+    except PlanError as err:
+        if err.tier != "host" or err.need is None or config.host_memory is None:
+            raise
+        budget = least_host_budget(
+            lambda need: _plan_sizes(
+                profile, hardware, replace(config, host_memory=need), tier_classes or {}
+            ),
+            err.need,
+        )
+        raise restated(err, budget) from None
+
+
+def _plan_sizes(
+    profile: Profile, hardware: Hardware, config: Config, tier_classes: Mapping[str, type]
+) -> Plan:
     if isinstance(config.chunk_size, int):
-        return _plan_at(profile, hardware, config, config.chunk_size)
+        return _plan_at(profile, hardware, config, config.chunk_size, tier_classes)
     sizes = auto_chunk_sizes_of(profile)
     for chunk_size in sizes[:-1]:
         try:
-            return _plan_at(profile, hardware, config, chunk_size)
+            return _plan_at(profile, hardware, config, chunk_size, tier_classes)
         except PlanError:
             continue  # a lean size that does not fit: try the next
-    return _plan_at(profile, hardware, config, sizes[-1])
+    return _plan_at(profile, hardware, config, sizes[-1], tier_classes)
 
 
-def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: int) -> Plan:
+def _plan_at(
+    profile: Profile,
+    hardware: Hardware,
+    config: Config,
+    chunk_size: int,
+    tier_classes: Mapping[str, type],
+) -> Plan:
     lc = PARAM_BYTES[config.precision]
     layout = _layout(profile, chunk_size)
     dp_size = {
@@ -252,6 +289,9 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
     if reduced and config.reduce_order == "rank":
         staging_bytes += receive_block_numel(reduced) * lc
     min_blocks = _min_blocks(profile, layout, config)
+    # the 14-byte variant caches the trainable device homes only
+    n_trainable = sum(1 for _, trainable, *_ in caps if trainable)
+    in_home_min_blocks = _min_blocks(profile, layout, config, trainable_only=True)
 
     reasons = []
 
@@ -265,6 +305,8 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
     def blocks_for(param_tier: str, in_home: bool = False) -> int:
         if param_tier == "device" and not in_home:  # sharded: keep every gathered one (ZeRO-2)
             return n_sharded
+        if in_home:
+            return min(n_trainable, in_home_min_blocks + config.prefetch)
         return min(n_chunks, min_blocks + config.prefetch)
 
     def budget_for(activation_bytes: int) -> int | None:
@@ -312,6 +354,10 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
         if fits(p_tier, o_tier, blocks, in_home):
             break
     param_tier, optim_tier = p_tier, o_tier
+    # the chunks that go through the rCache under the variant: the trainable ones
+    least_blocks, cacheable = (
+        (in_home_min_blocks, n_trainable) if in_home else (min_blocks, n_chunks)
+    )
     if not (forced_p and forced_o):
         reasons.append(
             f"model data {format_bytes(sum(model_data(param_tier, optim_tier, in_home).values()))}"
@@ -334,10 +380,10 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
         while cache_blocks > 0 and not fits(param_tier, optim_tier, cache_blocks, in_home):
             cache_blocks -= 1
         if param_tier != "device" or n_sharded or in_home:
-            cache_blocks = max(cache_blocks, min_blocks)
-            if budget is not None and cache_blocks < n_chunks:
+            cache_blocks = max(cache_blocks, least_blocks)
+            if budget is not None and cache_blocks < cacheable:
                 spare = budget - device_need(param_tier, optim_tier, cache_blocks, in_home)
-                cache_blocks = min(n_chunks, cache_blocks + max(0, spare // block_bytes))
+                cache_blocks = min(cacheable, cache_blocks + max(0, spare // block_bytes))
     need = device_need(param_tier, optim_tier, cache_blocks, in_home)
     if budget is not None and need > budget:
         raise _device_binds(
@@ -347,7 +393,7 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
             optim_tier=optim_tier,
             cache_blocks=cache_blocks,
             forced_blocks=forced_blocks,
-            min_blocks=min_blocks,
+            min_blocks=least_blocks,
             staging_blocks=staging_blocks,
             block_bytes=block_bytes,
             smallest=lambda blocks: device_need(
@@ -356,25 +402,44 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
             smallest_tiers=(forced_p or "host", forced_o or "host"),
         )
     reasons.append(
-        f"{cache_blocks} rCache blocks of {chunk_size:,} elements (at most {min_blocks} "
+        f"{cache_blocks} rCache blocks of {chunk_size:,} elements (at most {least_blocks} "
         f"chunks are in use at once; prefetch {config.prefetch})"
     )
     largest = max(p.numel for p in profile.params)
     io_bytes = io_buffer_bytes(largest, max(cap for cap, *_ in caps))
+    # what setup puts there: model data, the gradient offload buffers and the storage tiers'
+    # own host buffers, sized as setup sizes them (reserve_storage_buffers)
+    widest = 4 * (block_bytes // lc)  # the largest chunk in fp32: the widest transfer
+    shard_bytes = 4 * max((shard for shard, *_ in chunk_shards), default=0)
+    holds_states = {optim_tier} if any(t for _, t, _ in chunk_shards) else set()
+    actions = {*planned_policy(profile, config).values(), *activation_policy.values()}
+    swaps = {swap_target(action) for action in actions} - {None}
+    storage_bytes = sum(
+        storage_tier_host_bytes(
+            tier_classes.get(tier),
+            config,
+            shard_bytes if tier in holds_states else 0,
+            transfer_bytes=widest,
+        )
+        for tier in sorted(({param_tier, optim_tier} | swaps) - {"device", "host"})
+    )
 
-    def host_need(in_nvme_home: bool) -> int:
-        """What setup puts in host memory: model data and the gradient offload buffers."""
+    def host_bytes(in_nvme_home: bool) -> int:
         data = model_data(param_tier, optim_tier, in_home, in_nvme_home).get("host", 0)
-        return data + grad_offload_host_bytes(
-            chunk_shards,
-            precision=config.precision,
-            param_tier=param_tier,
-            optim_tier=optim_tier,
-            pinned=hardware.device_type == "cuda",
-            grads_in_nvme_home=in_nvme_home,
+        return (
+            data
+            + storage_bytes
+            + grad_offload_host_bytes(
+                chunk_shards,
+                precision=config.precision,
+                param_tier=param_tier,
+                optim_tier=optim_tier,
+                pinned=hardware.device_type == "cuda",
+                grads_in_nvme_home=in_nvme_home,
+            )
         )
 
-    host_data = host_need(False)
+    host_data = host_bytes(False)
     # [Note: the 14-byte NVMe home]: only when the 16-byte plan misses the host budget
     in_nvme_home = (
         config.precision != "fp32"
@@ -390,7 +455,7 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
             f"buffers; the 16-byte plan needs {format_bytes(host_data)} of host memory): "
             "backward spills them over the homes, the update reads them back"
         )
-        host_data = host_need(True)
+        host_data = host_bytes(True)
     _check_host(config, host_data, io_bytes, param_tier, optim_tier, reasons, in_nvme_home)
     return Plan(
         chunk_size=chunk_size,
@@ -404,6 +469,7 @@ def _plan_at(profile: Profile, hardware: Hardware, config: Config, chunk_size: i
         activation_checkpointing=config.activation_checkpointing,
         activation_policy=activation_policy,
         device_allowance=need,
+        host_need=host_data,
         io_buffer_bytes=io_bytes,
         planner="core",
         reasons=reasons,
@@ -436,8 +502,8 @@ def _check_host(
     variant = ", gradients in the NVMe homes" if in_nvme_home else ""
     raise PlanError(
         f"host memory binds: this plan (params on {param_tier}, optimizer on {optim_tier}"
-        f"{variant}) "
-        f"needs {format_gib(host_data)} of host memory for model data and gradient buffers, host_memory is "
+        f"{variant}) needs {format_gib(host_data)} of host memory for model data, gradient "
+        "buffers and storage tiers' host buffers, host_memory is "
         f"{format_gib(config.host_memory)}: {format_gib(host_data - config.host_memory)} short; "
         "raise host_memory, or set nvme_path and place model data on NVMe",
         tier="host",

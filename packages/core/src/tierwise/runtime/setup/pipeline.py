@@ -65,7 +65,9 @@ def assemble_engine(
         profiled = profile_model(
             model, optimizer, config, host=host, patterns=patterns, example_batch=example_batch
         )
-        planned = make_plan(model, config, host=host, profiled=profiled)
+        planned = make_plan(
+            model, config, host=host, profiled=profiled, loads_weights=resolved is not None
+        )
         groups = lay_out(config, patterns=patterns, profiled=profiled, planned=planned)
         allocation = allocate(config, host=host, planned=planned, groups=groups)
     except BaseException:

@@ -4,6 +4,7 @@ block's activations get."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +13,9 @@ from tierwise.config import Config, ConfigError
 from tierwise.hardware import Hardware
 from tierwise.hf_compat import hf_checkpointing_enabled
 from tierwise.plan import Plan, swap_target
+from tierwise.planning.host_minimum import plan_for_weight_load
 from tierwise.plugins import PluginHost
+from tierwise.precision import PARAM_BYTES
 from tierwise.runtime.activations.policy import find_blocks, resolve_policy
 from tierwise.runtime.activations.policy import plan_action as planned_action
 from tierwise.runtime.setup.profiling import Profiled
@@ -36,11 +39,32 @@ class Planned:
 
 
 def make_plan(
-    model: torch.nn.Module, config: Config, *, host: PluginHost, profiled: Profiled
+    model: torch.nn.Module,
+    config: Config,
+    *,
+    host: PluginHost,
+    profiled: Profiled,
+    loads_weights: bool = False,
 ) -> Planned:
-    """Probe the hardware and plan for the profiled model; raises before anything changes."""
+    """Probe the hardware and plan for the profiled model; raises before anything changes.
+    ``loads_weights``: pretrained weights load into the chunks, so the plan must leave room
+    for the load buffers ([Note: the weight load checked at plan time])."""
     hardware = Hardware(**host.probe_hardware(config=config))
-    plan = host.make_plan(profile=profiled.profile, hardware=hardware, config=config)
+    profile = profiled.profile
+
+    def plan_at(budget: int | None) -> Plan:
+        changed = dataclasses.replace(config, host_memory=budget)
+        return host.make_plan(profile=profile, hardware=hardware, config=changed)
+
+    if loads_weights:
+        plan = plan_for_weight_load(
+            plan_at,
+            config.host_memory,
+            largest_numel=max((p.numel for p in profile.params), default=0),
+            itemsize=PARAM_BYTES[config.precision],
+        )
+    else:
+        plan = host.make_plan(profile=profile, hardware=hardware, config=config)
     plan.check_tiers(host.tier_classes())
     # the plan is what runs: a planner may choose checkpointing, and Config's request stands
     plan.activation_checkpointing = plan.activation_checkpointing or config.activation_checkpointing

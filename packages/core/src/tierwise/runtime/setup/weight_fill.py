@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tierwise.chunks import Chunk, ChunkGroup, TensorState
+from tierwise.plan import load_buffer_minimum
 from tierwise.runtime.setup.values import FILL_PIECE, zero_range
 from tierwise.tiers.arena import PAGE
 from tierwise.tiers.base import PayloadKind, Tier
@@ -57,7 +58,7 @@ def load_buffer_bytes(host_tier: Tier, wanted: int, groups: list[ChunkGroup], dt
     if room is None or room >= wanted:
         return wanted
     largest = max((s.numel for g in groups for c in g.chunks for s in c.slots), default=0)
-    least = min(wanted, 2 * min(FILL_PIECE, largest) * (4 + 4 + dtype.itemsize))
+    least = load_buffer_minimum(wanted, largest, dtype.itemsize, piece=FILL_PIECE)
     return max(room, least)  # the reservation says what is short when even that does not fit
 
 

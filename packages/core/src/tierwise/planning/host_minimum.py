@@ -1,0 +1,148 @@
+"""What a plan holds in host memory beside its model data, and the least host budget that plans
+when that grows with the budget.
+
+[Note: the stated host minimum is a fixed point]
+A storage tier sizes its own host buffers against ``host_memory`` (the NVMe tier's staged-read
+pool and optimizer pipeline take up to HOST_FRACTION of it, never less than their floor), so the
+host need a planner states at a small budget can be short of what planning at that very budget
+needs: at 1 byte the pools are at their floor and the refusal named 4.38 MiB; at 4.38 MiB they
+are larger and planning asked for 4.55 MiB. A refusal must name a budget that plans, so the
+planners restate it as the least fixed point: starting from the refusal's need, plan again at
+the need until planning there needs no more than the budget. The need never shrinks as the
+budget grows (the pools only grow), so this climbs from below and stops at the least budget
+that plans, not at some larger one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tierwise.plan import Plan, PlanError, load_buffer_minimum
+from tierwise.units import format_gib
+
+
+def storage_tier_host_bytes(
+    tier_class: type | None, config, optimizer_buffer_bytes: int = 0, *, transfer_bytes: int = 0
+) -> int:
+    """Host bytes a storage tier of ``tier_class`` made with ``config`` holds in its own buffers
+    when its transfers move at most ``transfer_bytes`` and, with ``optimizer_buffer_bytes``, its
+    optimizer pipeline's buffers are that large: the tier's ``planned_host_buffer_bytes``, the
+    figure setup reserves in the host tier ([Note: storage tiers' host buffers]); 0 for a class
+    without host buffers (or None). Both planners count them with this."""
+    planned = getattr(tier_class, "planned_host_buffer_bytes", None)
+    if planned is None:
+        return 0
+    return planned(
+        config, optimizer_buffer_bytes=optimizer_buffer_bytes, transfer_bytes=transfer_bytes
+    )
+
+
+MAX_ROUNDS = 64
+"""Plans tried at most: the pools have a bounded number of sizes (buffers up to the disk's
+queue depth, a read-ahead of at most a few chunks), so the climb ends well before this."""
+
+
+def least_host_budget(
+    plan_at: Callable[[int], Plan], start: int, *, extra: Callable[[Plan], int] | None = None
+) -> int:
+    """The least budget from ``start`` up at which ``plan_at(budget)`` (planning with that host
+    budget) needs at most the budget: its ``Plan.host_need`` plus ``extra(plan)`` (0 without),
+    or a host refusal's need. Stops at the first budget whose planning fails on another tier.
+    """
+    budget = start
+    for _ in range(MAX_ROUNDS):
+        try:
+            plan = plan_at(budget)
+        except PlanError as err:
+            if err.tier != "host" or err.need is None:
+                return budget
+            need = err.need
+        else:
+            need = (plan.host_need or 0) + (extra(plan) if extra is not None else 0)
+        if need <= budget:
+            return budget
+        budget = need
+    raise PlanError(
+        f"planning with host_memory {format_gib(start)} and up needed more host memory each "
+        f"time, {MAX_ROUNDS} times (last asked {format_gib(budget)}): the storage tiers' host "
+        "buffers do not settle; set host_memory well above that, or report this"
+    )
+
+
+def plan_for_weight_load(
+    plan_at: Callable[[int | None], Plan],
+    host_memory: int | None,
+    *,
+    largest_numel: int,
+    itemsize: int,
+) -> Plan:
+    """[Note: the weight load checked at plan time]
+    The load buffers are not held through training ([Note: load/save buffers are not held
+    through training] in tierwise.plan), but loading pretrained weights takes them beside
+    everything the plan holds in the host tier, down to their minimum (``load_buffer_minimum``,
+    the loader's own figure). So a run that loads weights plans (``plan_at(host_memory)``) and,
+    before any model data is built, checks that ``Plan.host_need`` plus that minimum fits
+    ``host_memory``. A refusal, the planner's or this one, names the least budget at which
+    planning again leaves that room (the storage tiers' buffers grow with the budget, and a
+    search may fill a larger budget with model data: [Note: the stated host minimum is a fixed
+    point]). ``itemsize``: bytes per element of the compute precision. Setup does this for
+    ``setup(weights=...)`` (so ``tierwise train --from-pretrained``), ``tierwise plan`` for
+    ``--load-weights``."""
+
+    def least(plan: Plan) -> int:
+        return load_buffer_minimum(plan.io_buffer_bytes or 0, largest_numel, itemsize)
+
+    try:
+        plan = plan_at(host_memory)
+    except PlanError as err:
+        if err.tier != "host" or err.need is None or host_memory is None:
+            raise
+        budget = least_host_budget(plan_at, err.need, extra=least)
+        raise PlanError(
+            f"{err}; loading pretrained weights also needs its load buffers beside that: the "
+            f"least host_memory that plans and loads is {format_gib(budget)}",
+            tier="host",
+            need=budget,
+            limit=host_memory,
+        ) from None
+    if host_memory is None or plan.host_need is None:
+        return plan
+    need = plan.host_need + least(plan)
+    if need <= host_memory:
+        return plan
+    budget = least_host_budget(plan_at, need, extra=least)
+    raise PlanError(
+        f"host memory binds while weights load: loading pretrained weights needs "
+        f"{format_gib(least(plan))} of load buffers (two pieces of the largest parameter, or "
+        f"the whole load/save buffers when smaller) beside the {format_gib(plan.host_need)} "
+        f"this plan holds in host memory, {format_gib(need)} in all; host_memory is "
+        f"{format_gib(host_memory)}: {format_gib(need - host_memory)} short; raise host_memory "
+        f"to at least {format_gib(budget)}",
+        tier="host",
+        need=budget,
+        limit=host_memory,
+    )
+
+
+def restated(err: PlanError, budget: int) -> PlanError:
+    """``err`` (a host refusal) naming ``budget``, the least host budget that plans, as its need
+    when that is above what it named ([Note: the stated host minimum is a fixed point])."""
+    if err.need is None or budget <= err.need:
+        return err
+    return PlanError(
+        f"{err} to at least {format_gib(budget)} (at host_memory {format_gib(err.need)} the "
+        "storage tiers' host buffers, sized against host_memory, are larger: the least "
+        f"host_memory that plans is {format_gib(budget)})",
+        tier="host",
+        need=budget,
+        limit=err.limit,
+    )
+
+
+__all__ = [
+    "MAX_ROUNDS",
+    "plan_for_weight_load",
+    "least_host_budget",
+    "restated",
+    "storage_tier_host_bytes",
+]

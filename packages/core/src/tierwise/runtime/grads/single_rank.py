@@ -138,7 +138,8 @@ class SingleRankGrads:
         grad = param.grad
         param.grad = None
         state = self.grad_states.of(chunk)
-        refuse_after_update(state, self.optimizer_overlap)
+        if state is _UPDATING or state is _UPDATED:
+            refuse_after_update(state, self.optimizer_overlap)
         if keeps and (state is _EMPTY or chunk.optim.grads_kept):
             chunk.optim.grads_kept = True  # [Note: gradients without copies]
             if state is not _FILLING and state is not _ACCUMULATING:
@@ -148,7 +149,7 @@ class SingleRankGrads:
             else:
                 slot.kept_grad.add_(grad.reshape(-1))
         else:
-            self._into_shard(chunk, slot, grad, empty=state is _EMPTY)
+            self._into_shard(chunk, slot, grad, state)
         final = []
         if not slot.got_grad:
             slot.got_grad = True
@@ -161,15 +162,18 @@ class SingleRankGrads:
             slot.set_state(_HOLD_AFTER_BWD)
         return final
 
-    def _into_shard(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor, *, empty: bool):
-        """Accumulate straight into the gradient shard: [Note: first gradient is a copy]."""
+    def _into_shard(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor, state: GradState):
+        """Accumulate straight into the gradient shard (the chunk was in ``state``): [Note:
+        first gradient is a copy]."""
         optim = chunk.optim
-        target = self.storage.memory(chunk, start=empty)
-        begin_delivery(self.grad_states, chunk)
+        target = self.storage.memory(chunk, start=state is _EMPTY)
+        if state is not _FILLING and state is not _ACCUMULATING:
+            begin_delivery(self.grad_states, chunk)
+            state = self.grad_states.of(chunk)
         segment = target[slot.offset : slot.offset + slot.numel]
         flat = grad.reshape(-1)
         queued = self.queues_host_copies and self._copies_to_host(chunk, segment, grad)
-        if self.grad_states.of(chunk) is _FILLING and not slot.got_grad:
+        if state is _FILLING and not slot.got_grad:
             if queued:
                 self.host_copies.copy(chunk.key, segment, flat)
             else:

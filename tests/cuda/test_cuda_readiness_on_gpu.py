@@ -99,7 +99,7 @@ def test_warm_up_tracing_keeps_the_users_peak_memory_statistics(device):
 def test_host_gradient_shards_are_filled_without_a_wait_per_parameter(device, monkeypatch):
     """Defect 4: gradients going into host-resident shards are copied without blocking; each
     chunk's copies are waited for once ([Note: one host wait per chunk])."""
-    from tierwise.runtime.grads.path import GradientPath
+    from tierwise.runtime.grads.single_rank import SingleRankGrads
 
     blocking: list[tuple] = []
     original_copy, original_to = torch.Tensor.copy_, torch.Tensor.to
@@ -126,7 +126,7 @@ def test_host_gradient_shards_are_filled_without_a_wait_per_parameter(device, mo
         return read
 
     waits: list = []
-    original_land = GradientPath._land_copies
+    original_land = SingleRankGrads._land_copies
 
     def land(self, chunk):
         if self.host_copies.in_flight(chunk.key):
@@ -150,7 +150,7 @@ def test_host_gradient_shards_are_filled_without_a_wait_per_parameter(device, mo
     monkeypatch.setattr(torch.Tensor, "to", to)
     for name in originals:  # any other device-to-host read in backward blocks too
         monkeypatch.setattr(torch.Tensor, name, reading(name))
-    monkeypatch.setattr(GradientPath, "_land_copies", land)
+    monkeypatch.setattr(SingleRankGrads, "_land_copies", land)
     batch = {k: v.to(device) for k, v in tiny_batch(seed=1).items()}
     model(**batch).loss.backward()
     trainable = [c for c in engine.chunks() if c.trainable]

@@ -12,7 +12,7 @@ from tierwise.chunks import Chunk
 from tierwise.chunks.grad_state import GradOwner, GradState
 from tierwise.config import Config
 from tierwise.optim import AdamHyper, DynamicLossScaler
-from tierwise.runtime.grads.path import overlap_reason
+from tierwise.runtime.grads.single_rank import overlap_reason
 from tierwise.runtime.grads.states import GradStates
 from tierwise.runtime.grads.storage import GradStorage
 from tierwise.runtime.index import ChunkIndex

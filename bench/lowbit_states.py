@@ -110,9 +110,12 @@ def nvme_run(args, states: str, directory: Path) -> list[dict]:
     import torch
     from _common import gpt2_model
 
-    torch.manual_seed(0)
-    model = gpt2_model(n_embd=args.n_embd, n_layer=args.layers, n_head=8, vocab=8192)
+    # on the meta device, as `tierwise train` builds it: setup gives it its values a few modules
+    # at a time straight into the chunks, so host RAM never holds a second fp32 copy
+    with torch.device("meta"):
+        model = gpt2_model(n_embd=args.n_embd, n_layer=args.layers, n_head=8, vocab=8192)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(0)  # the values setup gives the meta-built model
     model, optimizer = tierwise.setup(
         model,
         optimizer,

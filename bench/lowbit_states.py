@@ -9,7 +9,8 @@ in alternation (fp32, int8, fp32, int8, ...: paired, so the machine's load hits 
 step, NVMe bytes per parameter by payload kind against the placement's minimum (read + write of
 the fp32 master 8, of the moments 2 x 2 x stored bytes; with parameters on NVMe, parameters
 written 2 and read 4 for forward and backward), forward, backward and optimizer seconds, the
-pipeline worker's read waits, update and write waits, and the step time; one summary line with
+pipeline worker's read waits, update and write waits, the process's and the engine thread's CPU
+seconds, and the step time; one summary line with
 the medians and the int8/fp32 step-time ratio of each pair.
 
 The issue's setting is a step where disk traffic dominates: few tokens (batch 1, 8 tokens) and a
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -36,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from _common import emit, timed_step
@@ -110,9 +113,12 @@ def nvme_run(args, states: str, directory: Path) -> list[dict]:
     import torch
     from _common import gpt2_model
 
-    torch.manual_seed(0)
-    model = gpt2_model(n_embd=args.n_embd, n_layer=args.layers, n_head=8, vocab=8192)
+    # on the meta device, as `tierwise train` builds it: setup gives it its values a few modules
+    # at a time straight into the chunks, so host RAM never holds a second fp32 copy
+    with torch.device("meta"):
+        model = gpt2_model(n_embd=args.n_embd, n_layer=args.layers, n_head=8, vocab=8192)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(0)  # the values setup gives the meta-built model
     model, optimizer = tierwise.setup(
         model,
         optimizer,
@@ -138,7 +144,9 @@ def nvme_run(args, states: str, directory: Path) -> list[dict]:
             before = dict(nvme.moved_by_kind)
             pipeline = engine.pipelines.get("nvme")  # remade by the re-layout after step 1
             timings = dict(pipeline.timings) if pipeline else {}
+            cpu, engine_cpu = time.process_time(), time.thread_time()
             t = timed_step(model, optimizer, data)
+            cpu, engine_cpu = time.process_time() - cpu, time.thread_time() - engine_cpu
             moved = {k: v - before.get(k, 0) for k, v in nvme.moved_by_kind.items()}
             moved = {k: v for k, v in sorted(moved.items()) if v}
             per_param = sum(moved.values()) / params
@@ -158,6 +166,11 @@ def nvme_run(args, states: str, directory: Path) -> list[dict]:
                     "forward_s": round(t["forward_s"], 3),
                     "backward_s": round(t["backward_s"], 3),
                     "optimizer_step_s": round(t["optimizer_step_s"], 3),
+                    # CPU seconds of the whole process (every thread) and of the engine's
+                    # thread (forward, backward's hooks and autograd's own thread on a CPU):
+                    # on a shared 2-core machine the step is often CPU-bound, not disk-bound
+                    "process_cpu_s": round(cpu, 3),
+                    "engine_thread_cpu_s": round(engine_cpu, 3),
                     # the NVMe pipeline's worker: waiting for reads, updating (int8: decoding
                     # and encoding too), waiting for writes
                     "pipeline_s": {
@@ -182,7 +195,11 @@ def nvme(args) -> None:
         for states in ("fp32", "int8"):
             directory = root / f"{states}-{pair}"
             directory.mkdir(exist_ok=True)
-            rows, params, disk_bytes, backend = nvme_run(args, states, directory)
+            # each engine in a fresh process: in one process the peak RSS grew run after run
+            # (8.9 GB over six runs, 3.5 GB for one)
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                run = pool.submit(nvme_run, args, states, directory)
+                rows, params, disk_bytes, backend = run.result()
             shutil.rmtree(directory, ignore_errors=True)
             emit(
                 bench="lowbit_nvme",
@@ -230,6 +247,17 @@ def nvme(args) -> None:
             s: statistics.median(r["over_min_traffic"] for r in rows) for s, rows in steady.items()
         },
         step_s_median={s: statistics.median(v) for s, v in times.items()},
+        stages_s_median={
+            s: {
+                k: statistics.median(r[k] for r in rows)
+                for k in ("forward_s", "backward_s", "optimizer_step_s", "process_cpu_s")
+            }
+            | {
+                k: statistics.median(r["pipeline_s"].get(k, 0.0) for r in rows)
+                for k in ("read_wait_s", "update_s", "write_wait_s")
+            }
+            for s, rows in steady.items()
+        },
         int8_over_fp32_step_time_pairs=[round(r, 3) for r in ratios],
         int8_over_fp32_step_time_median=round(statistics.median(ratios), 3),
         targets="int8 bytes/param <= 1.05x min; step time <= 0.85x fp32 (issue 39)",

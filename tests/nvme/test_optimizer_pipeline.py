@@ -76,8 +76,10 @@ def test_pipelined_updates_equal_in_memory_updates(make_tier, pool_buffers, pref
         order = list(reversed(range(len(chunks))))
         if prefetch:  # a global check needs all gradients first: reads start during "backward"
             started = [pipeline.prefetch(i, chunks[i][0]) for i in order]
-            # buffers are lent only while room for one more chunk remains
-            assert started == ([True, True] + [False] * 4 if pool_buffers == 9 else [False] * 6)
+            # buffers are lent only while room for one more chunk remains; in the second step
+            # the chunks the last drain read ahead into every free buffer count as started
+            first = {(9, 0): 2, (9, 1): 3, (3, 0): 0, (3, 1): 1}[pool_buffers, step]
+            assert started == [True] * first + [False] * (len(order) - first)
         for i in order:
             slabs, states, grads = chunks[i]
             adamw(grads[step], steps_ref[i])(states)  # the reference, in memory
@@ -87,8 +89,8 @@ def test_pipelined_updates_equal_in_memory_updates(make_tier, pool_buffers, pref
             for got, want in zip(read_states(tier, slabs), states, strict=True):
                 assert torch.equal(got, want)
     assert pipeline.updated == 2 * len(chunks)
-    # drain read ahead the next step's first chunks (5, 4) where the pool could spare buffers
-    assert pool.lent == (6 if pool_buffers == 9 else 0)
+    # drain read ahead the next step's first chunks into every free buffer: (5, 4, 3) or (5)
+    assert pool.lent == 3 * (pool_buffers // 3)
     pipeline.close()
     assert pool.lent == 0
 
@@ -109,15 +111,90 @@ def test_drain_reads_the_next_steps_first_chunks_ahead(make_tier):
             adamw(grads[step], steps_ref[i])(states)
             pipeline.submit(i, slabs, adamw(grads[step], steps[i]))
         pipeline.drain()
-        # after the drain, the reads of the first chunks of this order (2, 0, 5) are in flight:
-        # room for 3 chunks' states while one more chunk still fits (12 buffers)
-        assert sorted(pipeline._prefetched) == [0, 2, 5]
-        assert tier.moves["nvme->host"] - reads_before_submit == 3 * (len(chunks) + 3 - 3 * step)
+        # after the drain, the reads of the first chunks of this order (2, 0, 5, 1) are in
+        # flight: 4 chunks' states fill the 12 buffers ([Note: read ahead in the last step's
+        # order]); in the second step those 4 were not read again
+        assert sorted(pipeline._prefetched) == [0, 1, 2, 5]
+        assert tier.moves["nvme->host"] - reads_before_submit == 3 * (len(chunks) + 4 - 4 * step)
         for slabs, states, _ in chunks:  # (step 2 updates from the read-ahead copies)
             for got, want in zip(read_states(tier, slabs), states, strict=True):
                 assert torch.equal(got, want)
     pipeline.close()
     assert tier.moves["nvme->host"] > 0
+
+
+def landing_at_once(tier) -> None:
+    """Make ``tier.write_next`` return only once its write is complete, so that a pipeline
+    frees a chunk's buffers as soon as the chunk is updated (no timing decides the test)."""
+    write_next = tier.write_next
+
+    def landed_write_next(slab, buffer):
+        handle = write_next(slab, buffer)
+        handle.wait()
+        return handle
+
+    tier.write_next = landed_write_next
+
+
+def test_states_are_read_ahead_of_submission_in_the_last_steps_order(make_tier):
+    # [Note: read ahead in the last step's order]: in the second step every chunk's states are
+    # read before it is submitted (backward would otherwise wait for each read), and the
+    # updates from those copies equal the in-memory ones
+    tier = make_tier("libaio")
+    landing_at_once(tier)
+    chunks = setup_states(tier, torch.Generator().manual_seed(8))
+    pool = StagingPool(buffer_bytes=max(SIZES) * 4, count=9)  # 3 chunks' states
+    pipeline = NVMeOptimizerPipeline(tier=tier, pool=pool, lookahead=1)
+    steps_ref = [torch.zeros(()) for _ in chunks]
+    steps = [torch.zeros(()) for _ in chunks]
+    order = [4, 1, 5, 0, 3, 2]
+    read_before_submit = []
+    for step in range(3):
+        for i in order:
+            slabs, states, grads = chunks[i]
+            adamw(grads[step % 2], steps_ref[i])(states)
+            read_before_submit.append(i in pipeline._prefetched)
+            done = threading.Event()  # the worker finished this chunk (and read ahead after it)
+            pipeline.submit(i, slabs, adamw(grads[step % 2], steps[i]), on_done=done.set)
+            done.wait(timeout=60)
+        pipeline.drain()
+        for slabs, states, _ in chunks:
+            for got, want in zip(read_states(tier, slabs), states, strict=True):
+                assert torch.equal(got, want)
+    assert read_before_submit == [False] * 6 + [True] * 12
+    pipeline.close()
+    assert pool.lent == 0
+
+
+def test_a_chunk_out_of_the_last_order_takes_the_read_ahead_buffers(make_tier):
+    # every buffer holds a read-ahead chunk when one submitted out of order needs buffers: it
+    # takes those of the chunk read furthest ahead, which is read again when submitted
+    tier = make_tier("libaio")
+    chunks = setup_states(tier, torch.Generator().manual_seed(9))[:3]
+    pool = StagingPool(buffer_bytes=max(SIZES) * 4, count=6)  # 2 chunks' states
+    pipeline = NVMeOptimizerPipeline(tier=tier, pool=pool, lookahead=1)
+    steps_ref = [torch.zeros(()) for _ in chunks]
+    steps = [torch.zeros(()) for _ in chunks]
+    for step, order in enumerate(([0, 1, 2], [2, 0, 1])):
+        for i in order:
+            slabs, states, grads = chunks[i]
+            adamw(grads[step], steps_ref[i])(states)
+            done = threading.Event()  # one at a time: chunk 2 finds every buffer read ahead
+            pipeline.submit(i, slabs, adamw(grads[step], steps[i]), on_done=done.set)
+            done.wait(timeout=60)
+        if step == 0:
+            pipeline.drain()
+            assert list(pipeline._prefetched) == [0, 1]  # the whole pool, read ahead
+            reads = tier.moves["nvme->host"]
+    pipeline.drain()
+    # chunk 2 (not read ahead) took chunk 1's buffers: 2 and 1 were read in the second step
+    # (and the next step's first chunks, 2 and 0, after its drain)
+    assert tier.moves["nvme->host"] - reads == 3 * (2 + 2)
+    for slabs, states, _ in chunks:
+        for got, want in zip(read_states(tier, slabs), states, strict=True):
+            assert torch.equal(got, want)
+    pipeline.close()
+    assert pool.lent == 0
 
 
 def test_updates_run_on_the_worker_while_the_caller_continues(make_tier):
@@ -148,14 +225,7 @@ def test_prefetched_chunks_update_first_and_still_match(make_tier, writes):
     # or not earlier writes have landed when the worker can read ahead (which frees buffers)
     tier = make_tier("threads")
     if writes == "land-at-once":
-        write_next = tier.write_next
-
-        def landed_write_next(slab, buffer):
-            handle = write_next(slab, buffer)
-            handle.wait()
-            return handle
-
-        tier.write_next = landed_write_next
+        landing_at_once(tier)
     chunks = setup_states(tier, torch.Generator().manual_seed(5))
     pipeline = NVMeOptimizerPipeline(
         tier=tier, pool=StagingPool(buffer_bytes=max(SIZES) * 4, count=9)

@@ -13,10 +13,8 @@ buffers only when that leaves room for one more chunk, so the worker can always 
 A prefetched chunk stays valid until it is submitted, however long that takes (a skipped step),
 unless one of its slabs is written by someone else (e.g. a checkpoint load): the tier calls
 ``slab_written`` on every write, which drops such a prefetch so the chunk is read again.
-Reading states does not need gradients, so ``drain`` ends by prefetching, for the next step,
-the chunks submitted first in the step just drained (its writes are complete, so the reads see
-them), as many as the pool can spare: their reads run during the next forward pass, while the
-disk would otherwise idle, instead of delaying the first updates of the next backward.
+Reading states does not need gradients, so the pipeline also reads ahead of submissions:
+[Note: read ahead in the last step's order].
 
 Staging buffers come from a StagingPool; a chunk's buffers return to the pool when its writes
 are complete. For full overlap the pool needs ``states * (lookahead + 2)`` buffers.
@@ -34,6 +32,23 @@ seen every write of the step complete does ``commit`` swap the regions of each w
 On an error nothing is committed: the states are exactly the last step's. The engine restores
 what else the step touched (step counts, the loss scaler, low-precision parameter homes that
 the update wrote, recomputed from the committed masters).
+
+[Note: read ahead in the last step's order]
+Backward makes chunks' gradients final in the same order every step, and only
+``GRAD_OFFLOAD_BUFFERS`` gradient shards fit in host memory, so backward waits for the update
+of the chunk before last before it fills the next. Reading a chunk's states only once it is
+submitted put that read on backward's path for every chunk (with the worker idle between
+submissions, ``upcoming`` was always empty). So ``drain`` keeps the order of the step it
+drained (``_expected``), and reads run ahead of submissions in that order: after the commit
+(during the next forward pass, while the disk would otherwise idle) and on the worker after each
+update, into whatever staging buffers are free. Only chunks not yet submitted in this step are
+read (their committed region holds the last step's values, which is what their update needs),
+and a read-ahead copy stays valid as a prefetched one does (``slab_written`` drops it). A read
+ahead is a guess: a submitted chunk that finds no free buffers and no write to wait for takes
+those of the read-ahead chunk furthest ahead (its reads are waited for and dropped), so the
+pool never deadlocks, whatever the order; where the order holds, the next submission finds its
+states read. The reads start under the pipeline's lock (``tier.read`` only queues requests),
+so a chunk submitted meanwhile always finds its read-ahead copy's reads started.
 """
 
 from __future__ import annotations
@@ -65,7 +80,8 @@ class _Job:
     reads: list[IOHandle] = field(default_factory=list)
     writes: list[IOHandle] = field(default_factory=list)
     prefetched: bool = False
-    """Its reads started before it was submitted (``prefetch``), not read ahead by the worker."""
+    """Its reads started before it was submitted (``prefetch`` or a read ahead in the last
+    step's order), not read ahead by the worker from the queue."""
 
 
 class NVMeOptimizerPipeline:
@@ -91,8 +107,13 @@ class NVMeOptimizerPipeline:
         self._worker: threading.Thread | None = None
         self._written: list[Slab] = []
         """Slabs written since the last drain, committed by it: [Note: atomic optimizer step]."""
-        self._order: list[tuple[Hashable, tuple[Slab, ...]]] = []
-        """Chunks submitted since the last drain, in order (read ahead for the next step)."""
+        self._order: dict[Hashable, tuple[Slab, ...]] = {}
+        """Chunks submitted since the last drain, in order: the next step's ``_expected``."""
+        self._expected: list[tuple[Hashable, tuple[Slab, ...]]] = []
+        """The last drained step's chunks in submission order: [Note: read ahead in the last
+        step's order]."""
+        self._cursor = 0
+        """Index in ``_expected`` of the first chunk not yet read ahead or submitted."""
 
     # -- caller side ------------------------------------------------------------------------
     def prefetch(self, key: Hashable, slabs: Sequence[Slab]) -> bool:
@@ -127,7 +148,7 @@ class NVMeOptimizerPipeline:
             job.update = update
             job.on_done = on_done
             self._queue.append(job)
-            self._order.append((key, job.slabs))
+            self._order[key] = job.slabs
             if self._worker is None:
                 self._worker = threading.Thread(
                     target=self._run, name="tierwise-nvme-optimizer", daemon=True
@@ -147,17 +168,16 @@ class NVMeOptimizerPipeline:
     def drain(self) -> None:
         """Wait until every submitted chunk is updated and written, then commit all of them;
         on an error commit none and re-raise it ([Note: atomic optimizer step]). Then start
-        reading the next step's first chunks (see [Note: optimizer pipeline])."""
+        reading the next step's first chunks ([Note: read ahead in the last step's order])."""
         self._finish_all()
         with self._cond:
             written, self._written = self._written, []
         for slab in written:
             self.tier.commit(slab)
         with self._cond:
-            order, self._order = self._order, []
-        for key, slabs in order:
-            if not self.prefetch(key, slabs):
-                break
+            order, self._order = self._order, {}
+            self._expected, self._cursor = list(order.items()), 0
+        self._read_ahead()
 
     def abandon(self) -> None:
         """Wait for every submitted chunk, then commit none of them: the step they belong to was
@@ -167,7 +187,7 @@ class NVMeOptimizerPipeline:
         except Exception:  # noqa: S110 - nothing of these updates is kept, failed or not
             pass
         with self._cond:
-            self._written, self._order = [], []
+            self._written, self._order, self._cursor = [], {}, 0
 
     def _finish_all(self) -> None:
         with self._cond:  # [Note: bounded waits]
@@ -183,7 +203,7 @@ class NVMeOptimizerPipeline:
             error, self._error = self._error, None
         if error is not None:
             with self._cond:
-                self._order = []
+                self._order = {}
                 self._written = []  # the last step's values stay: [Note: atomic optimizer step]
             raise error
 
@@ -260,6 +280,7 @@ class NVMeOptimizerPipeline:
                 started = later.buffers is None and self._take_buffers(later)
             if started:
                 self._start_reads(later)
+        self._read_ahead()
         begin = time.perf_counter()
         for handle in job.reads:
             handle.wait()
@@ -277,13 +298,31 @@ class NVMeOptimizerPipeline:
         self._writing.append(job)
         while self._writing and all(h.done() for h in self._writing[0].writes):
             self._finish_oldest_write()
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        """Start reading the next chunks of the last step's order that are neither submitted
+        nor read yet, while their buffers are free: [Note: read ahead in the last step's
+        order]."""
+        with self._cond:
+            while self._error is None and not self._closing:
+                if self._cursor >= len(self._expected):
+                    return
+                key, slabs = self._expected[self._cursor]
+                if key not in self._order and key not in self._prefetched:
+                    job = _Job(key, slabs)
+                    if not self._take_buffers(job):
+                        return
+                    self._prefetched[key] = job
+                    self._start_reads(job)  # under the lock: see the Note
+                self._cursor += 1
 
     def _wait_for_buffers(self, job: _Job) -> None:
         while True:
             with self._cond:
                 if self._take_buffers(job):
                     return
-            if not self._finish_oldest_write():
+            if not self._finish_oldest_write() and not self._drop_furthest_prefetch():
                 raise RuntimeError(
                     f"nvme optimizer pipeline: the staging pool ({self.pool.count} buffers) cannot "
                     f"hold the {len(job.slabs)} states of one chunk; give it at least "
@@ -306,6 +345,16 @@ class NVMeOptimizerPipeline:
         finally:
             self.timings["write_wait_s"] += time.perf_counter() - begin
             self._give_back(job)
+        return True
+
+    def _drop_furthest_prefetch(self) -> bool:
+        """Give back the buffers of the chunk read (or prefetched) furthest ahead, not yet
+        submitted; False if there is none ([Note: read ahead in the last step's order])."""
+        with self._cond:
+            if not self._prefetched:
+                return False
+            job = self._prefetched.pop(next(reversed(self._prefetched)))
+        self._discard(job)
         return True
 
     # -- helpers ----------------------------------------------------------------------------

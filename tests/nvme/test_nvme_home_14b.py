@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("tierwise_nvme")
 
 import tierwise  # noqa: E402
-from helpers.models import tiny_batch, tiny_model  # noqa: E402
+from helpers.models import tiny_model  # noqa: E402
 from helpers.multiproc import run_ranks  # noqa: E402
 from helpers.train import train  # noqa: E402
 from nvme_helpers import nvme_pool_bytes  # noqa: E402
@@ -377,15 +377,7 @@ def _two_ranks(rank: int, world: int, nvme_dir: str) -> dict:
             nvme_path=f"{nvme_dir}/{variant}-{rank}",
         )
         engine = tierwise.engine_of(model)
-        losses = []
-        for step in range(2):
-            for micro in range(2):
-                loss = model(**tiny_batch(seed=100 * step + 10 * micro + rank)).loss / 2
-                loss.backward()
-                losses.append(loss.item())
-            tierwise.clip_grad_norm_(model, 0.05)
-            opt.step()
-            opt.zero_grad()
+        losses = train(model, opt, 2, clip=0.05, accum=2, first_seed=100 * rank)
         in_home = {c.optim.grads_in_home for c in engine.chunks() if c.trainable}
         sharded = {c.group.sharded for c in engine.chunks()}
         state = model.state_dict()  # a collective: every rank calls it

@@ -8,16 +8,8 @@ from __future__ import annotations
 import tierwise
 import torch
 from helpers.models import tiny_batch, tiny_model
+from helpers.train import overhead_config
 from tierwise.runtime.activations.policy import find_blocks
-
-
-def _setup(placement: str):
-    model = tiny_model("gpt2")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    plan = dict(param_placement=placement, optimizer_placement=placement)
-    if placement == "host":
-        plan.update(cache_blocks=2)
-    return tierwise.setup(model, opt, precision="fp32", device="cpu", **plan)
 
 
 def _step(model, opt) -> None:
@@ -27,7 +19,7 @@ def _step(model, opt) -> None:
 
 
 def _fetches_after_warmup(placement: str) -> int:
-    model, opt = _setup(placement)
+    model, opt = overhead_config(placement)
     engine = tierwise.engine_of(model)
     _step(model, opt)  # warm-up: the access trace is recorded
     fetched = []
@@ -67,7 +59,7 @@ def _reference_kept_bytes() -> int:
 
 def test_kept_activations_are_counted_as_the_plain_model_saves_them_every_step():
     want = _reference_kept_bytes()
-    model, opt = _setup("device")
+    model, opt = overhead_config("device")
     engine = tierwise.engine_of(model)
     for _ in range(3):  # the warm-up and two steps after it
         _step(model, opt)

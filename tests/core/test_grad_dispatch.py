@@ -12,18 +12,10 @@ import pytest
 import tierwise
 import torch
 from helpers.models import tiny_batch, tiny_model
+from helpers.train import overhead_config
 from tierwise.runtime.grads import single_rank
 
 GRADS_DIR = "/tierwise/runtime/grads/"
-
-
-def _setup(placement: str):
-    model = tiny_model("gpt2")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    plan = dict(param_placement=placement, optimizer_placement=placement)
-    if placement == "host":
-        plan.update(cache_blocks=2)
-    return tierwise.setup(model, opt, precision="fp32", device="cpu", **plan)
 
 
 def _in_gradient_hook(frame) -> bool:
@@ -66,7 +58,7 @@ PER_CHUNK = 16
 
 @pytest.mark.parametrize("placement", sorted(PER_GRADIENT))
 def test_each_gradient_makes_a_few_calls_into_the_gradient_path_after_the_warm_up(placement):
-    model, opt = _setup(placement)
+    model, opt = overhead_config(placement)
     engine = tierwise.engine_of(model)
     gradients = sum(1 for p in model.parameters() if p.requires_grad)
     for seed in range(2):  # the warm-up, its re-layout, and a step on the new layout
@@ -94,7 +86,7 @@ def test_routes_follow_a_re_layout_and_gradients_stay_plain_pytorchs(monkeypatch
     monkeypatch.setattr(single_rank, "host_copy_applies", lambda *a: asked.append(1) or applies(*a))
     reference = tiny_model("gpt2")
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
-    model, opt = _setup("host")
+    model, opt = overhead_config("host")
     engine = tierwise.engine_of(model)
     built = []
     build = engine.gradients.single._build_routes

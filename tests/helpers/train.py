@@ -106,3 +106,14 @@ def max_rel_diff(state: dict[str, torch.Tensor], reference) -> float:
         denom = y.abs().max().clamp_min(1e-12)
         worst = max(worst, float((x - y).abs().max() / denom))
     return worst
+
+
+def overhead_config(placement: str):
+    """A tiny fp32 GPT-2 set up as one of bench/overhead.py's configurations: everything on the
+    device ("device") or everything in host memory with 2 rCache blocks ("host")."""
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan = dict(param_placement=placement, optimizer_placement=placement)
+    if placement == "host":
+        plan.update(cache_blocks=2)
+    return tierwise.setup(model, opt, precision="fp32", device="cpu", **plan)

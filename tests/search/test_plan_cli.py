@@ -225,3 +225,28 @@ def test_plan_command_refuses_a_budget_without_room_for_the_weight_load(run_plan
     )
     code, out, err = run_plan(*base, *forced, "--load-weights", "--host-memory", str(need))
     assert code == 0, err
+
+
+def test_plan_command_states_the_weight_load_refusal_in_the_nodes_host_memory(
+    run_plan, config_json
+):
+    """Two ranks on one node share ``--host-memory`` ([Note: a rank's host share]): the weight
+    load is checked against each rank's half, and the refusal names the node's budget, twice a
+    rank's need; that budget plans."""
+    from tierwise.units import format_gib
+
+    base = ("--model", str(config_json), "--seq", "16", "--device", "cpu", "--precision", "fp32")
+    forced = ("--param-placement", "host", "--optimizer-placement", "host", "--gpus", "2")
+    code, out, err = run_plan(*base, *forced, "--host-memory", "1GiB", "--json")
+    assert code == 0, err
+    plan = Plan.from_dict(json.loads(out)["plan"])  # a rank's plan
+    largest = max(p.numel() for p in plan_profile_params(config_json))
+    rank_need = plan.host_need + min(plan.io_buffer_bytes, 2 * largest * (4 + 4 + 4))
+    node_need = 2 * rank_need
+    code, out, err = run_plan(*base, *forced, "--load-weights", "--host-memory", str(node_need - 1))
+    assert code == 2
+    err = err.replace("--host-memory", "host_memory")
+    assert "host memory binds while weights load" in err and "shared by 2 ranks" in err
+    assert f"raise host_memory to at least {format_gib(node_need)}" in err
+    code, out, err = run_plan(*base, *forced, "--load-weights", "--host-memory", str(node_need))
+    assert code == 0, err

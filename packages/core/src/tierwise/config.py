@@ -137,11 +137,14 @@ class MemoryPolicy:
 
     host_memory: int | str | None = None
     """Byte budget for model data in host RAM (int or "64GiB"); None = what the machine has.
-    The node's: its ranks share it (each plans with its share)."""
+    The node's: its ranks share it. Each rank plans and runs with ``host_memory //
+    ranks_per_node`` (its host tier's budget; the storage tiers' host pools are sized against
+    it), and a host refusal names the node's budget ([Note: a rank's host share] in
+    tierwise.planning.host_share)."""
 
     pinned_memory: int | str | None = None
     """Bytes of page-locked host memory (int or "1GiB") for the activation swaps' host buffers on
-    CUDA, counted in ``host_memory`` (only copies from page-locked memory overlap compute; a
+    CUDA, each rank's, counted in its share of ``host_memory`` (only copies from page-locked memory overlap compute; a
     swap that finds the budget full goes through pageable memory, whose copies block, and says
     so once). None: 1 GiB. Without CUDA nothing is pinned and this is not used. The host tier's
     own slabs are page-locked on CUDA too, each counted at its exact size."""

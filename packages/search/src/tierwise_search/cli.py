@@ -343,6 +343,7 @@ def run_plan(args: argparse.Namespace) -> int:
                     config.host_memory,
                     largest_numel=max((p.numel for p in profile.params), default=0),
                     itemsize=PARAM_BYTES[args.precision],
+                    ranks_per_node=target.hardware.ranks_per_node,
                 )
             else:
                 plan = plan_at(config.host_memory)

@@ -25,6 +25,7 @@ from tierwise.plan import Plan, PlanError, io_buffer_bytes, load_buffer_minimum
 from tierwise.planning.activation_peak import activation_peak
 from tierwise.planning.chunk_size import grid_sizes, lean_sizes
 from tierwise.planning.host_minimum import least_host_budget, restated
+from tierwise.planning.host_share import in_node_units, rank_config, rank_host_share
 from tierwise.planning.planner import (
     REDUCTION_BLOCKS,
     may_recompute,
@@ -181,7 +182,10 @@ class _Search:
             raise ValueError(
                 f"gradient_staging {gradient_staging!r}: choose one of {GRADIENT_STAGING}"
             )
-        self.profile, self.hardware, self.config = profile, hardware, config
+        # [Note: a rank's host share]: a rank plans with its share of the node's host_memory,
+        # and the storage tiers' host pools are sized against that share, as at run time
+        self.profile, self.hardware = profile, hardware
+        self.config = rank_config(config, hardware.ranks_per_node)
         self.gradient_staging = gradient_staging
         if not 0.0 <= rollback_rate <= 1.0:
             raise ValueError(f"rollback_rate {rollback_rate!r}: give a share of steps in [0, 1]")
@@ -196,7 +200,7 @@ class _Search:
         # [Note: shared per node]: host memory and NVMe space are the node's, split by its ranks
         per_node = self.rates.ranks_per_node
         node_host = config.host_memory if config.host_memory is not None else hardware.host_memory
-        self.host_capacity = None if node_host is None else node_host // per_node
+        self.host_capacity = rank_host_share(node_host, per_node)
         self.nvme_capacity = None if hardware.nvme_free is None else hardware.nvme_free // per_node
         if per_node > 1:
             self.reasons.append(
@@ -511,7 +515,8 @@ def search_plan(
             ),
             err.need,
         )
-        raise restated(err, budget) from None
+        # [Note: a rank's host share]: the refusal names the node's budget
+        raise in_node_units(restated(err, budget), config.host_memory, per_node) from None
 
 
 def _search_plan(search: _Search) -> Plan:

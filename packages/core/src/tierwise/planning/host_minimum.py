@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tierwise.plan import Plan, PlanError, load_buffer_minimum
+from tierwise.planning.host_share import rank_host_share
 from tierwise.units import format_gib
 
 
@@ -43,12 +44,17 @@ queue depth, a read-ahead of at most a few chunks), so the climb ends well befor
 
 
 def least_host_budget(
-    plan_at: Callable[[int], Plan], start: int, *, extra: Callable[[Plan], int] | None = None
+    plan_at: Callable[[int], Plan],
+    start: int,
+    *,
+    extra: Callable[[Plan], int] | None = None,
+    ranks_per_node: int = 1,
 ) -> int:
     """The least budget from ``start`` up at which ``plan_at(budget)`` (planning with that host
     budget) needs at most the budget: its ``Plan.host_need`` plus ``extra(plan)`` (0 without),
-    or a host refusal's need. Stops at the first budget whose planning fails on another tier.
-    """
+    times ``ranks_per_node`` when the budget is a node's and the plan a rank's ([Note: a rank's
+    host share]), or a host refusal's need. Stops at the first budget whose planning fails on
+    another tier."""
     budget = start
     for _ in range(MAX_ROUNDS):
         try:
@@ -59,6 +65,7 @@ def least_host_budget(
             need = err.need
         else:
             need = (plan.host_need or 0) + (extra(plan) if extra is not None else 0)
+            need *= max(1, ranks_per_node)
         if need <= budget:
             return budget
         budget = need
@@ -75,6 +82,7 @@ def plan_for_weight_load(
     *,
     largest_numel: int,
     itemsize: int,
+    ranks_per_node: int = 1,
 ) -> Plan:
     """[Note: the weight load checked at plan time]
     The load buffers are not held through training ([Note: load/save buffers are not held
@@ -85,9 +93,13 @@ def plan_for_weight_load(
     ``host_memory``. A refusal, the planner's or this one, names the least budget at which
     planning again leaves that room (the storage tiers' buffers grow with the budget, and a
     search may fill a larger budget with model data: [Note: the stated host minimum is a fixed
-    point]). ``itemsize``: bytes per element of the compute precision. Setup does this for
+    point]). ``itemsize``: bytes per element of the compute precision. ``host_memory`` is the
+    node's, shared by ``ranks_per_node`` ranks: a rank's need is checked against its share and a
+    refusal names the node's budget ([Note: a rank's host share]). Setup does this for
     ``setup(weights=...)`` (so ``tierwise train --from-pretrained``), ``tierwise plan`` for
     ``--load-weights``."""
+
+    per_node = max(1, ranks_per_node)
 
     def least(plan: Plan) -> int:
         return load_buffer_minimum(plan.io_buffer_bytes or 0, largest_numel, itemsize)
@@ -97,7 +109,7 @@ def plan_for_weight_load(
     except PlanError as err:
         if err.tier != "host" or err.need is None or host_memory is None:
             raise
-        budget = least_host_budget(plan_at, err.need, extra=least)
+        budget = least_host_budget(plan_at, err.need, extra=least, ranks_per_node=per_node)
         raise PlanError(
             f"{err}; loading pretrained weights also needs its load buffers beside that: the "
             f"least host_memory that plans and loads is {format_gib(budget)}",
@@ -108,16 +120,19 @@ def plan_for_weight_load(
     if host_memory is None or plan.host_need is None:
         return plan
     need = plan.host_need + least(plan)
-    if need <= host_memory:
+    share = rank_host_share(host_memory, per_node)
+    if need <= share:
         return plan
-    budget = least_host_budget(plan_at, need, extra=least)
+    budget = least_host_budget(plan_at, need * per_node, extra=least, ranks_per_node=per_node)
+    node = f" (the node's, shared by {per_node} ranks: {format_gib(share)} each)"
     raise PlanError(
         f"host memory binds while weights load: loading pretrained weights needs "
         f"{format_gib(least(plan))} of load buffers (two pieces of the largest parameter, or "
         f"the whole load/save buffers when smaller) beside the {format_gib(plan.host_need)} "
-        f"this plan holds in host memory, {format_gib(need)} in all; host_memory is "
-        f"{format_gib(host_memory)}: {format_gib(need - host_memory)} short; raise host_memory "
-        f"to at least {format_gib(budget)}",
+        f"this plan holds in host memory, {format_gib(need)} in all"
+        f"{' on each rank' if per_node > 1 else ''}; host_memory is {format_gib(host_memory)}"
+        f"{node if per_node > 1 else ''}: {format_gib(need - share)} short"
+        f"{' per rank' if per_node > 1 else ''}; raise host_memory to at least {format_gib(budget)}",
         tier="host",
         need=budget,
         limit=host_memory,

@@ -21,6 +21,7 @@ from tierwise.planning.activation_peak import activation_peak
 from tierwise.planning.cache_minimum import min_cache_blocks, recompute_blocks
 from tierwise.planning.chunk_size import auto_chunk_sizes
 from tierwise.planning.host_minimum import least_host_budget, restated, storage_tier_host_bytes
+from tierwise.planning.host_share import in_node_units, rank_config
 from tierwise.precision import PARAM_BYTES
 from tierwise.profile import Profile, activation_blocks
 from tierwise.units import format_bytes, format_gib
@@ -201,19 +202,23 @@ def default_plan(
     whose plan fits the budgets (when none does, the error at the last: the aim).
     ``tier_classes`` (the plugin host's, by name): the storage tiers whose own host buffers the
     host need counts ([Note: storage tiers' host buffers]); None counts none. A host refusal
-    names the least host budget that plans ([Note: the stated host minimum is a fixed point])."""
+    names the least host budget that plans ([Note: the stated host minimum is a fixed point]).
+    ``config.host_memory`` is the node's: a rank plans with its share, and a refusal names the
+    node's budget ([Note: a rank's host share])."""
+    per_node = hardware.ranks_per_node
+    rank = rank_config(config, per_node)
     try:
-        return _plan_sizes(profile, hardware, config, tier_classes or {})
+        return _plan_sizes(profile, hardware, rank, tier_classes or {})
     except PlanError as err:
-        if err.tier != "host" or err.need is None or config.host_memory is None:
+        if err.tier != "host" or err.need is None or rank.host_memory is None:
             raise
         budget = least_host_budget(
             lambda need: _plan_sizes(
-                profile, hardware, replace(config, host_memory=need), tier_classes or {}
+                profile, hardware, replace(rank, host_memory=need), tier_classes or {}
             ),
             err.need,
         )
-        raise restated(err, budget) from None
+        raise in_node_units(restated(err, budget), config.host_memory, per_node) from None
 
 
 def _plan_sizes(

@@ -375,7 +375,8 @@ def _note_device(console: Console, world: World, config: Config, budget_note: st
     console.note(
         f"device: {world.device}, model data budget {budget_text}{budget_note}; host budget "
         f"{'all it has' if config.host_memory is None else format_bytes(config.host_memory)}"
-        + (f"; {world.size} ranks" if world.size > 1 else ""),
+        # [Note: a rank's host share]: the node's budget, each rank runs with its share
+        + (f" (the node's, shared by its ranks); {world.size} ranks" if world.size > 1 else ""),
         device_memory=config.device_memory,
         host_memory=config.host_memory,
     )

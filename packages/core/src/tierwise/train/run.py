@@ -21,6 +21,7 @@ import torch
 import tierwise
 from tierwise.config import ConfigError
 from tierwise.model_presets import ModelError
+from tierwise.planning.host_share import rank_host_share
 from tierwise.train import checkpoints, lora
 from tierwise.train.blocks import BlockSampler, to_device
 from tierwise.train.distributed import (
@@ -127,9 +128,13 @@ class Trainer:
         self.scheduler, self.engine = prepared.scheduler, prepared.engine
         self.budgets = {
             "device": prepared.config.device_memory,
-            "host": prepared.config.host_memory,
+            # this rank's ledger is against its share: [Note: a rank's host share]
+            "host": rank_host_share(
+                prepared.config.host_memory,
+                self.engine.hardware.ranks_per_node if self.engine.hardware else 1,
+            ),
         }
-        """Byte budgets per tier, as the summary and the memory plot show them."""
+        """Byte budgets per tier of this rank, as the summary and the memory plot show them."""
         self.step = 0
         """Optimizer steps taken (the resumed run's included)."""
         self.micro_step = 0

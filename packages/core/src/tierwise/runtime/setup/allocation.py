@@ -13,6 +13,7 @@ from tierwise.chunks import ChunkGroup, OptimSlabs
 from tierwise.chunks.payload import PayloadSpec
 from tierwise.config import Config, ConfigError
 from tierwise.plan import Plan, swap_target
+from tierwise.planning.host_share import rank_config
 from tierwise.plugins import PluginHost
 from tierwise.precision import OPTIM_STATES, compute_dtype
 from tierwise.runtime.activations.pinned_pool import pinned_swap_bytes
@@ -56,7 +57,9 @@ def allocate(
     allocated: list = []
     grad_offload = None
     try:  # [Note: a failed setup closes its tiers]
-        _make_tiers(host, config, plan, needed, into=tiers)
+        # [Note: a rank's host share]: this rank's tiers hold its share of the node's host_memory
+        rank = rank_config(config, planned.hardware.ranks_per_node)
+        _make_tiers(host, rank, plan, needed, into=tiers)
         allocated = allocate_payloads(groups, plan, tiers, _payloads(config, groups))
         pinned = pinned_swap_bytes(config, plan.activation_policy if planned.blocks else {})
         if pinned:  # the activation swaps' page-locked buffers count in host_memory

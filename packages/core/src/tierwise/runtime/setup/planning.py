@@ -62,6 +62,7 @@ def make_plan(
             config.host_memory,
             largest_numel=max((p.numel for p in profile.params), default=0),
             itemsize=PARAM_BYTES[config.precision],
+            ranks_per_node=hardware.ranks_per_node,  # [Note: a rank's host share]
         )
     else:
         plan = host.make_plan(profile=profile, hardware=hardware, config=config)

@@ -145,6 +145,14 @@ def load_buffer_minimum(
     return min(wanted, 2 * min(piece, largest_numel) * (4 + 4 + itemsize))
 
 
+def save_buffer_bytes(io_buffer_bytes: int | None) -> int:
+    """Host bytes ``save_pretrained`` takes from the host tier while it runs: the whole load/save
+    buffers (``io_buffer_bytes``, ``Plan.io_buffer_bytes``; it has no smaller mode, unlike the
+    load). The saver reserves this and the plan-time check ([Note: the weight load checked at
+    plan time] in tierwise.planning.host_minimum) counts it."""
+    return io_buffer_bytes or 0
+
+
 def fill_io_buffer_bytes(plan: Plan, profile) -> None:
     """Set ``plan.io_buffer_bytes`` from ``profile`` when the planner left it unset (an estimate:
     setup sets the exact figure after layout)."""

@@ -494,7 +494,8 @@ def _check_host(
             f"load/save buffers: {format_gib(io_bytes)} while weights load or save do not fit "
             f"beside {format_gib(host_data)} of host model data in host_memory "
             f"{format_gib(config.host_memory)}: training fits; setup(weights=...) and "
-            "save_pretrained need host_memory of at least "
+            "save_pretrained (checked at setup with Config.saves_weights) need host_memory of "
+            "at least "
             f"{format_gib(host_data + io_bytes)}"
         )
     if config.host_memory is None or host_data <= config.host_memory:

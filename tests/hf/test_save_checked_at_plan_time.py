@@ -122,3 +122,43 @@ def test_the_trainer_checks_the_save_unless_told_otherwise(tmp_path):
         trainer(need - 1)
     assert info.value.need == need
     trainer(need - 1, saves_weights=False).close()  # told otherwise: training alone is checked
+
+
+@pytest.mark.combined
+def test_the_search_keeps_room_for_the_save_it_was_refused_for(tmp_path):
+    """With the search plugin and automatic placement (NVMe allowed), the refusal at a 1-byte
+    budget names a budget that plans and saves; the moves the search makes for speed leave the
+    whole save buffers free (Config.saves_weights), so at that budget the model trains and
+    saves within it, and one byte less is refused."""
+    options = dict(
+        device="cpu",
+        precision="fp32",
+        chunk_size=5000,
+        device_memory=200_000,
+        nvme_path=str(tmp_path / "nvme"),
+        saves_weights=True,
+    )
+
+    def setup(host_memory):
+        model = tiny_model("llama", seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return tierwise.setup(model, optimizer, host_memory=host_memory, **options)
+
+    with pytest.raises(PlanError) as info:
+        setup(1)
+    need = info.value.need
+    assert info.value.tier == "host" and "plans and saves" in str(info.value)
+    with pytest.raises(PlanError) as below:  # (its placement differs: it may name more)
+        setup(need - 1)
+    assert below.value.tier == "host" and below.value.need >= need
+    model, optimizer = setup(need)
+    engine = tierwise.engine_of(model)
+    try:
+        assert engine.plan.planner == "search"
+        assert engine.plan.host_need + engine.plan.io_buffer_bytes <= need
+        train(model, optimizer, 2)
+        model.save_pretrained(tmp_path / "out")
+        host = engine.stats()["memory"]["host"]
+        assert host["budget"] == need and host["peak_bytes"] <= need
+    finally:
+        engine.close()

@@ -245,6 +245,7 @@ def plan_config(args, device_type: str, **overrides) -> Config:
         optimizer_states=getattr(args, "optimizer_states", "fp32"),
         reduce_order=getattr(args, "reduce_order", "fast"),
         accumulation_steps=getattr(args, "grad_accum", None),
+        saves_weights=getattr(args, "save_weights", False),
         **overrides,
     )
 

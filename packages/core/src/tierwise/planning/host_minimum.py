@@ -108,7 +108,8 @@ def plan_for_weight_load(
         budget = least_host_budget(plan_at, err.need, extra=least)
         raise PlanError(
             f"{err}; {what} pretrained weights also needs its load/save buffers beside that: "
-            f"the least host_memory that plans and {does} is {format_gib(budget)}",
+            f"the least host_memory that plans{',' if loads and saves else ' and'} {does} is "
+            f"{format_gib(budget)}",
             tier="host",
             need=budget,
             limit=host_memory,

@@ -120,8 +120,9 @@ LOAD_PIECE = 1 << 22
 # ``Plan.io_buffer_bytes`` from the host tier while they run and give them back. A plan's host
 # need is what training holds, so both planners check the model data alone against
 # ``host_memory`` and report the buffers beside it; when the budget has no room for them beside
-# the model data the plan says so in a reason, and a load or save then fails with the host tier's
-# budget error before anything is written (the model is left as it was).
+# the model data the plan says so in a reason. A run that loads weights, or says it saves
+# (Config.saves_weights), is refused at plan time instead ([Note: the weight load checked at plan
+# time]); an unannounced save that finds no room refuses at its call, before anything is written.
 
 
 def io_buffer_bytes(largest_numel: int, chunk_numel: int) -> int:

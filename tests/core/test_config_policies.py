@@ -87,6 +87,7 @@ def test_toml_keys_of_every_policy(tmp_path):
         ("cache_blocks", True, r"^Config\.cache_blocks=True: give a number of blocks"),
         ("host_memory", "0GiB", r"^Config\.host_memory=0: a budget of 0 bytes"),
         ("frag_factor", 0.5, r"^Config\.frag_factor=0\.5: must be ≥ 1$"),
+        ("saves_weights", "yes", r"^Config\.saves_weights='yes': must be True or False$"),
         ("activation_offload", "disk", r"^Config\.activation_offload='disk': choose one of"),
         ("parallel", {"expert": 0}, r"^Config\.parallel=\{'expert': 0\}: give a dict"),
         ("accumulation_steps", 0, r"^Config\.accumulation_steps=0: give a positive number"),

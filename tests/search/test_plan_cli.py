@@ -250,3 +250,29 @@ def test_plan_command_states_the_weight_load_refusal_in_the_nodes_host_memory(
     assert f"raise host_memory to at least {format_gib(node_need)}" in err
     code, out, err = run_plan(*base, *forced, "--load-weights", "--host-memory", str(node_need))
     assert code == 0, err
+
+
+def test_plan_command_refuses_a_budget_without_room_for_the_save(run_plan, config_json):
+    """``--save-weights``: the refusal setup gives with Config.saves_weights ([Note: the weight
+    load checked at plan time]) at one byte under the plan's host data plus the whole load/save
+    buffers, which save_pretrained reserves (tests/hf/test_save_checked_at_plan_time.py measures
+    that reservation); that budget plans. With --load-weights too the save's room binds."""
+    from tierwise.units import format_gib
+
+    base = ("--model", str(config_json), "--seq", "16", "--device", "cpu", "--precision", "fp32")
+    forced = ("--param-placement", "host", "--optimizer-placement", "host")
+    code, out, err = run_plan(*base, *forced, "--host-memory", "1GiB", "--json")
+    assert code == 0, err
+    plan = Plan.from_dict(json.loads(out)["plan"])
+    need = plan.host_need + plan.io_buffer_bytes
+    code, out, err = run_plan(*base, *forced, "--host-memory", str(need - 1))
+    assert code == 0, err  # without --save-weights the training plan is all that is checked
+    for flags in (("--save-weights",), ("--save-weights", "--load-weights")):
+        code, out, err = run_plan(*base, *forced, *flags, "--host-memory", str(need - 1))
+        assert code == 2
+        assert "host memory binds while weights save" in err
+        assert f"raise host_memory to at least {format_gib(need)}" in err.replace(
+            "--host-memory", "host_memory"
+        )
+        code, out, err = run_plan(*base, *forced, *flags, "--host-memory", str(need))
+        assert code == 0, err

@@ -155,6 +155,13 @@ class MemoryPolicy:
     frag_factor: float = 1.25
     """F_frag: activation memory is multiplied by this to account for fragmentation."""
 
+    saves_weights: bool = False
+    """The run calls ``save_pretrained``: setup then refuses, before any model data is built, a
+    ``host_memory`` without room for the save buffers beside what the plan holds in host memory
+    ([Note: the weight load checked at plan time]). Without it the save checks at its call.
+    TierwiseTrainer sets it unless told otherwise (a Trainer's checkpoints and ``save_model``
+    call ``save_pretrained``)."""
+
     def __post_init__(self) -> None:
         for name in ("device_memory", "host_memory", "pinned_memory"):
             value = getattr(self, name)
@@ -177,6 +184,8 @@ class MemoryPolicy:
             _refuse(self, "alloc_fraction", "must be in (0, 1]")
         if self.frag_factor < 1:
             _refuse(self, "frag_factor", "must be ≥ 1")
+        if not isinstance(self.saves_weights, bool):
+            _refuse(self, "saves_weights", "must be True or False")
 
 
 @dataclass(frozen=True, kw_only=True)

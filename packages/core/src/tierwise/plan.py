@@ -120,8 +120,9 @@ LOAD_PIECE = 1 << 22
 # ``Plan.io_buffer_bytes`` from the host tier while they run and give them back. A plan's host
 # need is what training holds, so both planners check the model data alone against
 # ``host_memory`` and report the buffers beside it; when the budget has no room for them beside
-# the model data the plan says so in a reason, and a load or save then fails with the host tier's
-# budget error before anything is written (the model is left as it was).
+# the model data the plan says so in a reason. A run that loads weights, or says it saves
+# (Config.saves_weights), is refused at plan time instead ([Note: the weight load checked at plan
+# time]); an unannounced save that finds no room refuses at its call, before anything is written.
 
 
 def io_buffer_bytes(largest_numel: int, chunk_numel: int) -> int:
@@ -143,6 +144,14 @@ def load_buffer_minimum(
     time] in tierwise.planning.host_minimum) both use this; ``piece`` None: LOAD_PIECE."""
     piece = LOAD_PIECE if piece is None else piece
     return min(wanted, 2 * min(piece, largest_numel) * (4 + 4 + itemsize))
+
+
+def save_buffer_bytes(io_buffer_bytes: int | None) -> int:
+    """Host bytes ``save_pretrained`` takes from the host tier while it runs: the whole load/save
+    buffers (``io_buffer_bytes``, ``Plan.io_buffer_bytes``; it has no smaller mode, unlike the
+    load). The saver reserves this and the plan-time check ([Note: the weight load checked at
+    plan time] in tierwise.planning.host_minimum) counts it."""
+    return io_buffer_bytes or 0
 
 
 def fill_io_buffer_bytes(plan: Plan, profile) -> None:

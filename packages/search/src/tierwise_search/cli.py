@@ -105,6 +105,13 @@ def add_plan_command(subparsers) -> None:
         "setup(weights=...)): refuse a host budget without room for the load buffers' minimum "
         "beside the plan's host data, as setup does",
     )
+    parser.add_argument(
+        "--save-weights",
+        action="store_true",
+        help="the run calls save_pretrained (Config.saves_weights, TierwiseTrainer's default): "
+        "refuse a host budget without room for the whole load/save buffers beside the plan's "
+        "host data, as setup does",
+    )
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     parser.add_argument(
         "--clip",
@@ -238,6 +245,7 @@ def plan_config(args, device_type: str, **overrides) -> Config:
         optimizer_states=getattr(args, "optimizer_states", "fp32"),
         reduce_order=getattr(args, "reduce_order", "fast"),
         accumulation_steps=getattr(args, "grad_accum", None),
+        saves_weights=getattr(args, "save_weights", False),
         **overrides,
     )
 
@@ -337,13 +345,15 @@ def run_plan(args: argparse.Namespace) -> int:
             return plan
 
         try:
-            if args.load_weights:  # [Note: the weight load checked at plan time], as setup
-                plan = plan_for_weight_load(
+            if args.load_weights or args.save_weights:  # as setup: [Note: the weight load
+                plan = plan_for_weight_load(  # checked at plan time]
                     plan_at,
                     config.host_memory,
                     largest_numel=max((p.numel for p in profile.params), default=0),
                     itemsize=PARAM_BYTES[args.precision],
                     ranks_per_node=target.hardware.ranks_per_node,
+                    loads=args.load_weights,
+                    saves=args.save_weights,
                 )
             else:
                 plan = plan_at(config.host_memory)

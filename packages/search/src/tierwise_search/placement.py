@@ -44,9 +44,10 @@ class Budgets:
     (``Plan.io_buffer_bytes``), reported beside the plan; not part of the training-time host
     need ([Note: load/save buffers are not held through training] in tierwise.plan)."""
     load_room: int = 0
-    """Host bytes the moves made for speed leave free: the least buffers a weight load runs in,
-    so that a plan with room for the load at its minimum keeps it at any larger budget ([Note:
-    the weight load checked at plan time] in tierwise.planning.host_minimum)."""
+    """Host bytes the moves made for speed leave free: the least buffers a weight load runs in
+    (the whole load/save buffers when the run saves, ``Config.saves_weights``), so that a plan
+    with room for the load or save at its minimum keeps it at any larger budget ([Note: the
+    weight load checked at plan time] in tierwise.planning.host_minimum)."""
 
     def host_need(self, memory: Memory) -> int:
         """Host bytes a placement needs while it trains: its model data."""

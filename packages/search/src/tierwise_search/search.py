@@ -21,7 +21,13 @@ import numpy as np
 from tierwise.chunks.payload import PayloadSpec
 from tierwise.config import Config
 from tierwise.hardware import Hardware
-from tierwise.plan import Plan, PlanError, io_buffer_bytes, load_buffer_minimum
+from tierwise.plan import (
+    Plan,
+    PlanError,
+    io_buffer_bytes,
+    load_buffer_minimum,
+    save_buffer_bytes,
+)
 from tierwise.planning.activation_peak import activation_peak
 from tierwise.planning.chunk_size import grid_sizes, lean_sizes
 from tierwise.planning.host_minimum import least_host_budget, restated
@@ -283,8 +289,11 @@ class _Search:
             nvme=self.nvme_capacity if self.config.nvme_path else None,
             nvme_allowed=self.config.nvme_path is not None,
             io_bytes=self.io_bytes(table),
-            load_room=load_buffer_minimum(
-                self.io_bytes(table), largest_param(self.profile), self.param_bytes
+            load_room=max(  # a save takes the whole buffers (Config.saves_weights)
+                load_buffer_minimum(
+                    self.io_bytes(table), largest_param(self.profile), self.param_bytes
+                ),
+                save_buffer_bytes(self.io_bytes(table)) if self.config.saves_weights else 0,
             ),
         )
 

@@ -200,6 +200,9 @@ class TierwiseTrainer(Trainer):
                 # in-backward updates run in the last micro-batch: [Note: speculative updates]
                 accumulation_steps=given.get("accumulation_steps")
                 or args.gradient_accumulation_steps,
+                # checkpoints and save_model stream the model out through the save buffers
+                # (a PEFT model's adapters do not): checked at setup unless told otherwise
+                saves_weights=given.get("saves_weights", not _is_peft(model)),
             )
         except ConfigError as err:
             raise TierwiseTrainerError(f"TierwiseTrainer: tierwise_config: {err}") from None

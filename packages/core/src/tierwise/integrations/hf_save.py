@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from tierwise.tiers.base import PayloadKind
-from tierwise.units import parse_bytes
+from tierwise.plan import save_buffer_bytes
+from tierwise.tiers.base import PayloadKind, TierBudgetError
+from tierwise.units import format_gib, parse_bytes
 from tierwise.weights.block_writer import ALIGN, WINDOW_BLOCKS
 from tierwise.weights.safetensors_io import EXPORT_WINDOW_BYTES, ShardedWriter
 
@@ -94,7 +95,8 @@ def save_pretrained(
         item = dtype.itemsize if buffer.is_floating_point() else buffer.element_size()
         sizes[name] = buffer.numel() * item
     host = engine.tiers["host"]
-    reserved = engine.plan.io_buffer_bytes or 0
+    reserved = save_buffer_bytes(engine.plan.io_buffer_bytes)
+    check_save_room(host, reserved)
     host.reserve(reserved, kind=PayloadKind.STAGING, what="the save buffers (Plan.io_buffer_bytes)")
     window, ahead, copy = save_buffers(engine, reserved)
     writer = None
@@ -139,6 +141,23 @@ def save_pretrained(
         if generation is not None and getattr(model, "can_generate", lambda: False)():
             generation.save_pretrained(folder)
     return folder
+
+
+def check_save_room(host, reserved: int) -> None:
+    """Refuse a save whose buffers (``reserved`` bytes) do not fit in the host tier beside what
+    it holds, before anything is written, naming the least ``host_memory`` (what the tier holds
+    now plus the buffers) and how to have setup check it ([Note: the weight load checked at
+    plan time])."""
+    if host.budget is None or host.used_bytes + reserved <= host.budget:
+        return
+    raise TierBudgetError(
+        f"save_pretrained needs {format_gib(reserved)} of save buffers (Plan.io_buffer_bytes) in "
+        f"the host tier beside the {format_gib(host.used_bytes)} it holds, "
+        f"{format_gib(host.used_bytes + reserved)} in all; host_memory is "
+        f"{format_gib(host.budget)}: raise host_memory to at least "
+        f"{format_gib(host.used_bytes + reserved)}, and set Config.saves_weights=True so setup "
+        "checks this before training (tierwise plan --save-weights names the least host_memory)"
+    )
 
 
 def save_buffers(engine, reserved: int) -> tuple[int, int, bool]:

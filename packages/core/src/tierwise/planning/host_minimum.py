@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tierwise.plan import Plan, PlanError, load_buffer_minimum
+from tierwise.plan import Plan, PlanError, load_buffer_minimum, save_buffer_bytes
 from tierwise.planning.host_share import rank_host_share
 from tierwise.units import format_gib
 
@@ -83,27 +83,35 @@ def plan_for_weight_load(
     largest_numel: int,
     itemsize: int,
     ranks_per_node: int = 1,
+    loads: bool = True,
+    saves: bool = False,
 ) -> Plan:
     """[Note: the weight load checked at plan time]
-    The load buffers are not held through training ([Note: load/save buffers are not held
+    The load/save buffers are not held through training ([Note: load/save buffers are not held
     through training] in tierwise.plan), but loading pretrained weights takes them beside
     everything the plan holds in the host tier, down to their minimum (``load_buffer_minimum``,
-    the loader's own figure). So a run that loads weights plans (``plan_at(host_memory)``) and,
-    before any model data is built, checks that ``Plan.host_need`` plus that minimum fits
+    the loader's own figure), and ``save_pretrained`` takes them whole (``save_buffer_bytes``,
+    the saver's own figure). So a run that ``loads`` or ``saves`` weights plans
+    (``plan_at(host_memory)``) and, before any model data is built, checks that
+    ``Plan.host_need`` plus the larger of those (load and save never run at once) fits
     ``host_memory``. A refusal, the planner's or this one, names the least budget at which
     planning again leaves that room (the storage tiers' buffers grow with the budget, and a
     search may fill a larger budget with model data: [Note: the stated host minimum is a fixed
     point]). ``itemsize``: bytes per element of the compute precision. ``host_memory`` is the
     node's, shared by ``ranks_per_node`` ranks: a rank's need is checked against its share and a
     refusal names the node's budget ([Note: a rank's host share]). Setup does this for
-    ``setup(weights=...)`` (so ``tierwise train --from-pretrained``), ``tierwise plan`` for
-    ``--load-weights``."""
+    ``setup(weights=...)`` (so ``tierwise train --from-pretrained``) and
+    ``Config.saves_weights``, ``tierwise plan`` for ``--load-weights`` and ``--save-weights``."""
 
     per_node = max(1, ranks_per_node)
 
     def least(plan: Plan) -> int:
-        return load_buffer_minimum(plan.io_buffer_bytes or 0, largest_numel, itemsize)
+        load = load_buffer_minimum(plan.io_buffer_bytes or 0, largest_numel, itemsize)
+        save = save_buffer_bytes(plan.io_buffer_bytes)
+        return max(load if loads else 0, save if saves else 0)
 
+    what = " and ".join(w for w, on in (("loading", loads), ("saving", saves)) if on)
+    does = " and ".join(w for w, on in (("loads", loads), ("saves", saves)) if on)
     try:
         plan = plan_at(host_memory)
     except PlanError as err:
@@ -111,13 +119,14 @@ def plan_for_weight_load(
             raise
         budget = least_host_budget(plan_at, err.need, extra=least, ranks_per_node=per_node)
         raise PlanError(
-            f"{err}; loading pretrained weights also needs its load buffers beside that: the "
-            f"least host_memory that plans and loads is {format_gib(budget)}",
+            f"{err}; {what} pretrained weights also needs its load/save buffers beside that: "
+            f"the least host_memory that plans{',' if loads and saves else ' and'} {does} is "
+            f"{format_gib(budget)}",
             tier="host",
             need=budget,
             limit=host_memory,
         ) from None
-    if host_memory is None or plan.host_need is None:
+    if host_memory is None or plan.host_need is None or not (loads or saves):
         return plan
     need = plan.host_need + least(plan)
     share = rank_host_share(host_memory, per_node)
@@ -125,11 +134,15 @@ def plan_for_weight_load(
         return plan
     budget = least_host_budget(plan_at, need * per_node, extra=least, ranks_per_node=per_node)
     node = f" (the node's, shared by {per_node} ranks: {format_gib(share)} each)"
+    buffers = (
+        "the whole load/save buffers"
+        if saves and save_buffer_bytes(plan.io_buffer_bytes) >= least(plan)
+        else "two pieces of the largest parameter, or the whole load/save buffers when smaller"
+    )
     raise PlanError(
-        f"host memory binds while weights load: loading pretrained weights needs "
-        f"{format_gib(least(plan))} of load buffers (two pieces of the largest parameter, or "
-        f"the whole load/save buffers when smaller) beside the {format_gib(plan.host_need)} "
-        f"this plan holds in host memory, {format_gib(need)} in all"
+        f"host memory binds while weights {'load' if not saves else 'save'}: {what} pretrained "
+        f"weights needs {format_gib(least(plan))} of buffers ({buffers}) beside the "
+        f"{format_gib(plan.host_need)} this plan holds in host memory, {format_gib(need)} in all"
         f"{' on each rank' if per_node > 1 else ''}; host_memory is {format_gib(host_memory)}"
         f"{node if per_node > 1 else ''}: {format_gib(need - share)} short"
         f"{' per rank' if per_node > 1 else ''}; raise host_memory to at least {format_gib(budget)}",

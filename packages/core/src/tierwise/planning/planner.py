@@ -497,9 +497,10 @@ def _check_host(
     if config.host_memory is not None and host_data + io_bytes > config.host_memory >= host_data:
         reasons.append(
             f"load/save buffers: {format_gib(io_bytes)} while weights load or save do not fit "
-            f"beside {format_gib(host_data)} of host model data in host_memory "
-            f"{format_gib(config.host_memory)}: training fits; setup(weights=...) and "
-            "save_pretrained need host_memory of at least "
+            f"beside {format_gib(host_data)} of host model data in a rank's host budget of "
+            f"{format_gib(config.host_memory)} (its share of host_memory: [Note: a rank's host "
+            "share]): training fits; setup(weights=...) and save_pretrained (checked at setup "
+            "with Config.saves_weights) need a rank's host budget of at least "
             f"{format_gib(host_data + io_bytes)}"
         )
     if config.host_memory is None or host_data <= config.host_memory:

@@ -183,6 +183,11 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
         doc = config_docs.get(field.name, "")
         if field.name in ("device_memory", "host_memory"):
             doc += ' "all": what the machine has.'
+        if field.name == "saves_weights":
+            doc += (
+                " tierwise train itself never calls save_pretrained (tierwise export writes "
+                "from the run's checkpoints): here it only adds the check."
+            )
         if field.name == "parallel":
             doc = "Model-parallel sizes by pattern name, e.g. expert=2 or tensor=2."
         if field.name == "device_memory":

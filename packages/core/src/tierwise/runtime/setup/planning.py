@@ -48,7 +48,8 @@ def make_plan(
 ) -> Planned:
     """Probe the hardware and plan for the profiled model; raises before anything changes.
     ``loads_weights``: pretrained weights load into the chunks, so the plan must leave room
-    for the load buffers ([Note: the weight load checked at plan time])."""
+    for the load buffers; with ``Config.saves_weights`` for the save buffers ([Note: the weight
+    load checked at plan time])."""
     hardware = Hardware(**host.probe_hardware(config=config))
     profile = profiled.profile
 
@@ -56,13 +57,15 @@ def make_plan(
         changed = dataclasses.replace(config, host_memory=budget)
         return host.make_plan(profile=profile, hardware=hardware, config=changed)
 
-    if loads_weights:
+    if loads_weights or config.saves_weights:
         plan = plan_for_weight_load(
             plan_at,
             config.host_memory,
             largest_numel=max((p.numel for p in profile.params), default=0),
             itemsize=PARAM_BYTES[config.precision],
             ranks_per_node=hardware.ranks_per_node,  # [Note: a rank's host share]
+            loads=loads_weights,
+            saves=config.saves_weights,
         )
     else:
         plan = host.make_plan(profile=profile, hardware=hardware, config=config)

@@ -199,9 +199,15 @@ class ActivationManager:
         self.swaps.end_block()
 
     def _model_data(self, name: str, tensor: torch.Tensor, ptr: int) -> bool:
-        if any(storage.data_ptr() == ptr for storage in self._block_storages):
+        # runs for every storage a block saves first (most are activations): loops and type
+        # checks inline, no generator or helper call per tensor ([Note: per-module hook cost])
+        for storage in self._block_storages:
+            if storage.data_ptr() == ptr:
+                return True
+        if type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter):
             return True
-        return _is_parameter(tensor) or _is_parameter(tensor._base)
+        base = tensor._base
+        return type(base) is not torch.Tensor and isinstance(base, torch.nn.Parameter)
 
     def _worth(self, name: str, tensor: torch.Tensor) -> bool:
         # runs for every saved tensor: its storage object made once ([Note: per-module hook cost])
@@ -381,10 +387,3 @@ def _distinct_storages(params: tuple[torch.nn.Parameter, ...]) -> list[torch.Unt
         storages.setdefault(storage._cdata, storage)
     return list(storages.values())
 
-
-def _is_parameter(tensor: torch.Tensor | None) -> bool:
-    """``isinstance(tensor, Parameter)`` without Parameter's Python-level instance check for a
-    plain tensor, which most saved tensors are ([Note: per-module hook cost])."""
-    if tensor is None or type(tensor) is torch.Tensor:
-        return False
-    return isinstance(tensor, torch.nn.Parameter)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from tierwise.runtime.activations.manager import ActivationManager
+from tierwise.runtime.activations.manager import ActivationManager, _device_test
 from tierwise.runtime.activations.policy import find_blocks
 from tierwise.tiers import PayloadKind
 
@@ -286,3 +286,17 @@ def test_storages_held_for_their_nvme_writes_are_not_counted_as_saved_on_a_cpu_d
     assert keep.stats()["saved_peak_bytes"] >= sum(
         _block_bytes(_managed_step(ALL_NVME)[0]).values()
     )
+
+
+def test_the_device_test_answers_as_the_tensors_device_type():
+    """The saved-tensor hooks read a flag instead of ``tensor.device`` ([Note: kept tensors
+    counted in one pass]): the same answer for every device type, the flag's and the fallback's."""
+    tensors = [
+        torch.ones(2),
+        torch.ones(2, device="meta"),
+        torch.ones(4)[1:],
+        torch.nn.Parameter(torch.ones(2)),
+    ]
+    for kind in ("cpu", "cuda", "meta"):
+        on_device = _device_test(torch.device(kind))
+        assert [on_device(t) for t in tensors] == [t.device.type == kind for t in tensors], kind

@@ -28,14 +28,14 @@ def _in_gradient_hook(frame) -> bool:
     return False
 
 
-def _calls_per_gradient_hook(model, batch) -> Counter:
-    """(file, function) -> Python calls into the gradient path's modules made by the gradient
-    hooks of one backward."""
+def _calls_per_gradient_hook(model, batch, within: str = GRADS_DIR) -> Counter:
+    """(file, function) -> Python calls into the modules under ``within`` (the gradient path's
+    by default) made by the gradient hooks of one backward."""
     calls: Counter = Counter()
 
     def profile(frame, event, arg):
         code = frame.f_code
-        if event == "call" and GRADS_DIR in code.co_filename and _in_gradient_hook(frame):
+        if event == "call" and within in code.co_filename and _in_gradient_hook(frame):
             calls[(code.co_filename.rsplit("/", 1)[-1], code.co_name)] += 1
 
     loss = model(**batch).loss
@@ -109,4 +109,35 @@ def test_routes_follow_a_re_layout_and_gradients_stay_plain_pytorchs(monkeypatch
     ours = model.state_dict()  # gathered: a host chunk's parameters may not be resident
     for name, param in reference.named_parameters():
         assert torch.equal(ours[name], param.detach()), name
+    engine.close()
+
+
+# Every tierwise Python call of the engine's hook per gradient on the device config, the
+# engine's own included: ``Engine.on_grad``, ``GradDelivery.deliver``, the gradient path's three
+# (above), ``release_finished_backward`` and ``OutsideUses.on_grad``; on top, a few per chunk
+# (its final hand-over) and per module (its release once its backward is done). Before [Note:
+# the engine's per-gradient work] the chain made 11.2 calls per gradient on bench/overhead.py's
+# model (bench/results/cpu-2026-11-28/notes/overhead-s8.md).
+ENGINE_PER_GRADIENT = 7
+PER_MODULE = 8
+
+
+def test_the_engines_hook_enters_no_context_and_makes_seven_calls_per_gradient():
+    model, opt = overhead_config("device")
+    engine = tierwise.engine_of(model)
+    gradients = sum(1 for p in model.parameters() if p.requires_grad)
+    for seed in range(2):  # the warm-up (traced), its re-layout, and a step on the new layout
+        model(**tiny_batch(seed=seed)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    calls = _calls_per_gradient_hook(model, tiny_batch(seed=2), within="/tierwise/")
+    chunks = sum(1 for c in engine.chunks() if c.trainable)
+    modules = len(engine.index.modules)
+    assert calls[("engine.py", "on_grad")] == gradients
+    assert calls[("grad_delivery.py", "deliver")] == gradients
+    assert calls[("warmup_tracing.py", "untraced")] == 0  # no tracer after the warm-up
+    assert calls[("grad_delivery.py", "hand_over")] == chunks  # once each, when final
+    bound = ENGINE_PER_GRADIENT * gradients + PER_CHUNK * chunks + PER_MODULE * modules
+    assert sum(calls.values()) <= bound, calls
+    opt.step()
     engine.close()

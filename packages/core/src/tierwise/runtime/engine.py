@@ -31,6 +31,7 @@ from tierwise.runtime.access.outside_use import OutsideUses
 from tierwise.runtime.access.warmup_tracing import WarmupTracing
 from tierwise.runtime.activations.manager import ActivationManager
 from tierwise.runtime.activations.pinned_pool import pinned_swap_bytes
+from tierwise.runtime.grad_delivery import GradDelivery
 from tierwise.runtime.grads.offload import GradientOffload
 from tierwise.runtime.grads.path import GradientPath
 from tierwise.runtime.grads.states import GradStates
@@ -128,7 +129,7 @@ class Engine:
             module_names={m: n for n, m in model.named_modules()},
             scaler=self.scaler,
             records_order=lambda: not self._relayout_checked,
-            on_backward_module=lambda: self._hand_over(self.gradients.sync_point()),
+            on_backward_module=lambda: self.delivery.hand_over(self.gradients.sync_point()),
             on_forward_module=lambda module: self.gradients.forward_module(module),
         )
         self.optimizer = OptimizerStep(
@@ -183,6 +184,14 @@ class Engine:
         # [Note: parameters used outside their module's forward]
         self.outside_uses = OutsideUses(access=self.access, index=self.index, phases=self.phases)
         self.hook_handles += self.outside_uses.install(model, list(modules))
+        self.delivery = GradDelivery(
+            gradients=self.gradients,
+            optimizer=self.optimizer,
+            access=self.access,
+            outside_uses=self.outside_uses,
+            abandon_backward=self.abandon_backward,
+        )
+        """The engine's part of each gradient hook ([Note: the engine's per-gradient work])."""
         on_grad = grad_ready_hook(self)
         for chunk in self.index.chunks():
             for slot in chunk.slots if chunk.trainable else ():
@@ -229,16 +238,11 @@ class Engine:
 
     # ------------------------------------------------------------------ hook entry points
     def on_grad(self, param: torch.nn.Parameter) -> None:
-        """post-accumulate-grad hook: the gradient path takes it; finished modules are released."""
+        """post-accumulate-grad hook: [Note: the engine's per-gradient work]."""
+        if self.tracing.tracer is None:  # after warm-up: no context to enter per gradient
+            return self.delivery.deliver(param)
         with self.tracing.untraced():
-            try:
-                self._hand_over(self.gradients.on_grad(param))
-            except OSError as err:  # a gradient shard's disk I/O failed ([Note: active
-                # gradient offloading]): the backward ends here ([Note: an abandoned backward])
-                self.abandon_backward(f"{type(err).__name__}: {err}")
-                raise
-            self.access.release_finished_backward(param)
-            self.outside_uses.on_grad(param)
+            self.delivery.deliver(param)
 
     def end_backward(self) -> None:
         """Runs when autograd finishes a backward: finalise every chunk, release everything."""
@@ -246,7 +250,7 @@ class Engine:
         self.phases.end_backward()
         self.loads.finish_all()  # prefetched but not used: [Note: prefetch overlap]
         try:
-            self._hand_over(self.gradients.end_backward())
+            self.delivery.hand_over(self.gradients.end_backward())
         except OSError as err:  # a gradient shard's disk I/O failed ([Note: active gradient
             # offloading]): nothing of this backward is kept ([Note: an abandoned backward])
             self.abandon_backward(f"{type(err).__name__}: {err}")
@@ -255,11 +259,6 @@ class Engine:
         self.outside_uses.end_backward()
         if self.residency.trace.recording:
             self.residency.trace.freeze()
-
-    def _hand_over(self, final: list) -> None:
-        """Final chunks go to the optimizer step in order ([Note: speculative updates])."""
-        for chunk in final:
-            self.optimizer.grads_final(chunk, in_no_sync=self.gradients.in_no_sync)
 
     @contextmanager
     def no_sync(self):

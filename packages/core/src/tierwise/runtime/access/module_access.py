@@ -193,7 +193,14 @@ class ModuleAccess:
         """A gradient of ``param`` arrived: release the modules whose backward is done."""
         backward_pins = self.phases.backward_pins
         for module in self.index.modules_of_param.get(id(param), ()):
-            if module in backward_pins and _backward_done(self.index.module_chunks[module]):
+            if module not in backward_pins:
+                continue
+            # its backward is done when every parameter is trainable and has its gradient:
+            # checked inline, as it runs per gradient ([Note: the engine's per-gradient work])
+            for slot, _ in self.index.module_chunks[module]:
+                if not (slot.got_grad and slot.param.requires_grad):
+                    break
+            else:
                 self.post_backward(module)
 
     def scale_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
@@ -219,11 +226,3 @@ class ModuleAccess:
         self._slot_pins.clear()
         self._chunk_pins.clear()
         self.residency.unpin_all()
-
-
-def _backward_done(slot_chunks: tuple) -> bool:
-    """Every parameter of a module is trainable and has its gradient of this backward."""
-    for slot, _ in slot_chunks:
-        if not (slot.got_grad and slot.param.requires_grad):
-            return False
-    return True

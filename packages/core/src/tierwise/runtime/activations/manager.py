@@ -18,6 +18,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
+from operator import attrgetter
 
 import torch
 
@@ -85,6 +86,8 @@ class ActivationManager:
         Parameter objects stay the same for the run (re-layout re-points their data, which
         ``_model_data`` reads afresh)."""
         self.device = torch.device(device)
+        self._on_device = _device_test(self.device)
+        """Whether a saved tensor is on the compute device's type (read per saved storage)."""
         self.min_bytes = min_bytes
         self.allowance = allowance
         """Bytes of saved activations the plan allots on the device (``Plan.activation_allowance``),
@@ -199,15 +202,21 @@ class ActivationManager:
         self.swaps.end_block()
 
     def _model_data(self, name: str, tensor: torch.Tensor, ptr: int) -> bool:
-        if any(storage.data_ptr() == ptr for storage in self._block_storages):
+        # runs for every storage a block saves first (most are activations): loops and type
+        # checks inline, no generator or helper call per tensor ([Note: per-module hook cost])
+        for storage in self._block_storages:
+            if storage.data_ptr() == ptr:
+                return True
+        if type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter):
             return True
-        return _is_parameter(tensor) or _is_parameter(tensor._base)
+        base = tensor._base
+        return type(base) is not torch.Tensor and isinstance(base, torch.nn.Parameter)
 
     def _worth(self, name: str, tensor: torch.Tensor) -> bool:
         # runs for every saved tensor: its storage object made once ([Note: per-module hook cost])
         storage = tensor.untyped_storage()
         return (
-            tensor.device.type == self.device.type
+            self._on_device(tensor)
             and storage.nbytes() >= self.min_bytes
             and not self._model_data(name, tensor, storage.data_ptr())
         )
@@ -224,7 +233,7 @@ class ActivationManager:
         nbytes = storage.nbytes()
         if ptr in self._model_ptrs or nbytes < self.min_bytes:
             return tensor
-        if tensor.device.type != self.device.type:
+        if not self._on_device(tensor):
             return tensor
         if self._model_data(name, tensor, ptr):
             self._model_ptrs.add(ptr)
@@ -382,9 +391,13 @@ def _distinct_storages(params: tuple[torch.nn.Parameter, ...]) -> list[torch.Unt
     return list(storages.values())
 
 
-def _is_parameter(tensor: torch.Tensor | None) -> bool:
-    """``isinstance(tensor, Parameter)`` without Parameter's Python-level instance check for a
-    plain tensor, which most saved tensors are ([Note: per-module hook cost])."""
-    if tensor is None or type(tensor) is torch.Tensor:
-        return False
-    return isinstance(tensor, torch.nn.Parameter)
+def _device_test(device: torch.device) -> Callable[[torch.Tensor], bool]:
+    """Whether a tensor is on ``device``'s type. Read inside autograd's saved-tensor hooks, where
+    ``tensor.device`` (a new device object) cost ~6 µs a tensor against ~0.5 µs for torch's
+    ``is_cpu``/``is_cuda`` flag (bench/results/cpu-2026-11-28/notes/overhead-s8.md); the same
+    answer either way."""
+    flag = {"cpu": "is_cpu", "cuda": "is_cuda"}.get(device.type)
+    if flag is not None:
+        return attrgetter(flag)
+    kind = device.type
+    return lambda tensor: tensor.device.type == kind

@@ -158,8 +158,8 @@ class SingleRankGrads:
             if left == 0:
                 self.finish(chunk)
                 final.append(chunk)
-        if slot.state is not _COMPUTE:
-            slot.set_state(_HOLD_AFTER_BWD)
+        if slot.state is not _COMPUTE and slot.state is not _HOLD_AFTER_BWD:  # usually is:
+            slot.set_state(_HOLD_AFTER_BWD)  # its module's input hook released it already
         return final
 
     def _into_shard(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor, state: GradState):

@@ -88,7 +88,7 @@ class Engine:
         """The profile the plan was made from ([Note: warm-up tracing] replaces its estimate)."""
         self.patterns = list(patterns)
         """The parallel patterns; checkpoints rebuild whole-model values through them."""
-        self.hardware = hardware  # what setup probed (re-layout reads the host memory)
+        self.hardware = hardware  # what setup probed (re-layout reads the host share)
         self.dtype = compute_dtype(config.precision)
         self.device = torch.device(config.device)
         self.collectives = Collectives(self.device)  # [Note: collectives on the group's device]
@@ -341,7 +341,7 @@ class Engine:
             collectives=self.collectives.outside_steps(),
             world_group=self.world_group,
             multi_rank=self.multi_rank,
-            host_memory=self.hardware.host_memory if self.hardware is not None else None,
+            hardware=self.hardware,
             profile=self.profile,
             grad_states=self.grad_states,
             memory=self.relayout_memory,

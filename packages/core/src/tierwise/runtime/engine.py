@@ -31,6 +31,7 @@ from tierwise.runtime.access.outside_use import OutsideUses
 from tierwise.runtime.access.warmup_tracing import WarmupTracing
 from tierwise.runtime.activations.manager import ActivationManager
 from tierwise.runtime.activations.pinned_pool import pinned_swap_bytes
+from tierwise.runtime.engine_pools import engine_pools
 from tierwise.runtime.grad_delivery import GradDelivery
 from tierwise.runtime.grads.offload import GradientOffload
 from tierwise.runtime.grads.path import GradientPath
@@ -121,6 +122,7 @@ class Engine:
         self.loads = self.residency.loads
         self._relayout_checked = False  # or a loaded checkpoint's layout made it moot
         self.relayout_memory = MemoryPool("relayout_buffers", memory="host", within="host")
+        self.checkpoint_memory = MemoryPool("checkpoint_pieces", memory="host")  # save's copies
         self.access = ModuleAccess(
             index=self.index,
             residency=self.residency,
@@ -440,10 +442,4 @@ class Engine:
 
     def memory_pools(self) -> list[MemoryPool]:
         """Every named pool of the ledger ([Note: the memory ledger])."""
-        pools = [pool for tier in self.tiers.values() for pool in tier.memory_pools()]
-        pools += [*self.gradients.reducer.pool.memory_pools(), *self.optimizer.moments.pools()]
-        pools += [self.optimizer.updates.home_writes.memory, self.collectives.control_buffers.pool]
-        pools += [self.relayout_memory] + ([self.grad_offload.memory] if self.grad_offload else [])
-        if self.activations is not None:
-            pools += self.activations.memory_pools()
-        return pools
+        return engine_pools(self)

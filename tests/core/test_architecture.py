@@ -386,7 +386,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("step", ["runtime.step"]),
     ("activations", ["runtime.activations"]),
     ("layout", ["runtime.layout"]),
-    ("engine", ["runtime.engine", "runtime.grad_delivery"]),
+    ("engine", ["runtime.engine", "runtime.grad_delivery", "runtime.engine_pools"]),
     ("setup", ["runtime.setup", "runtime"]),
     ("entry points", ["api", "optimizer", "checkpoint", "pretrained", "integrations"]),
     ("apps", ["train", "cli", ""]),

@@ -264,3 +264,23 @@ def test_extra_that_is_not_plain_data_is_refused_when_saving(tmp_path):
     back = tierwise.load_checkpoint(path, fresh, fresh_opt)
     assert back["step"] == 1 and back["rng"]["seeds"] == (1, 3)
     assert torch.equal(back["rng"]["cpu"], extra["rng"]["cpu"])
+
+
+def test_a_save_s_pieces_are_counted_one_at_a_time_in_the_ledger(tmp_path):
+    """[Note: the memory ledger]: save_checkpoint copies each parameter's piece of each stored
+    kind (fp32 here: the parameter and Adam's two moments) into host memory counted in the
+    ``checkpoint_pieces`` pool, one at a time: its peak is the largest parameter's fp32 bytes,
+    nothing is held after the save, and the checkpoint still resumes bitwise."""
+    largest = 4 * max(p.numel() for p in tiny_model("gpt2").parameters())
+    model, opt = build("gpt2", "host")
+    train(model, opt, 2)
+    engine = tierwise.engine_of(model)
+    assert engine.stats()["memory"]["checkpoint_pieces"]["peak_bytes"] == 0
+    tierwise.save_checkpoint(tmp_path / "ckpt", model, opt)
+    entry = engine.stats()["memory"]["checkpoint_pieces"]
+    assert entry["peak_bytes"] == largest and entry["bytes"] == 0
+    assert entry["memory"] == "host" and entry["within"] is None
+    straight = train(model, opt, 2, first_seed=2)
+    resumed, resumed_opt = build("gpt2", "host")
+    tierwise.load_checkpoint(tmp_path / "ckpt", resumed, resumed_opt)
+    assert train(resumed, resumed_opt, 2, first_seed=2) == straight

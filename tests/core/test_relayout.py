@@ -1,6 +1,7 @@
 """Chunks are re-packed in the recorded first-use order after step 1 ([Note: re-layout after warm-up])."""
 
 import copy
+import dataclasses
 
 import pytest
 import tierwise
@@ -222,5 +223,31 @@ def test_a_host_budget_without_room_for_re_packing_keeps_the_layout_with_a_note(
     assert "re-packing its" in note and "host tier has room for" in note, note
     assert engine.tiers["host"].peak_bytes <= engine.tiers["host"].budget
     assert engine.stats()["memory"]["relayout_buffers"]["peak_bytes"] == 0
+    assert losses == run_reference("opt", 3)[0]
+    engine.close()
+
+
+@pytest.mark.parametrize("ranks_per_node", [1, 2])
+def test_without_a_host_budget_re_packing_holds_at_most_half_the_rank_s_share(ranks_per_node):
+    """No host_memory: a kind's re-packing buffers may take half this rank's share of the free
+    RAM the probe saw ([Note: a rank's host share]), not half the node's. Free RAM twice the
+    largest hold: one rank re-packs; each of two ranks on the node has half that and keeps the
+    layout with a note. Training is exact either way."""
+    model, opt, engine = _opt(HOST)
+    train(model, opt, 3)
+    hold = engine.stats()["memory"]["relayout_buffers"]["peak_bytes"]  # the largest kind's
+    engine.close()
+    assert hold > 0
+    model, opt, engine = _opt(HOST)
+    engine.hardware = dataclasses.replace(
+        engine.hardware, host_memory=2 * hold, world_size=2, gpus_per_node=ranks_per_node
+    )
+    before = layout(model)
+    losses = train(model, opt, 3)
+    if ranks_per_node == 1:
+        assert layout(model) != before and engine.layout_note is None
+    else:
+        assert layout(model) == before
+        assert "re-packing holds" in engine.layout_note, engine.layout_note
     assert losses == run_reference("opt", 3)[0]
     engine.close()

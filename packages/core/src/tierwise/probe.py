@@ -27,6 +27,16 @@ def available_host_memory() -> int | None:
     return None
 
 
+def ranks_on_this_node() -> int:
+    """This process's ranks sharing its node, as ``basic_probe`` counts them for
+    ``Hardware.ranks_per_node``: LOCAL_WORLD_SIZE (torchrun sets it), else min(world, 8); 1
+    outside torch.distributed."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 1
+    world = torch.distributed.get_world_size()
+    return max(1, min(int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8))), world))
+
+
 def free_device_memory(device: torch.device) -> int:
     """Bytes this process may still allocate on a CUDA device: what the device has free plus
     what PyTorch's caching allocator holds unused, capped by
@@ -60,9 +70,9 @@ def basic_probe(config: Config) -> dict[str, Any]:
     elif device.type == "cpu":
         facts["device_memory"] = facts["host_memory"]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        facts["world_size"] = world = torch.distributed.get_world_size()
+        facts["world_size"] = torch.distributed.get_world_size()
         # torchrun's ranks on this node share its host memory, CPU and NVMe
-        facts["gpus_per_node"] = int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8)))
+        facts["gpus_per_node"] = ranks_on_this_node()
     return facts
 
 

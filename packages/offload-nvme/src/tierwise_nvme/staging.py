@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from tierwise.parallel.timeouts import waited_too_long
-from tierwise.probe import available_host_memory
+from tierwise.planning.host_share import rank_host_share
+from tierwise.probe import available_host_memory, ranks_on_this_node
 from tierwise.tiers.arena import PAGE, round_up
 from tierwise.tiers.ledger import MemoryPool
 from tierwise.units import format_bytes
@@ -39,12 +40,20 @@ HOST_FRACTION = 0.125
 staging pool."""
 
 
-def host_bytes(config: Config, host_memory: int | None = None) -> int | None:
+def host_bytes(
+    config: Config, host_memory: int | None = None, *, ranks_per_node: int | None = None
+) -> int | None:
     """The host memory a staging pool is sized against: ``host_memory`` if given, else the
-    smaller of Config.host_memory and the RAM available now (None when neither is known)."""
+    smaller of Config.host_memory (the rank's share already: setup and the planners pass
+    ``rank_config``) and the rank's share of the RAM available now (None when neither is
+    known). ``ranks_per_node``: the node's ranks sharing that RAM, the plan's hardware's at
+    plan time; None (a tier being made) counts them as the probe does ([Note: a rank's host
+    share]), so plan and run size the pools alike."""
     if host_memory is not None:
         return host_memory
-    known = [b for b in (config.host_memory, available_host_memory()) if b is not None]
+    ranks = ranks_per_node if ranks_per_node is not None else ranks_on_this_node()
+    available = rank_host_share(available_host_memory(), ranks)
+    known = [b for b in (config.host_memory, available) if b is not None]
     return min(known) if known else None
 
 

@@ -405,20 +405,27 @@ class NVMeTier(Tier):
 
     @classmethod
     def planned_host_buffer_bytes(
-        cls, config: Config, *, optimizer_buffer_bytes: int = 0, transfer_bytes: int = 0
+        cls,
+        config: Config,
+        *,
+        optimizer_buffer_bytes: int = 0,
+        transfer_bytes: int = 0,
+        ranks_per_node: int | None = None,
     ) -> int:
         """``host_buffer_bytes`` of a tier made with ``config`` and the environment's options
-        and sized for transfers of ``transfer_bytes`` (for planners, before any tier exists)."""
+        and sized for transfers of ``transfer_bytes`` (for planners, before any tier exists) on
+        a node of ``ranks_per_node`` ranks (the plan's hardware's; see ``host_bytes``)."""
         options = NVMeOptions.from_env()
+        host = host_bytes(config, ranks_per_node=ranks_per_node)
         reads = read_pool_count(
-            block_size=options.block_size, queue_depth=options.queue_depth, host=host_bytes(config)
+            block_size=options.block_size, queue_depth=options.queue_depth, host=host
         )
         caches = 2 if torch.device(config.device).type == "cuda" else 1  # + the pinned copies
         bounces = bounce_budget(limit=options.bounce_bytes, transfer_bytes=transfer_bytes)
         return (
             reads * options.block_size
             + (caches * bounces if transfer_bytes else 0)
-            + planned_pipeline_bytes(options, config, optimizer_buffer_bytes)
+            + planned_pipeline_bytes(options, config, optimizer_buffer_bytes, host=host)
         )
 
     def file_bytes(self) -> int:
@@ -441,12 +448,15 @@ def pipeline_lookahead(
     return lookahead
 
 
-def planned_pipeline_bytes(options: NVMeOptions, config: Config, buffer_bytes: int) -> int:
+def planned_pipeline_bytes(
+    options: NVMeOptions, config: Config, buffer_bytes: int, *, host: int | None = None
+) -> int:
     """Bytes of the pool of the optimizer pipeline (Adam's 3 states) over buffers of
-    ``buffer_bytes``; 0 for none."""
+    ``buffer_bytes``, sized against ``host`` (None: ``host_bytes(config)``); 0 for none."""
     if buffer_bytes <= 0:
         return 0
-    lookahead = pipeline_lookahead(options, buffer_bytes, states=3, host=host_bytes(config))
+    host = host if host is not None else host_bytes(config)
+    lookahead = pipeline_lookahead(options, buffer_bytes, states=3, host=host)
     return 3 * (lookahead + 2) * buffer_bytes
 
 

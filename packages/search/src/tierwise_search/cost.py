@@ -115,7 +115,12 @@ def state_copies(tier: str) -> int:
 
 
 def storage_host_bytes(
-    tier: str, config, optimizer_buffer_bytes: int = 0, *, transfer_bytes: int = 0
+    tier: str,
+    config,
+    optimizer_buffer_bytes: int = 0,
+    *,
+    transfer_bytes: int = 0,
+    ranks_per_node: int = 1,
 ) -> int:
     """Host bytes the ``tier`` plugin's own buffers hold at most when its transfers move at
     most ``transfer_bytes``: core's ``storage_tier_host_bytes`` for the registered class, the
@@ -127,6 +132,7 @@ def storage_host_bytes(
         config,
         optimizer_buffer_bytes,
         transfer_bytes=transfer_bytes,
+        ranks_per_node=ranks_per_node,
     )
 
 

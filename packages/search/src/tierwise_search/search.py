@@ -321,9 +321,18 @@ class _Search:
         if self.config.nvme_path:  # [Note: storage tiers' host buffers]
             shard_bytes = 4 * int(-(-table.capacity.max(initial=0) // self.shard))
             chunk_bytes = 4 * int(table.capacity.max(initial=0))  # the bounce buffers' size
-            io_bytes = storage_host_bytes("nvme", self.config, transfer_bytes=chunk_bytes)
+            per_node = self.hardware.ranks_per_node  # rank_config's share, as at setup
+            io_bytes = storage_host_bytes(
+                "nvme", self.config, transfer_bytes=chunk_bytes, ranks_per_node=per_node
+            )
             pipeline_bytes = (
-                storage_host_bytes("nvme", self.config, shard_bytes, transfer_bytes=chunk_bytes)
+                storage_host_bytes(
+                    "nvme",
+                    self.config,
+                    shard_bytes,
+                    transfer_bytes=chunk_bytes,
+                    ranks_per_node=per_node,
+                )
                 - io_bytes
             )
         return CostModel(

@@ -39,6 +39,7 @@ def _write_files(
     try:
         for key, values in rank_pieces(engine, rank, world, index, step_counts):
             writer.add(key, values)
+            del values  # written: the ledger's checkpoint_pieces holds one piece at a time
         writer.close()
     except BaseException:
         writer.abort()

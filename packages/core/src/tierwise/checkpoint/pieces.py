@@ -22,6 +22,7 @@ from tierwise.precision import QUANT_BLOCK
 if TYPE_CHECKING:
     from tierwise.parallel import ParallelPattern
     from tierwise.runtime.engine import Engine
+    from tierwise.tiers.ledger import MemoryPool
 
 
 def _splits(pattern: ParallelPattern | None) -> bool:
@@ -77,7 +78,8 @@ def rank_pieces(engine: Engine, rank: int, world: int, index: dict, step_counts:
                     if lo < hi:
                         a = slot.offset + lo - start
                         key = f"{slot.name}/{kind}"
-                        yield from _stored_piece(key, fmt, stored, shard, a, hi - lo).items()
+                        pool = engine.checkpoint_memory
+                        yield from _stored_piece(pool, key, fmt, stored, shard, a, hi - lo)
                         index[slot.name] = {"shape": list(slot.shape), "lo": lo, "hi": hi}
             del shard
         for slot in chunk.slots:
@@ -95,22 +97,35 @@ def _moment_format(engine: Engine, kind: str) -> MomentFormat | None:
 
 
 def _stored_piece(
-    key: str, fmt: MomentFormat | None, stored: torch.Tensor, shard: torch.Tensor, a: int, n: int
-) -> dict[str, torch.Tensor]:
-    """The checkpoint entries of elements ``[a, a + n)`` of a shard, stored as they are ([Note:
-    checkpoint by parameter name]): fp32, bf16, or int8 codes with the scales of the blocks
-    they fall in and where the first one starts in its block (``.scales``, ``.phase``)."""
+    pool: MemoryPool,
+    key: str,
+    fmt: MomentFormat | None,
+    stored: torch.Tensor,
+    shard: torch.Tensor,
+    a: int,
+    n: int,
+):
+    """Yield the checkpoint entries of elements ``[a, a + n)`` of a shard, stored as they are
+    ([Note: checkpoint by parameter name]): fp32, bf16, or int8 codes with the scales of the
+    blocks they fall in and where the first one starts in its block (``.scales``, ``.phase``).
+    Each is a copy counted in ``pool`` (the ledger's ``checkpoint_pieces``) until the writer
+    drops it, one entry at a time."""
     if fmt is None:
-        return {key: shard[a : a + n].clone()}
-    if fmt.precision == "bf16":
-        return {key: stored[a : a + n].clone()}
-    codes, scales = fmt.split(stored)
-    first, last = a // QUANT_BLOCK, (a + n - 1) // QUANT_BLOCK
-    return {
-        key: codes[a : a + n].clone(),
-        f"{key}.scales": scales[first : last + 1].clone(),
-        f"{key}.phase": torch.tensor(a % QUANT_BLOCK),
-    }
+        yield key, _copy(pool, shard[a : a + n])
+    elif fmt.precision == "bf16":
+        yield key, _copy(pool, stored[a : a + n])
+    else:
+        codes, scales = fmt.split(stored)
+        first, last = a // QUANT_BLOCK, (a + n - 1) // QUANT_BLOCK
+        yield key, _copy(pool, codes[a : a + n])
+        yield f"{key}.scales", _copy(pool, scales[first : last + 1])
+        yield f"{key}.phase", _copy(pool, torch.tensor([a % QUANT_BLOCK])).view(())
+
+
+def _copy(pool: MemoryPool, values: torch.Tensor) -> torch.Tensor:
+    """A copy of the 1-d host tensor ``values``, counted in ``pool`` until it is garbage."""
+    out = pool.empty(values.numel(), values.dtype, what="a checkpoint piece")
+    return out.copy_(values)
 
 
 def _restored_int8(

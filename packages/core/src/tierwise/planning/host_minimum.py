@@ -23,18 +23,28 @@ from tierwise.units import format_gib
 
 
 def storage_tier_host_bytes(
-    tier_class: type | None, config, optimizer_buffer_bytes: int = 0, *, transfer_bytes: int = 0
+    tier_class: type | None,
+    config,
+    optimizer_buffer_bytes: int = 0,
+    *,
+    transfer_bytes: int = 0,
+    ranks_per_node: int = 1,
 ) -> int:
     """Host bytes a storage tier of ``tier_class`` made with ``config`` holds in its own buffers
     when its transfers move at most ``transfer_bytes`` and, with ``optimizer_buffer_bytes``, its
     optimizer pipeline's buffers are that large: the tier's ``planned_host_buffer_bytes``, the
     figure setup reserves in the host tier ([Note: storage tiers' host buffers]); 0 for a class
-    without host buffers (or None). Both planners count them with this."""
+    without host buffers (or None). Both planners count them with this, on a node of the plan's
+    hardware's ``ranks_per_node`` ranks, whose share of the available RAM bounds the pools when
+    ``config`` has no host_memory ([Note: a rank's host share])."""
     planned = getattr(tier_class, "planned_host_buffer_bytes", None)
     if planned is None:
         return 0
     return planned(
-        config, optimizer_buffer_bytes=optimizer_buffer_bytes, transfer_bytes=transfer_bytes
+        config,
+        optimizer_buffer_bytes=optimizer_buffer_bytes,
+        transfer_bytes=transfer_bytes,
+        ranks_per_node=ranks_per_node,
     )
 
 

@@ -4,8 +4,10 @@
 ``Config.host_memory`` is the node's: the ranks on one node share its RAM. Each rank plans and
 runs with ``host_memory // ranks_per_node`` of it (``rank_host_share``): core's planner and the
 search check a rank's host need against that share, setup gives the rank's host tier that
-budget, and the storage tiers size their host pools against it (they get ``rank_config``). So
-the host tiers of a node's ranks together never hold more than ``host_memory``.
+budget, and the storage tiers size their host pools against it (they get ``rank_config``);
+without a host_memory, against the rank's share of the RAM available (tierwise_nvme's
+``host_bytes``), as the warm-up re-layout's guard does. So the host tiers of a node's ranks
+together never hold more than ``host_memory``.
 ``ranks_per_node`` is always ``Hardware.ranks_per_node`` of the hardware the plan is made for:
 ``gpus_per_node`` when given, else min(world_size, 8). At run time the probe fills
 ``gpus_per_node`` from ``LOCAL_WORLD_SIZE`` (torchrun sets it; without it, min(world, 8), so

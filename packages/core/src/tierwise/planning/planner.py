@@ -425,6 +425,7 @@ def _plan_at(
             config,
             shard_bytes if tier in holds_states else 0,
             transfer_bytes=widest,
+            ranks_per_node=hardware.ranks_per_node,
         )
         for tier in sorted(({param_tier, optim_tier} | swaps) - {"device", "host"})
     )

@@ -31,6 +31,7 @@ from tierwise.runtime.access.outside_use import OutsideUses
 from tierwise.runtime.access.warmup_tracing import WarmupTracing
 from tierwise.runtime.activations.manager import ActivationManager
 from tierwise.runtime.activations.pinned_pool import pinned_swap_bytes
+from tierwise.runtime.engine_pools import engine_pools
 from tierwise.runtime.grad_delivery import GradDelivery
 from tierwise.runtime.grads.offload import GradientOffload
 from tierwise.runtime.grads.path import GradientPath
@@ -88,7 +89,7 @@ class Engine:
         """The profile the plan was made from ([Note: warm-up tracing] replaces its estimate)."""
         self.patterns = list(patterns)
         """The parallel patterns; checkpoints rebuild whole-model values through them."""
-        self.hardware = hardware  # what setup probed (re-layout reads the host memory)
+        self.hardware = hardware  # what setup probed (re-layout reads the host share)
         self.dtype = compute_dtype(config.precision)
         self.device = torch.device(config.device)
         self.collectives = Collectives(self.device)  # [Note: collectives on the group's device]
@@ -121,6 +122,7 @@ class Engine:
         self.loads = self.residency.loads
         self._relayout_checked = False  # or a loaded checkpoint's layout made it moot
         self.relayout_memory = MemoryPool("relayout_buffers", memory="host", within="host")
+        self.checkpoint_memory = MemoryPool("checkpoint_pieces", memory="host")  # save's copies
         self.access = ModuleAccess(
             index=self.index,
             residency=self.residency,
@@ -341,7 +343,7 @@ class Engine:
             collectives=self.collectives.outside_steps(),
             world_group=self.world_group,
             multi_rank=self.multi_rank,
-            host_memory=self.hardware.host_memory if self.hardware is not None else None,
+            hardware=self.hardware,
             profile=self.profile,
             grad_states=self.grad_states,
             memory=self.relayout_memory,
@@ -440,10 +442,4 @@ class Engine:
 
     def memory_pools(self) -> list[MemoryPool]:
         """Every named pool of the ledger ([Note: the memory ledger])."""
-        pools = [pool for tier in self.tiers.values() for pool in tier.memory_pools()]
-        pools += [*self.gradients.reducer.pool.memory_pools(), *self.optimizer.moments.pools()]
-        pools += [self.optimizer.updates.home_writes.memory, self.collectives.control_buffers.pool]
-        pools += [self.relayout_memory] + ([self.grad_offload.memory] if self.grad_offload else [])
-        if self.activations is not None:
-            pools += self.activations.memory_pools()
-        return pools
+        return engine_pools(self)

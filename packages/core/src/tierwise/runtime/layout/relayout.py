@@ -34,6 +34,7 @@ from tierwise.chunks import Chunk, ChunkGroup, OptimSlabs
 from tierwise.chunks.grad_state import GradState
 from tierwise.chunks.payload import PayloadSpec, slab_of
 from tierwise.plan import Plan
+from tierwise.planning.host_share import rank_host_share
 from tierwise.planning.planner import profile_min_blocks
 from tierwise.precision import OPTIM_STATES
 from tierwise.runtime.layout.packing import new_chunks
@@ -43,6 +44,7 @@ from tierwise.units import format_bytes
 
 if TYPE_CHECKING:
     from tierwise.config import Config
+    from tierwise.hardware import Hardware
     from tierwise.parallel.collectives import Collectives
     from tierwise.profile import Profile
     from tierwise.runtime.grads.states import GradStates
@@ -71,8 +73,8 @@ class LayoutParts:
     """The process group every rank agrees on refusals in (None: one process)."""
     multi_rank: bool
     """Several ranks take part."""
-    host_memory: int | None
-    """Free host memory the hardware probe saw (None: unknown)."""
+    hardware: Hardware | None
+    """What setup probed (None: unknown): the node's free host memory and its ranks."""
     profile: Profile | None
     """The profile the rCache minimum is computed from (None: no minimum to check)."""
     recompute: bool
@@ -272,6 +274,13 @@ def _cannot_move(
     return None, in_pieces
 
 
+def _host_share(hardware: Hardware | None) -> int | None:
+    """This rank's share of the free host memory the probe saw (None: unknown)."""
+    if hardware is None:
+        return None
+    return rank_host_share(hardware.host_memory, hardware.ranks_per_node)
+
+
 def _host_room(
     parts: LayoutParts,
     group: ChunkGroup,
@@ -320,7 +329,9 @@ def _host_room(
                 {},
                 used,
             )
-        if parts.host_memory is not None and hold > parts.host_memory // 2:
+        # without a budget, at most half this rank's share of the node's free RAM
+        share = _host_share(parts.hardware)  # [Note: a rank's host share]
+        if share is not None and hold > share // 2:
             return f"re-packing holds {hold} bytes of one state kind in host memory", {}, used
         used.update(after)
     return None, in_pieces, used

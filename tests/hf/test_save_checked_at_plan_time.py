@@ -10,6 +10,7 @@ import pytest
 import safetensors.torch
 import tierwise
 import torch
+from helpers.host_minimum import named_host_minimum
 from helpers.models import tiny_model
 from helpers.train import train
 from tierwise.plan import PlanError
@@ -144,13 +145,7 @@ def test_the_search_keeps_room_for_the_save_it_was_refused_for(tmp_path):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         return tierwise.setup(model, optimizer, host_memory=host_memory, **options)
 
-    with pytest.raises(PlanError) as info:
-        setup(1)
-    need = info.value.need
-    assert info.value.tier == "host" and "plans and saves" in str(info.value)
-    with pytest.raises(PlanError) as below:  # (its placement differs: it may name more)
-        setup(need - 1)
-    assert below.value.tier == "host" and below.value.need >= need
+    need = named_host_minimum(setup, "plans and saves")
     model, optimizer = setup(need)
     engine = tierwise.engine_of(model)
     try:

@@ -10,7 +10,7 @@ import pytest
 import safetensors.torch
 import tierwise
 import torch
-from helpers.host_minimum import named_host_minimum
+from helpers.host_minimum import named_host_minimum, refused_below
 from helpers.models import tiny_model
 from helpers.train import train
 from tierwise.plan import PlanError
@@ -56,16 +56,7 @@ def _saver_need(tmp_path) -> int:
 def test_the_plan_refuses_a_budget_without_room_for_the_save(tmp_path):
     need = _saver_need(tmp_path)
 
-    with pytest.raises(PlanError) as info:  # training does not fit either: the same need
-        _setup(host_memory=1, saves_weights=True)
-    assert (info.value.tier, info.value.need) == ("host", need)
-    assert "least host_memory that plans and saves is" in str(info.value)
-    with pytest.raises(PlanError) as info:  # training fits here: only the save does not
-        _setup(host_memory=need - 1, saves_weights=True)
-    err = info.value
-    assert (err.tier, err.need, err.limit) == ("host", need, need - 1)
-    assert "while weights save" in str(err) and "raise host_memory" in str(err)
-    assert "\n" not in str(err)
+    refused_below(lambda budget: _setup(host_memory=budget, saves_weights=True), need, "save")
 
     reference = tiny_model("gpt2", seed=0)  # the same values, never managed
     reference.save_pretrained(tmp_path / "plain")

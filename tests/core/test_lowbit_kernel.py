@@ -346,3 +346,18 @@ def test_build_without_avx2_gives_the_same_bytes(tmp_path, monkeypatch):
     assert lowbit_kernel.same_bits(results[0][0], results[1][0])
     for a, b in zip(results[0][1:], results[1][1:], strict=True):
         assert torch.equal(a, b)
+
+
+@needs_kernel
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="torch runs neither its AVX2 nor its AVX512 kernels here",
+)
+def test_the_one_pass_update_is_torchs_kernel_on_avx2_and_avx512_builds():
+    """[Note: torch's remainder]: where torch runs its AVX2 or its AVX512 kernels, the compiled
+    one-pass update is bitwise torch's fused Adam(W) (``one_pass_width`` checks it against
+    ``torch._fused_adamw_``/``_fused_adam_`` on awkward values, remainders included), so the
+    engine uses it; with AVX512 torch's scalar remainder rounds exp_avg_sq as its vector lanes
+    do, and before the kernel knew that the one pass was refused on such machines."""
+    width = {"AVX2": 8, "AVX512": 16}[torch.backends.cpu.get_cpu_capability()]
+    assert lowbit_kernel.one_pass_width(lowbit_kernel.load()) == width

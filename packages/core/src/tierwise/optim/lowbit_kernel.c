@@ -225,9 +225,19 @@ void tw_dequantize(const uint8_t *codes, const float *scales, float *out, int64_
 
 /* torch's fused Adam(W) CPU kernel on fp32, operation for operation:
    [Note: int8 Adam in one pass] */
+
+/* [Note: torch's remainder]
+   torch runs the last numel % width elements of each tensor through a scalar loop compiled in
+   the same translation unit as its vector loop, and the compiler contracts that loop's
+   exp_avg_sq differently per build: in the AVX2 build fma(v, beta2, (1 - beta2) * g * g), in
+   the AVX512 build as the vector lanes do, fma((1 - beta2) * g, g, v * beta2) (seen on an Ice
+   Lake Xeon: with the AVX2 rule 1-2 elements of 15 differed and the one pass was never used
+   there). hyper[6] says which: 1 the AVX2 rule, 0 the lanes' (``lowbit_kernel.hyper_values``,
+   by torch's CPU capability); ``one_pass_width`` still checks the result bit for bit. */
 typedef struct {
     float decay, l2, coeff, beta2, sq_coeff, bc2_sqrt, eps, neg_step;
     int keep_m, mode; /* mode: 0 no weight decay, 1 decoupled (AdamW), 2 L2 (Adam) */
+    int remainder;    /* adam_loop's `tail` for torch's scalar remainder: [Note: torch's remainder] */
 } Coeffs;
 
 static void adam_coeffs(Coeffs *k, const double *hyper, double step) {
@@ -244,6 +254,7 @@ static void adam_coeffs(Coeffs *k, const double *hyper, double step) {
     k->decay = (float)(1 - lr * wd);
     k->l2 = (float)wd;
     k->mode = wd != 0 ? (hyper[5] != 0 ? 1 : 2) : 0;
+    k->remainder = hyper[6] != 0;
 }
 
 static inline void adam_loop(float *restrict p, const float *restrict g, float *restrict m,
@@ -262,7 +273,7 @@ static inline void adam_loop(float *restrict p, const float *restrict g, float *
         avg = fmaf(coeff, grad - avg, keep_m ? avg : grad);
         float fresh = sq_coeff * grad;
         float avg_sq;
-        if (tail) { /* torch's scalar remainder loop fuses the other product */
+        if (tail) { /* torch's AVX2 scalar remainder loop fuses the other product */
             fresh = fresh * grad;
             avg_sq = fmaf(v[i], beta2, fresh);
         } else {
@@ -408,7 +419,8 @@ void tw_adam_fp32(float *p, const float *g, float *m, float *v, int64_t n, int64
 #else
     adam_elements(p, g, m, v, split, &k, 0, largest);
 #endif
-    adam_elements(p + split, g + split, m + split, v + split, n - split, &k, 1, largest);
+    adam_elements(p + split, g + split, m + split, v + split, n - split, &k, k.remainder,
+                  largest);
 }
 
 /* Blocks [block_lo, block_hi) of a shard's int8 moments: each block touched by a tensor is
@@ -470,7 +482,7 @@ void tw_adam_int8(int64_t block_lo, int64_t block_hi, int64_t width, uint8_t *m_
                           &k, 0, largest);
             at = split - starts[u];
             adam_elements(params[u] + at, grads[u] + at, m + (split - lo), v + (split - lo),
-                          e - split, &k, 1, largest);
+                          e - split, &k, k.remainder, largest);
         }
         largest[0] = largest_bits(m + (scanned - lo), hi - scanned, largest[0]);
         largest[1] = largest_bits(v + (scanned - lo), hi - scanned, largest[1]);

@@ -154,9 +154,18 @@ def code_slots(base: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
     return slots.to(torch.int32)
 
 
-_VECTOR_WIDTHS = {"AVX2": 8, "AVX512": 16}
-"""fp32 elements per vector of torch's CPU kernels, by ``torch.backends.cpu.get_cpu_capability``:
-the length of a tensor's scalar remainder in its fused Adam(W) is ``numel % width``."""
+_TORCH_KERNELS = {"AVX2": (8, 1), "AVX512": (16, 0)}
+"""By ``torch.backends.cpu.get_cpu_capability``: fp32 elements per vector of torch's CPU kernels
+(the length of a tensor's scalar remainder in its fused Adam(W) is ``numel % width``), and
+whether that remainder fuses exp_avg_sq's other product ([Note: torch's remainder] in
+``lowbit_kernel.c``)."""
+
+
+def hyper_values(hyper: tuple[float, float, float, float, float, bool]) -> ctypes.Array:
+    """The kernels' seven doubles: ``hyper`` (lr, beta1, beta2, eps, weight_decay, decoupled)
+    and the remainder rule of this process's torch kernels ([Note: torch's remainder])."""
+    rule = _TORCH_KERNELS.get(torch.backends.cpu.get_cpu_capability(), (0, 1))[1]
+    return (ctypes.c_double * 7)(*(float(h) for h in hyper), float(rule))
 
 
 @functools.cache
@@ -164,7 +173,7 @@ def one_pass_width(lib: ctypes.CDLL) -> int | None:
     """torch's vector width when the compiled update is bitwise torch's fused Adam(W) here
     (checked once per process on awkward values, every weight decay mode, vector and remainder
     elements): [Note: int8 Adam in one pass]; None: the one-pass update is not used."""
-    width = _VECTOR_WIDTHS.get(torch.backends.cpu.get_cpu_capability())
+    width = _TORCH_KERNELS.get(torch.backends.cpu.get_cpu_capability(), (None,))[0]
     if width is None:
         return None
     gen = torch.Generator().manual_seed(0)
@@ -179,10 +188,8 @@ def one_pass_width(lib: ctypes.CDLL) -> int | None:
     for beta1, weight_decay, decoupled in cases:
         ours = [x.clone() for x in values]
         ref = [x.clone() for x in values]
-        hyper = (1e-3, beta1, 0.999, 1e-8, weight_decay, float(decoupled))
-        lib.tw_adam_fp32(
-            *(x.data_ptr() for x in ours), n, width, 3.0, (ctypes.c_double * 6)(*hyper)
-        )
+        hyper = (1e-3, beta1, 0.999, 1e-8, weight_decay, decoupled)
+        lib.tw_adam_fp32(*(x.data_ptr() for x in ours), n, width, 3.0, hyper_values(hyper))
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         kernel(
             *([x] for x in ref),
@@ -272,7 +279,7 @@ def adam_int8(
     params = (ctypes.c_void_p * n)(*(t[1].data_ptr() for t in tensors))
     grads = (ctypes.c_void_p * n)(*(t[2].data_ptr() for t in tensors))
     steps = (ctypes.c_double * n)(*(float(t[3]) for t in tensors))
-    values = (ctypes.c_double * 6)(*(float(h) for h in hyper))
+    values = hyper_values(hyper)
     pointers = [m.data_ptr() for m in moments]
     table_pointers = [t.data_ptr() for t in tables]
 
@@ -318,6 +325,7 @@ __all__ = [
     "code_slots",
     "declare",
     "dequantize",
+    "hyper_values",
     "load",
     "one_pass_width",
     "same_bits",

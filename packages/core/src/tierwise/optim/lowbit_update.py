@@ -147,8 +147,9 @@ per piece cost little (at 64K elements they cost bf16 states more than they save
 # lerp, fma(w, grad - m, m) with w = 1 - beta1 (fma(w - 1, grad - m, grad) when w >= 0.5);
 # exp_avg_sq = fma((1 - beta2) * grad, grad, v * beta2); denom = sqrt(v) / sqrt(bc2) + eps;
 # param + (-step_size * m) / denom. torch's scalar remainder loop (the last numel % width
-# elements of each tensor it is given) fuses the other product of exp_avg_sq, fma(v, beta2,
-# (1 - beta2) * grad * grad), so the kernel is told torch's vector width and cuts tensors where
+# elements of each tensor it is given) may fuse the other product of exp_avg_sq (its AVX2
+# build does, its AVX512 build does not: [Note: torch's remainder] in ``lowbit_kernel.c``), so
+# the kernel is told torch's vector width and remainder rule and cuts tensors where
 # the pieces way cuts them (at FUSED_PIECE boundaries): an element rounds as it did. The C source
 # is built without fast-math or contraction flags and calls fmaf only where torch's kernel
 # fuses; ``one_pass_width`` checks once per process that the result is torch's kernel's, bit

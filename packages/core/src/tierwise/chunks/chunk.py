@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierwise.chunks.state import ALLOWED, TensorState, check_transition
-from tierwise.tiers.huge_pages import advise_huge_pages
+from tierwise.tiers.huge_pages import advise_huge_pages, lazily_free
 
 _NEXT = {old.value: tuple(new) for old, new in ALLOWED.items()}
 
@@ -78,13 +78,20 @@ class OptimSlabs:
         """zero_grad: no gradient until the next backward delivers one.
 
         [Note: gradient memory between steps]
-        Like PyTorch's ``zero_grad(set_to_none=True)``, the gradient shard's memory goes back to
-        the allocator until the next backward's first gradient for the chunk (``start_grad``):
-        the forward pass, where activations peak, then runs without gradient memory. The tier
-        keeps the bytes counted against its budget, so the plan's memory accounting is unchanged.
-        Only a slab that owns its storage is shrunk (a view into a shared buffer is left alone),
-        and not pinned host memory: its caching allocator keeps freed blocks for later pinned
-        allocations only, so shrinking would save nothing.
+        Like PyTorch's ``zero_grad(set_to_none=True)``, the gradient shard's memory goes back
+        until the next backward's first gradient for the chunk (``start_grad``): the forward
+        pass, where activations peak, then runs without needing gradient memory. The tier keeps
+        the bytes counted against its budget, so the plan's memory accounting is unchanged.
+        In CPU memory the pages are given back lazily (``huge_pages.lazily_free``,
+        ``MADV_FREE``): the kernel takes them when memory runs short, and otherwise the next
+        backward writes into them without faulting them in again. Unmapping the shard instead
+        and mapping it again at the next backward cost a fresh zero-filled mapping every step:
+        17 ms of system time a step on bench/overhead.py's 58 MB OPT-14M shard with params on
+        host, 3% of its step (bench/results/cpu-2026-11-28/notes/wave4i.md). Elsewhere (device
+        memory, or where madvise is unavailable) the storage is resized to zero, back to the
+        allocator. Only a slab that owns its storage is given back (a view into a shared buffer
+        is left alone), and not pinned host memory: its caching allocator keeps freed blocks for
+        later pinned allocations only, so giving it back would save nothing.
         """
         self.grads_kept = False
         tensor = self.grad.tensor
@@ -95,7 +102,9 @@ class OptimSlabs:
             and tensor.storage_offset() == 0
             and not tensor.is_pinned()
         ):
-            tensor.untyped_storage().resize_(0)
+            storage = tensor.untyped_storage()
+            if not lazily_free(storage):
+                storage.resize_(0)
 
 
 @dataclass(eq=False)

@@ -11,6 +11,8 @@ honoured where the kernel's transparent_hugepage setting is ``madvise`` or ``alw
 that 512 times fewer faults. The memory is the same bytes, taken
 and given back at the same moments; nothing is read or written here. Where the call is
 unavailable (not Linux, no libc) or refused (huge pages off) the memory stays in small pages.
+Since then zero_grad gives a CPU shard's pages back lazily instead (``lazily_free``), so the
+mapping, and these faults, happen again only after the kernel took the pages for something else.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import sys
 import torch
 
 HUGE_PAGE = 2 << 20
+PAGE = 4096
+_MADV_FREE = 8
 _MADV_HUGEPAGE = 14
 
 
@@ -51,3 +55,17 @@ def advise_huge_pages(storage: torch.UntypedStorage) -> None:
     end = (start + storage.nbytes()) & ~(HUGE_PAGE - 1)
     if end > first:
         _MADVISE(first, end - first, _MADV_HUGEPAGE)
+
+
+def lazily_free(storage: torch.UntypedStorage) -> bool:
+    """Give ``storage``'s whole pages back to the kernel lazily (``madvise(MADV_FREE)``): the
+    kernel takes them only when memory runs short, and a write before then keeps the page
+    without a fault ([Note: gradient memory between steps]). The values become unspecified
+    (the old ones or zeros). False where this cannot be done (not Linux, not CPU memory, pinned
+    memory, under a page, or refused): the caller gives the memory back its own way."""
+    if _MADVISE is None or storage.device.type != "cpu" or storage.is_pinned():
+        return False
+    start = storage.data_ptr()
+    first = (start + PAGE - 1) & ~(PAGE - 1)
+    end = (start + storage.nbytes()) & ~(PAGE - 1)
+    return end > first and _MADVISE(first, end - first, _MADV_FREE) == 0

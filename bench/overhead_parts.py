@@ -28,6 +28,7 @@ tier copies from tierwise's Python.
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 
 import tierwise
@@ -77,7 +78,9 @@ def main() -> None:
     for key, (component, name) in parts.items():
         timed(engine if component is None else getattr(engine, component), name, spent, key)
     moved_before = dict(engine.stats()["moved_bytes"])
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu = sum(step(model, opt, data, autocast=False)[1] for _ in range(args.steps))
+    after = resource.getrusage(resource.RUSAGE_SELF)
     extra = {}
     if args.config != "device":
         moved = {
@@ -95,6 +98,8 @@ def main() -> None:
         threads=1,
         steps=args.steps,
         step_cpu_s=round(cpu / args.steps, 4),
+        step_system_ms=round((after.ru_stime - usage.ru_stime) / args.steps * 1e3, 2),
+        minor_faults_per_step=(after.ru_minflt - usage.ru_minflt) // args.steps,
         cpu_ms_per_step={key: round(ns / 1e6 / args.steps, 3) for key, ns in spent.items()},
         **extra,
     )

@@ -109,3 +109,19 @@ def spawn_ranks(worker, world: int, *args) -> list[tuple]:
     for p in procs:
         p.join()
     return reports
+
+
+def one_pass_width_or_exit() -> int:
+    """torch's vector width for the compiled int8 update ([Note: int8 Adam in one pass]); exits
+    with the reason where the one pass is not used here (no compiler, or no bitwise match)."""
+    from tierwise.optim import lowbit_kernel
+
+    lib = lowbit_kernel.load()
+    width = None if lib is None else lowbit_kernel.one_pass_width(lib)
+    if width is None:
+        raise SystemExit(
+            "the one-pass int8 update is not used on this machine (no C compiler, or the "
+            f"kernel is not bitwise torch's {torch.backends.cpu.get_cpu_capability()} fused "
+            "AdamW): nothing to measure"
+        )
+    return width

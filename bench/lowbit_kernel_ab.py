@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import emit
+from _common import emit, one_pass_width_or_exit
 
 KERNEL = "packages/core/src/tierwise/optim/lowbit_kernel"
 
@@ -115,7 +115,7 @@ def compare(before: str, numel: int, repeats: int, threads: int) -> dict:
         fmts[1].encoded(torch.rand(numel, generator=gen) * 1e-6),
     ]
     hyper = (1e-3, 0.9, 0.999, 1e-8, 0.01, True)
-    width = lowbit_kernel.one_pass_width(lowbit_kernel.load())
+    width = one_pass_width_or_exit()
     with tempfile.TemporaryDirectory() as tmp:
         runs = {}
         for name, source in (("before", _source_before(before)), ("now", lowbit_kernel.SOURCE)):

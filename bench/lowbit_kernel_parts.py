@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import emit
+from _common import emit, one_pass_width_or_exit
 
 _DECODE = """        __m256 avg = _mm256_mul_ps(lookup8(m_qmap, m_codes + i), m_in);
         __m256 avg_sq = _mm256_mul_ps(lookup8(v_qmap, v_codes + i), v_in);"""
@@ -173,7 +173,7 @@ def measure(numel: int, repeats: int, from_memory: bool) -> tuple[dict[str, floa
         fmts[1].encoded(torch.rand(numel, generator=gen) * 1e-6),
     ]
     hyper = (1e-3, 0.9, 0.999, 1e-8, 0.01, True)
-    width = lowbit_kernel.one_pass_width(lowbit_kernel.load())
+    width = one_pass_width_or_exit()
     tables = [t for signed in (True, False) for t in kernel_tables(signed)]
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:

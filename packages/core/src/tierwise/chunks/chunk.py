@@ -86,8 +86,9 @@ class OptimSlabs:
         ``MADV_FREE``): the kernel takes them when memory runs short, and otherwise the next
         backward writes into them without faulting them in again. Unmapping the shard instead
         and mapping it again at the next backward cost a fresh zero-filled mapping every step:
-        17 ms of system time a step on bench/overhead.py's 58 MB OPT-14M shard with params on
-        host, 3% of its step (bench/results/cpu-2026-11-28/notes/wave4i.md). Elsewhere (device
+        17-22 ms of system time a step against 7-11 with the lazy free, on bench/overhead.py's
+        58 MB OPT-14M shard with params on host, whose step is 0.5 s
+        (bench/results/cpu-2026-11-28/notes/wave4i.md). Elsewhere (device
         memory, or where madvise is unavailable) the storage is resized to zero, back to the
         allocator. Only a slab that owns its storage is given back (a view into a shared buffer
         is left alone), and not pinned host memory: its caching allocator keeps freed blocks for

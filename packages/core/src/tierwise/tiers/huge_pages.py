@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import sys
 
 import torch
 
 HUGE_PAGE = 2 << 20
-PAGE = 4096
+PAGE = mmap.PAGESIZE
 _MADV_FREE = 8
 _MADV_HUGEPAGE = 14
 

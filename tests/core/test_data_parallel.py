@@ -147,7 +147,7 @@ def _gradient_memory(rank, world):
     engine = tierwise.engine_of(model)
 
     def held():
-        shards = sum(c.optim.grad.tensor.untyped_storage().nbytes() for c in engine.chunks())
+        shards = sum(c.optim.held_grad_bytes() for c in engine.chunks())
         staging = sum(s.tensor.untyped_storage().nbytes() for s in engine._staging_slabs)
         return shards, staging
 
@@ -164,7 +164,9 @@ def _gradient_memory(rank, world):
 
 def test_gradient_memory_is_released_between_steps_as_set_to_none_does():
     # PyTorch's zero_grad() sets every .grad to None: no gradient memory until backward makes it.
-    # tierwise's gradient shards follow that, and its staging buffers are freed after backward.
+    # tierwise's gradient shards follow that (in CPU memory their pages are given back lazily:
+    # [Note: gradient memory between steps], checked against the kernel in
+    # test_gradient_memory_between_steps.py), and its staging buffers are freed after backward.
     for points, shard_bytes in run_ranks(_gradient_memory, 2):
         for where, (shards, staging) in points:
             assert staging == 0, where

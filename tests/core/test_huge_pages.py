@@ -48,9 +48,10 @@ def test_small_and_empty_storages_are_left_alone():
 
 
 def test_host_gradient_shards_train_bitwise_as_plain_pytorch(monkeypatch):
-    """Parameters, gradients and states on host (the shard gives its memory back at zero_grad
-    and takes it, advised, at the next backward): bitwise plain PyTorch's fused AdamW over
-    three steps, and the hint was given for the shard's memory each step."""
+    """Parameters, gradients and states on host (the shard gives its pages back at zero_grad,
+    advised as huge pages for when the kernel takes them: [Note: gradient memory between
+    steps]): bitwise plain PyTorch's fused AdamW over three steps, and the hint was given for
+    the shard's memory each step."""
     advised = []
     import tierwise.chunks.chunk as chunk_module
 

@@ -58,6 +58,9 @@ class OptimSlabs:
     grads_kept: bool = False
     """This step's gradients are the slots' ``kept_grad`` tensors, not the shard's memory
     ([Note: gradients without copies])."""
+    grad_given_back: bool = False
+    """zero_grad gave the gradient shard's memory back (lazily or resized to zero) and no
+    backward has taken it again ([Note: gradient memory between steps])."""
     grad_buffer: torch.Tensor | None = None
     """Host memory holding the gradient shard while ``grad`` is on a storage tier and the
     shard is in memory ([Note: active gradient offloading]); None otherwise."""
@@ -72,7 +75,13 @@ class OptimSlabs:
         if storage.nbytes() < self.grad.nbytes:
             storage.resize_(self.grad.nbytes)
             advise_huge_pages(storage)  # [Note: huge pages for per-step host memory]
+        self.grad_given_back = False
         return self.grad.tensor
+
+    def held_grad_bytes(self) -> int:
+        """Bytes of gradient memory the shard holds now: none while given back."""
+        tensor = self.grad.tensor
+        return 0 if self.grad_given_back or tensor is None else tensor.untyped_storage().nbytes()
 
     def clear_grad(self) -> None:
         """zero_grad: no gradient until the next backward delivers one.
@@ -104,8 +113,10 @@ class OptimSlabs:
             and not tensor.is_pinned()
         ):
             storage = tensor.untyped_storage()
+            advise_huge_pages(storage)  # pages the kernel takes come back as huge pages
             if not lazily_free(storage):
                 storage.resize_(0)
+            self.grad_given_back = True
 
 
 @dataclass(eq=False)

@@ -64,8 +64,8 @@ def test_lazily_free_refuses_memory_it_cannot_advise():
 def test_zero_grad_gives_the_host_gradient_shards_pages_back_lazily(monkeypatch):
     """With params on host, zero_grad asks the kernel to free every gradient shard's whole
     pages lazily and keeps the shard's memory (no unmapping and fresh zero-filled mapping every
-    step); the shards count as holding no gradient memory until the next backward, which
-    writes into the same memory."""
+    step); the shards count as holding no gradient memory until the next step's gradients,
+    written into the same memory."""
     advice = []
     madvise = huge_pages._MADVISE
 
@@ -101,6 +101,7 @@ def test_zero_grad_gives_the_host_gradient_shards_pages_back_lazily(monkeypatch)
         (o.grad.tensor.data_ptr(), o.grad.tensor.untyped_storage().nbytes()) for o in optims
     ] == where
     model(**batch).loss.backward()  # written again, in the same memory
+    opt.step()
     assert [
         (o.grad.tensor.data_ptr(), o.grad.tensor.untyped_storage().nbytes()) for o in optims
     ] == where

@@ -11,7 +11,13 @@ from helpers.train import max_rel_diff, run_reference, run_tierwise
 from tierwise.tiers import huge_pages
 from tierwise.tiers.huge_pages import PAGE, lazily_free
 
-HOST_PLAN = dict(precision="fp32", device="cpu", param_placement="host", cache_blocks=3)
+HOST_PLAN = dict(
+    precision="fp32",
+    device="cpu",
+    param_placement="host",
+    optimizer_placement="host",
+    cache_blocks=3,
+)
 
 needs_linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise, smaps")
 
